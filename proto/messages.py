@@ -1,0 +1,336 @@
+"""The wire contract: every message meshserve sends over NATS.
+
+Each top-level message carries ``v`` (its schema version). Decoders reject any version
+this build does not speak with ``UnsupportedVersion`` rather than guessing. Messages are
+msgpack on the wire (see ``proto.codec``). Token ids of prompts travel packed (4 bytes a
+token, ``proto.hashing.pack_tokens``) so a 100k-token prompt is 400 kB, well under
+meshserve's 8 MB ``max_payload``.
+
+Times are Unix epoch seconds (float) unless a field says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import Struct
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+UsageStatus = Literal["finished", "length", "stopped", "cancelled", "failed", "rejected"]
+WorkerState = Literal["starting", "ready", "draining", "stopped"]
+Tier = str  # free-form: tiers are configuration (premium, standard, batch by default)
+
+
+class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
+    code: str
+    message: str
+    retryable: bool = False
+    retry_after: float | None = None
+
+
+class ErrorReply(Struct, kw_only=True, omit_defaults=True):
+    """The reply a request-reply endpoint sends instead of its normal answer.
+
+    It travels with the NATS micro error headers (``Nats-Service-Error``,
+    ``Nats-Service-Error-Code``) so callers know to decode it instead of the answer.
+    """
+
+    v: int = SCHEMA_VERSION
+    error: ErrorInfo
+
+
+class SamplingParams(Struct, kw_only=True, omit_defaults=True):
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
+    """gateway → router → worker: one generation, already tokenized."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    model: str
+    prompt: bytes  # packed uint32 token ids (proto.hashing.pack_tokens)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    token_subject: str  # where chunks go; captured by the TOKENS stream
+    gateway_id: str = ""
+    org: str = ""
+    key_id: str = ""
+    tier: str = "standard"
+    priority: int = 0  # higher runs first within a worker's waiting queue
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    lora: str | None = None
+    session_key: str | None = None
+    # Migration after a worker died: tokens the client already has, appended to the
+    # prompt, and the sequence number the continuing stream starts from.
+    prior_output: bytes = b""
+    first_seq: int = 0
+    migrations: int = 0
+    reserved_tokens: int = 0  # what admission reserved, reconciled from the usage event
+
+
+class Usage(Struct, kw_only=True, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Timings(Struct, kw_only=True, omit_defaults=True):
+    arrival: float = 0.0  # worker received the request
+    scheduled: float = 0.0  # first scheduled (end of queueing)
+    first_token: float = 0.0
+    finished: float = 0.0
+
+
+class TokenChunk(Struct, kw_only=True, omit_defaults=True):
+    """worker → gateway over TOKENS: a coalesced run of generated tokens.
+
+    ``seq`` counts chunks from 0 (or the request's ``first_seq`` after migration); the
+    last chunk of a request has ``finish_reason`` set and carries usage and timings.
+    """
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    seq: int
+    token_ids: list[int] = []
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    worker_id: str = ""
+
+
+class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
+    """The registry entry a worker keeps alive in the ``mesh_workers`` KV bucket."""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    model: str
+    engine: str
+    state: WorkerState = "starting"
+    block_size: int = 16
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    max_model_len: int = 0
+    kv_blocks_total: int = 0
+    lora_adapters: list[str] = []
+    tokenizer: str = ""  # tokenizer name or directory the gateway loads
+    model_dir: str = ""
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    version: str = ""
+
+
+class WorkerGauge(Struct, kw_only=True, omit_defaults=True):
+    """Periodic load report of one worker (DESIGN.md, Workers and engines)."""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    model: str
+    ts: float
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    running_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    step_time_s: float = 0.0
+    draining: bool = False
+    lora_adapters: list[str] = []
+    kv_event_seq: int = -1  # last KV event batch sequence published (gap detection)
+    kv_events_mode: str = "engine"  # "engine" or "predicted" when the engine emits none
+    preemptions: int = 0
+
+
+class BlockStored(Struct, kw_only=True, tag="stored", omit_defaults=True):
+    block_hashes: list[int]
+    parent_hash: int | None = None
+    block_size: int = 16
+    lora: str | None = None
+
+
+class BlockRemoved(Struct, kw_only=True, tag="removed"):
+    block_hashes: list[int]
+
+
+class AllCleared(Struct, kw_only=True, tag="cleared"):
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllCleared
+
+
+class KvEventBatch(Struct, kw_only=True, omit_defaults=True):
+    """Sequenced KV cache events of one worker; a gap in ``seq`` means resync."""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    model: str
+    seq: int
+    ts: float
+    events: list[KvEvent] = []
+
+
+class KvSnapshotRequest(Struct, kw_only=True):
+    v: int = SCHEMA_VERSION
+    worker_id: str
+
+
+class KvSnapshot(Struct, kw_only=True, omit_defaults=True):
+    """Every block hash a worker holds, as of event batch ``seq``."""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    model: str
+    seq: int
+    block_size: int
+    block_hashes: list[int] = []
+
+
+class AdmissionRequest(Struct, kw_only=True, omit_defaults=True):
+    v: int = SCHEMA_VERSION
+    request_id: str
+    org: str
+    key_id: str
+    tier: str = "standard"
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    rpm_limit: int | None = None  # the key's limits, from its ApiKeyRecord
+    tpm_limit: int | None = None
+    org_rpm_limit: int | None = None
+    org_tpm_limit: int | None = None
+    block_hashes: list[int] = []  # lets admission estimate the cached prefix
+
+
+AdmissionReason = Literal["quota_tokens", "quota_requests", "slo", "no_capacity"]
+
+
+class AdmissionDecision(Struct, kw_only=True, omit_defaults=True):
+    v: int = SCHEMA_VERSION
+    request_id: str
+    admitted: bool
+    reason: AdmissionReason | None = None
+    retry_after: float = 0.0
+    predicted_ttft: float | None = None
+    reserved_tokens: int = 0
+    message: str = ""
+
+
+class RouteRequest(Struct, kw_only=True, omit_defaults=True):
+    """gateway → router: place this request and forward it to the chosen worker."""
+
+    v: int = SCHEMA_VERSION
+    request: GenerateRequest
+    exclude_workers: list[str] = []  # e.g. a worker that died under this request
+
+
+class Placement(Struct, kw_only=True, omit_defaults=True):
+    v: int = SCHEMA_VERSION
+    request_id: str
+    worker_id: str
+    model: str
+    policy: str = ""
+    cached_tokens: int = 0  # the router's estimate of the prefix already cached there
+
+
+class UsageEvent(Struct, kw_only=True, omit_defaults=True):
+    """Exactly one per request, whatever way it ended; USAGE dedups by request id."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    org: str
+    key_id: str
+    model: str
+    worker_id: str = ""
+    tier: str = "standard"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    status: UsageStatus = "finished"
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+    reserved_tokens: int = 0
+    migrations: int = 0
+    error: str = ""
+
+
+class ControlCommand(Struct, kw_only=True, omit_defaults=True):
+    v: int = SCHEMA_VERSION
+    command: Literal["drain", "stop", "status"]
+    timeout_s: float = 60.0
+    reason: str = ""
+
+
+class ControlReply(Struct, kw_only=True, omit_defaults=True):
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    state: WorkerState
+    in_flight: int = 0
+    message: str = ""
+
+
+class CancelRequest(Struct, kw_only=True, omit_defaults=True):
+    v: int = SCHEMA_VERSION
+    request_id: str
+    reason: str = "client disconnected"
+
+
+class ApiKeyRecord(Struct, kw_only=True, omit_defaults=True):
+    """An API key as stored in ``mesh_keys``: never the key itself, only its SHA-256."""
+
+    v: int = SCHEMA_VERSION
+    key_id: str  # public identifier (prefix of the key), safe to log
+    key_hash: str  # hex sha256 of the full secret key
+    org: str
+    tier: str = "standard"
+    name: str = ""
+    rpm: int | None = None
+    tpm: int | None = None
+    models: list[str] = []  # empty: all models
+    created_at: float = 0.0
+    revoked: bool = False
+
+
+# Every top-level message type: the codec's registry and the property tests' list.
+MESSAGE_TYPES: tuple[type[Struct], ...] = (
+    ErrorReply,
+    GenerateRequest,
+    TokenChunk,
+    WorkerInfo,
+    WorkerGauge,
+    KvEventBatch,
+    KvSnapshotRequest,
+    KvSnapshot,
+    AdmissionRequest,
+    AdmissionDecision,
+    RouteRequest,
+    Placement,
+    UsageEvent,
+    ControlCommand,
+    ControlReply,
+    CancelRequest,
+    ApiKeyRecord,
+)

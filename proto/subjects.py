@@ -1,0 +1,137 @@
+"""Every NATS subject, stream and bucket name meshserve uses, built in one place.
+
+The root (default ``mesh``) is configurable so two meshes can share one NATS server;
+stream and bucket names carry it too. Free-form values that end up inside a subject
+(model names such as ``meta-llama/Llama-3.1-8B``, org ids) are escaped into a single
+subject token, because ``.`` separates tokens and ``*``/``>`` are wildcards.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_ROOT_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+_SAFE = re.compile(r"[^A-Za-z0-9_\-]")
+
+
+def subject_token(value: str) -> str:
+    """Escape an arbitrary string into one NATS subject token (reversible, %XX)."""
+    if not value:
+        return "_"
+    return _SAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), value)
+
+
+def unescape_token(token: str) -> str:
+    from urllib.parse import unquote
+
+    return "" if token == "_" else unquote(token)
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    root: str = "mesh"
+
+    def __post_init__(self) -> None:
+        if not _ROOT_RE.match(self.root):
+            raise ValueError(f"subject root must match {_ROOT_RE.pattern}, got {self.root!r}")
+
+    # client API (queue group: any gateway answers)
+    @property
+    def api_chat(self) -> str:
+        return f"{self.root}.api.v1.chat.completions"
+
+    @property
+    def api_completions(self) -> str:
+        return f"{self.root}.api.v1.completions"
+
+    @property
+    def api_all(self) -> str:
+        return f"{self.root}.api.>"
+
+    # control plane
+    @property
+    def admission_check(self) -> str:
+        return f"{self.root}.admission.check"
+
+    @property
+    def router_route(self) -> str:
+        return f"{self.root}.router.route"
+
+    @property
+    def metering_usage(self) -> str:
+        return f"{self.root}.metering.usage"
+
+    @property
+    def autoscaler_status(self) -> str:
+        return f"{self.root}.autoscaler.status"
+
+    # one worker
+    def worker_generate(self, worker_id: str) -> str:
+        return f"{self.root}.worker.{subject_token(worker_id)}.generate"
+
+    def worker_cancel(self, worker_id: str) -> str:
+        return f"{self.root}.worker.{subject_token(worker_id)}.cancel"
+
+    def worker_control(self, worker_id: str) -> str:
+        return f"{self.root}.worker.{subject_token(worker_id)}.control"
+
+    def worker_kv_snapshot(self, worker_id: str) -> str:
+        return f"{self.root}.worker.{subject_token(worker_id)}.kv_snapshot"
+
+    # token streams (JetStream TOKENS)
+    def tokens(self, gateway_id: str, request_id: str) -> str:
+        return f"{self.root}.tokens.{subject_token(gateway_id)}.{subject_token(request_id)}"
+
+    @property
+    def tokens_all(self) -> str:
+        return f"{self.root}.tokens.>"
+
+    def tokens_of_gateway(self, gateway_id: str) -> str:
+        return f"{self.root}.tokens.{subject_token(gateway_id)}.*"
+
+    # worker telemetry
+    def gauges(self, model: str, worker_id: str) -> str:
+        return f"{self.root}.gauges.{subject_token(model)}.{subject_token(worker_id)}"
+
+    def gauges_of_model(self, model: str) -> str:
+        return f"{self.root}.gauges.{subject_token(model)}.*"
+
+    @property
+    def gauges_all(self) -> str:
+        return f"{self.root}.gauges.>"
+
+    def kv_events(self, model: str, worker_id: str) -> str:
+        return f"{self.root}.kv.{subject_token(model)}.{subject_token(worker_id)}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.root}.kv.>"
+
+    # usage (JetStream USAGE)
+    def usage(self, org: str) -> str:
+        return f"{self.root}.usage.{subject_token(org)}"
+
+    @property
+    def usage_all(self) -> str:
+        return f"{self.root}.usage.>"
+
+    # JetStream names: the default root keeps the names DESIGN.md uses.
+    def _suffixed(self, name: str) -> str:
+        return name if self.root == "mesh" else f"{name}_{self.root.upper()}"
+
+    @property
+    def tokens_stream(self) -> str:
+        return self._suffixed("TOKENS")
+
+    @property
+    def usage_stream(self) -> str:
+        return self._suffixed("USAGE")
+
+    @property
+    def workers_bucket(self) -> str:
+        return f"{self.root}_workers"
+
+    @property
+    def keys_bucket(self) -> str:
+        return f"{self.root}_keys"
