@@ -1,0 +1,117 @@
+"""Tokenizers shared by the gateway (encode once) and workers (decode output).
+
+Gateway and worker must agree on token ids exactly, like the block hash, so the
+tokenizer lives in the contract. ``byte`` is the sim models' tokenizer: one token per
+UTF-8 byte plus three specials, so text and token counts agree with no files at all.
+A directory holding a Hugging Face ``tokenizer.json`` loads through the ``tokenizers``
+package (installed with the vLLM extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_token_id: int
+    bos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: ids 0-2 are specials, 3..258 are the bytes 0..255."""
+
+    PAD, BOS, EOS = 0, 1, 2
+    OFFSET = 3
+
+    def __init__(self) -> None:
+        self.name = "byte"
+        self.vocab_size = 256 + self.OFFSET
+        self.eos_token_id = self.EOS
+        self.bos_token_id = self.BOS
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.decode_bytes(token_ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, token_ids: list[int]) -> bytes:
+        return bytes(t - self.OFFSET for t in token_ids if self.OFFSET <= t < self.vocab_size)
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer loaded from a local directory (no hub access)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from tokenizers import Tokenizer as _HF  # optional dependency
+
+        path = Path(directory)
+        self._tok = _HF.from_file(str(path / "tokenizer.json"))
+        self.name = str(path)
+        self.vocab_size = self._tok.get_vocab_size()
+        config: dict[str, object] = {}
+        config_path = path / "tokenizer_config.json"
+        if config_path.exists():
+            config = json.loads(config_path.read_text())
+        self.chat_template: str | None = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None  # type: ignore[assignment]
+        self.eos_token_id = self._special_id(config.get("eos_token"), default=0)
+        bos = self._special_id(config.get("bos_token"), default=-1)
+        self.bos_token_id = bos if bos >= 0 else None
+
+    def _special_id(self, token: object, default: int) -> int:
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            found = self._tok.token_to_id(token)
+            if found is not None:
+                return int(found)
+        return default
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tok.decode(token_ids, skip_special_tokens=True))
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas without splitting a character.
+
+    Decodes the tail since the last complete character and holds back output that ends
+    in U+FFFD (an incomplete multi-byte sequence) until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._tok.decode(self._ids[self._prefix_offset :])
+        if full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return delta
+
+
+_BYTE = ByteTokenizer()
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """``byte`` (or empty) for the sim tokenizer, else a local directory with tokenizer.json."""
+    if spec in ("", "byte"):
+        return _BYTE
+    return HFTokenizer(spec)
