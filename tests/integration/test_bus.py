@@ -1,0 +1,259 @@
+"""The bus against a real nats-server: typed messaging, errors, provisioning, traces, restarts, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from bus import Bus, BusSettings, provision
+from bus.provision import StreamLimits
+from ops.natsserver import NatsServer
+from proto import (
+    ControlCommand,
+    ControlReply,
+    ErrorCode,
+    GenerateRequest,
+    KvEventBatch,
+    NoResponders,
+    PayloadTooLarge,
+    RemoteError,
+    RequestTimeout,
+    TokenChunk,
+    pack_tokens,
+    unpack_tokens,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_exporter = InMemorySpanExporter()
+_provider = TracerProvider()
+_provider.add_span_processor(SimpleSpanProcessor(_exporter))
+trace.set_tracer_provider(_provider)
+
+
+async def test_typed_request_reply_and_pubsub(bus: Bus) -> None:
+    async def answer(command: ControlCommand, msg: Msg) -> None:
+        await bus.respond(msg, ControlReply(worker_id="w", state="ready", message=command.reason))
+
+    await bus.subscribe("t.echo", ControlCommand, answer)
+    reply = await bus.request("t.echo", ControlCommand(command="status", reason="hi"), ControlReply)
+    assert reply.message == "hi" and reply.state == "ready"
+
+    received: list[TokenChunk] = []
+    done = asyncio.Event()
+
+    async def collect(chunk: TokenChunk, msg: Msg) -> None:
+        received.append(chunk)
+        if len(received) == 100:
+            done.set()
+
+    await bus.subscribe("t.chunks", TokenChunk, collect)
+    for i in range(100):
+        await bus.publish("t.chunks", TokenChunk(request_id="r", seq=i, token_ids=[i]), trace=False)
+    await asyncio.wait_for(done.wait(), 5)
+    assert [c.seq for c in received] == list(range(100))
+
+
+async def test_timeout_and_no_responders_are_typed(bus: Bus) -> None:
+    with pytest.raises(NoResponders):
+        await bus.request("t.nobody", ControlCommand(command="status"), ControlReply, timeout=1)
+
+    async def never(command: ControlCommand, msg: Msg) -> None:
+        return None
+
+    await bus.subscribe("t.silent", ControlCommand, never)
+    with pytest.raises(RequestTimeout):
+        await bus.request("t.silent", ControlCommand(command="status"), ControlReply, timeout=0.3)
+
+
+async def test_handler_errors_and_bad_bytes_come_back_as_typed_errors(bus: Bus) -> None:
+    async def refuse(command: ControlCommand, msg: Msg) -> None:
+        from proto import MeshError
+
+        raise MeshError("draining, try another worker", code=ErrorCode.DRAINING)
+
+    await bus.subscribe("t.refuse", ControlCommand, refuse)
+    with pytest.raises(RemoteError) as info:
+        await bus.request("t.refuse", ControlCommand(command="status"), ControlReply)
+    assert info.value.code is ErrorCode.DRAINING and info.value.retryable
+
+    # random bytes: the subscriber answers with a decode error and keeps serving
+    raw = await bus.nc.request("t.refuse", b"\xc1\xff garbage", timeout=2)
+    assert raw.headers and raw.headers["Nats-Service-Error-Code"] == "400"
+    assert bus.decode_errors == 1
+    with pytest.raises(RemoteError):
+        await bus.request("t.refuse", ControlCommand(command="status"), ControlReply)
+
+
+async def test_payload_limits(bus: Bus) -> None:
+    assert bus.max_payload == 8 * 1024 * 1024  # meshserve's nats-server config
+    # a 100k-token prompt fits, packed
+    prompt = list(range(100_000))
+
+    async def echo_len(request: GenerateRequest, msg: Msg) -> None:
+        await bus.respond(msg, ControlReply(worker_id="w", state="ready", message=str(len(unpack_tokens(request.prompt)))))
+
+    await bus.subscribe("t.big", GenerateRequest, echo_len)
+    request = GenerateRequest(request_id="r", model="m", prompt=pack_tokens(prompt), token_subject="x")
+    reply = await bus.request("t.big", request, ControlReply, timeout=5)
+    assert reply.message == "100000"
+
+    # over the limit: refused before sending, naming size and limit
+    huge = GenerateRequest(request_id="r", model="m", prompt=b"\0" * (9 * 1024 * 1024), token_subject="x")
+    with pytest.raises(PayloadTooLarge) as info:
+        await bus.request("t.big", huge, ControlReply, timeout=5)
+    assert info.value.limit == 8388608 and info.value.size > 9 * 1024 * 1024
+    assert f"{info.value.size} bytes exceeds the server limit of 8388608 bytes" in str(info.value)
+    with pytest.raises(PayloadTooLarge):
+        await bus.publish("t.big", huge)
+    assert bus.nc.is_connected
+
+
+async def test_provisioning_is_idempotent(bus: Bus) -> None:
+    s = bus.subjects
+    await provision(bus.js, s)
+    await provision(bus.js, s)
+    names = {info.config.name for info in await bus.js.streams_info()}
+    assert {"TOKENS", "USAGE", "KV_mesh_workers", "KV_mesh_keys"} <= names
+    usage = await bus.js.stream_info("USAGE")
+    assert usage.config.duplicate_window == StreamLimits().usage_duplicate_window_s
+    # changed limits are applied to the existing stream, data kept
+    await bus.js_publish(s.usage("org1"), TokenChunk(request_id="r", seq=0), msg_id="r")
+    await bus.js_publish(s.usage("org1"), TokenChunk(request_id="r", seq=0), msg_id="r")  # dedup
+    await provision(bus.js, s, limits=StreamLimits(usage_max_age_s=3600))
+    usage = await bus.js.stream_info("USAGE")
+    assert usage.config.max_age == 3600 and usage.state.messages == 1
+    # a second mesh root on the same server gets its own streams
+    await provision(bus.js, BusSettings(root="blue").subjects)
+    assert (await bus.js.stream_info("TOKENS_BLUE")).config.subjects == ["blue.tokens.>"]
+
+
+async def test_trace_context_crosses_a_nats_hop(bus: Bus) -> None:
+    _exporter.clear()
+    tracer = trace.get_tracer("test")
+
+    async def handle(command: ControlCommand, msg: Msg) -> None:
+        with tracer.start_as_current_span("far-side", context=bus.remote_context(msg)):
+            await bus.respond(msg, ControlReply(worker_id="w", state="ready"))
+
+    await bus.subscribe("t.traced", ControlCommand, handle)
+    with tracer.start_as_current_span("caller") as caller:
+        await bus.request("t.traced", ControlCommand(command="status"), ControlReply)
+    spans = {s.name: s for s in _exporter.get_finished_spans()}
+    far = spans["far-side"]
+    assert far.context.trace_id == caller.get_span_context().trace_id
+    assert far.parent is not None and far.parent.span_id == caller.get_span_context().span_id
+
+
+async def test_subscriber_survives_server_restart(tmp_path: Path) -> None:
+    server = NatsServer(store_dir=tmp_path / "n").start()
+    settings = BusSettings(servers=(server.url,), reconnect_wait_s=0.1)
+    listener = await Bus.open(settings, "listener", initial_attempts=10)
+    got: list[int] = []
+
+    async def collect(chunk: TokenChunk, msg: Msg) -> None:
+        got.append(chunk.seq)
+
+    await listener.subscribe("t.after", TokenChunk, collect)
+    await listener.nc.flush()
+    try:
+        server.stop()
+        await asyncio.sleep(0.3)
+        server = NatsServer(store_dir=tmp_path / "n", port=server.port).start()
+        for _ in range(100):  # the listener reconnects and re-subscribes by itself
+            if listener.nc.is_connected:
+                break
+            await asyncio.sleep(0.1)
+        await listener.nc.flush()
+        sender = await Bus.open(settings, "sender", initial_attempts=10)
+        await sender.publish("t.after", TokenChunk(request_id="r", seq=7))
+        await sender.close()
+        for _ in range(50):
+            if got:
+                break
+            await asyncio.sleep(0.1)
+        assert got == [7]
+    finally:
+        await listener.close()
+        server.stop()
+
+
+async def test_service_subprocess_drains_on_sigterm(bus: Bus, nats_url: str) -> None:
+    env = {**os.environ, "MESHSERVE_NATS_URL": nats_url, "MESHSERVE_SLOW_S": "1.5"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/integration/slow_service.py")], env=env, cwd=ROOT)
+    try:
+        # wait until it registered with NATS micro, and check discovery answers
+        info = None
+        for _ in range(100):
+            try:
+                raw = await bus.nc.request("$SRV.INFO.meshserve-slow", b"", timeout=0.5)
+                info = json.loads(raw.data)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        assert info is not None, "service never registered"
+        assert [e["subject"] for e in info["endpoints"]] == ["test.slow.work"]
+        ping = json.loads((await bus.nc.request("$SRV.PING.meshserve-slow", b"", timeout=1)).data)
+        assert ping["name"] == "meshserve-slow"
+
+        requests = [
+            asyncio.create_task(bus.request("test.slow.work", ControlCommand(command="status", reason=str(i)), ControlReply, timeout=10))
+            for i in range(5)
+        ]
+        await asyncio.sleep(0.5)  # all five are in flight
+        stats = json.loads((await bus.nc.request("$SRV.STATS.meshserve-slow", b"", timeout=1)).data)
+        assert stats["endpoints"][0]["data"]["in_flight"] == 5
+        proc.send_signal(signal.SIGTERM)
+        replies = await asyncio.gather(*requests)
+        assert sorted(r.message for r in replies) == [str(i) for i in range(5)]
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 10) == 0
+        # after the drain nobody answers
+        with pytest.raises(NoResponders):
+            await bus.request("test.slow.work", ControlCommand(command="status"), ControlReply, timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_kv_event_batches_decode_on_the_far_side(bus: Bus) -> None:
+    from proto import AllCleared, BlockRemoved, BlockStored
+
+    got: list[KvEventBatch] = []
+    done = asyncio.Event()
+
+    async def collect(batch: KvEventBatch, msg: Msg) -> None:
+        got.append(batch)
+        done.set()
+
+    await bus.subscribe(bus.subjects.kv_events_all, KvEventBatch, collect)
+    batch = KvEventBatch(
+        worker_id="w1", model="m", seq=3, ts=1.0,
+        events=[BlockStored(block_hashes=[1, 2**64 - 1], parent_hash=None), BlockRemoved(block_hashes=[1]), AllCleared()],
+    )
+    await bus.publish(bus.subjects.kv_events("m", "w1"), batch)
+    await asyncio.wait_for(done.wait(), 5)
+    assert got == [batch]
+
+
+async def test_three_node_cluster_serves_jetstream(nats_cluster: list[NatsServer]) -> None:
+    settings = BusSettings(servers=tuple(n.url for n in nats_cluster), js_replicas=3)
+    client = await Bus.open(settings, "cluster-client", initial_attempts=20)
+    try:
+        await provision(client.js, client.subjects, replicas=3)
+        info = await client.js.stream_info("USAGE")
+        assert info.config.num_replicas == 3 and info.cluster is not None
+        await client.js_publish(client.subjects.usage("o"), TokenChunk(request_id="a", seq=0), msg_id="a")
+    finally:
+        await client.close()
