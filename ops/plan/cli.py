@@ -1,0 +1,145 @@
+"""``meshserve plan``: size a fleet from a model's shape, a GPU and a workload."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ops.plan.model import DTYPE_BYTES, PlanInputs, load_model, make_plan
+from ops.plan.presets import GB, GPU_PRESETS, MODEL_PRESETS, lookup_gpu
+from ops.plan.report import plot_curve, render, to_json
+
+
+def _gb(value: str) -> int:
+    return round(float(value) * GB)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "plan",
+        help="capacity planner: KV per token, sequences per replica, fleet size, queueing curve",
+        description=(
+            "Size a fleet (DESIGN.md, Sizing). Memory in decimal GB (10^9 bytes). "
+            "Without --mu/--time-in-system both are estimated from the GPU's data sheet "
+            "(decode bandwidth-bound, prefill compute-bound): a roofline estimate, not a measurement."
+        ),
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model",
+        "-m",
+        default="llama-3.1-8b",
+        help=f"preset ({', '.join(MODEL_PRESETS)}) or a config.json / model directory",
+    )
+    src.add_argument("--config", dest="model", help="a Hugging Face config.json (same as --model PATH)")
+    p.add_argument("--gpu", "-g", default="H100-80GB", help=f"GPU preset: {', '.join(GPU_PRESETS)}")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel GPUs per replica")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8", "bf16", "fp16", "fp32"],
+        help="KV cache element type (auto: the model's dtype; fp8: 1 byte)",
+    )
+    p.add_argument(
+        "--weights-dtype", choices=sorted(DTYPE_BYTES), help="quantised weights (default: the model's dtype)"
+    )
+    p.add_argument(
+        "--weights-gb", type=_gb, dest="weights_bytes", help="measured weights size, overrides the estimate"
+    )
+    p.add_argument("--hbm-gb", type=_gb, dest="hbm_bytes", help="HBM per GPU (default: the preset's)")
+    p.add_argument(
+        "--reserve-gb",
+        type=_gb,
+        dest="reserve_bytes",
+        help="per-GPU reserve for activations and runtime (default: 10%% of HBM)",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="mean prompt length")
+    p.add_argument("--output-tokens", type=int, default=256, help="mean output length")
+    p.add_argument(
+        "--context",
+        type=int,
+        dest="context_tokens",
+        help="mean context a sequence holds in KV (default: prompt + output)",
+    )
+    p.add_argument("--rate", "-r", type=float, help="λ: arrivals per second for the whole pool")
+    p.add_argument(
+        "--time-in-system",
+        "-W",
+        type=float,
+        dest="time_in_system",
+        help="W: seconds a request holds KV (default: estimated)",
+    )
+    p.add_argument(
+        "--mu",
+        type=float,
+        dest="service_rate",
+        help="μ: requests/s one replica completes at saturation (default: estimated)",
+    )
+    p.add_argument(
+        "--utilization", "--rho", type=float, default=0.7, help="target utilisation ρ (default 0.7)"
+    )
+    p.add_argument("--max-num-seqs", type=int, help="the engine's batch cap, if below what KV allows")
+    p.add_argument(
+        "--bandwidth-efficiency", type=float, default=0.8, help="achieved fraction of peak bandwidth"
+    )
+    p.add_argument(
+        "--prefill-mfu", type=float, default=0.5, help="achieved fraction of peak FLOP/s in prefill"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", type=Path, metavar="FILE", help="write the queueing curve as a PNG")
+    p.add_argument("--list", action="store_true", help="list model and GPU presets")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(highlight=False, width=max(Console().width, 120))
+    if args.list:
+        console.print("models: " + ", ".join(MODEL_PRESETS))
+        for g in GPU_PRESETS.values():
+            console.print(
+                f"{g.name}: {g.hbm_bytes / GB:.0f} GB, {g.bf16_tflops:.0f} TFLOP/s bf16, "
+                f"{g.bandwidth_bytes_per_s / 1e12:.2f} TB/s"
+            )
+        return 0
+    try:
+        inputs = PlanInputs(
+            model=load_model(args.model),
+            gpu=lookup_gpu(args.gpu),
+            tensor_parallel=args.tp,
+            kv_dtype=args.kv_dtype,
+            weights_dtype=args.weights_dtype,
+            weights_bytes=args.weights_bytes,
+            hbm_bytes=args.hbm_bytes,
+            reserve_bytes=args.reserve_bytes,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            context_tokens=args.context_tokens,
+            rate=args.rate,
+            time_in_system=args.time_in_system,
+            service_rate=args.service_rate,
+            utilization=args.utilization,
+            max_num_seqs=args.max_num_seqs,
+            bandwidth_efficiency=args.bandwidth_efficiency,
+            prefill_mfu=args.prefill_mfu,
+        )
+        plan = make_plan(inputs)
+    except (KeyError, ValueError, OSError) as exc:
+        print(f"meshserve plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(to_json(plan))
+    else:
+        render(plan, console)
+    if args.plot is not None:
+        if plan.service_rate is None:
+            print("meshserve plan: no service rate to plot (a sequence does not fit)", file=sys.stderr)
+            return 2
+        plot_curve(plan, args.plot)
+        if not args.json:
+            console.print(f"queueing curve written to {args.plot}")
+    return 0 if plan.concurrent_per_replica > 0 else 1
