@@ -1,0 +1,36 @@
+"""The router: places each request on a worker of its model's pool (DESIGN.md, Routing).
+
+``view`` keeps the live picture of the pools (registry, gauges, optimistic accounting,
+the prefix index fed by KV events); ``policy`` turns it into placement decisions. Both
+are synchronous and deterministic; the async NATS shell drives them.
+"""
+
+from .policy import (
+    POLICIES,
+    Candidate,
+    CascadeConfig,
+    Decision,
+    NoCapacity,
+    PolicyConfig,
+    RouteQuery,
+    Router,
+    RouterConfig,
+)
+from .view import KvApply, Pool, RouterView, ViewConfig, WorkerView
+
+__all__ = [
+    "POLICIES",
+    "Candidate",
+    "CascadeConfig",
+    "Decision",
+    "KvApply",
+    "NoCapacity",
+    "PolicyConfig",
+    "Pool",
+    "RouteQuery",
+    "Router",
+    "RouterConfig",
+    "RouterView",
+    "ViewConfig",
+    "WorkerView",
+]

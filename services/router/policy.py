@@ -1,0 +1,524 @@
+"""Placement: which worker serves a request. Pure decisions over a ``RouterView``.
+
+``Router.decide`` reads the view and returns a ``Decision`` (or ``NoCapacity``) without
+touching it; ``Router.commit`` then adds the placement to the view's optimistic
+accounting, and ``Router.place`` does both. The only state a decision mutates is policy
+state (the round-robin cursor, the injected RNG, the cached session ring).
+
+Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default``):
+
+- ``round_robin``: the next eligible worker in pool order.
+- ``least_load``: fewest outstanding tokens (queued prefill + running), whole pool.
+- ``prefix``: lowest ``(prompt − cached_prefix(w)) + queued_prefill(w) + β·running(w)``
+  over power-of-d candidates. Candidates: the workers holding the longest cached
+  prefix (all of them, unless more than ``max_prefix_candidates`` do, in which case a
+  random sample of that many: the prefix then no longer tells them apart and sampling
+  restores power-of-d's protection against many routers herding onto one minimum),
+  plus ``d`` workers drawn at random from the rest. Pools with at most
+  ``full_scan_max`` eligible workers are scanned whole: sampling buys nothing there.
+  Hot spots: a replica holding a shared system prompt wins only while its extra queue
+  is smaller than the prompt's uncached length, so once its queue grows by that much
+  others win, prefill the prompt once, and become holders too.
+- ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
+  the session key; falls back to ``prefix`` without a key or when the target is
+  overloaded (outstanding tokens above ``session_overload_factor`` × the pool mean and
+  at least ``session_overload_min_tokens`` above it, or KV usage ≥
+  ``session_kv_usage_max``). The ring holds every registered worker, eligible or not,
+  so a worker that drains for a while and comes back keeps its sessions; only the
+  sessions of an ineligible worker move, to the next worker clockwise.
+
+Model resolution: aliases (alias → model or cascade), then cascades (a cheap
+classifier picks the small or the large model; the other one is the fallback when the
+chosen pool has no capacity), else the name itself.
+
+Ties are broken with the injected ``random.Random``: deterministic under a seed, and
+unbiased across equal workers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import re
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import xxhash
+
+from proto.messages import GenerateRequest, Placement
+
+from .view import Pool, RouterView, WorkerView, pack_prompt
+
+PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
+POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
+NoCapacityReason = Literal["unknown_model", "empty_pool", "no_eligible_worker"]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    policy: PolicyName = "prefix"
+    beta: float = 0.5  # weight of running tokens: they cost decode steps, not prefill
+    d: int = 2
+    full_scan_max: int = 4
+    max_prefix_candidates: int = 8
+    max_alternates: int = 2
+    session_vnodes: int = 64
+    session_overload_factor: float = 1.5
+    session_overload_min_tokens: int = 4096
+    session_kv_usage_max: float = 0.95
+    # LoRA: only workers with the adapter loaded are candidates, unless the pool loads
+    # adapters on demand; then every worker is, those without it paying this penalty
+    # (in tokens, comparable to the adapter's load time in prefill tokens).
+    lora_dynamic: bool = False
+    lora_load_penalty_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; expected one of {POLICIES}")
+        if self.d < 1 or self.beta < 0 or self.session_vnodes < 1:
+            raise ValueError("d and session_vnodes must be ≥ 1 and beta ≥ 0")
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeConfig:
+    """A virtual model: easy requests go to ``small``, hard ones to ``large``.
+
+    Hard means: a prompt longer than ``max_prompt_tokens``, more than
+    ``max_output_tokens`` requested, or a hard keyword. Keywords are matched in the
+    request text when the caller has it (case-insensitive), and as token-id sequences in
+    the packed prompt (``hard_keyword_tokens``: the shell tokenizes each keyword once,
+    in the variants its tokenizer produces, e.g. with and without a leading space).
+    Keywords are searched only in prompts short enough to be easy otherwise, which
+    bounds the classifier's cost: a few C-level ``find`` calls, well under 1 ms.
+    """
+
+    small: str
+    large: str
+    max_prompt_tokens: int = 1024
+    max_output_tokens: int | None = None
+    hard_keywords: tuple[str, ...] = ()
+    hard_keyword_tokens: tuple[tuple[int, ...], ...] = ()
+    fallback: bool = True  # the other model serves when the chosen pool has no capacity
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    default: PolicyConfig = field(default_factory=PolicyConfig)
+    models: dict[str, PolicyConfig] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    cascades: dict[str, CascadeConfig] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> PolicyConfig:
+        return self.models.get(model, self.default)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """What a decision needs to know about one request."""
+
+    request_id: str
+    model: str
+    prompt: bytes  # packed uint32 token ids, as on the wire
+    max_tokens: int = 16
+    lora: str | None = None
+    session_key: str | None = None
+    text: str | None = None  # the request text, if the caller has it (cascade keywords)
+    # Output tokens to account for on the chosen worker; max_tokens when unknown.
+    expected_output_tokens: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt) // 4
+
+    @property
+    def expected_total_tokens(self) -> int:
+        out = self.max_tokens if self.expected_output_tokens is None else self.expected_output_tokens
+        return self.prompt_tokens + out
+
+    @classmethod
+    def of(cls, request_id: str, model: str, prompt: bytes | Iterable[int], **kw: object) -> RouteQuery:
+        return cls(request_id=request_id, model=model, prompt=pack_prompt(prompt), **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_generate(cls, req: GenerateRequest) -> RouteQuery:
+        # A migrated request resumes with the output so far appended to its prompt.
+        prompt = req.prompt + req.prior_output if req.prior_output else req.prompt
+        return cls(
+            request_id=req.request_id,
+            model=req.model,
+            prompt=prompt,
+            max_tokens=req.sampling.max_tokens,
+            lora=req.lora,
+            session_key=req.session_key,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker_id: str
+    cost: float
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    request_id: str
+    model: str  # the pool's model (after alias/cascade resolution)
+    worker_id: str
+    policy: str  # the policy that chose: the configured one, or "prefix" after a fallback
+    cached_tokens: int  # estimated prefix already cached on the worker
+    cost: float
+    prompt_tokens: int
+    expected_tokens: int  # prompt + expected output: the optimistic running addition
+    alternates: tuple[Candidate, ...] = ()  # next best, for one retry
+    requested_model: str = ""
+    note: str = ""  # why a fallback happened (cascade class, session overload, ...)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return max(self.prompt_tokens - self.cached_tokens, 0)
+
+    def next_alternate(self) -> Decision | None:
+        """The same decision moved to the best alternate (after the worker refused)."""
+        if not self.alternates:
+            return None
+        alt, rest = self.alternates[0], self.alternates[1:]
+        return replace(
+            self,
+            worker_id=alt.worker_id,
+            cached_tokens=alt.cached_tokens,
+            cost=alt.cost,
+            alternates=rest,
+            note=(self.note + "; " if self.note else "") + f"retry after {self.worker_id}",
+        )
+
+    def to_placement(self) -> Placement:
+        return Placement(
+            request_id=self.request_id,
+            worker_id=self.worker_id,
+            model=self.model,
+            policy=self.policy,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NoCapacity:
+    request_id: str
+    model: str
+    reason: NoCapacityReason
+    message: str
+
+    @property
+    def retryable(self) -> bool:
+        # Workers come back (restart, scale-up, drain ends); an unknown model does not.
+        return self.reason != "unknown_model"
+
+
+class _Ring:
+    __slots__ = ("generation", "hashes", "owners", "vnodes")
+
+    def __init__(self, pool: Pool, vnodes: int) -> None:
+        points = sorted(
+            (xxhash.xxh64_intdigest(f"{w.worker_id}#{i}".encode()), w.worker_id)
+            for w in pool
+            for i in range(vnodes)
+        )
+        self.generation = pool.generation
+        self.vnodes = vnodes
+        self.hashes = [h for h, _ in points]
+        self.owners = [wid for _, wid in points]
+
+    def walk(self, key: str) -> Iterable[str]:
+        """Distinct workers clockwise from the key's point."""
+        n = len(self.hashes)
+        if not n:
+            return
+        start = bisect.bisect_left(self.hashes, xxhash.xxh64_intdigest(key.encode()))
+        seen: set[str] = set()
+        for k in range(n):
+            wid = self.owners[(start + k) % n]
+            if wid not in seen:
+                seen.add(wid)
+                yield wid
+
+
+class _Cascade:
+    """A compiled ``CascadeConfig``."""
+
+    def __init__(self, cfg: CascadeConfig) -> None:
+        from proto.hashing import pack_tokens
+
+        self.cfg = cfg
+        words = [k.lower() for k in cfg.hard_keywords if k]
+        self._text_re = re.compile("|".join(re.escape(w) for w in words)) if words else None
+        self._token_pats = [pack_tokens(seq) for seq in cfg.hard_keyword_tokens if seq]
+
+    def classify(self, q: RouteQuery) -> tuple[str, str]:
+        cfg = self.cfg
+        if q.prompt_tokens > cfg.max_prompt_tokens:
+            return cfg.large, f"cascade: prompt {q.prompt_tokens} > {cfg.max_prompt_tokens} tokens"
+        if cfg.max_output_tokens is not None and q.max_tokens > cfg.max_output_tokens:
+            return cfg.large, f"cascade: max_tokens {q.max_tokens} > {cfg.max_output_tokens}"
+        if q.text is not None and self._text_re is not None:
+            m = self._text_re.search(q.text.lower())
+            if m:
+                return cfg.large, f"cascade: keyword {m.group()!r}"
+        for pat in self._token_pats:
+            if _find_aligned(q.prompt, pat):
+                return cfg.large, "cascade: keyword tokens"
+        return cfg.small, "cascade: easy"
+
+
+def _find_aligned(data: bytes, pat: bytes) -> bool:
+    """``pat`` occurs in ``data`` at a token boundary (a multiple of 4 bytes)."""
+    pos = data.find(pat)
+    while pos >= 0:
+        if pos % 4 == 0:
+            return True
+        pos = data.find(pat, pos + 1)
+    return False
+
+
+class Router:
+    """Model resolution and placement policies over a ``RouterView``."""
+
+    def __init__(
+        self, view: RouterView, config: RouterConfig | None = None, rng: random.Random | None = None
+    ) -> None:
+        self.view = view
+        self.config = config or RouterConfig()
+        self.rng = rng if rng is not None else random.Random(0)
+        self._rr: dict[str, int] = {}
+        self._rings: dict[str, _Ring] = {}
+        self._cascades = {name: _Cascade(c) for name, c in self.config.cascades.items()}
+
+    # ---- model resolution ----
+    def resolve(self, query: RouteQuery) -> tuple[list[str], str]:
+        """Pools to try, in order, and a note on how they were chosen."""
+        name = query.model
+        for _ in range(4):  # aliases may name a cascade or another alias; bounded, no cycles
+            target = self.config.aliases.get(name)
+            if target is None or target == name:
+                break
+            name = target
+        cascade = self._cascades.get(name)
+        if cascade is None:
+            return [name], "" if name == query.model else f"alias {query.model} → {name}"
+        chosen, why = cascade.classify(query)
+        other = cascade.cfg.large if chosen == cascade.cfg.small else cascade.cfg.small
+        return ([chosen, other] if cascade.cfg.fallback else [chosen]), why
+
+    # ---- placement ----
+    def place(self, query: RouteQuery, now: float, exclude: Collection[str] = ()) -> Decision | NoCapacity:
+        """Decide and record the placement in the view's optimistic accounting."""
+        result = self.decide(query, now, exclude)
+        if isinstance(result, Decision):
+            self.commit(result, now)
+        return result
+
+    def commit(self, decision: Decision, now: float) -> None:
+        """Count ``decision`` on its worker until a gauge reflects it (a retry moves it)."""
+        self.view.record_placement(
+            decision.worker_id,
+            decision.request_id,
+            decision.prefill_tokens,
+            decision.expected_tokens,
+            now,
+        )
+
+    def release(self, request_id: str) -> bool:
+        """The placed worker refused or died before taking the request."""
+        return self.view.release_placement(request_id)
+
+    def decide(self, query: RouteQuery, now: float, exclude: Collection[str] = ()) -> Decision | NoCapacity:
+        models, note = self.resolve(query)
+        first: NoCapacity | None = None
+        for i, model in enumerate(models):
+            result = self._decide_in_pool(model, query, now, exclude)
+            if isinstance(result, Decision):
+                if i:
+                    note = f"{note}; {models[0]} had no capacity" if note else f"{models[0]} had no capacity"
+                return replace(result, requested_model=query.model, note=_join(note, result.note))
+            first = first or result
+        assert first is not None
+        return first
+
+    def _decide_in_pool(
+        self, model: str, q: RouteQuery, now: float, exclude: Collection[str]
+    ) -> Decision | NoCapacity:
+        pool = self.view.pool(model)
+        if pool is None or not pool.workers:
+            known = model in self.config.models or model in self.view.pools
+            return NoCapacity(
+                q.request_id,
+                model,
+                "empty_pool" if known else "unknown_model",
+                f"no worker serves model {model!r}",
+            )
+        cfg = self.config.for_model(model)
+        view = self.view
+        eligible = [w for w in pool if w.worker_id not in exclude and view.placeable(w, now)]
+        lora_missing: set[str] = set()
+        if q.lora:
+            loaded = [w for w in eligible if q.lora in w.lora_adapters]
+            if cfg.lora_dynamic:
+                lora_missing = {w.worker_id for w in eligible if q.lora not in w.lora_adapters}
+            else:
+                eligible = loaded
+        if not eligible:
+            return NoCapacity(
+                q.request_id,
+                model,
+                "no_eligible_worker",
+                f"{len(pool)} worker(s) for {model!r}, none ready, live, not draining"
+                + (f" with adapter {q.lora!r}" if q.lora else "")
+                + (f", {len(exclude)} excluded" if exclude else ""),
+            )
+        by_slot = pool.cached_prefix_blocks(q.prompt, q.lora or "", pool.mask_of(eligible))
+        cached = {pool.at(s).worker_id: n * pool.at(s).block_size for s, n in by_slot.items()}
+        ctx = _Ctx(q, cfg, cached, lora_missing)
+        match cfg.policy:
+            case "round_robin":
+                return self._round_robin(model, eligible, ctx)
+            case "least_load":
+                return self._least_load(model, eligible, ctx)
+            case "prefix":
+                return self._prefix(model, eligible, by_slot, pool, ctx)
+            case "session":
+                return self._session(model, pool, eligible, by_slot, ctx)
+
+    # ---- policies ----
+    def _round_robin(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
+        n = len(eligible)
+        start = self._rr.get(model, 0) % n
+        self._rr[model] = start + 1
+        order = [eligible[(start + k) % n] for k in range(min(n, 1 + ctx.cfg.max_alternates))]
+        ranked = [ctx.candidate(w, float(w.outstanding_tokens)) for w in order]
+        return ctx.decision(model, "round_robin", ranked[0], ranked[1:])
+
+    def _least_load(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
+        cands = [ctx.candidate(w, float(w.outstanding_tokens + ctx.lora_penalty(w))) for w in eligible]
+        best, rest = self._pick(cands, ctx.cfg.max_alternates)
+        return ctx.decision(model, "least_load", best, rest)
+
+    def _prefix(
+        self,
+        model: str,
+        eligible: list[WorkerView],
+        by_slot: dict[int, int],
+        pool: Pool,
+        ctx: _Ctx,
+        policy: str = "prefix",
+        note: str = "",
+    ) -> Decision:
+        cfg = ctx.cfg
+        if len(eligible) <= max(cfg.full_scan_max, cfg.d):
+            pick = eligible
+        else:
+            top = max(by_slot.values(), default=0)
+            holder_slots = [s for s, n in by_slot.items() if n == top] if top else []
+            if len(holder_slots) > cfg.max_prefix_candidates:
+                holder_slots = self.rng.sample(holder_slots, cfg.max_prefix_candidates)
+            taken = set(holder_slots)
+            pick = [pool.at(s) for s in holder_slots]
+            # plus d random workers from the rest
+            others = [w for w in eligible if w.slot not in taken] if taken else eligible
+            pick.extend(self.rng.sample(others, min(cfg.d, len(others))))
+        cands = [ctx.candidate(w, ctx.prefix_cost(w)) for w in pick]
+        best, rest = self._pick(cands, cfg.max_alternates)
+        return ctx.decision(model, policy, best, rest, note)
+
+    def _session(
+        self, model: str, pool: Pool, eligible: list[WorkerView], by_slot: dict[int, int], ctx: _Ctx
+    ) -> Decision:
+        key = ctx.q.session_key
+        if not key:
+            return self._prefix(model, eligible, by_slot, pool, ctx, note="session: no session key")
+        ring = self._rings.get(model)
+        if ring is None or ring.generation != pool.generation or ring.vnodes != ctx.cfg.session_vnodes:
+            ring = self._rings[model] = _Ring(pool, ctx.cfg.session_vnodes)
+        allowed = {w.worker_id: w for w in eligible}
+        order: list[WorkerView] = []
+        for wid in ring.walk(key):
+            w = allowed.get(wid)
+            if w is not None:
+                order.append(w)
+                if len(order) > ctx.cfg.max_alternates:
+                    break
+        target = order[0]
+        cfg = ctx.cfg
+        mean = sum(w.outstanding_tokens for w in eligible) / len(eligible)
+        out = target.outstanding_tokens
+        if (out > cfg.session_overload_factor * mean and out - mean >= cfg.session_overload_min_tokens) or (
+            target.kv_usage >= cfg.session_kv_usage_max
+        ):
+            return self._prefix(
+                model,
+                eligible,
+                by_slot,
+                pool,
+                ctx,
+                note=f"session target {target.worker_id} overloaded ({out} tokens, pool mean {mean:.0f}, kv {target.kv_usage:.2f})",
+            )
+        ranked = [ctx.candidate(w, ctx.prefix_cost(w)) for w in order]
+        return ctx.decision(model, "session", ranked[0], ranked[1:])
+
+    def _pick(self, cands: list[Candidate], n_alt: int) -> tuple[Candidate, list[Candidate]]:
+        """Lowest cost, ties broken at random; then the next ``n_alt`` by cost."""
+        low = min(c.cost for c in cands)
+        ties = [c for c in cands if c.cost == low]
+        best = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        rest = sorted((c for c in cands if c is not best), key=lambda c: c.cost)
+        return best, rest[:n_alt]
+
+
+class _Ctx:
+    """Per-decision inputs the policies share."""
+
+    __slots__ = ("cached", "cfg", "lora_missing", "prompt_tokens", "q")
+
+    def __init__(
+        self, q: RouteQuery, cfg: PolicyConfig, cached: dict[str, int], lora_missing: set[str]
+    ) -> None:
+        self.q = q
+        self.cfg = cfg
+        self.cached = cached
+        self.lora_missing = lora_missing
+        self.prompt_tokens = q.prompt_tokens
+
+    def lora_penalty(self, w: WorkerView) -> int:
+        return self.cfg.lora_load_penalty_tokens if w.worker_id in self.lora_missing else 0
+
+    def prefix_cost(self, w: WorkerView) -> float:
+        uncached = self.prompt_tokens - self.cached.get(w.worker_id, 0)
+        return (
+            max(uncached, 0)
+            + w.queued_prefill_tokens
+            + self.cfg.beta * w.running_tokens
+            + self.lora_penalty(w)
+        )
+
+    def candidate(self, w: WorkerView, cost: float) -> Candidate:
+        return Candidate(w.worker_id, cost, min(self.cached.get(w.worker_id, 0), self.prompt_tokens))
+
+    def decision(
+        self, model: str, policy: str, best: Candidate, rest: Sequence[Candidate], note: str = ""
+    ) -> Decision:
+        return Decision(
+            request_id=self.q.request_id,
+            model=model,
+            worker_id=best.worker_id,
+            policy=policy,
+            cached_tokens=best.cached_tokens,
+            cost=best.cost,
+            prompt_tokens=self.prompt_tokens,
+            expected_tokens=self.q.expected_total_tokens,
+            alternates=tuple(rest),
+            note=note,
+        )
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a and b else a or b
