@@ -40,6 +40,7 @@ from .messages import (
     UsageEvent,
     WorkerGauge,
     WorkerInfo,
+    usage_dedup_id,
 )
 from .subjects import Subjects, subject_token, unescape_token
 
@@ -89,4 +90,5 @@ __all__ = [
     "subject_token",
     "unescape_token",
     "unpack_tokens",
+    "usage_dedup_id",
 ]

@@ -277,6 +277,11 @@ class UsageEvent(Struct, kw_only=True, omit_defaults=True):
     error: str = ""
 
 
+def usage_dedup_id(request_id: str, migrations: int = 0) -> str:
+    """USAGE's de-duplication id: one event per request, or per segment of a migrated request."""
+    return request_id if migrations == 0 else f"{request_id}#m{migrations}"
+
+
 class ControlCommand(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
     command: Literal["drain", "stop", "status"]

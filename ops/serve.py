@@ -1,0 +1,57 @@
+"""``meshserve serve SERVICE``: run one service in the foreground.
+
+Each service module (``services/<name>/main.py``) exposes ``add_arguments(parser)`` and
+``run(args) -> int``; this module only dispatches, so every service is runnable on its
+own, in a container, under Nomad, or as a child of ``meshserve up``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+# service name → module with add_arguments/run
+SERVICES: dict[str, str] = {
+    "worker": "services.worker.main",
+}
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", help="NATS server URL(s), comma-separated (env MESHSERVE_NATS_URL)")
+    parser.add_argument("--root", help="subject root of this mesh (env MESHSERVE_ROOT, default mesh)")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (env MESHSERVE_LOG_LEVEL)")
+    parser.add_argument("--log-format", choices=["text", "json"], default=None, help="json for JSON lines (env MESHSERVE_LOG_FORMAT)")
+
+
+def apply_common_arguments(args: argparse.Namespace) -> None:
+    """Command-line options override the environment, which the runner reads."""
+    import os
+
+    if getattr(args, "nats_url", None):
+        os.environ["MESHSERVE_NATS_URL"] = args.nats_url
+    if getattr(args, "root", None):
+        os.environ["MESHSERVE_ROOT"] = args.root
+    if getattr(args, "log_level", None):
+        os.environ["MESHSERVE_LOG_LEVEL"] = args.log_level
+    if getattr(args, "log_format", None):
+        os.environ["MESHSERVE_LOG_FORMAT"] = args.log_format
+
+
+def add_parser(subparsers: Any) -> None:
+    serve = subparsers.add_parser("serve", help="run one meshserve service in the foreground")
+    services = serve.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    for name, module_name in SERVICES.items():
+        module = importlib.import_module(module_name)
+        parser = services.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        add_common_arguments(parser)
+        module.add_arguments(parser)
+        parser.set_defaults(func=_runner(module))
+
+
+def _runner(module: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        apply_common_arguments(args)
+        return int(module.run(args))
+
+    return run

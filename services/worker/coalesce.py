@@ -1,0 +1,39 @@
+"""Coalescing of generated tokens into chunks (pure; the caller passes the clock).
+
+The first token goes out at once (it is the TTFT the client sees); after that tokens
+are held until ``max_tokens`` accumulate or ``interval_s`` passed since the last chunk,
+so the message rate stays far below the token rate at large batch sizes.
+"""
+
+from __future__ import annotations
+
+
+class Coalescer:
+    def __init__(self, interval_s: float, max_tokens: int) -> None:
+        self.interval_s = interval_s
+        self.max_tokens = max(1, max_tokens)
+        self._token_ids: list[int] = []
+        self._text: list[str] = []
+        self._last_flush: float | None = None  # None until the first chunk went out
+
+    def add(self, token_ids: list[int], text: str, now: float) -> None:
+        self._token_ids.extend(token_ids)
+        if text:
+            self._text.append(text)
+
+    @property
+    def pending(self) -> int:
+        return len(self._token_ids)
+
+    def should_flush(self, now: float) -> bool:
+        if not self._token_ids:
+            return False
+        if self._last_flush is None:
+            return True
+        return len(self._token_ids) >= self.max_tokens or now - self._last_flush >= self.interval_s
+
+    def take(self, now: float) -> tuple[list[int], str]:
+        token_ids, text = self._token_ids, "".join(self._text)
+        self._token_ids, self._text = [], []
+        self._last_flush = now
+        return token_ids, text

@@ -1,0 +1,398 @@
+"""The worker service: one engine, spoken for on the mesh.
+
+It registers in ``mesh_workers`` and heartbeats, serves generate / cancel / control /
+KV-snapshot requests, streams coalesced token chunks into the TOKENS stream, publishes
+gauges and KV event batches, and publishes exactly one usage event per request however
+the request ends. SIGTERM or a drain command drains: the state becomes ``draining``,
+new requests are refused with a retryable error, in-flight requests finish (bounded by
+the drain timeout, after which they end with an explicit error chunk), then the worker
+deregisters and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+
+from bus import BusSettings, Service
+from bus.client import MSG_ID_HEADER
+from bus.provision import StreamLimits, workers_bucket
+from bus.runner import MESHSERVE_VERSION
+from proto import (
+    CancelRequest,
+    ControlCommand,
+    ControlReply,
+    ErrorCode,
+    ErrorInfo,
+    GenerateRequest,
+    KvEventBatch,
+    KvSnapshot,
+    KvSnapshotRequest,
+    MeshError,
+    Timings,
+    TokenChunk,
+    Usage,
+    UsageEvent,
+    WorkerGauge,
+    WorkerInfo,
+    unpack_tokens,
+    usage_dedup_id,
+)
+
+from .coalesce import Coalescer
+from .engines.base import Engine, EngineOutput, EngineRequest
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("meshserve.worker")
+
+_USAGE_STATUS = {"stop": "finished", "length": "length", "abort": "cancelled", "error": "failed"}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    worker_id: str = ""
+    coalesce_interval_s: float = 0.02  # a chunk at most every 20 ms ...
+    coalesce_max_tokens: int = 16  # ... or every 16 tokens, whichever first
+    gauge_interval_s: float = 0.25
+    heartbeat_interval_s: float = 2.0
+    drain_timeout_s: float = 60.0
+
+
+def default_worker_id(model: str) -> str:
+    short = model.rsplit("/", 1)[-1].lower().replace(".", "-")[:24]
+    return f"{short}-{socket.gethostname()[:16]}-{os.getpid()}"
+
+
+class WorkerService(Service):
+    name = "worker"
+    description = "meshserve worker: one inference engine on the mesh"
+
+    def __init__(self, engine: Engine, config: WorkerConfig | None = None, settings: BusSettings | None = None) -> None:
+        config = config or WorkerConfig()
+        worker_id = config.worker_id or default_worker_id(engine.model)
+        super().__init__(settings, instance_id=worker_id, drain_timeout_s=config.drain_timeout_s)
+        self.engine = engine
+        self.config = config
+        self.worker_id = worker_id
+        self.state = "starting"
+        self._requests: dict[str, asyncio.Task[None]] = {}
+        self._drain_errors: set[str] = set()  # requests ended by the drain timeout
+        self._kv: KeyValue | None = None
+        self._kv_seq = -1
+        self._state_changed = asyncio.Event()
+        self._info: WorkerInfo | None = None
+        self.chunks_published = 0
+        self.tokens_published = 0
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def on_start(self) -> None:
+        await self.engine.start()
+        s = self.bus.subjects
+        self._kv = await workers_bucket(self.bus.js, s, replicas=self.settings.js_replicas)
+        self._info = WorkerInfo(
+            worker_id=self.worker_id,
+            model=self.engine.model,
+            engine=self.engine.engine_name,
+            state="ready",
+            block_size=self.engine.block_size,
+            max_num_seqs=self.engine.max_num_seqs,
+            max_num_batched_tokens=self.engine.max_num_batched_tokens,
+            max_model_len=self.engine.max_model_len,
+            kv_blocks_total=self.engine.kv_blocks_total,
+            lora_adapters=list(self.engine.stats().lora_adapters),
+            tokenizer=self.engine.tokenizer_spec,
+            model_dir=getattr(self.engine, "model_dir", ""),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=time.time(),
+            version=MESHSERVE_VERSION,
+        )
+        await self.add_endpoint("generate", s.worker_generate(self.worker_id), GenerateRequest, self.handle_generate)
+        await self.add_endpoint("cancel", s.worker_cancel(self.worker_id), CancelRequest, self.handle_cancel, concurrent=False)
+        await self.add_endpoint("control", s.worker_control(self.worker_id), ControlCommand, self.handle_control, concurrent=False)
+        await self.add_endpoint(
+            "kv_snapshot", s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self.handle_kv_snapshot, concurrent=False
+        )
+        self.state = "ready"
+        await self._heartbeat()
+        # Background loops are not in-flight work: they run until on_stop.
+        self._loops = [
+            asyncio.create_task(self._gauge_loop(), name="gauges"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._kv_event_loop(), name="kv-events"),
+        ]
+
+    async def on_drain(self) -> None:
+        # Endpoints stay up: new requests get a retryable "draining" error instead of silence.
+        self.state = "draining"
+        await self._heartbeat()
+        self._state_changed.set()
+        if not await self.wait_in_flight(self.drain_timeout_s):
+            log.warning("drain timeout: ending %d requests with an error", len(self._requests))
+            for request_id in list(self._requests):
+                self._drain_errors.add(request_id)
+                await self.engine.abort(request_id)
+            await self.wait_in_flight(10.0)
+
+    async def on_stop(self) -> None:
+        self.state = "stopped"
+        await self.stop_endpoints()
+        for task in getattr(self, "_loops", []):
+            task.cancel()
+        await asyncio.gather(*getattr(self, "_loops", []), return_exceptions=True)
+        await self._publish_gauge()
+        if self._kv is not None:
+            with contextlib.suppress(Exception):
+                await self._kv.delete(self.worker_id)
+        await self.engine.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "state": self.state,
+            "requests": len(self._requests),
+            "chunks_published": self.chunks_published,
+            "tokens_published": self.tokens_published,
+        }
+
+    # ---- endpoints --------------------------------------------------------------------
+    def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
+        if request.model != self.engine.model:
+            raise MeshError(f"worker {self.worker_id} serves {self.engine.model!r}, not {request.model!r}", code=ErrorCode.UNKNOWN_MODEL)
+        if not prompt:
+            raise MeshError("empty prompt", code=ErrorCode.BAD_REQUEST)
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.engine.max_model_len:
+            raise MeshError(
+                f"prompt of {len(prompt)} tokens plus max_tokens {request.sampling.max_tokens} exceeds max_model_len {self.engine.max_model_len}",
+                code=ErrorCode.PROMPT_TOO_LONG,
+            )
+        if request.sampling.max_tokens < 1:
+            raise MeshError("max_tokens must be at least 1", code=ErrorCode.BAD_REQUEST)
+        if request.lora and request.lora not in self.engine.stats().lora_adapters:
+            raise MeshError(f"LoRA adapter {request.lora!r} is not loaded on {self.worker_id}", code=ErrorCode.BAD_REQUEST)
+        if request.request_id in self._requests:
+            raise MeshError(f"request {request.request_id} is already running here", code=ErrorCode.BAD_REQUEST)
+
+    async def handle_generate(self, request: GenerateRequest, msg: Msg) -> None:
+        if self.state != "ready":
+            # Retryable: the router places it elsewhere. No chunk, no usage: nothing started here.
+            raise MeshError(f"worker {self.worker_id} is {self.state}", code=ErrorCode.DRAINING)
+        try:
+            prompt = unpack_tokens(request.prompt) + unpack_tokens(request.prior_output)
+            self._validate(request, prompt)
+        except (MeshError, ValueError) as exc:
+            error = exc if isinstance(exc, MeshError) else MeshError(str(exc), code=ErrorCode.BAD_REQUEST)
+            await self.bus.respond_error(msg, error, status=400)
+            await self._finish_rejected(request, error)
+            return
+        await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state="ready", in_flight=len(self._requests)))
+        task = asyncio.current_task()
+        assert task is not None
+        self._requests[request.request_id] = task
+        self._state_changed.set()
+        try:
+            with tracer.start_as_current_span(
+                "worker.generate",
+                context=self.bus.remote_context(msg),
+                kind=trace.SpanKind.SERVER,
+                attributes={"meshserve.worker_id": self.worker_id, "meshserve.request_id": request.request_id,
+                            "gen_ai.request.model": request.model},
+            ) as span:
+                await self._stream(request, prompt, span)
+        finally:
+            self._requests.pop(request.request_id, None)
+            self._drain_errors.discard(request.request_id)
+            self._state_changed.set()
+
+    async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
+        prior = len(unpack_tokens(request.prior_output)) if request.prior_output else 0
+        engine_request = EngineRequest(
+            request_id=request.request_id,
+            prompt_token_ids=prompt,
+            sampling=request.sampling,
+            priority=request.priority,
+            arrival_time=time.time(),
+            lora=request.lora,
+            output_offset=prior,
+        )
+        coalescer = Coalescer(self.config.coalesce_interval_s, self.config.coalesce_max_tokens)
+        seq = request.first_seq
+        last: EngineOutput | None = None
+        error_text = ""
+        try:
+            async with contextlib.aclosing(self.engine.generate(engine_request)) as stream:
+                async for output in stream:
+                    last = output
+                    now = time.monotonic()
+                    coalescer.add(output.new_token_ids, output.text, now)
+                    if output.finish_reason is not None:
+                        break
+                    if coalescer.should_flush(now):
+                        token_ids, text = coalescer.take(now)
+                        chunk = TokenChunk(request_id=request.request_id, seq=seq, token_ids=token_ids, text=text, worker_id=self.worker_id)
+                        await self._publish_chunk(request, chunk)
+                        seq += 1
+        except Exception as exc:  # an engine failure ends this request with an error, not silence
+            log.exception("engine failed on %s", request.request_id)
+            error_text = f"engine failure: {exc!r}"
+        finish = last.finish_reason if last is not None and last.finish_reason else "error"
+        if request.request_id in self._drain_errors:
+            finish, error_text = "error", f"worker {self.worker_id} shut down before the request finished (drain timeout)"
+        if finish == "error" and not error_text:
+            error_text = (last.error if last is not None and last.error else "engine ended the request without a finish reason")
+        token_ids, text = coalescer.take(time.monotonic())
+        usage = Usage(
+            prompt_tokens=last.prompt_tokens if last else len(prompt),
+            completion_tokens=(last.completion_tokens if last else 0),
+            cached_tokens=last.cached_tokens if last else 0,
+        )
+        timings = last.timings if last is not None else None
+        error = ErrorInfo(code=ErrorCode.INTERNAL.value if finish == "error" else "", message=error_text) if finish == "error" else None
+        final = TokenChunk(
+            request_id=request.request_id, seq=seq, token_ids=token_ids, text=text, finish_reason=finish,
+            usage=usage, timings=timings, error=error, worker_id=self.worker_id,
+        )
+        await self._publish_chunk(request, final, ack=True)
+        span.set_attributes({
+            "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": usage.completion_tokens,
+            "meshserve.cached_tokens": usage.cached_tokens,
+            "meshserve.finish_reason": finish,
+        })
+        _phase_spans(timings)
+        await self._publish_usage(request, usage, finish, timings, error_text)
+
+    async def _publish_chunk(self, request: GenerateRequest, chunk: TokenChunk, *, ack: bool = False) -> None:
+        headers = {MSG_ID_HEADER: f"{request.request_id}:{chunk.seq}"}
+        if ack:
+            # The last chunk must not be lost: the gateway ends the stream on it.
+            await self.bus.js_publish(request.token_subject, chunk, headers=headers)
+        else:
+            await self.bus.publish(request.token_subject, chunk, headers=headers, trace=False)
+        self.chunks_published += 1
+        self.tokens_published += len(chunk.token_ids)
+
+    async def _publish_usage(self, request: GenerateRequest, usage: Usage, finish: str, timings: Timings | None, error: str) -> None:
+        prior = len(unpack_tokens(request.prior_output)) if request.prior_output else 0
+        event = UsageEvent(
+            request_id=request.request_id,
+            org=request.org,
+            key_id=request.key_id,
+            model=request.model,
+            worker_id=self.worker_id,
+            tier=request.tier,
+            # A migrated segment bills only what it added: its prompt was billed by the first segment.
+            prompt_tokens=usage.prompt_tokens - prior if request.migrations == 0 else 0,
+            cached_tokens=usage.cached_tokens if request.migrations == 0 else 0,
+            completion_tokens=usage.completion_tokens,
+            status=_USAGE_STATUS.get(finish, "failed"),  # type: ignore[arg-type]
+            arrival_time=request.arrival_time or (timings.arrival if timings else 0.0),
+            first_token_time=timings.first_token if timings else 0.0,
+            finish_time=timings.finished if timings else time.time(),
+            reserved_tokens=request.reserved_tokens,
+            migrations=request.migrations,
+            error=error,
+        )
+        await self.bus.js_publish(
+            self.bus.subjects.usage(request.org or "_"), event, msg_id=usage_dedup_id(request.request_id, request.migrations)
+        )
+
+    async def _finish_rejected(self, request: GenerateRequest, error: MeshError) -> None:
+        """A request refused for what it is: an error chunk and a usage record, never silence."""
+        if not request.token_subject:
+            return
+        chunk = TokenChunk(
+            request_id=request.request_id, seq=request.first_seq, finish_reason="error",
+            error=ErrorInfo(code=error.code.value, message=error.message), usage=Usage(), worker_id=self.worker_id,
+        )
+        with contextlib.suppress(MeshError):
+            await self._publish_chunk(request, chunk, ack=True)
+            await self._publish_usage(request, Usage(), "error", None, error.message)
+
+    async def handle_cancel(self, cancel: CancelRequest, msg: Msg) -> None:
+        known = cancel.request_id in self._requests
+        if known:
+            await self.engine.abort(cancel.request_id)
+        await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state, message="cancelled" if known else "unknown request"))  # type: ignore[arg-type]
+
+    async def handle_control(self, command: ControlCommand, msg: Msg) -> None:
+        if command.command in ("drain", "stop"):
+            self.drain_timeout_s = command.timeout_s if command.command == "drain" else 0.0
+            self.request_stop()
+            self.state = "draining"
+            await self._heartbeat()
+            self._state_changed.set()
+        await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state, in_flight=len(self._requests)))  # type: ignore[arg-type]
+
+    async def handle_kv_snapshot(self, request: KvSnapshotRequest, msg: Msg) -> None:
+        await self.bus.respond(
+            msg,
+            KvSnapshot(worker_id=self.worker_id, model=self.engine.model, seq=self._kv_seq,
+                       block_size=self.engine.block_size, block_hashes=self.engine.kv_snapshot()),
+        )
+
+    # ---- telemetry loops --------------------------------------------------------------
+    def gauge(self) -> WorkerGauge:
+        return WorkerGauge(
+            worker_id=self.worker_id, model=self.engine.model, ts=time.time(), draining=self.state != "ready",
+            kv_event_seq=self._kv_seq, **self.engine.stats().gauge_fields(),
+        )
+
+    async def _publish_gauge(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.bus.publish(self.bus.subjects.gauges(self.engine.model, self.worker_id), self.gauge(), trace=False)
+
+    async def _gauge_loop(self) -> None:
+        while True:
+            await self._publish_gauge()
+            self._state_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._state_changed.wait(), self.config.gauge_interval_s)
+
+    async def _heartbeat(self) -> None:
+        if self._kv is None or self._info is None:
+            return
+        from proto import encode
+
+        self._info.state = self.state  # type: ignore[assignment]
+        self._info.heartbeat_at = time.time()
+        with contextlib.suppress(Exception):
+            await self._kv.put(self.worker_id, encode(self._info))
+
+    async def _heartbeat_loop(self) -> None:
+        interval = min(self.config.heartbeat_interval_s, StreamLimits().workers_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            await self._heartbeat()
+
+    async def _kv_event_loop(self) -> None:
+        async for events in self.engine.kv_events():
+            if not events:
+                continue
+            self._kv_seq += 1
+            batch = KvEventBatch(worker_id=self.worker_id, model=self.engine.model, seq=self._kv_seq, ts=time.time(), events=events)
+            with contextlib.suppress(Exception):
+                await self.bus.publish(self.bus.subjects.kv_events(self.engine.model, self.worker_id), batch, trace=False)
+
+
+def _phase_spans(timings: Timings | None) -> None:
+    """Queue, prefill and decode as child spans of the current worker span, from engine timings."""
+    if timings is None or not timings.arrival:
+        return
+    ns = 1_000_000_000
+    phases = (("worker.queue", timings.arrival, timings.scheduled), ("worker.prefill", timings.scheduled, timings.first_token),
+              ("worker.decode", timings.first_token, timings.finished))
+    for name, start, end in phases:
+        if start and end and end >= start:
+            tracer.start_span(name, start_time=int(start * ns)).end(end_time=int(end * ns))
