@@ -97,6 +97,7 @@ async def provision(
     await ensure_stream(js, usage_stream_config(subjects, limits, replicas))
     await workers_bucket(js, subjects, replicas=replicas, limits=limits)
     await keys_bucket(js, subjects, replicas=replicas, limits=limits)
+    await requests_bucket(js, subjects, replicas=replicas, limits=limits)
 
 
 async def workers_bucket(
@@ -128,6 +129,24 @@ async def keys_bucket(
             bucket=subjects.keys_bucket,
             description="meshserve API keys (SHA-256 hashes only), org, tier, limits",
             history=limits.keys_history,
+            storage=api.StorageType.FILE,
+            replicas=replicas,
+        ),
+    )
+
+
+async def requests_bucket(
+    js: JetStreamContext, subjects: Subjects, *, replicas: int = 1, limits: StreamLimits | None = None
+) -> KeyValue:
+    """Resumable requests: lives as long as their tokens do in TOKENS."""
+    limits = limits or StreamLimits()
+    return await ensure_kv(
+        js,
+        api.KeyValueConfig(
+            bucket=subjects.requests_bucket,
+            description="meshserve requests in flight: owner key and token subject, for resume",
+            history=1,
+            ttl=limits.tokens_max_age_s,
             storage=api.StorageType.FILE,
             replicas=replicas,
         ),

@@ -319,6 +319,26 @@ class ApiKeyRecord(Struct, kw_only=True, omit_defaults=True):
     revoked: bool = False
 
 
+class RequestRecord(Struct, kw_only=True, omit_defaults=True):
+    """What any gateway needs to resume a client's stream (``mesh_requests`` KV, TTL'd).
+
+    Written by the gateway that accepted the request, before the first token; keyed by
+    request id. Only the key that made the request may read its stream.
+    """
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    key_id: str
+    org: str = ""
+    gateway_id: str
+    token_subject: str
+    kind: Literal["chat", "completion"] = "chat"
+    model: str = ""
+    created: int = 0
+    include_usage: bool = False
+    worker_id: str = ""
+
+
 # Every top-level message type: the codec's registry and the property tests' list.
 MESSAGE_TYPES: tuple[type[Struct], ...] = (
     ErrorReply,
@@ -338,4 +358,5 @@ MESSAGE_TYPES: tuple[type[Struct], ...] = (
     ControlReply,
     CancelRequest,
     ApiKeyRecord,
+    RequestRecord,
 )

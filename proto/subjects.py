@@ -135,3 +135,11 @@ class Subjects:
     @property
     def keys_bucket(self) -> str:
         return f"{self.root}_keys"
+
+    @property
+    def requests_bucket(self) -> str:
+        return f"{self.root}_requests"
+
+    def tokens_of_request(self, request_id: str) -> str:
+        """Any gateway's token subject for ``request_id`` (resume on another replica)."""
+        return f"{self.root}.tokens.*.{subject_token(request_id)}"

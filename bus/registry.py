@@ -1,0 +1,114 @@
+"""A live, local copy of the worker registry (the ``mesh_workers`` KV bucket).
+
+Gateway, router, admission and autoscaler all need to know which workers exist, their
+model, limits and state. Each keeps one ``WorkerRegistry``: a KV watcher fills it, and
+entries whose heartbeat is older than the bucket TTL are dropped even if the expiry
+marker was missed (a partitioned client must not keep placing on a dead worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from proto.codec import decode
+from proto.errors import DecodeError
+from proto.messages import WorkerInfo
+
+from .client import Bus
+from .provision import StreamLimits, workers_bucket
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, WorkerInfo | None], None]
+
+
+class WorkerRegistry:
+    def __init__(self, bus: Bus, *, ttl_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.bus = bus
+        self.ttl_s = ttl_s if ttl_s is not None else StreamLimits().workers_ttl_s
+        self.clock = clock
+        self.workers: dict[str, WorkerInfo] = {}
+        self._listeners: list[Listener] = []
+        self._task: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._kv: KeyValue | None = None
+        self._synced = asyncio.Event()
+
+    def on_change(self, listener: Listener) -> None:
+        """``listener(worker_id, info)``; ``info`` is None when the worker is gone."""
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        self._kv = await workers_bucket(self.bus.js, self.bus.subjects, replicas=self.bus.settings.js_replicas)
+        self._task = asyncio.create_task(self._watch(), name="registry-watch")
+        self._reaper = asyncio.create_task(self._reap(), name="registry-reaper")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._synced.wait(), 5.0)
+
+    async def stop(self) -> None:
+        for task in (self._task, self._reaper):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._task, self._reaper) if t is not None), return_exceptions=True)
+
+    def ready_workers(self, model: str | None = None) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.state == "ready" and (model is None or w.model == model)]
+
+    def models(self) -> dict[str, list[WorkerInfo]]:
+        out: dict[str, list[WorkerInfo]] = {}
+        for w in self.workers.values():
+            if w.state in ("ready", "draining"):
+                out.setdefault(w.model, []).append(w)
+        return out
+
+    def _set(self, worker_id: str, info: WorkerInfo | None) -> None:
+        if info is None:
+            if self.workers.pop(worker_id, None) is None:
+                return
+        else:
+            self.workers[worker_id] = info
+        for listener in self._listeners:
+            try:
+                listener(worker_id, info)
+            except Exception:
+                log.exception("registry listener failed")
+
+    async def _watch(self) -> None:
+        assert self._kv is not None
+        while True:
+            try:
+                watcher = await self._kv.watchall()
+                async for entry in watcher:
+                    if entry is None:  # initial values delivered
+                        self._synced.set()
+                        continue
+                    if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                        self._set(entry.key, None)
+                        continue
+                    try:
+                        self._set(entry.key, decode(entry.value, WorkerInfo))
+                    except DecodeError as exc:
+                        log.warning("ignoring bad registry entry %s: %s", entry.key, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnects, consumer loss: watch again
+                log.warning("registry watch restarting: %r", exc)
+                await asyncio.sleep(0.5)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, self.ttl_s / 4))
+            self.reap()
+
+    def reap(self) -> None:
+        cutoff = self.clock() - self.ttl_s
+        for worker_id, info in list(self.workers.items()):
+            if info.heartbeat_at and info.heartbeat_at < cutoff:
+                log.info("worker %s heartbeat expired", worker_id)
+                self._set(worker_id, None)
