@@ -480,6 +480,7 @@ class RouterView:
             # The worker's event counter restarted: a new engine, an empty cache.
             self._reset_kv(pool, w)
             self._apply_batch(pool, w, batch)
+            w.kv_seq = 0
             return KvApply.RESET
         if seq <= w.kv_seq or seq in w.recent_batches:
             return KvApply.DUPLICATE  # already seen, or older than an applied snapshot

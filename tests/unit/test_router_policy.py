@@ -1,0 +1,502 @@
+"""Router policies: each policy, ties, stale gauges, capacity edge cases, models, LoRA."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from proto.hashing import block_hashes, pack_tokens
+from proto.messages import BlockStored, GenerateRequest, KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
+from services.router.policy import (
+    CascadeConfig,
+    Decision,
+    NoCapacity,
+    PolicyConfig,
+    RouteQuery,
+    Router,
+    RouterConfig,
+)
+from services.router.view import RouterView
+
+MODEL = "llama"
+
+
+def make_view(n: int, model: str = MODEL, *, block_size: int = 16, loras: tuple[str, ...] = ()) -> RouterView:
+    v = RouterView()
+    add_workers(v, n, model, block_size=block_size, loras=loras)
+    return v
+
+
+def add_workers(
+    v: RouterView,
+    n: int,
+    model: str = MODEL,
+    *,
+    block_size: int = 16,
+    loras: tuple[str, ...] = (),
+    start: int = 0,
+) -> None:
+    for i in range(start, start + n):
+        v.update_worker(
+            WorkerInfo(
+                worker_id=f"{model}-{i}",
+                model=model,
+                engine="sim",
+                state="ready",
+                block_size=block_size,
+                lora_adapters=list(loras),
+            ),
+            0.0,
+        )
+
+
+def set_load(
+    v: RouterView,
+    wid: str,
+    queued: int = 0,
+    running: int = 0,
+    ts: float = 1.0,
+    now: float = 0.0,
+    **kw: object,
+) -> None:
+    w = v.worker(wid)
+    assert w is not None
+    v.apply_gauge(
+        WorkerGauge(
+            worker_id=wid, model=w.model, ts=ts, queued_prefill_tokens=queued, running_tokens=running, **kw
+        ),  # type: ignore[arg-type]
+        now,
+    )
+
+
+def cache(v: RouterView, wid: str, prompt: list[int], block_size: int = 16, salt: str = "") -> None:
+    w = v.worker(wid)
+    assert w is not None
+    seq = w.kv_seq + 1
+    v.apply_kv_events(
+        KvEventBatch(
+            worker_id=wid,
+            model=w.model,
+            seq=seq,
+            ts=0.0,
+            events=[BlockStored(block_hashes=block_hashes(prompt, block_size, salt), block_size=block_size)],
+        ),
+        0.0,
+    )
+
+
+def q(rid: str = "r", prompt: list[int] | None = None, model: str = MODEL, **kw: object) -> RouteQuery:
+    return RouteQuery.of(rid, model, prompt if prompt is not None else list(range(64)), **kw)
+
+
+def router(v: RouterView, policy: str = "prefix", seed: int = 0, **kw: object) -> Router:
+    cfg = RouterConfig(default=PolicyConfig(policy=policy, **kw))  # type: ignore[arg-type]
+    return Router(v, cfg, random.Random(seed))
+
+
+def decided(result: Decision | NoCapacity) -> Decision:
+    assert isinstance(result, Decision), result
+    return result
+
+
+SYSTEM = list(range(5000, 5000 + 2048))
+
+
+# ---- round robin / least load ----
+
+
+def test_round_robin_cycles_and_skips_draining() -> None:
+    v = make_view(3)
+    r = router(v, "round_robin")
+    picks = [decided(r.decide(q(f"r{i}"), 0.5)).worker_id for i in range(6)]
+    assert picks == ["llama-0", "llama-1", "llama-2"] * 2
+    set_load(v, "llama-1", draining=True)
+    picks = [decided(r.decide(q(f"s{i}"), 0.5)).worker_id for i in range(4)]
+    assert "llama-1" not in picks
+    assert set(picks) == {"llama-0", "llama-2"}
+
+
+def test_least_load_picks_fewest_outstanding_tokens() -> None:
+    v = make_view(3)
+    set_load(v, "llama-0", queued=1000, running=0)
+    set_load(v, "llama-1", queued=100, running=800)  # 900 outstanding
+    set_load(v, "llama-2", queued=0, running=1200)
+    d = decided(router(v, "least_load").decide(q(), 0.5))
+    assert d.worker_id == "llama-1"
+    assert d.cost == 900
+    assert [a.worker_id for a in d.alternates] == ["llama-0", "llama-2"]
+    assert d.policy == "least_load"
+
+
+def test_ties_are_broken_by_the_injected_rng() -> None:
+    v = make_view(4)
+    by_seed = {
+        seed: decided(router(v, "least_load", seed=seed).decide(q(), 0.5)).worker_id for seed in range(40)
+    }
+    # deterministic: the same seed gives the same pick
+    assert all(
+        decided(router(v, "least_load", seed=s).decide(q(), 0.5)).worker_id == w for s, w in by_seed.items()
+    )
+    # unbiased enough to reach every tied worker
+    assert set(by_seed.values()) == {f"llama-{i}" for i in range(4)}
+
+
+# ---- prefix ----
+
+
+def test_prefix_prefers_the_holder_until_its_queue_outweighs_the_prefix() -> None:
+    v = make_view(3)
+    cache(v, "llama-2", SYSTEM)
+    prompt = [*SYSTEM, *range(100)]  # 2148 tokens, 2048 cached on llama-2
+    r = router(v, "prefix")
+    d = decided(r.decide(q(prompt=prompt), 0.5))
+    assert (d.worker_id, d.cached_tokens, d.cost) == ("llama-2", 2048, 100)
+    # queue of 2000 on the holder: 100 + 2000 < 2148, still the holder
+    set_load(v, "llama-2", queued=2000)
+    assert decided(r.decide(q(prompt=prompt), 0.5)).worker_id == "llama-2"
+    # queue of 2100: 100 + 2100 > 2148, recomputing elsewhere is cheaper
+    set_load(v, "llama-2", queued=2100, ts=2.0)
+    d = decided(r.decide(q(prompt=prompt), 0.5))
+    assert d.worker_id != "llama-2"
+    assert d.cost == 2148
+    assert d.cached_tokens == 0
+
+
+def test_prefix_running_tokens_weigh_beta() -> None:
+    v = make_view(2)
+    set_load(v, "llama-0", running=1000)  # β·1000 = 500
+    set_load(v, "llama-1", queued=600)
+    assert decided(router(v, "prefix").decide(q(), 0.5)).worker_id == "llama-0"
+    assert decided(router(v, "prefix", beta=1.0).decide(q(), 0.5)).worker_id == "llama-1"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prefix_holder_is_always_a_candidate_in_a_large_pool(seed: int) -> None:
+    v = make_view(64)
+    cache(v, "llama-37", SYSTEM)
+    for i in range(64):
+        set_load(v, f"llama-{i}", queued=50)
+    d = decided(router(v, "prefix", seed=seed).decide(q(prompt=[*SYSTEM, 1, 2, 3]), 0.5))
+    assert d.worker_id == "llama-37"
+    assert len(d.alternates) == 2  # the d=2 random candidates
+
+
+def test_prefix_samples_d_candidates_in_a_large_pool() -> None:
+    """Without a prefix, the winner is the best of d random workers, not the global minimum."""
+    v = make_view(64)
+    for i in range(64):
+        set_load(v, f"llama-{i}", queued=1000 + i)
+    wins = Counter(decided(router(v, "prefix", seed=s).decide(q(), 0.5)).worker_id for s in range(200))
+    assert len(wins) > 20  # spread: many routers sharing a stale view do not herd
+    assert wins.most_common(1)[0][1] < 40
+    # the full-scan threshold scans everything: then the global minimum always wins
+    full = router(v, "prefix", full_scan_max=64)
+    assert decided(full.decide(q(), 0.5)).worker_id == "llama-0"
+
+
+def test_many_holders_are_capped_by_sampling() -> None:
+    v = make_view(40)
+    for i in range(40):
+        cache(v, f"llama-{i}", SYSTEM)
+        set_load(v, f"llama-{i}", queued=10 * i)
+    prompt = [*SYSTEM, 9]
+    d = decided(router(v, "prefix", max_prefix_candidates=8, seed=1).decide(q(prompt=prompt), 0.5))
+    assert d.cached_tokens == 2048
+    wins = {
+        decided(router(v, "prefix", max_prefix_candidates=8, seed=s).decide(q(prompt=prompt), 0.5)).worker_id
+        for s in range(30)
+    }
+    assert len(wins) > 3  # not always the single global minimum
+
+
+def test_stale_gauges_do_not_herd_a_burst() -> None:
+    """Between two gauges a burst spreads, because each placement counts at once."""
+    v = make_view(4)
+    r = router(v, "prefix")
+    for i in range(4):
+        set_load(v, f"llama-{i}", queued=0, ts=1.0)
+    placed = Counter(
+        decided(r.place(q(f"b{i}", prompt=list(range(i * 1000, i * 1000 + 512))), 0.5)).worker_id
+        for i in range(40)
+    )
+    assert sorted(placed.values()) == [10, 10, 10, 10]
+    # the next gauges (which include the burst) replace the optimistic additions
+    for i in range(4):
+        set_load(v, f"llama-{i}", queued=10, ts=2.0, now=1.0)
+    for i in range(4):
+        w = v.worker(f"llama-{i}")
+        assert w is not None
+        assert w.outstanding_tokens == 10
+
+
+def test_least_load_burst_spreads_too() -> None:
+    v = make_view(3)
+    r = router(v, "least_load")
+    placed = Counter(decided(r.place(q(f"b{i}"), 0.5)).worker_id for i in range(30))
+    assert sorted(placed.values()) == [10, 10, 10]
+
+
+# ---- capacity edge cases ----
+
+
+def test_unknown_model_and_empty_pool() -> None:
+    v = make_view(1)
+    res = router(v).decide(q(model="nope"), 0.5)
+    assert isinstance(res, NoCapacity)
+    assert res.reason == "unknown_model"
+    assert not res.retryable
+    cfg = RouterConfig(models={"gpt-big": PolicyConfig()})
+    res = Router(v, cfg).decide(q(model="gpt-big"), 0.5)
+    assert isinstance(res, NoCapacity)
+    assert res.reason == "empty_pool"
+    assert res.retryable
+
+
+def test_pool_of_one() -> None:
+    v = make_view(1)
+    for policy in ("round_robin", "least_load", "prefix", "session"):
+        d = decided(router(v, policy).decide(q(session_key="u1"), 0.5))
+        assert d.worker_id == "llama-0"
+        assert d.alternates == ()
+        assert d.next_alternate() is None
+
+
+def test_never_draining_starting_or_expired_and_exclude_honoured() -> None:
+    v = make_view(4)
+    set_load(v, "llama-0", draining=True)
+    v.update_worker(WorkerInfo(worker_id="llama-1", model=MODEL, engine="sim", state="starting"), 0.0)
+    v.update_worker(WorkerInfo(worker_id="llama-2", model=MODEL, engine="sim", state="ready"), -100.0)
+    w2 = v.worker("llama-2")
+    assert w2 is not None
+    w2.last_seen = -100.0  # silent for 100 s: expired even before the shell removes it
+    for policy in ("round_robin", "least_load", "prefix", "session"):
+        r = router(v, policy)
+        for i in range(10):
+            assert decided(r.decide(q(f"r{i}", session_key=f"u{i}"), 0.5)).worker_id == "llama-3"
+        res = r.decide(q(session_key="u"), 0.5, exclude={"llama-3"})
+        assert isinstance(res, NoCapacity)
+        assert res.reason == "no_eligible_worker"
+        assert res.retryable
+
+
+def test_alternates_give_one_retry() -> None:
+    v = make_view(3)
+    set_load(v, "llama-0", queued=10)
+    set_load(v, "llama-1", queued=20)
+    set_load(v, "llama-2", queued=30)
+    r = router(v, "prefix")
+    d = r.place(q("x"), 0.5)
+    d = decided(d)
+    assert d.worker_id == "llama-0"
+    alt = d.next_alternate()
+    assert alt is not None
+    assert alt.worker_id == "llama-1"
+    assert [a.worker_id for a in alt.alternates] == ["llama-2"]
+    r.commit(alt, 0.6)  # moves the optimistic load from llama-0 to llama-1
+    w0, w1 = v.worker("llama-0"), v.worker("llama-1")
+    assert w0 is not None and w1 is not None
+    assert w0.outstanding_tokens == 10
+    assert w1.outstanding_tokens == 20 + 64 + 64 + 16
+    assert r.release("x")
+    assert w1.outstanding_tokens == 20
+
+
+def test_decide_is_pure_over_the_view() -> None:
+    v = make_view(2)
+    r = router(v, "prefix")
+    r.decide(q(), 0.5)
+    assert all(w.outstanding_tokens == 0 for w in v.pool(MODEL) or [])
+    d = decided(r.place(q(max_tokens=100), 0.5))
+    w = v.worker(d.worker_id)
+    assert w is not None
+    assert (w.queued_prefill_tokens, w.running_tokens) == (64, 164)
+    assert d.to_placement().worker_id == d.worker_id
+
+
+def test_optimistic_prefill_is_only_the_uncached_part() -> None:
+    v = make_view(1)
+    cache(v, "llama-0", SYSTEM)
+    d = decided(router(v).place(q(prompt=[*SYSTEM, *range(52)], max_tokens=10), 0.5))
+    w = v.worker("llama-0")
+    assert w is not None
+    assert d.cached_tokens == 2048
+    assert (w.queued_prefill_tokens, w.running_tokens) == (52, 2048 + 52 + 10)
+
+
+# ---- session affinity ----
+
+
+def test_session_is_sticky_and_spread() -> None:
+    v = make_view(8)
+    r = router(v, "session")
+    first = {
+        f"user{k}": decided(r.decide(q(f"a{k}", session_key=f"user{k}"), 0.5)).worker_id for k in range(200)
+    }
+    again = {
+        f"user{k}": decided(r.decide(q(f"b{k}", session_key=f"user{k}"), 0.5)).worker_id for k in range(200)
+    }
+    assert first == again
+    counts = Counter(first.values())
+    assert len(counts) == 8
+    assert max(counts.values()) < 3 * 200 / 8
+
+
+def test_session_consistent_hashing_moves_only_the_lost_workers_keys() -> None:
+    v = make_view(8)
+    r = router(v, "session")
+    keys = [f"user{k}" for k in range(400)]
+    before = {k: decided(r.decide(q(session_key=k), 0.5)).worker_id for k in keys}
+    v.remove_worker("llama-3")
+    after = {k: decided(r.decide(q(session_key=k), 0.5)).worker_id for k in keys}
+    moved = {k for k in keys if before[k] != after[k]}
+    assert moved == {k for k in keys if before[k] == "llama-3"}
+    # adding a worker takes keys only onto the new worker
+    add_workers(v, 1, start=8)
+    again = {k: decided(r.decide(q(session_key=k), 0.5)).worker_id for k in keys}
+    assert all(again[k] in (after[k], "llama-8") for k in keys)
+    assert sum(again[k] == "llama-8" for k in keys) > 10
+
+
+def test_session_draining_target_moves_to_the_next_on_the_ring_and_back() -> None:
+    v = make_view(4)
+    r = router(v, "session")
+    d = decided(r.decide(q(session_key="alice"), 0.5))
+    set_load(v, d.worker_id, draining=True)
+    moved = decided(r.decide(q(session_key="alice"), 0.5))
+    assert moved.worker_id != d.worker_id
+    assert moved.worker_id == d.alternates[0].worker_id
+    set_load(v, d.worker_id, draining=False, ts=2.0)
+    assert decided(r.decide(q(session_key="alice"), 0.5)).worker_id == d.worker_id
+
+
+def test_session_overloaded_target_falls_back_to_prefix() -> None:
+    v = make_view(4)
+    r = router(v, "session", session_overload_factor=1.5, session_overload_min_tokens=1000)
+    target = decided(r.decide(q(session_key="bob"), 0.5)).worker_id
+    for i in range(4):
+        set_load(v, f"llama-{i}", queued=1000)
+    set_load(v, target, queued=1400, ts=2.0)  # above the mean, not overloaded
+    d = decided(r.decide(q(session_key="bob"), 0.5))
+    assert (d.worker_id, d.policy) == (target, "session")
+    set_load(v, target, queued=6000, ts=3.0)  # 6000 > 1.5 × 2250 and 3750 above the mean
+    d = decided(r.decide(q(session_key="bob"), 0.5))
+    assert d.policy == "prefix"
+    assert d.worker_id != target
+    assert "overloaded" in d.note
+    set_load(v, target, queued=0, kv_usage=0.97, ts=4.0)  # KV nearly full
+    assert decided(r.decide(q(session_key="bob"), 0.5)).policy == "prefix"
+
+
+def test_session_without_key_uses_prefix() -> None:
+    v = make_view(3)
+    cache(v, "llama-1", SYSTEM)
+    d = decided(router(v, "session").decide(q(prompt=[*SYSTEM, 1]), 0.5))
+    assert (d.worker_id, d.policy) == ("llama-1", "prefix")
+
+
+# ---- model resolution ----
+
+
+def test_alias_resolves_to_its_pool() -> None:
+    v = make_view(2)
+    cfg = RouterConfig(aliases={"default": MODEL, "chat": "default"})
+    d = decided(Router(v, cfg).decide(q(model="chat"), 0.5))
+    assert d.model == MODEL
+    assert d.requested_model == "chat"
+    assert "alias" in d.note
+
+
+def cascade_router(v: RouterView, **kw: object) -> Router:
+    cc = CascadeConfig(small="small", large="large", max_prompt_tokens=100, **kw)  # type: ignore[arg-type]
+    return Router(v, RouterConfig(cascades={"auto": cc}, aliases={"smart": "auto"}), random.Random(0))
+
+
+def test_cascade_by_prompt_length_and_output() -> None:
+    v = make_view(1, "small")
+    add_workers(v, 1, "large")
+    r = cascade_router(v, max_output_tokens=500)
+    assert decided(r.decide(q(model="auto", prompt=list(range(50))), 0.5)).model == "small"
+    assert decided(r.decide(q(model="auto", prompt=list(range(101))), 0.5)).model == "large"
+    assert decided(r.decide(q(model="smart", prompt=list(range(50)), max_tokens=800), 0.5)).model == "large"
+
+
+def test_cascade_keywords_in_text_and_tokens() -> None:
+    v = make_view(1, "small")
+    add_workers(v, 1, "large")
+    r = cascade_router(v, hard_keywords=("prove",), hard_keyword_tokens=((777, 778),))
+    easy = list(range(10))
+    assert decided(r.decide(q(model="auto", prompt=easy, text="say hi"), 0.5)).model == "small"
+    assert decided(r.decide(q(model="auto", prompt=easy, text="Please PROVE it"), 0.5)).model == "large"
+    assert decided(r.decide(q(model="auto", prompt=[1, 777, 778, 2]), 0.5)).model == "large"
+    # the keyword's bytes straddling two tokens is not a match
+    straddle = pack_tokens([777, 778])[2:6]
+    tricky = RouteQuery("t", "auto", pack_tokens([1]) + b"\x00\x00" + straddle + b"\x00\x00", max_tokens=4)
+    assert len(tricky.prompt) % 4 == 0
+    assert decided(r.decide(tricky, 0.5)).model == "small"
+
+
+def test_cascade_falls_back_when_the_chosen_pool_is_empty() -> None:
+    v = make_view(1, "large")
+    d = decided(cascade_router(v).decide(q(model="auto", prompt=[1, 2]), 0.5))
+    assert d.model == "large"
+    assert "small had no capacity" in d.note
+    v2 = make_view(1, "small")
+    res = Router(
+        v2,
+        RouterConfig(cascades={"auto": CascadeConfig("small", "large", max_prompt_tokens=1, fallback=False)}),
+    ).decide(q(model="auto", prompt=[1, 2]), 0.5)
+    assert isinstance(res, NoCapacity)
+
+
+# ---- LoRA and block sizes ----
+
+
+def test_lora_only_on_workers_with_the_adapter() -> None:
+    v = make_view(2)
+    add_workers(v, 2, loras=("sql",), start=2)
+    r = router(v, "least_load")
+    for i in range(10):
+        assert decided(r.place(q(f"l{i}", lora="sql"), 0.5)).worker_id in ("llama-2", "llama-3")
+    res = r.decide(q(lora="other"), 0.5)
+    assert isinstance(res, NoCapacity)
+    # dynamic loading: anyone may serve, loaded workers preferred by the penalty
+    dyn = router(v, "least_load", lora_dynamic=True, lora_load_penalty_tokens=10_000)
+    assert decided(dyn.decide(q(lora="sql"), 0.5)).worker_id in ("llama-2", "llama-3")
+    assert decided(dyn.decide(q(lora="other"), 0.5)).cost == 10_000
+
+
+def test_lora_prefix_uses_the_adapter_salt() -> None:
+    v = make_view(2, loras=("sql",))
+    cache(v, "llama-0", SYSTEM)  # base-model prefix
+    cache(v, "llama-1", SYSTEM, salt="sql")
+    d = decided(router(v).decide(q(prompt=[*SYSTEM, 1], lora="sql"), 0.5))
+    assert (d.worker_id, d.cached_tokens) == ("llama-1", 2048)
+
+
+def test_cpu_pool_block_size_128() -> None:
+    v = make_view(2, "cpu", block_size=128)
+    prompt = list(range(1000))
+    cache(v, "cpu-1", prompt, block_size=128)
+    d = decided(router(v).decide(q(model="cpu", prompt=prompt), 0.5))
+    assert (d.worker_id, d.cached_tokens) == ("cpu-1", 896)
+
+
+def test_from_generate_request() -> None:
+    req = GenerateRequest(
+        request_id="g",
+        model=MODEL,
+        prompt=pack_tokens([1, 2, 3]),
+        prior_output=pack_tokens([4]),
+        sampling=SamplingParams(max_tokens=9),
+        token_subject="t",
+        session_key="s",
+    )
+    rq = RouteQuery.from_generate(req)
+    assert (rq.prompt_tokens, rq.max_tokens, rq.session_key, rq.expected_total_tokens) == (4, 9, "s", 13)
+
+
+def test_bad_policy_name_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        PolicyConfig(policy="fastest")  # type: ignore[arg-type]
