@@ -1,0 +1,213 @@
+"""``meshserve bench``: open-loop load generator measuring TTFT, TPOT and goodput."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ops.bench.arrivals import KINDS as ARRIVAL_KINDS
+from ops.bench.config import WORKLOADS, BenchConfig, EndpointConfig, WorkloadConfig, default_api_key
+from ops.bench.results import SLOSpec
+
+EPILOG = """\
+examples:
+  meshserve bench --target http://127.0.0.1:8000/v1 --rates 1,2,4,8 --slo-ttft 1 --slo-tpot 0.05 --out runs/a
+  meshserve bench --target vllm=http://gpu1:8000/v1 --target mesh=nats://127.0.0.1:4222 --model m --rates 2,4
+  meshserve bench --target nats://127.0.0.1:4222 --model sim --workload shared-prefix \\
+      --prefix-groups 4 --prefix-tokens 1024 --input-tokens 128 --output-tokens 64 --rates 4
+  meshserve bench --target http://127.0.0.1:8000/v1 --concurrency 1,8,32      # closed loop
+  meshserve bench --compare runs/a/results.json runs/b/results.json --out runs/cmp
+
+Open loop: arrivals follow --arrival at each --rates value whether or not earlier
+requests finished (rate 'inf' sends all at once). --concurrency switches to a closed
+loop (labelled as such everywhere). A run stops after --num-requests requests or
+--duration seconds of sending, then waits --drain-timeout for stragglers.
+Distributions: 512 | uniform:LO:HI | normal:MEAN:STD | lognormal:MEAN:SIGMA | exponential:MEAN.
+"""
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [math.inf if p.strip().lower() in ("inf", "infinity") else float(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="open-loop load generator: TTFT, TPOT, goodput",
+        description="Offer load to OpenAI-compatible HTTP endpoints or meshserve's NATS API and "
+                    "measure TTFT, TPOT/ITL, E2E latency, throughput and goodput.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("targets")
+    g.add_argument("--target", action="append", default=[], metavar="[LABEL=]URL",
+                   help="http(s)://host:port/v1 (OpenAI-compatible) or nats://host:port (meshserve); "
+                        "repeat to compare endpoints on the same arrivals")
+    g.add_argument("--api", choices=("chat", "completions"), default="chat")
+    g.add_argument("--model", help="model name (default: the HTTP target's first /models entry)")
+    g.add_argument("--api-key", default=None,
+                   help="sent as Authorization: Bearer (default: $MESHSERVE_API_KEY or $OPENAI_API_KEY)")
+    g.add_argument("--root", default="mesh", help="NATS subject root (default mesh)")
+
+    g = p.add_argument_group("load")
+    g.add_argument("--rates", type=_floats, default=None, metavar="R1,R2,...",
+                   help="open-loop request rates to sweep, req/s ('inf' = all at once; default 1, "
+                        "or a trace's own timing)")
+    g.add_argument("--concurrency", type=_ints, default=None, metavar="C1,C2,...",
+                   help="CLOSED LOOP instead: keep this many requests in flight")
+    g.add_argument("--arrival", choices=(*ARRIVAL_KINDS, "trace"), default=None,
+                   help="arrival process (default poisson; trace for the trace workload)")
+    g.add_argument("--burst-size", type=int, default=8, help="requests per burst (--arrival burst)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape (--arrival gamma): 1 = Poisson, <1 burstier")
+    g.add_argument("-n", "--num-requests", type=int, default=None,
+                   help="requests per run (default 100 unless --duration is given)")
+    g.add_argument("--duration", type=float, default=None, help="seconds of sending per run")
+    g.add_argument("--request-timeout", type=float, default=300.0)
+    g.add_argument("--drain-timeout", type=float, default=None,
+                   help="after the last arrival, wait this long for in-flight requests (default: request timeout)")
+    g.add_argument("--warmup", type=int, default=0, help="unmeasured requests per endpoint first")
+    g.add_argument("--cooldown", type=float, default=0.0, help="pause between runs (s)")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="random")
+    g.add_argument("--input-tokens", default="512", metavar="DIST",
+                   help="prompt tokens (shared-prefix: the distinct suffix; multi-turn: each user message)")
+    g.add_argument("--output-tokens", default="128", metavar="DIST", help="max_tokens (with ignore_eos)")
+    g.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: number of system prompts")
+    g.add_argument("--prefix-tokens", type=int, default=0,
+                   help="shared-prefix: tokens per shared prompt; multi-turn: system prompt tokens")
+    g.add_argument("--turns", default="4", metavar="DIST", help="multi-turn: turns per session")
+    g.add_argument("--think-time", default="0", metavar="DIST", help="multi-turn: s between turns")
+    g.add_argument("--history", choices=("synthetic", "actual"), default="synthetic",
+                   help="multi-turn: resend synthetic replies (exact lengths) or the real ones")
+    g.add_argument("--trace", help="JSONL trace: timestamp, input_tokens|text, output_tokens")
+    g.add_argument("--trace-time-unit", choices=("s", "ms", "us"), default="s")
+    g.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash_id block")
+    g.add_argument("--tokenizer", default="byte",
+                   help="'byte' (meshserve sim) or a local HF tokenizer directory; prompt lengths are exact in it")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (outputs may end early)")
+    g.add_argument("--continuous-usage", action="store_true",
+                   help="ask for usage in every chunk (vLLM continuous_usage_stats): exact tokens per chunk")
+    g.add_argument("--extra-body", default=None, metavar="JSON", help="merged into every request body")
+
+    g = p.add_argument_group("SLO")
+    g.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="TTFT bound (s)")
+    g.add_argument("--slo-tpot", type=float, default=None, metavar="S", help="TPOT bound (s)")
+    g.add_argument("--slo-e2e", type=float, default=None, metavar="S", help="end-to-end bound (s)")
+    g.add_argument("--slo-attainment", type=float, default=0.9, metavar="F",
+                   help="the SLO holds at a load when this fraction of requests meets it (default 0.9)")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, metavar="DIR", help="write results.json (raw timings) and PNG plots")
+    g.add_argument("--label", default="", help="name of this result in --compare views")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--compare", nargs="+", metavar="RESULT.json",
+                   help="show two or more result files side by side with ratios (no load is sent)")
+    p.set_defaults(func=main)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if not args.target:
+        raise ValueError("give at least one --target (or --compare files)")
+    api_key = args.api_key if args.api_key is not None else default_api_key()
+    endpoints = [EndpointConfig.parse(spec, api=args.api, model=args.model, api_key=api_key, root=args.root)
+                 for spec in args.target]
+    workload = WorkloadConfig(
+        kind=args.workload, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens, turns=args.turns,
+        think_time=args.think_time, history=args.history, trace=args.trace,
+        trace_time_unit=args.trace_time_unit, trace_block_size=args.trace_block_size,
+        tokenizer=args.tokenizer)
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    num = args.num_requests
+    if num is None and args.duration is None:
+        num = 100
+    return BenchConfig(
+        endpoints=endpoints, workload=workload, rates=args.rates, concurrency=args.concurrency,
+        arrival=args.arrival, burst_size=args.burst_size, burstiness=args.burstiness,
+        num_requests=num, duration=args.duration, request_timeout=args.request_timeout,
+        drain_timeout=args.drain_timeout, warmup=args.warmup, cooldown=args.cooldown, seed=args.seed,
+        ignore_eos=args.ignore_eos, continuous_usage=args.continuous_usage, extra_body=extra,
+        slo=SLOSpec(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, e2e_s=args.slo_e2e,
+                    attainment=args.slo_attainment),
+        progress=not args.no_progress, label=args.label)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ops.bench.report import render, render_compare
+    from ops.bench.results import load_result, save_result
+
+    console = Console()
+    err = Console(stderr=True)
+    if args.compare:
+        if len(args.compare) < 2:
+            err.print("[red]--compare needs two or more result files[/]")
+            return 2
+        try:
+            results = [load_result(p) for p in args.compare]
+        except (OSError, ValueError) as exc:
+            err.print(f"[red]cannot read results: {exc}[/]")
+            return 2
+        render_compare(results, console)
+        if args.out and not args.no_plots:
+            from ops.bench.plots import write_plots
+
+            paths = write_plots(results, args.out, prefix="compare_")
+            console.print("plots: " + ", ".join(str(p) for p in paths))
+        return 0
+    try:
+        config = config_from_args(args)
+    except (ValueError, json.JSONDecodeError) as exc:
+        err.print(f"[red]meshserve bench: {exc}[/]")
+        return 2
+    from ops.bench.runner import run_bench, run_loop
+
+    try:
+        result = run_loop(run_bench(config, console=err))
+    except ValueError as exc:
+        err.print(f"[red]meshserve bench: {exc}[/]")
+        return 2
+    except KeyboardInterrupt:
+        err.print("[red]interrupted[/]")
+        return 130
+    render(result, console)
+    if args.out:
+        out = Path(args.out)
+        path = save_result(result, out / "results.json")
+        console.print(f"results: {path}")
+        if not args.no_plots:
+            from ops.bench.plots import write_plots
+
+            paths = write_plots([result], out)
+            console.print("plots: " + ", ".join(str(p) for p in paths))
+    if not any(r.summary.ok for r in result.runs):
+        err.print("[red]no request succeeded[/]")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser(prog="meshserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["bench", *sys.argv[1:]])
+    sys.exit(ns.func(ns))
