@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -59,14 +60,14 @@ def set_load(
     running: int = 0,
     ts: float = 1.0,
     now: float = 0.0,
-    **kw: object,
+    **kw: Any,
 ) -> None:
     w = v.worker(wid)
     assert w is not None
     v.apply_gauge(
         WorkerGauge(
             worker_id=wid, model=w.model, ts=ts, queued_prefill_tokens=queued, running_tokens=running, **kw
-        ),  # type: ignore[arg-type]
+        ),
         now,
     )
 

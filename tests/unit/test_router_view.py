@@ -16,16 +16,19 @@ from proto.messages import (
     KvSnapshot,
     WorkerGauge,
     WorkerInfo,
+    WorkerState,
 )
 from services.router.view import KvApply, Pool, RouterView, ViewConfig
 
 MODEL = "m"
 
 
-def info(wid: str, *, state: str = "ready", block_size: int = 16, started_at: float = 1.0) -> WorkerInfo:
+def info(
+    wid: str, *, state: WorkerState = "ready", block_size: int = 16, started_at: float = 1.0
+) -> WorkerInfo:
     return WorkerInfo(
         worker_id=wid, model=MODEL, engine="sim", state=state, block_size=block_size, started_at=started_at
-    )  # type: ignore[arg-type]
+    )
 
 
 def batch(wid: str, seq: int, *events: object) -> KvEventBatch:
@@ -370,7 +373,7 @@ def test_draining_and_state() -> None:
 
 # ---- index invariant under arbitrary event streams ----
 
-op = st.one_of(
+op: st.SearchStrategy[tuple[str, int, list[int]]] = st.one_of(
     st.tuples(st.just("store"), st.integers(0, 3), st.lists(st.integers(0, 30), max_size=8)),
     st.tuples(st.just("remove"), st.integers(0, 3), st.lists(st.integers(0, 30), max_size=8)),
     st.tuples(st.just("clear"), st.integers(0, 3), st.just([])),
@@ -401,19 +404,18 @@ def test_index_matches_worker_block_sets(ops: list[tuple[str, int, list[int]]]) 
             )
             shadow[wi] = set(hashes)
             continue
-        ev = {
-            "store": stored,
-            "remove": lambda h: BlockRemoved(block_hashes=h),
-            "clear": lambda h: AllCleared(),
-        }[kind](hashes)
-        v.apply_kv_events(batch(wid, seqs[wi], ev), 0.0)
-        seqs[wi] += 1
+        ev: BlockStored | BlockRemoved | AllCleared
         if kind == "store":
+            ev = stored(hashes)
             shadow[wi] |= set(hashes)
         elif kind == "remove":
+            ev = BlockRemoved(block_hashes=hashes)
             shadow[wi] -= set(hashes)
         else:
+            ev = AllCleared()
             shadow[wi] = set()
+        v.apply_kv_events(batch(wid, seqs[wi], ev), 0.0)
+        seqs[wi] += 1
     pool = v.pool(MODEL)
     if pool is not None:
         check_index(pool)
