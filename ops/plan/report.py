@@ -25,6 +25,10 @@ def _seconds(x: float | None) -> str:
         return "—"
     if math.isinf(x):
         return "∞"
+    if x == 0:
+        return "0"
+    if x < 1e-7:
+        return "< 0.1 µs"
     if x < 1e-3:
         return f"{x * 1e6:,.1f} µs"
     if x < 1:

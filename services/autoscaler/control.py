@@ -422,6 +422,8 @@ def step(
             )
         else:
             reason = f"hold {current}: at target; {load_text}"
+        if ready == 0 and obs.starting > 0:
+            reason = f"{reason}; cold start in progress ({obs.starting} starting)"
 
     new_state = PoolState(
         started_at=started_at,

@@ -373,6 +373,7 @@ def test_scale_to_zero_after_the_idle_period_and_cold_start_on_demand() -> None:
     assert d.reason.startswith("cold start") and "waiting with no replica" in d.reason
     d = run(ctl, fleet, 905.0, load=0, pending=3)
     assert d.action == "hold" and not d.cold_start  # already starting
+    assert "cold start in progress (2 starting)" in d.reason
 
 
 def test_a_busy_zero_able_pool_does_not_go_to_zero() -> None:
