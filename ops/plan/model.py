@@ -408,9 +408,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
 
-        out = asdict(self)
-        out["inputs"]["model"] = asdict(self.inputs.model)
-        out["inputs"]["gpu"] = asdict(self.inputs.gpu)
+        out = asdict(self)  # recursive: inputs, model, gpu, estimate, fleet, curve
 
         def finite(v: Any) -> Any:  # JSON has no Infinity
             if isinstance(v, float) and not math.isfinite(v):
