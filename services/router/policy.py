@@ -38,6 +38,7 @@ unbiased across equal workers.
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
 import re
 from collections.abc import Collection, Iterable, Sequence
@@ -358,8 +359,7 @@ class Router:
                 f"no worker serves model {model!r}",
             )
         cfg = self.config.for_model(model)
-        view = self.view
-        eligible = [w for w in pool if w.worker_id not in exclude and view.placeable(w, now)]
+        eligible = self.view.placeable_in(pool, now, exclude)
         lora_missing: set[str] = set()
         if q.lora:
             loaded = [w for w in eligible if q.lora in w.lora_adapters]
@@ -376,18 +376,16 @@ class Router:
                 + (f" with adapter {q.lora!r}" if q.lora else "")
                 + (f", {len(exclude)} excluded" if exclude else ""),
             )
-        by_slot = pool.cached_prefix_blocks(q.prompt, q.lora or "", pool.mask_of(eligible))
-        cached = {pool.at(s).worker_id: n * pool.at(s).block_size for s, n in by_slot.items()}
-        ctx = _Ctx(q, cfg, cached, lora_missing)
+        ctx = _Ctx(q, cfg, pool, lora_missing)
         match cfg.policy:
             case "round_robin":
                 return self._round_robin(model, eligible, ctx)
             case "least_load":
                 return self._least_load(model, eligible, ctx)
             case "prefix":
-                return self._prefix(model, eligible, by_slot, pool, ctx)
+                return self._prefix(model, eligible, ctx)
             case "session":
-                return self._session(model, pool, eligible, by_slot, ctx)
+                return self._session(model, eligible, ctx)
 
     # ---- policies ----
     def _round_robin(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
@@ -395,25 +393,23 @@ class Router:
         start = self._rr.get(model, 0) % n
         self._rr[model] = start + 1
         order = [eligible[(start + k) % n] for k in range(min(n, 1 + ctx.cfg.max_alternates))]
+        ctx.ensure(order)
         ranked = [ctx.candidate(w, float(w.outstanding_tokens)) for w in order]
         return ctx.decision(model, "round_robin", ranked[0], ranked[1:])
 
     def _least_load(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
-        cands = [ctx.candidate(w, float(w.outstanding_tokens + ctx.lora_penalty(w))) for w in eligible]
-        best, rest = self._pick(cands, ctx.cfg.max_alternates)
-        return ctx.decision(model, "least_load", best, rest)
+        scored = [(float(w.outstanding_tokens + ctx.lora_penalty(w)), w) for w in eligible]
+        (cost, best), rest = self._pick(scored, ctx.cfg.max_alternates)
+        ctx.ensure([best, *(w for _, w in rest)])
+        return ctx.decision(
+            model, "least_load", ctx.candidate(best, cost), [ctx.candidate(w, c) for c, w in rest]
+        )
 
     def _prefix(
-        self,
-        model: str,
-        eligible: list[WorkerView],
-        by_slot: dict[int, int],
-        pool: Pool,
-        ctx: _Ctx,
-        policy: str = "prefix",
-        note: str = "",
+        self, model: str, eligible: list[WorkerView], ctx: _Ctx, policy: str = "prefix", note: str = ""
     ) -> Decision:
         cfg = ctx.cfg
+        by_slot = ctx.ensure(eligible)  # the holders are needed: walk the whole eligible set
         if len(eligible) <= max(cfg.full_scan_max, cfg.d):
             pick = eligible
         else:
@@ -421,21 +417,25 @@ class Router:
             holder_slots = [s for s, n in by_slot.items() if n == top] if top else []
             if len(holder_slots) > cfg.max_prefix_candidates:
                 holder_slots = self.rng.sample(holder_slots, cfg.max_prefix_candidates)
-            taken = set(holder_slots)
+            pool = ctx.pool
             pick = [pool.at(s) for s in holder_slots]
             # plus d random workers from the rest
-            others = [w for w in eligible if w.slot not in taken] if taken else eligible
+            if holder_slots:
+                taken = set(holder_slots)
+                others = [w for w in eligible if w.slot not in taken]
+            else:
+                others = eligible
             pick.extend(self.rng.sample(others, min(cfg.d, len(others))))
-        cands = [ctx.candidate(w, ctx.prefix_cost(w)) for w in pick]
-        best, rest = self._pick(cands, cfg.max_alternates)
-        return ctx.decision(model, policy, best, rest, note)
+        (cost, best), rest = self._pick([(ctx.prefix_cost(w), w) for w in pick], cfg.max_alternates)
+        return ctx.decision(
+            model, policy, ctx.candidate(best, cost), [ctx.candidate(w, c) for c, w in rest], note
+        )
 
-    def _session(
-        self, model: str, pool: Pool, eligible: list[WorkerView], by_slot: dict[int, int], ctx: _Ctx
-    ) -> Decision:
+    def _session(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
         key = ctx.q.session_key
         if not key:
-            return self._prefix(model, eligible, by_slot, pool, ctx, note="session: no session key")
+            return self._prefix(model, eligible, ctx, note="session: no session key")
+        pool = ctx.pool
         ring = self._rings.get(model)
         if ring is None or ring.generation != pool.generation or ring.vnodes != ctx.cfg.session_vnodes:
             ring = self._rings[model] = _Ring(pool, ctx.cfg.session_vnodes)
@@ -454,54 +454,68 @@ class Router:
         if (out > cfg.session_overload_factor * mean and out - mean >= cfg.session_overload_min_tokens) or (
             target.kv_usage >= cfg.session_kv_usage_max
         ):
-            return self._prefix(
-                model,
-                eligible,
-                by_slot,
-                pool,
-                ctx,
-                note=f"session target {target.worker_id} overloaded ({out} tokens, pool mean {mean:.0f}, kv {target.kv_usage:.2f})",
-            )
+            why = f"session target {target.worker_id} overloaded ({out} tokens, pool mean {mean:.0f}, kv {target.kv_usage:.2f})"
+            return self._prefix(model, eligible, ctx, note=why)
+        ctx.ensure(order)
         ranked = [ctx.candidate(w, ctx.prefix_cost(w)) for w in order]
         return ctx.decision(model, "session", ranked[0], ranked[1:])
 
-    def _pick(self, cands: list[Candidate], n_alt: int) -> tuple[Candidate, list[Candidate]]:
+    def _pick(
+        self, scored: list[tuple[float, WorkerView]], n_alt: int
+    ) -> tuple[tuple[float, WorkerView], list[tuple[float, WorkerView]]]:
         """Lowest cost, ties broken at random; then the next ``n_alt`` by cost."""
-        low = min(c.cost for c in cands)
-        ties = [c for c in cands if c.cost == low]
+        low = min(c for c, _ in scored)
+        ties = [cw for cw in scored if cw[0] == low]
         best = ties[0] if len(ties) == 1 else self.rng.choice(ties)
-        rest = sorted((c for c in cands if c is not best), key=lambda c: c.cost)
-        return best, rest[:n_alt]
+        # the index keeps equal costs from comparing WorkerViews, and the order stable
+        rest = heapq.nsmallest(n_alt, ((c, i, w) for i, (c, w) in enumerate(scored) if w is not best[1]))
+        return best, [(c, w) for c, _, w in rest]
 
 
 class _Ctx:
-    """Per-decision inputs the policies share."""
+    """Per-decision inputs the policies share; the prefix walk is done lazily.
 
-    __slots__ = ("cached", "cfg", "lora_missing", "prompt_tokens", "q")
+    Policies that score a few workers (round robin, least load, session) walk the index
+    only for those: a worker's prefix length does not depend on the others, and a
+    narrower mask ends the walk (and the prompt hashing) sooner.
+    """
 
-    def __init__(
-        self, q: RouteQuery, cfg: PolicyConfig, cached: dict[str, int], lora_missing: set[str]
-    ) -> None:
+    __slots__ = ("blocks", "cfg", "done", "lora_missing", "pool", "prompt_tokens", "q")
+
+    def __init__(self, q: RouteQuery, cfg: PolicyConfig, pool: Pool, lora_missing: set[str]) -> None:
         self.q = q
         self.cfg = cfg
-        self.cached = cached
+        self.pool = pool
         self.lora_missing = lora_missing
         self.prompt_tokens = q.prompt_tokens
+        self.blocks: dict[int, int] = {}  # slot → leading cached blocks
+        self.done = 0  # slots walked so far
+
+    def ensure(self, workers: Iterable[WorkerView]) -> dict[int, int]:
+        """Walk the index for the ``workers`` not walked yet; return slot → blocks."""
+        mask = self.pool.mask_of(workers) & ~self.done
+        if mask:
+            self.blocks.update(self.pool.cached_prefix_blocks(self.q.prompt, self.q.lora or "", mask))
+            self.done |= mask
+        return self.blocks
+
+    def cached(self, w: WorkerView) -> int:
+        return min(self.blocks.get(w.slot, 0) * w.block_size, self.prompt_tokens)
 
     def lora_penalty(self, w: WorkerView) -> int:
         return self.cfg.lora_load_penalty_tokens if w.worker_id in self.lora_missing else 0
 
     def prefix_cost(self, w: WorkerView) -> float:
-        uncached = self.prompt_tokens - self.cached.get(w.worker_id, 0)
         return (
-            max(uncached, 0)
+            self.prompt_tokens
+            - self.cached(w)
             + w.queued_prefill_tokens
             + self.cfg.beta * w.running_tokens
             + self.lora_penalty(w)
         )
 
     def candidate(self, w: WorkerView, cost: float) -> Candidate:
-        return Candidate(w.worker_id, cost, min(self.cached.get(w.worker_id, 0), self.prompt_tokens))
+        return Candidate(w.worker_id, cost, self.cached(w))
 
     def decision(
         self, model: str, policy: str, best: Candidate, rest: Sequence[Candidate], note: str = ""

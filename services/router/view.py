@@ -28,7 +28,7 @@ so an unrequested snapshot (e.g. at router start) lands consistently as well.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -338,6 +338,20 @@ class RouterView:
     def placeable(self, w: WorkerView, now: float) -> bool:
         """Ready, not draining, not expired: the only workers a policy may choose."""
         return w.ready and self.is_live(w, now)
+
+    def placeable_in(self, pool: Pool, now: float, exclude: Collection[str] = ()) -> list[WorkerView]:
+        """``placeable`` workers of ``pool`` not in ``exclude``, in pool order (inlined: hot)."""
+        horizon = now - self.config.stale_after_s
+        out: list[WorkerView] = []
+        for w in pool.workers.values():
+            info = w.info
+            if info is None or info.state != "ready" or w.last_seen < horizon:
+                continue
+            g = w.gauge
+            if (g is not None and g.draining) or (exclude and w.worker_id in exclude):
+                continue
+            out.append(w)
+        return out
 
     def _ensure(self, worker_id: str, model: str) -> tuple[Pool, WorkerView]:
         pool = self._where.get(worker_id)

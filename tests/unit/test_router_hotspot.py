@@ -171,8 +171,6 @@ def test_control_pure_affinity_herds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measure can fail: score by cache hit alone and the first holder takes everything."""
     import services.router.policy as policy
 
-    monkeypatch.setattr(
-        policy._Ctx, "prefix_cost", lambda self, w: self.prompt_tokens - self.cached.get(w.worker_id, 0)
-    )
+    monkeypatch.setattr(policy._Ctx, "prefix_cost", lambda self, w: self.prompt_tokens - self.cached(w))
     samples, _ = simulate(PolicyConfig(policy="prefix"), 2, rate=30.0)
     assert imbalance(samples) > 1.5

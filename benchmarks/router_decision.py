@@ -1,0 +1,122 @@
+"""Router decision cost: time per placement with every worker's KV cache full.
+
+Each worker holds ``--blocks`` cached blocks (default 10k, vLLM block size 16): a random
+subset of shared "documents" (system prompts / RAG contexts, 2048 tokens each) plus
+private blocks of its own. Requests reuse a document prefix with probability
+``--hit-rate`` and add a private suffix; the rest are fresh prompts. Each sample times
+``Router.place`` (model resolution, prompt hashing, the prefix walk over the index,
+the policy, the optimistic accounting update); gauges arrive between samples, as in
+a running router, and are not timed. The garbage collector stays on, as in the service.
+
+    .venv/bin/python benchmarks/router_decision.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+
+from proto.hashing import block_hashes
+from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
+from services.router.policy import Decision, PolicyConfig, RouteQuery, Router, RouterConfig
+from services.router.view import RouterView
+
+MODEL = "bench"
+BLOCK = 16
+DOC_TOKENS = 2048
+
+
+def build(n_workers: int, blocks: int, docs: list[list[int]], rng: random.Random) -> RouterView:
+    view = RouterView()
+    doc_hashes = [block_hashes(d, BLOCK) for d in docs]
+    per_doc = DOC_TOKENS // BLOCK
+    for i in range(n_workers):
+        wid = f"w{i}"
+        view.update_worker(WorkerInfo(worker_id=wid, model=MODEL, engine="sim", state="ready"), 0.0)
+        held: list[int] = []
+        # about half the cache is shared documents, the rest private history
+        for d in rng.sample(range(len(docs)), k=min(len(docs), blocks // 2 // per_doc)):
+            held.extend(doc_hashes[d])
+        held.extend(rng.getrandbits(64) for _ in range(blocks - len(held)))
+        view.apply_kv_events(
+            KvEventBatch(worker_id=wid, model=MODEL, seq=0, ts=0.0, events=[BlockStored(block_hashes=held)]),
+            0.0,
+        )
+    return view
+
+
+def measure(
+    view: RouterView, docs: list[list[int]], policy: str, samples: int, hit_rate: float, seed: int
+) -> tuple[float, float]:
+    rng = random.Random(seed)
+    pool = view.pool(MODEL)
+    assert pool is not None
+    router = Router(view, RouterConfig(default=PolicyConfig(policy=policy)), random.Random(seed))  # type: ignore[arg-type]
+    times: list[float] = []
+    now = 1.0
+    warmup = 200  # not recorded: first session-ring build, allocator and GC settling after the build
+    for k in range(samples + warmup):
+        suffix = [rng.randrange(100_000) for _ in range(rng.randrange(64, 512))]
+        if rng.random() < hit_rate:
+            prompt = rng.choice(docs) + suffix
+        else:
+            prompt = [rng.randrange(100_000) for _ in range(DOC_TOKENS)] + suffix
+        query = RouteQuery.of(f"r{k}", MODEL, prompt, max_tokens=256, session_key=f"user{k % 500}")
+        t0 = time.perf_counter_ns()
+        d = router.place(query, now)
+        if k >= warmup:
+            times.append((time.perf_counter_ns() - t0) / 1000)
+        assert isinstance(d, Decision)
+        now += 0.001
+        if k % 20 == 0:  # a gauge per worker every 20 ms of placements (not timed)
+            for w in pool:
+                view.apply_gauge(
+                    WorkerGauge(
+                        worker_id=w.worker_id,
+                        model=MODEL,
+                        ts=now,
+                        queued_prefill_tokens=rng.randrange(0, 8000),
+                        running_tokens=rng.randrange(10_000, 200_000),
+                    ),
+                    now,
+                )
+    times.sort()
+    return statistics.median(times), times[int(0.99 * len(times))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--policies", nargs="+", default=["prefix", "least_load", "round_robin", "session"])
+    ap.add_argument("--blocks", type=int, default=10_000, help="cached blocks per worker")
+    ap.add_argument("--samples", type=int, default=3000)
+    ap.add_argument("--hit-rate", type=float, default=0.8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(
+        f"cached blocks/worker {args.blocks} (block size {BLOCK}), prompts {DOC_TOKENS}+64..511 tokens, "
+        f"prefix reuse {args.hit_rate:.0%}, {args.samples} placements per row"
+    )
+    print()
+    print("| workers | policy | median µs | p99 µs | index entries | view memory MB |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for n in args.workers:
+        rng = random.Random(args.seed)
+        docs = [[rng.randrange(100_000) for _ in range(DOC_TOKENS)] for _ in range(64)]
+        gc.collect()
+        tracemalloc.start()
+        view = build(n, args.blocks, docs, rng)
+        mem_mb = tracemalloc.get_traced_memory()[0] / 2**20
+        tracemalloc.stop()
+        entries = len(view.pools[MODEL].index)
+        for policy in args.policies:
+            med, p99 = measure(view, docs, policy, args.samples, args.hit_rate, args.seed)
+            print(f"| {n} | {policy} | {med:.0f} | {p99:.0f} | {entries:,} | {mem_mb:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
