@@ -72,7 +72,8 @@ async def connect(settings: BusSettings, name: str, *, initial_attempts: int = 0
     attempt = 0
 
     async def on_disconnect() -> None:
-        log.warning("disconnected from NATS")
+        if not (nc.is_closed or nc.is_draining):  # our own close is no news
+            log.warning("disconnected from NATS")
 
     async def on_reconnect() -> None:
         log.info("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else "?")

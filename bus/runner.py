@@ -142,6 +142,25 @@ class Service:
             metadata={"request": kind.__name__},
         )
 
+    async def add_raw_endpoint(
+        self,
+        name: str,
+        subject: str,
+        handler: Callable[[Msg], Awaitable[None]],
+        *,
+        queue_group: str | None = None,
+    ) -> None:
+        """A NATS micro endpoint whose bodies are not proto messages (e.g. the JSON client API).
+
+        Each request runs as a tracked task; the handler answers (and reports errors) itself.
+        """
+
+        async def on_request(request: Request) -> None:
+            self.spawn(handler(request._msg), name=name)
+
+        assert self._micro is not None
+        await self._micro.add_endpoint(name=name, subject=subject, queue_group=queue_group or self.name, handler=on_request)
+
     async def subscribe(
         self,
         subject: str,

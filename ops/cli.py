@@ -15,6 +15,7 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "ops.up",
     "ops.serve",
+    "ops.keys",
 )
 
 

@@ -100,7 +100,7 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.store_dir / f"{self.server_name}.conf"
         config.write_text(self.config_text())
-        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],
             stdout=out,

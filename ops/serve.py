@@ -14,6 +14,7 @@ from typing import Any
 # service name → module with add_arguments/run
 SERVICES: dict[str, str] = {
     "worker": "services.worker.main",
+    "gateway": "services.gateway.main",
 }
 
 

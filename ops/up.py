@@ -37,7 +37,7 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, base_env: dict[str, str]) -> None:
-        log = open(self.log_file, "ab")  # noqa: SIM115 - the child owns it
+        log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "serve", self.name, *self.argv],
             env={**base_env, **self.env},
@@ -80,7 +80,9 @@ class MeshConfig:
     speed: float = 1.0
     profile: str | None = None
     worker_args: list[str] = field(default_factory=list)
-    services: tuple[str, ...] = ("worker",)
+    services: tuple[str, ...] = ("worker", "gateway")
+    gateway_args: list[str] = field(default_factory=list)
+    dev_key: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -95,6 +97,7 @@ class Mesh:
             store_dir=self.state_dir / "nats", port=config.nats_port or free_port(), log_file=self.log_dir / "nats.log"
         )
         self.processes: list[ServiceProcess] = []
+        self.dev_key = ""
 
     @property
     def nats_url(self) -> str:
@@ -126,9 +129,16 @@ class Mesh:
         for name in self.config.services:
             if name == "worker":
                 plan += [self.worker_process(i) for i in range(1, self.config.workers + 1)]
+            elif name == "gateway":
+                argv = ["--port", str(self.config.http_port), "--gateway-id", "gw-1", *self.config.gateway_args]
+                plan.append(ServiceProcess(name, "gateway", argv, self.log_dir / "gateway.log"))
             else:
                 plan.append(ServiceProcess(name, name, [], self.log_dir / f"{name}.log"))
         return plan
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.http_port}"
 
     async def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -141,8 +151,33 @@ class Mesh:
             for process in self.processes:
                 process.start(env)
             await self.wait_ready(bus, timeout)
+            if self.config.dev_key:
+                from .keys import create_key
+
+                self.dev_key, _ = await create_key(bus, org="dev", tier="premium", name="meshserve up development key")
+                (self.state_dir / "dev-key").write_text(self.dev_key + "\n")
+                await self.wait_gateway_ready(timeout)
         finally:
             await bus.close()
+
+    async def wait_gateway_ready(self, timeout: float) -> None:
+        """Until the gateway's /readyz says a worker serves some model."""
+        if "gateway" not in self.config.services:
+            return
+        import aiohttp
+
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(self.gateway_url + "/readyz") as response:
+                        if response.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gateway not ready after {timeout}s (logs in {self.log_dir})")
+                await asyncio.sleep(0.2)
 
     def add_process(self, process: ServiceProcess) -> ServiceProcess:
         """Start one more service process (an extra worker, a second gateway)."""
@@ -224,7 +259,7 @@ def run_up(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(soft_wrap=True)
     config = MeshConfig(
         state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
         model=args.model, workers=args.workers, speed=args.speed, profile=args.profile,
@@ -251,6 +286,13 @@ def run_up(args: argparse.Namespace) -> int:
             table.add_row(*row)
         console.print(table)
         console.print(f"NATS: [bold]{mesh.nats_url}[/bold]   subject root: [bold]{config.root}[/bold]")
+        if mesh.dev_key:
+            console.print(f"OpenAI-compatible API: [bold]{mesh.gateway_url}/v1[/bold]   chat page: {mesh.gateway_url}/")
+            console.print(f"development API key (also in {mesh.state_dir / 'dev-key'}):")
+            console.print(f"  [bold]{mesh.dev_key}[/bold]")
+            console.print(f"  export OPENAI_BASE_URL={mesh.gateway_url}/v1 OPENAI_API_KEY={mesh.dev_key}")
+            console.print(f"  curl {mesh.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {mesh.dev_key}' "
+                          f"-d '{{\"model\": \"{config.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
         console.print("Ctrl-C stops everything (workers drain first).")
         while not stop.is_set():
             dead = [p for p in mesh.processes if not p.running()]

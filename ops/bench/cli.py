@@ -76,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=None, help="seconds of sending per run")
     g.add_argument("--request-timeout", type=float, default=300.0)
     g.add_argument("--drain-timeout", type=float, default=None,
-                   help="after the last arrival, wait this long for in-flight requests (default: request timeout)")
+                   help="after the last arrival, wait this long for in-flight requests (default: request timeout + 1 s)")
     g.add_argument("--warmup", type=int, default=0, help="unmeasured requests per endpoint first")
     g.add_argument("--cooldown", type=float, default=0.0, help="pause between runs (s)")
     g.add_argument("--seed", type=int, default=0)

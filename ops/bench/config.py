@@ -120,7 +120,7 @@ class BenchConfig:
     num_requests: int | None = 100
     duration: float | None = None
     request_timeout: float = 300.0
-    drain_timeout: float | None = None     # None: request_timeout
+    drain_timeout: float | None = None     # None: request_timeout + 1 s
     warmup: int = 0                        # requests per endpoint before measuring
     cooldown: float = 0.0                  # pause between runs (s)
     seed: int = 0

@@ -218,7 +218,8 @@ class _Run:
         self.t0 = time.perf_counter()
         if cfg.duration is not None:
             self.deadline = self.t0 + cfg.duration
-        drain = cfg.drain_timeout if cfg.drain_timeout is not None else cfg.request_timeout
+        # By default every request ends by its own timeout before the drain gives up.
+        drain = cfg.drain_timeout if cfg.drain_timeout is not None else cfg.request_timeout + 1.0
         tasks: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
         if cfg.closed_loop:

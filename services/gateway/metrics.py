@@ -1,0 +1,41 @@
+"""The gateway's Prometheus metrics (one registry per gateway instance).
+
+Latency histograms use vLLM's bucket edges and names in the ``meshserve:`` namespace
+(``vllm:`` names are for engine-side figures the workers export), so dashboards built
+for vLLM read them with a namespace change.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "meshserve:gateway_requests_total", "Requests by API, model and HTTP-like status", ["api", "model", "status"], registry=r
+        )
+        self.errors = Counter("meshserve:gateway_errors_total", "Errors by code", ["code"], registry=r)
+        self.ttft = Histogram(
+            "meshserve:time_to_first_token_seconds", "Time to first token seen by the gateway", ["model"], buckets=TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "meshserve:time_per_output_token_seconds", "Mean inter-token time per request", ["model"], buckets=TPOT_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "meshserve:e2e_request_latency_seconds", "End-to-end request latency", ["model"], buckets=E2E_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("meshserve:prompt_tokens_total", "Prompt tokens", ["model"], registry=r)
+        self.generation_tokens = Counter("meshserve:generation_tokens_total", "Generated tokens", ["model"], registry=r)
+        self.in_flight = Gauge("meshserve:gateway_streams_in_flight", "Open request streams", registry=r)
+        self.admission_unreachable = Counter(
+            "meshserve:gateway_admission_unreachable_total", "Decisions made without admission", ["outcome"], registry=r
+        )
+        self.cancels = Counter("meshserve:gateway_cancels_total", "Cancels sent to workers", ["reason"], registry=r)
+        self.resumes = Counter("meshserve:gateway_resumes_total", "Streams resumed with Last-Event-ID", registry=r)

@@ -1,0 +1,672 @@
+"""The gateway: OpenAI-compatible HTTP/SSE, WebSocket and NATS request-reply front door.
+
+Stateless and cheap: authenticate (API keys from ``mesh_keys``), validate and tokenize
+once, ask admission, ask the router (which forwards to a worker), then relay the
+worker's token chunks from the TOKENS stream to the client. Many replicas may run
+behind any load balancer; a client that lost its connection resumes on any replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import WSMsgType, web
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from bus import BusSettings, Service
+from bus.keys import KeyStore
+from bus.provision import requests_bucket
+from bus.registry import WorkerRegistry
+from proto import (
+    AdmissionRequest,
+    ApiKeyRecord,
+    ErrorCode,
+    MeshError,
+    RemoteError,
+    RequestRecord,
+    RouteRequest,
+    TokenChunk,
+    UsageEvent,
+    WorkerInfo,
+    decode,
+    encode,
+    usage_dedup_id,
+)
+from proto.tokenizer import load_tokenizer
+
+from .apikeys import key_allows_model, parse_bearer, parse_key, redact_key, verify_key
+from .events import DONE, EventBuilder, parse_event_id
+from .metrics import GatewayMetrics
+from .openai_api import (
+    ModelCard,
+    ModelList,
+    WsAuth,
+    WsCancel,
+    chat_completion,
+    encode_json,
+    new_request_id,
+    response_id,
+    sse_event,
+    text_completion,
+    usage_from_proto,
+    ws_done,
+    ws_token,
+)
+from .openai_api import RequestKind as Kind
+from .path import PathConfig, RequestPath
+from .streams import RequestStream, TokenDispatcher
+from .validation import (
+    ApiError,
+    ModelLimits,
+    ModelSpec,
+    NormalizedRequest,
+    from_admission,
+    from_mesh_error,
+    invalid_api_key,
+    missing_api_key,
+    overloaded,
+    parse_request,
+    parse_ws_message,
+    parse_ws_request,
+    payload_too_large,
+)
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("meshserve.gateway")
+
+STATIC_DIR = Path(__file__).parent / "static"
+DONE_HEADER = "Meshserve-Done"  # marks the last message of a streamed NATS API reply
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    gateway_id: str = ""
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_in_flight: int = 4096  # beyond this the gateway sheds with 429
+    stall_timeout_s: float = 120.0  # no chunk for this long: the request ends with an error
+    keepalive_s: float = 15.0
+    model_limits: Mapping[str, ModelLimits] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    path: PathConfig = field(default_factory=PathConfig)
+    tier_priority: Mapping[str, int] = field(default_factory=lambda: {"premium": 2, "standard": 1, "batch": 0})
+
+
+class Execution:
+    """One admitted, placed request whose chunks are arriving."""
+
+    def __init__(self, gateway: GatewayService, request: NormalizedRequest, request_id: str, stream: RequestStream,
+                 worker_id: str, started: float, span: trace.Span) -> None:
+        self.gateway = gateway
+        self.request = request
+        self.request_id = request_id
+        self.stream = stream
+        self.worker_id = worker_id
+        self.started = started
+        self.span = span
+        self.first_token_at: float | None = None
+        self.completion_tokens = 0
+        self.finished = False
+        self.final: TokenChunk | None = None
+
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
+        cfg = self.gateway.config
+        while not self.finished:
+            try:
+                chunk = await self.stream.get(timeout=cfg.stall_timeout_s)
+            except TimeoutError:
+                chunk = self._stalled()
+            if self.stream.overflowed:
+                chunk = self._error_chunk(ErrorCode.OVERLOADED, "client too slow: stream buffer exceeded")
+            if chunk.token_ids and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.completion_tokens += len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                self.finished = True
+                self.final = chunk
+            yield chunk
+
+    def _stalled(self) -> TokenChunk:
+        alive = self.worker_id in self.gateway.registry.workers
+        reason = "stalled" if alive else "is gone"
+        code = ErrorCode.TIMEOUT if alive else ErrorCode.WORKER_LOST
+        if alive:
+            self.gateway.spawn(self.gateway.path.cancel(self.worker_id, self.request_id, "stalled"))
+        return self._error_chunk(code, f"worker {self.worker_id} {reason}: no tokens for {self.gateway.config.stall_timeout_s:.0f}s")
+
+    def _error_chunk(self, code: ErrorCode, message: str) -> TokenChunk:
+        from proto import ErrorInfo
+
+        return TokenChunk(request_id=self.request_id, seq=self.stream.next_seq, finish_reason="error",
+                          error=ErrorInfo(code=code.value, message=message))
+
+    async def cancel(self, reason: str) -> None:
+        if not self.finished:
+            self.finished = True
+            self.gateway.metrics.cancels.labels(reason=reason).inc()
+            await self.gateway.path.cancel(self.worker_id, self.request_id, reason)
+
+    def close(self) -> None:
+        """Metrics and bookkeeping, whatever way the request ended."""
+        g = self.gateway
+        g.dispatcher.close(self.request_id)
+        g.metrics.in_flight.dec()
+        model = self.request.model
+        now = time.monotonic()
+        status = "ok"
+        if self.final is None:
+            status = "cancelled"
+        elif self.final.error is not None:
+            status = "error"
+        g.metrics.requests.labels(api=self.request.kind, model=model, status=status).inc()
+        g.metrics.e2e.labels(model=model).observe(now - self.started)
+        if self.first_token_at is not None:
+            g.metrics.ttft.labels(model=model).observe(self.first_token_at - self.started)
+            if self.completion_tokens > 1:
+                g.metrics.tpot.labels(model=model).observe((now - self.first_token_at) / (self.completion_tokens - 1))
+        g.metrics.prompt_tokens.labels(model=model).inc(self.request.prompt_tokens)
+        g.metrics.generation_tokens.labels(model=model).inc(self.completion_tokens)
+        self.span.set_attribute("meshserve.completion_tokens", self.completion_tokens)
+        self.span.set_attribute("meshserve.status", status)
+        self.span.end()
+
+
+class GatewayService(Service):
+    name = "gateway"
+    description = "meshserve gateway: OpenAI-compatible HTTP/SSE, WebSocket and NATS API"
+
+    def __init__(self, config: GatewayConfig | None = None, settings: BusSettings | None = None) -> None:
+        config = config or GatewayConfig()
+        super().__init__(settings, instance_id=config.gateway_id or None)
+        self.config = config
+        self.gateway_id = self.instance_id
+        self.metrics = GatewayMetrics()
+        self._specs: dict[tuple[str, str, int], ModelSpec] = {}
+        self._runner: web.AppRunner | None = None
+        self._trusted = [ipaddress.ip_network(c, strict=False) for c in config.trusted_proxies]
+        self._in_flight = 0
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def on_start(self) -> None:
+        self.registry = WorkerRegistry(self.bus)
+        await self.registry.start()
+        self.keys = await KeyStore(self.bus).open()
+        await self.keys.watch()
+        self.requests_kv: KeyValue = await requests_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
+        self.dispatcher = TokenDispatcher(self.bus, self.gateway_id)
+        await self.dispatcher.start()
+        self.path = RequestPath(self.bus, self.registry, self.config.path)
+        s = self.bus.subjects
+        await self.add_raw_endpoint("chat", s.api_chat, self._nats_chat, queue_group="gateway")
+        await self.add_raw_endpoint("completions", s.api_completions, self._nats_completions, queue_group="gateway")
+        await self._start_http()
+
+    async def on_drain(self) -> None:
+        # New HTTP connections are refused once the site stops; open streams finish.
+        await self.stop_endpoints()
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+
+    async def on_stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.dispatcher.stop()
+        await self.registry.stop()
+        await self.keys.stop()
+
+    def stats(self) -> dict[str, Any]:
+        return {"gateway_id": self.gateway_id, "streams": self._in_flight, "http": self.http_url}
+
+    @property
+    def http_url(self) -> str:
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{self.config.host}:{self.bound_port}"
+
+    async def _start_http(self) -> None:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._error_middleware])
+        app.add_routes([
+            web.post("/v1/chat/completions", self.http_chat),
+            web.post("/v1/completions", self.http_completions),
+            web.get("/v1/requests/{request_id}/stream", self.http_resume),
+            web.get("/v1/models", self.http_models),
+            web.get("/v1/ws", self.http_ws),
+            web.get("/healthz", self.http_health),
+            web.get("/readyz", self.http_ready),
+            web.get("/metrics", self.http_metrics),
+            web.get("/", self.http_index),
+        ])
+        if STATIC_DIR.exists():
+            app.router.add_static("/static/", STATIC_DIR)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the worker.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        await self._runner.setup()
+        ssl_context = None
+        if self.config.tls_cert:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = sockets[0].getsockname()[1] if sockets else self.config.port
+        log.info("gateway %s serving %s", self.gateway_id, self.http_url)
+
+    # ---- models and keys --------------------------------------------------------------
+    def model_specs(self) -> dict[str, ModelSpec]:
+        """Servable models from the live registry (aliases included), tokenizers cached."""
+        specs: dict[str, ModelSpec] = {}
+        for model, workers in self.registry.models().items():
+            spec = self._spec(model, workers)
+            if spec is not None:
+                specs[model] = spec
+        for alias, target in self.config.aliases.items():
+            if target in specs:
+                specs[alias] = specs[target]
+        return specs
+
+    def _spec(self, model: str, workers: list[WorkerInfo]) -> ModelSpec | None:
+        tokenizer = workers[0].model_dir or workers[0].tokenizer or "byte"
+        max_len = min(w.max_model_len for w in workers if w.max_model_len) if any(w.max_model_len for w in workers) else 4096
+        cache_key = (model, tokenizer, max_len)
+        spec = self._specs.get(cache_key)
+        if spec is None:
+            try:
+                tok = load_tokenizer(tokenizer)
+            except Exception as exc:
+                log.error("cannot load tokenizer %r for %s: %s", tokenizer, model, exc)
+                return None
+            limits = self.config.model_limits.get(model)
+            limits = msgspec.structs.replace(limits, max_model_len=max_len) if limits else ModelLimits(max_model_len=max_len)
+            spec = ModelSpec(name=model, tokenizer=tok, limits=limits)
+            self._specs[cache_key] = spec
+        return spec
+
+    def authenticate(self, presented: str | None) -> ApiKeyRecord:
+        if not presented:
+            raise missing_api_key()
+        parsed = parse_key(presented)
+        record = self.keys.records.get(parsed.key_id) if parsed else None
+        if record is None or record.revoked or not verify_key(presented, record):
+            # Never log the key in clear: only its redacted form.
+            log.info("rejected API key %s", redact_key(presented))
+            raise invalid_api_key(redact_key(presented))
+        return record
+
+    def client_address(self, request: web.Request) -> str:
+        """The peer, or the nearest untrusted hop of X-Forwarded-For when the peer is a trusted proxy."""
+        peer = request.remote or ""
+        forwarded = request.headers.get("X-Forwarded-For")
+        if not forwarded or not self._is_trusted(peer):
+            return peer
+        for hop in reversed([h.strip() for h in forwarded.split(",") if h.strip()]):
+            if not self._is_trusted(hop):
+                return hop
+        return peer
+
+    def _is_trusted(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in net for net in self._trusted)
+
+    # ---- the request path, shared by every API ----------------------------------------
+    async def execute(self, request: NormalizedRequest, key: ApiKeyRecord, *, parent: Any = None) -> Execution:
+        """Admit, place and start streaming one request; raises ApiError when it cannot."""
+        if self._in_flight >= self.config.max_in_flight:
+            raise overloaded(f"gateway {self.gateway_id} is at its in-flight limit", retry_after=1.0, status=429, code="overloaded")
+        started = time.monotonic()
+        request_id = new_request_id()
+        span = tracer.start_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER, attributes={
+            "meshserve.request_id": request_id, "gen_ai.request.model": request.model,
+            "meshserve.org": key.org, "meshserve.key_id": key.key_id, "gen_ai.usage.input_tokens": request.prompt_tokens,
+        })
+        ctx = trace.set_span_in_context(span)
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                return await self._execute(request, key, request_id, started, span, ctx)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR)
+            span.end()
+            raise
+
+    async def _execute(self, request: NormalizedRequest, key: ApiKeyRecord, request_id: str, started: float,
+                       span: trace.Span, ctx: Any) -> Execution:
+        with tracer.start_as_current_span("gateway.admission") as admission_span:
+            decision = await self.path.admit(AdmissionRequest(
+                request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
+                prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm, tpm_limit=key.tpm,
+            ))
+            admission_span.set_attribute("meshserve.admitted", decision.admitted)
+            if decision.reason:
+                admission_span.set_attribute("meshserve.admission_reason", decision.reason)
+        span.set_attribute("meshserve.admission", "admitted" if decision.admitted else str(decision.reason))
+        if not decision.admitted:
+            self.metrics.errors.labels(code=str(decision.reason)).inc()
+            raise from_admission(decision)
+        stream = self.dispatcher.open(request_id)
+        self._in_flight += 1
+        self.metrics.in_flight.inc()
+        generate = request.generate_request(
+            request_id=request_id, token_subject=stream.subject, gateway_id=self.gateway_id, org=key.org,
+            key_id=key.key_id, tier=key.tier, priority=self.config.tier_priority.get(key.tier, 1),
+            arrival_time=time.time(), reserved_tokens=decision.reserved_tokens or request.reserved_tokens,
+        )
+        record = RequestRecord(request_id=request_id, key_id=key.key_id, org=key.org, gateway_id=self.gateway_id,
+                               token_subject=stream.subject, kind=request.kind, model=request.requested_model,
+                               created=int(time.time()), include_usage=request.include_usage)
+        try:
+            await self.requests_kv.put(request_id, encode(record))
+            with tracer.start_as_current_span("gateway.route"):
+                placement = await self.path.place(RouteRequest(request=generate))
+        except BaseException as exc:
+            self.dispatcher.close(request_id)
+            self._in_flight -= 1
+            self.metrics.in_flight.dec()
+            # Admission reserved budget for this request: a usage event reconciles it.
+            await self._publish_rejected_usage(generate, str(exc))
+            if isinstance(exc, RemoteError | MeshError):
+                self.metrics.errors.labels(code=str(exc.code)).inc()
+                raise from_mesh_error(str(exc.code), exc.message, getattr(exc, "retry_after", None)) from exc
+            raise
+        span.set_attribute("meshserve.worker_id", placement.worker_id)
+        execution = Execution(self, request, request_id, stream, placement.worker_id, started, span)
+        return execution
+
+    async def _publish_rejected_usage(self, generate: Any, error: str) -> None:
+        event = UsageEvent(request_id=generate.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
+                           tier=generate.tier, status="rejected", reserved_tokens=generate.reserved_tokens,
+                           arrival_time=generate.arrival_time, finish_time=time.time(), error=error[:500])
+        with contextlib.suppress(MeshError):
+            await self.bus.js_publish(self.bus.subjects.usage(generate.org or "_"), event, msg_id=usage_dedup_id(generate.request_id))
+
+    def finish(self, execution: Execution) -> None:
+        self._in_flight -= 1
+        execution.close()
+
+    # ---- HTTP -------------------------------------------------------------------------
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error_response(exc)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return _error_response(payload_too_large(self.config.max_body_bytes, getattr(exc, "actual_size", None)))
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            return _error_response(ApiError(500, "internal error", "server_error", None, "internal"))
+
+    async def http_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._http_generate(request, "chat")
+
+    async def http_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._http_generate(request, "completion")
+
+    async def _http_generate(self, http: web.Request, kind: Kind) -> web.StreamResponse:
+        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        if http.content_length is not None and http.content_length > self.config.max_body_bytes:
+            raise payload_too_large(self.config.max_body_bytes, http.content_length)
+        body = await http.read()
+        request = parse_request(kind, body, self.model_specs(), allowed_models=key.models or None)
+        parent = extract(dict(http.headers))
+        execution = await self.execute(request, key, parent=parent)
+        try:
+            if request.stream:
+                return await self._sse(http, execution, request)
+            try:
+                return await self._unary(execution, request)
+            except asyncio.CancelledError:
+                await asyncio.shield(execution.cancel("client_disconnected"))
+                raise
+        finally:
+            self.finish(execution)
+
+    async def _unary(self, execution: Execution, request: NormalizedRequest) -> web.Response:
+        text: list[str] = []
+        async for chunk in execution.chunks():
+            if chunk.error is not None:
+                err = from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
+                return _error_response(err)
+            text.append(chunk.text)
+        final = execution.final
+        assert final is not None
+        usage = usage_from_proto(final.usage) if final.usage else None
+        rid = response_id(request.kind, execution.request_id)
+        build = chat_completion if request.kind == "chat" else text_completion
+        body = build(rid, request.requested_model, int(time.time()), "".join(text), final.finish_reason, usage)
+        return web.Response(body=encode_json(body), content_type="application/json",
+                            headers={"X-Request-Id": execution.request_id})
+
+    async def _sse(self, http: web.Request, execution: Execution, request: NormalizedRequest) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": execution.request_id,
+            "X-Accel-Buffering": "no",
+        })
+        await response.prepare(http)
+        builder = EventBuilder(request.kind, execution.request_id, request.requested_model, int(time.time()), request.include_usage)
+        try:
+            await self._relay_sse(response, execution.chunks(), builder, after=None, first_seq=0)
+        except (ConnectionResetError, asyncio.CancelledError):
+            # The client went away mid-stream: free the worker's KV blocks now.
+            await asyncio.shield(execution.cancel("client_disconnected"))
+            raise
+        return response
+
+    async def _relay_sse(self, response: web.StreamResponse, chunks: AsyncIterator[TokenChunk], builder: EventBuilder,
+                         *, after: tuple[int, int] | None, first_seq: int) -> None:
+        async for chunk in chunks:
+            events = builder.events(chunk, first=chunk.seq == first_seq)
+            frames = [sse_event(e.id, e.data) for e in events if after is None or (e.seq, e.index) > after]
+            if frames:
+                await response.write(b"".join(frames))
+
+    async def http_resume(self, http: web.Request) -> web.StreamResponse:
+        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        request_id = http.match_info["request_id"]
+        try:
+            entry = await self.requests_kv.get(request_id)
+            record = decode(entry.value or b"", RequestRecord)
+        except (KeyNotFoundError, MeshError) as exc:
+            raise ApiError(404, f"No resumable request {request_id!r} (unknown or expired).", "invalid_request_error",
+                           None, "not_found") from exc
+        if record.key_id != key.key_id:
+            # Same answer as an unknown id: do not reveal other keys' request ids.
+            raise ApiError(404, f"No resumable request {request_id!r} (unknown or expired).", "invalid_request_error", None, "not_found")
+        after = parse_event_id(http.headers.get("Last-Event-ID"))
+        self.metrics.resumes.inc()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": request_id})
+        await response.prepare(http)
+        builder = EventBuilder(record.kind, request_id, record.model, record.created, record.include_usage)
+        chunks = self.dispatcher.replay(self.bus.subjects.tokens_of_request(request_id), idle_timeout_s=self.config.stall_timeout_s)
+        await self._relay_sse(response, _dedup_by_seq(chunks), builder, after=after, first_seq=0)
+        return response
+
+    async def http_models(self, http: web.Request) -> web.Response:
+        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        now = int(time.time())
+        cards = [ModelCard(id=name, created=now, owned_by="meshserve") for name in sorted(self.model_specs())
+                 if key_allows_model(key, name)]
+        return web.Response(body=encode_json(ModelList(data=cards)), content_type="application/json")
+
+    async def http_health(self, http: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def http_ready(self, http: web.Request) -> web.Response:
+        connected = self._bus is not None and self.bus.nc.is_connected
+        models = sorted(self.registry.models()) if connected else []
+        ready = self.ready and connected and bool(self.registry.ready_workers())
+        return web.json_response({"ready": ready, "nats": connected, "models": models}, status=200 if ready else 503)
+
+    async def http_metrics(self, http: web.Request) -> web.Response:
+        self.metrics.admission_unreachable.labels(outcome="open")._value.set(self.path.admission_fail_open)
+        self.metrics.admission_unreachable.labels(outcome="closed")._value.set(self.path.admission_fail_closed)
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def http_index(self, http: web.Request) -> web.StreamResponse:
+        index = STATIC_DIR / "index.html"
+        if not index.exists():
+            raise web.HTTPNotFound()
+        return web.FileResponse(index)
+
+    # ---- WebSocket --------------------------------------------------------------------
+    async def http_ws(self, http: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=self.config.max_body_bytes)
+        await ws.prepare(http)
+        key: ApiKeyRecord | None = None
+        presented = http.query.get("api_key") or parse_bearer(http.headers.get("Authorization"))
+        if presented:
+            try:
+                key = self.authenticate(presented)
+            except ApiError as exc:
+                await ws.send_str(exc.to_ws(None).decode())
+                await ws.close()
+                return ws
+        running: dict[str, asyncio.Task[None]] = {}
+        send_lock = asyncio.Lock()
+
+        async def send(data: bytes) -> None:
+            async with send_lock:
+                await ws.send_str(data.decode())
+
+        try:
+            async for message in ws:
+                if message.type != WSMsgType.TEXT:
+                    if message.type == WSMsgType.BINARY:
+                        await send(ApiError(400, "send JSON text frames", "invalid_request_error").to_ws(None))
+                    continue
+                try:
+                    parsed = parse_ws_message(message.data)
+                    if isinstance(parsed, WsAuth):
+                        key = self.authenticate(parsed.api_key)
+                        continue
+                    if isinstance(parsed, WsCancel):
+                        task = running.get(parsed.id)
+                        if task is not None:
+                            task.cancel()
+                        continue
+                    if key is None:
+                        raise missing_api_key()
+                    if parsed.id in running:
+                        raise ApiError(400, f"request id {parsed.id!r} is already in flight on this socket", "invalid_request_error", "id")
+                    request = parse_ws_request(parsed, self.model_specs(), allowed_models=key.models or None)
+                except ApiError as exc:
+                    await send(exc.to_ws(getattr(locals().get("parsed"), "id", None)))
+                    continue
+                task = asyncio.create_task(self._ws_request(send, parsed.id, request, key))
+                running[parsed.id] = task
+                task.add_done_callback(lambda _t, rid=parsed.id: running.pop(rid, None))
+        finally:
+            for task in running.values():
+                task.cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)
+        return ws
+
+    async def _ws_request(self, send: Any, client_id: str, request: NormalizedRequest, key: ApiKeyRecord) -> None:
+        try:
+            execution = await self.execute(request, key)
+        except ApiError as exc:
+            await send(exc.to_ws(client_id))
+            return
+        try:
+            async for chunk in execution.chunks():
+                if chunk.error is not None:
+                    err = from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
+                    await send(err.to_ws(client_id))
+                    return
+                if chunk.token_ids or chunk.text:
+                    await send(ws_token(client_id, chunk.seq, chunk.text, chunk.token_ids))
+                if chunk.finish_reason is not None:
+                    await send(ws_done(client_id, chunk.finish_reason, usage_from_proto(chunk.usage) if chunk.usage else None))
+        except (asyncio.CancelledError, ConnectionResetError):
+            await asyncio.shield(execution.cancel("client_cancelled"))
+            with contextlib.suppress(Exception):
+                await send(ws_done(client_id, "abort", None))
+        finally:
+            self.finish(execution)
+
+    # ---- NATS API ---------------------------------------------------------------------
+    async def _nats_chat(self, msg: Msg) -> None:
+        await self._nats_generate(msg, "chat")
+
+    async def _nats_completions(self, msg: Msg) -> None:
+        await self._nats_generate(msg, "completion")
+
+    async def _nats_generate(self, msg: Msg, kind: Kind) -> None:
+        nc = self.bus.nc
+        if not msg.reply:
+            return
+        try:
+            key = self.authenticate(parse_bearer((msg.headers or {}).get("Authorization")))
+            if len(msg.data) > self.config.max_body_bytes:
+                raise payload_too_large(self.config.max_body_bytes, len(msg.data))
+            request = parse_request(kind, msg.data, self.model_specs(), allowed_models=key.models or None)
+            execution = await self.execute(request, key, parent=self.bus.remote_context(msg))
+        except ApiError as exc:
+            await nc.publish(msg.reply, exc.to_json(), headers=_nats_error_headers(exc))
+            return
+        try:
+            if not request.stream:
+                response = await self._unary(execution, request)
+                if response.status >= 400:
+                    await nc.publish(msg.reply, response.body, headers={  # type: ignore[arg-type]
+                        "Nats-Service-Error": "request failed", "Nats-Service-Error-Code": str(response.status)})
+                else:
+                    await nc.publish(msg.reply, response.body)  # type: ignore[arg-type]
+                return
+            builder = EventBuilder(request.kind, execution.request_id, request.requested_model, int(time.time()), request.include_usage)
+            async for chunk in execution.chunks():
+                events = [e for e in builder.events(chunk, first=chunk.seq == 0) if e.data != DONE]
+                for i, event in enumerate(events):
+                    headers = {"Meshserve-Event-Id": event.id, "Meshserve-Request-Id": execution.request_id}
+                    if chunk.finish_reason is not None and i == len(events) - 1:
+                        headers[DONE_HEADER] = "1"  # the last message of this reply
+                    await nc.publish(msg.reply, event.data, headers=headers)
+        finally:
+            self.finish(execution)
+
+
+def _dedup_by_seq(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+    async def gen() -> AsyncIterator[TokenChunk]:
+        seen: set[int] = set()
+        async for chunk in chunks:
+            if chunk.seq in seen:
+                continue
+            seen.add(chunk.seq)
+            yield chunk
+
+    return gen()
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json", headers=exc.headers())
+
+
+def _nats_error_headers(exc: ApiError) -> dict[str, str]:
+    headers = {"Nats-Service-Error": exc.message[:200], "Nats-Service-Error-Code": str(exc.status)}
+    headers.update(exc.headers())
+    return headers
