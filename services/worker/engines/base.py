@@ -1,0 +1,246 @@
+"""The engine interface: what a worker needs from an inference engine, and nothing more.
+
+The worker service talks to its engine only through ``Engine``; nothing outside
+``services/worker/engines`` knows which engine runs (vLLM on a GPU, or the ``sim``
+model of one). Requests arrive already tokenized; outputs stream back one engine step
+at a time; the engine also reports its load (``EngineStats``, the engine-known part of
+``proto.WorkerGauge``) and its prefix-cache contents as KV events in the shared block
+hash space of ``proto.hashing``, so the router can index every worker's cache.
+
+Lifecycle::
+
+    engine = create_engine("sim", speed=50.0)
+    await engine.start()
+    async with contextlib.aclosing(engine.generate(req)) as stream:
+        async for out in stream:          # one EngineOutput per step that produced tokens
+            ...                           # the last one has finish_reason set
+    await engine.shutdown()
+
+Times in outputs (``EngineOutput.timings``) are Unix epoch seconds, like every time on
+the wire. Rates and step times in ``EngineStats`` are in wall-clock seconds too, so the
+rest of the mesh can compare them with the latencies it observes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal, Self
+
+from proto.messages import KvEvent, SamplingParams, Timings
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Engines the factory can build; ``vllm`` is imported only when asked for, because it
+# pulls in torch and CUDA, which laptops and CI do not have.
+ENGINE_NAMES: tuple[str, ...] = ("sim", "vllm")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineRequest:
+    """One generation, already tokenized (the worker unpacks ``GenerateRequest.prompt``).
+
+    ``output_offset`` continues an interrupted generation (a migration after a worker
+    died): the last ``output_offset`` ids of ``prompt_token_ids`` are output the client
+    already has. They count toward ``sampling.max_tokens`` and ``min_tokens``, and a
+    deterministic engine continues exactly where an uninterrupted run would have been.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # higher runs first (proto.GenerateRequest.priority)
+    arrival_time: float = field(default_factory=time.time)  # epoch s, when the worker got it
+    lora: str | None = None  # adapter name; None is the base model
+    output_offset: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineOutput:
+    """What one engine step produced for one request.
+
+    ``new_token_ids`` and ``text`` are deltas. Token ids include a terminating EOS or stop
+    token and the tokens of a matched stop string; ``text`` excludes all of those (as
+    vLLM does), so concatenated ``text`` deltas are exactly the response text.
+    ``completion_tokens`` counts the tokens this engine generated for the request so far
+    (not the ``output_offset`` ones); ``cached_tokens`` is the prompt prefix served from
+    the prefix cache when the request was first scheduled.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    timings: Timings = field(default_factory=Timings)  # epoch s; 0.0 where not reached yet
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineStats:
+    """The part of ``proto.WorkerGauge`` an engine knows; the worker adds identity and time.
+
+    Build a gauge with ``WorkerGauge(worker_id=..., model=..., ts=..., **stats.gauge_fields())``.
+    """
+
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens not yet prefilled (waiting + partial)
+    running_tokens: int = 0  # context tokens (prompt + output) of running sequences
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    step_time_s: float = 0.0
+    preemptions: int = 0  # cumulative since start
+    lora_adapters: list[str] = field(default_factory=list)
+    kv_events_mode: str = "engine"  # "predicted" when the engine emits no KV events itself
+
+    def gauge_fields(self) -> dict[str, Any]:
+        """Keyword arguments for ``proto.WorkerGauge`` (copies, safe to hand over)."""
+        out = dataclasses.asdict(self)
+        out["lora_adapters"] = list(self.lora_adapters)
+        return out
+
+
+class Engine(ABC):
+    """An inference engine as the worker sees it. Implementations: ``sim`` (and ``vllm``).
+
+    Concurrency contract: every method is called from one asyncio event loop. ``generate``
+    may be iterated by many tasks at once (one per request); ``kv_events`` by one.
+    """
+
+    # --- identity and limits (constant after construction) ---------------------------
+
+    @property
+    @abstractmethod
+    def engine_name(self) -> str:
+        """``"sim"`` or ``"vllm"``: goes into ``WorkerInfo.engine``."""
+
+    @property
+    @abstractmethod
+    def model(self) -> str:
+        """The model name requests are routed by."""
+
+    @property
+    @abstractmethod
+    def block_size(self) -> int:
+        """Tokens per KV block: the block size of ``proto.hashing`` for this pool."""
+
+    @property
+    @abstractmethod
+    def kv_blocks_total(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the engine accepts."""
+
+    @property
+    @abstractmethod
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def tokenizer_spec(self) -> str:
+        """What ``proto.tokenizer.load_tokenizer`` takes to load this model's tokenizer."""
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load and begin stepping; ``generate`` may be called once this returns."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Abort everything in flight (each stream ends with ``finish_reason="abort"``),
+        end the ``kv_events`` iterator and release resources. Idempotent."""
+
+    # --- requests --------------------------------------------------------------------
+
+    @abstractmethod
+    def generate(self, req: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Stream the outputs of one request; the last output has ``finish_reason`` set.
+
+        Implementations are async generators. Invalid requests (prompt longer than
+        ``max_model_len``, unknown LoRA adapter, ...) yield one output with
+        ``finish_reason="error"`` rather than raising, so the worker always has a final
+        chunk to publish; a ``request_id`` already in flight raises ``ValueError``.
+        When the consumer stops iterating (``aclose()``, or the generator being
+        collected) the request is aborted and its KV blocks are freed at once, so wrap
+        the iteration in ``contextlib.aclosing`` when breaking out early.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its stream ends with
+        ``finish_reason="abort"``. Unknown or finished ids are ignored."""
+
+    # --- observability ---------------------------------------------------------------
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """A load snapshot, cheap enough to call for every gauge publish."""
+
+    @abstractmethod
+    def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
+        """Batches of ``BlockStored``/``BlockRemoved``/``AllCleared`` as the prefix cache
+        changes, in the hash space of ``proto.hashing`` (salt: the LoRA name or "").
+
+        Applying every batch yielded so far, plus those still buffered, to an empty set
+        gives ``kv_snapshot()``. Ends after ``shutdown()``. One consumer at a time.
+        """
+
+    @abstractmethod
+    def kv_snapshot(self) -> list[int]:
+        """Every block hash the prefix cache holds now (for a router resync)."""
+
+    # --- conveniences ------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+
+def create_engine(name: str, **options: Any) -> Engine:
+    """Build the engine called ``name`` with its own keyword options.
+
+    ``sim`` takes the options of ``services.worker.engines.sim.SimEngine``. Engines are
+    imported here, on demand, so a worker running ``sim`` never imports vLLM.
+    """
+    if name == "sim":
+        from .sim import SimEngine
+
+        return SimEngine(**options)
+    if name == "vllm":
+        try:
+            from .vllm import VllmEngine  # type: ignore[import-not-found]
+        except ImportError as exc:  # the module or vLLM itself is missing
+            raise RuntimeError(f"engine 'vllm' is not available here: {exc}") from exc
+        engine: Engine = VllmEngine(**options)
+        return engine
+    raise ValueError(f"unknown engine {name!r}; known engines: {', '.join(ENGINE_NAMES)}")

@@ -1,0 +1,158 @@
+"""Step-time and memory profiles of the modelled GPU replica, loaded from JSON.
+
+A profile says how long one engine step takes and how much KV cache the GPU holds:
+
+    step_s = base_s + per_prefill_token_s · prefill_tokens + per_decode_seq_s · decode_seqs
+             + per_kv_token_s · kv_tokens_attended
+
+``base_s`` is the fixed cost of a forward pass (reading the weights once: decode at
+small batch is memory-bound), ``per_prefill_token_s`` the compute of one prompt token,
+``per_decode_seq_s`` the per-sequence cost of a decode (sampling, activations, the
+growing GEMM), and ``per_kv_token_s`` attention reading one cached token's K and V.
+
+Profiles live in ``profiles/<name>.json``; a path to any JSON file of the same shape
+works too. The file also states the figures it was fitted to (``intended``), which
+``benchmarks/sim_batch.py`` prints next to what the simulation produces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROFILES_DIR = Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = "llama-3.1-8b-h100"
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    base_s: float
+    per_prefill_token_s: float
+    per_decode_seq_s: float
+    per_kv_token_s: float
+
+    def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+        return (
+            self.base_s
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_decode_seq_s * decode_seqs
+            + self.per_kv_token_s * kv_tokens
+        )
+
+    def decode_tpot(self, batch: int, context: int) -> float:
+        """Steady-state seconds per output token of ``batch`` sequences of ``context`` tokens."""
+        return self.step_time(0, batch, batch * context)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBudget:
+    """How many KV blocks fit: (HBM − weights − reserve) / (KV bytes per token · block size).
+
+    ``reserve_bytes`` covers what vLLM keeps outside the KV cache: the share of HBM left
+    by ``gpu_memory_utilization`` plus activations and CUDA graphs.
+    """
+
+    hbm_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    kv_bytes_per_token: int
+
+    def num_blocks(self, block_size: int) -> int:
+        free = self.hbm_bytes - self.weights_bytes - self.reserve_bytes
+        if free <= 0 or self.kv_bytes_per_token <= 0:
+            raise ValueError(f"memory budget leaves no room for a KV cache: {self}")
+        return free // (self.kv_bytes_per_token * block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class IntendedPoint:
+    """A figure the profile was fitted to: steady decode at ``batch`` sequences."""
+
+    batch: int
+    output_tokens_per_s: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    name: str
+    model: str
+    costs: StepCosts
+    memory: MemoryBudget
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    intended: tuple[IntendedPoint, ...] = ()
+    reference_input_len: int = 0  # the workload the intended figures describe
+    reference_output_len: int = 0
+    comment: str = ""
+
+    @property
+    def reference_context(self) -> int:
+        """Mean context length while decoding the reference workload."""
+        return self.reference_input_len + math.ceil(self.reference_output_len / 2)
+
+
+def _get(d: dict[str, Any], key: str, where: str) -> Any:
+    if key not in d:
+        raise ValueError(f"profile {where}: missing {key!r}")
+    return d[key]
+
+
+def profile_from_dict(data: dict[str, Any], where: str = "<dict>") -> SimProfile:
+    step = _get(data, "step", where)
+    mem = _get(data, "memory", where)
+    defaults = _get(data, "engine_defaults", where)
+    intended = data.get("intended", {})
+    points = tuple(
+        IntendedPoint(
+            batch=int(p["batch"]),
+            output_tokens_per_s=float(p["output_tokens_per_s"]),
+            tpot_ms=float(p["tpot_ms"]),
+        )
+        for p in intended.get("points", [])
+    )
+    return SimProfile(
+        name=str(_get(data, "name", where)),
+        model=str(_get(data, "model", where)),
+        costs=StepCosts(
+            base_s=float(_get(step, "base_s", where)),
+            per_prefill_token_s=float(_get(step, "per_prefill_token_s", where)),
+            per_decode_seq_s=float(_get(step, "per_decode_seq_s", where)),
+            per_kv_token_s=float(_get(step, "per_kv_token_s", where)),
+        ),
+        memory=MemoryBudget(
+            hbm_bytes=int(_get(mem, "hbm_bytes", where)),
+            weights_bytes=int(_get(mem, "weights_bytes", where)),
+            reserve_bytes=int(_get(mem, "reserve_bytes", where)),
+            kv_bytes_per_token=int(_get(mem, "kv_bytes_per_token", where)),
+        ),
+        block_size=int(_get(defaults, "block_size", where)),
+        max_num_seqs=int(_get(defaults, "max_num_seqs", where)),
+        max_num_batched_tokens=int(_get(defaults, "max_num_batched_tokens", where)),
+        max_model_len=int(_get(defaults, "max_model_len", where)),
+        intended=points,
+        reference_input_len=int(intended.get("input_len", 0)),
+        reference_output_len=int(intended.get("output_len", 0)),
+        comment=str(data.get("comment", "")),
+    )
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def load_profile(spec: str | Path | SimProfile = DEFAULT_PROFILE) -> SimProfile:
+    """A profile by name (a file in ``profiles/``), by path to a JSON file, or as is."""
+    if isinstance(spec, SimProfile):
+        return spec
+    path = Path(spec)
+    if path.suffix != ".json" and not path.exists():
+        path = PROFILES_DIR / f"{spec}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown sim profile {str(spec)!r}; known: {', '.join(available_profiles())}")
+    return profile_from_dict(json.loads(path.read_text()), where=str(path))
