@@ -15,6 +15,7 @@ class Coalescer:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._last_flush: float | None = None  # None until the first chunk went out
+        self.emitted = 0  # tokens handed out by take()
 
     def add(self, token_ids: list[int], text: str, now: float) -> None:
         self._token_ids.extend(token_ids)
@@ -36,4 +37,5 @@ class Coalescer:
         token_ids, text = self._token_ids, "".join(self._text)
         self._token_ids, self._text = [], []
         self._last_flush = now
+        self.emitted += len(token_ids)
         return token_ids, text

@@ -252,9 +252,11 @@ class WorkerService(Service):
         if finish == "error" and not error_text:
             error_text = (last.error if last is not None and last.error else "engine ended the request without a finish reason")
         token_ids, text = coalescer.take(time.monotonic())
+        # Bill what was streamed: an aborted engine may have computed a token nobody received.
+        streamed = coalescer.emitted
         usage = Usage(
             prompt_tokens=last.prompt_tokens if last else len(prompt),
-            completion_tokens=(last.completion_tokens if last else 0),
+            completion_tokens=streamed,
             cached_tokens=last.cached_tokens if last else 0,
         )
         timings = last.timings if last is not None else None

@@ -1,0 +1,256 @@
+"""The worker service with the sim engine, on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+from nats.js import api
+
+from bus import Bus, BusSettings
+from proto import (
+    ControlCommand,
+    ControlReply,
+    ErrorCode,
+    GenerateRequest,
+    KvSnapshot,
+    KvSnapshotRequest,
+    RemoteError,
+    SamplingParams,
+    TokenChunk,
+    UsageEvent,
+    WorkerGauge,
+    decode,
+    pack_tokens,
+)
+from services.worker.engines.sim import SimEngine
+from services.worker.service import WorkerConfig, WorkerService
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "sim-llama-8b"
+
+
+class ChunkCollector:
+    """Every token chunk of the test's requests, by request id, in arrival order."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.chunks: dict[str, list[TokenChunk]] = defaultdict(list)
+        self.finished: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def start(self) -> None:
+        await self.bus.subscribe(self.bus.subjects.tokens_of_gateway("test-gw"), TokenChunk, self._on_chunk)
+
+    async def _on_chunk(self, chunk: TokenChunk, msg: Msg) -> None:
+        self.chunks[chunk.request_id].append(chunk)
+        if chunk.finish_reason is not None:
+            self.finished[chunk.request_id].set()
+
+    async def wait(self, request_id: str, timeout: float = 30) -> list[TokenChunk]:
+        await asyncio.wait_for(self.finished[request_id].wait(), timeout)
+        return self.chunks[request_id]
+
+
+def make_request(bus: Bus, request_id: str, prompt: list[int], max_tokens: int, model: str = MODEL, **kw: object) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id, model=model, prompt=pack_tokens(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=7),
+        token_subject=bus.subjects.tokens("test-gw", request_id), org="org-a", key_id="k1", **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def worker(bus_settings: BusSettings) -> AsyncIterator[WorkerService]:
+    engine = SimEngine(model=MODEL, speed=50.0, max_num_seqs=32, num_kv_blocks=2048, max_model_len=8192)
+    service = WorkerService(engine, WorkerConfig(worker_id="w-test", gauge_interval_s=0.05, drain_timeout_s=20), bus_settings)
+    await service.start()
+    try:
+        yield service
+    finally:
+        if not service.stopped.is_set():
+            await service.drain_and_close()
+
+
+@pytest.fixture
+async def collector(bus: Bus) -> ChunkCollector:
+    c = ChunkCollector(bus)
+    await c.start()
+    return c
+
+
+async def read_usage(bus: Bus) -> list[UsageEvent]:
+    """Every event in the USAGE stream."""
+    info = await bus.js.stream_info(bus.subjects.usage_stream)
+    events: list[UsageEvent] = []
+    if info.state.messages == 0:
+        return events
+    sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
+                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+    while len(events) < info.state.messages:
+        for msg in await sub.fetch(info.state.messages - len(events), timeout=5):
+            events.append(decode(msg.data, UsageEvent))
+            await msg.ack()
+    await sub.unsubscribe()
+    return events
+
+
+def assert_complete(chunks: list[TokenChunk], max_tokens: int) -> None:
+    assert [c.seq for c in chunks] == list(range(len(chunks))), "gap, duplicate or reordering"
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    tokens = sum(len(c.token_ids) for c in chunks)
+    assert tokens == max_tokens == chunks[-1].usage.completion_tokens  # type: ignore[union-attr]
+
+
+async def test_64_concurrent_streams_complete_in_order(bus: Bus, worker: WorkerService, collector: ChunkCollector) -> None:
+    requests = [make_request(bus, f"r{i}", list(range(100 + i)), max_tokens=40 + i % 7) for i in range(64)]
+    replies = await asyncio.gather(*(bus.request(bus.subjects.worker_generate("w-test"), r, ControlReply, timeout=5) for r in requests))
+    assert all(r.worker_id == "w-test" for r in replies)
+    for r in requests:
+        assert_complete(await collector.wait(r.request_id), r.sampling.max_tokens)
+    # coalescing: far fewer messages than tokens
+    total_tokens = sum(r.sampling.max_tokens for r in requests)
+    assert worker.chunks_published < total_tokens
+    # exactly one usage event per request, counts equal to what was streamed
+    await asyncio.sleep(0.2)
+    usage = await read_usage(bus)
+    by_id = {u.request_id: u for u in usage}
+    assert len(usage) == len(by_id) == 64
+    for r in requests:
+        streamed = sum(len(c.token_ids) for c in collector.chunks[r.request_id])
+        event = by_id[r.request_id]
+        assert event.completion_tokens == streamed and event.status == "length"
+        assert event.prompt_tokens == len(r.prompt) // 4 and event.worker_id == "w-test"
+
+
+async def test_cancel_frees_kv_blocks_by_next_gauge(bus: Bus, worker: WorkerService, collector: ChunkCollector) -> None:
+    gauges: list[WorkerGauge] = []
+
+    async def on_gauge(g: WorkerGauge, msg: Msg) -> None:
+        gauges.append(g)
+
+    await bus.subscribe(bus.subjects.gauges(MODEL, "w-test"), WorkerGauge, on_gauge)
+    await asyncio.sleep(0.2)
+    baseline = worker.engine.stats().kv_blocks_used
+    request = make_request(bus, "long", list(range(3000)), max_tokens=4000)
+    await bus.request(bus.subjects.worker_generate("w-test"), request, ControlReply)
+    for _ in range(200):
+        if collector.chunks["long"]:
+            break
+        await asyncio.sleep(0.02)
+    assert worker.engine.stats().kv_blocks_used > baseline
+    reply = await bus.request(bus.subjects.worker_cancel("w-test"), _cancel("long"), ControlReply)
+    assert reply.message == "cancelled"
+    chunks = await collector.wait("long")
+    assert chunks[-1].finish_reason == "abort"
+    gauges.clear()
+    for _ in range(100):
+        if gauges:
+            break
+        await asyncio.sleep(0.02)
+    # freed blocks stay cached (prefix cache) but are no longer in use
+    assert gauges[0].running == 0 and gauges[0].kv_blocks_used == baseline
+    await asyncio.sleep(0.2)
+    usage = {u.request_id: u for u in await read_usage(bus)}
+    assert usage["long"].status == "cancelled"
+    assert usage["long"].completion_tokens == sum(len(c.token_ids) for c in chunks)
+
+
+def _cancel(request_id: str):  # type: ignore[no-untyped-def]
+    from proto import CancelRequest
+
+    return CancelRequest(request_id=request_id)
+
+
+async def test_requests_it_cannot_serve_get_an_error_chunk(bus: Bus, worker: WorkerService, collector: ChunkCollector) -> None:
+    wrong = make_request(bus, "wrong-model", [1, 2, 3], max_tokens=5, model="other-model")
+    with pytest.raises(RemoteError) as info:
+        await bus.request(bus.subjects.worker_generate("w-test"), wrong, ControlReply)
+    assert info.value.code is ErrorCode.UNKNOWN_MODEL
+    chunks = await collector.wait("wrong-model")
+    assert chunks[-1].finish_reason == "error" and "other-model" in chunks[-1].error.message  # type: ignore[union-attr]
+
+    too_long = make_request(bus, "too-long", list(range(8000)), max_tokens=500)
+    with pytest.raises(RemoteError) as info:
+        await bus.request(bus.subjects.worker_generate("w-test"), too_long, ControlReply)
+    assert info.value.code is ErrorCode.PROMPT_TOO_LONG
+    assert (await collector.wait("too-long"))[-1].error.code == "prompt_too_long"  # type: ignore[union-attr]
+
+    # hostile bytes: a typed error reply, and the worker keeps serving
+    raw = await bus.nc.request(bus.subjects.worker_generate("w-test"), os.urandom(300), timeout=2)
+    assert raw.headers and "Nats-Service-Error" in raw.headers
+    ok = make_request(bus, "after", [5, 6, 7], max_tokens=8)
+    await bus.request(bus.subjects.worker_generate("w-test"), ok, ControlReply)
+    assert_complete(await collector.wait("after"), 8)
+    await asyncio.sleep(0.2)
+    usage = {u.request_id: u for u in await read_usage(bus)}
+    assert usage["wrong-model"].status == "failed" and usage["too-long"].status == "failed"
+
+
+async def test_kv_snapshot_matches_engine_cache(bus: Bus, worker: WorkerService, collector: ChunkCollector) -> None:
+    request = make_request(bus, "cached", list(range(64)), max_tokens=4)
+    await bus.request(bus.subjects.worker_generate("w-test"), request, ControlReply)
+    await collector.wait("cached")
+    snapshot = await bus.request(bus.subjects.worker_kv_snapshot("w-test"), KvSnapshotRequest(worker_id="w-test"), KvSnapshot)
+    from proto import block_hashes
+
+    assert set(block_hashes(list(range(64)), snapshot.block_size)) <= set(snapshot.block_hashes)
+
+
+async def test_drain_command_refuses_new_work_and_finishes_in_flight(
+    bus: Bus, worker: WorkerService, collector: ChunkCollector
+) -> None:
+    running = make_request(bus, "in-flight", list(range(50)), max_tokens=300)
+    await bus.request(bus.subjects.worker_generate("w-test"), running, ControlReply)
+    reply = await bus.request(bus.subjects.worker_control("w-test"), ControlCommand(command="drain", timeout_s=20), ControlReply)
+    assert reply.state == "draining"
+    late = make_request(bus, "late", [1, 2, 3], max_tokens=5)
+    with pytest.raises(RemoteError) as info:
+        await bus.request(bus.subjects.worker_generate("w-test"), late, ControlReply)
+    assert info.value.code is ErrorCode.DRAINING and info.value.retryable
+    drain = asyncio.create_task(worker.drain_and_close())
+    assert_complete(await collector.wait("in-flight"), 300)
+    assert await drain is True
+    kv = await bus.js.key_value(bus.subjects.workers_bucket)
+    assert "w-test" not in (await kv.keys() if await _has_keys(kv) else [])
+
+
+async def _has_keys(kv) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        await kv.keys()
+        return True
+    except Exception:
+        return False
+
+
+async def test_sigterm_during_load_lets_every_request_finish(bus: Bus, nats_url: str, collector: ChunkCollector) -> None:
+    env = {**os.environ, "MESHSERVE_NATS_URL": nats_url}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "serve", "worker", "--model", MODEL, "--worker-id", "w-proc", "--speed", "20"],
+        env=env, cwd=ROOT,
+    )
+    try:
+        for _ in range(150):
+            try:
+                await bus.request(bus.subjects.worker_control("w-proc"), ControlCommand(command="status"), ControlReply, timeout=0.5)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        requests = [make_request(bus, f"t{i}", list(range(200)), max_tokens=200) for i in range(12)]
+        for r in requests:
+            await bus.request(bus.subjects.worker_generate("w-proc"), r, ControlReply, timeout=5)
+        await asyncio.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        for r in requests:
+            assert_complete(await collector.wait(r.request_id, timeout=60), 200)
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
