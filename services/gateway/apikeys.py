@@ -24,8 +24,8 @@ KEY_ID_HEX_CHARS = 12
 SECRET_BYTES = 32
 
 # key_id is also a NATS KV key, so it must stay within [A-Za-z0-9_-]; we generate hex.
-_KEY_RE = re.compile(r"^msk-([0-9a-f]{12})-([A-Za-z0-9_-]{20,128})$")
-_KEY_ID_RE = re.compile(r"^[0-9a-f]{12}$")
+_KEY_RE = re.compile(r"msk-([0-9a-f]{12})-([A-Za-z0-9_-]{20,128})")
+_KEY_ID_RE = re.compile(r"[0-9a-f]{12}")
 
 
 class ParsedKey(NamedTuple):
@@ -79,12 +79,12 @@ def parse_key(key: str) -> ParsedKey | None:
     Callers look the record up by ``key_id`` only after this succeeds, so garbage never
     reaches the KV bucket.
     """
-    match = _KEY_RE.match(key)
+    match = _KEY_RE.fullmatch(key)  # fullmatch: "$" would accept a trailing newline
     return ParsedKey(match.group(1), match.group(2)) if match else None
 
 
 def is_valid_key_id(key_id: str) -> bool:
-    return bool(_KEY_ID_RE.match(key_id))
+    return bool(_KEY_ID_RE.fullmatch(key_id))
 
 
 def verify_key(key: str, record: ApiKeyRecord) -> bool:

@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import msgspec
 from msgspec import Struct
@@ -29,7 +29,6 @@ from msgspec import Struct
 from proto.errors import ErrorCode
 from proto.hashing import pack_tokens
 from proto.messages import AdmissionDecision, GenerateRequest, SamplingParams
-from proto.tokenizer import Tokenizer
 
 from .chat_template import ChatTemplate, ChatTemplateError
 from .openai_api import (
@@ -237,6 +236,19 @@ def from_mesh_error(code: str, message: str, retry_after: float | None = None) -
 # ------------------------------------------------------------------ model configuration
 
 
+class TokenizerLike(Protocol):
+    """What validation needs of a tokenizer; ``proto.tokenizer``'s tokenizers qualify.
+
+    Read-only properties (not ``proto.tokenizer.Tokenizer``'s plain attributes) so any
+    tokenizer whose ``vocab_size`` is an int attribute type-checks.
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
 class ModelLimits(Struct, kw_only=True, frozen=True):
     """Per-model request limits and defaults (decodable from operator config).
 
@@ -280,7 +292,7 @@ class ModelSpec:
     """
 
     name: str
-    tokenizer: Tokenizer
+    tokenizer: TokenizerLike
     limits: ModelLimits = field(default_factory=ModelLimits)
     template: ChatTemplate = field(default=None)  # type: ignore[assignment]
 
@@ -370,10 +382,10 @@ def _from_validation_error(exc: msgspec.ValidationError) -> ApiError:
     detail = text[: at.start()] if at else text
     missing = _MISSING.match(detail)
     if missing:
-        param = f"{path}.{missing.group('field')}".lstrip(".")
-        return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-    param = path.lstrip(".") or None
-    if param is None:
+        field_path = f"{path}.{missing.group('field')}".lstrip(".")
+        return bad_request(f"Missing required parameter: '{field_path}'.", field_path, "missing_required_parameter")
+    param = path.lstrip(".")
+    if not param:
         return bad_request(f"Invalid request body: {_clip(detail)}.", None, "invalid_type")
     return bad_request(f"Invalid value for '{param}': {_clip(detail)}.", param, "invalid_type")
 
@@ -690,11 +702,10 @@ def parse_chat_request(
     spec = _resolve_model(req.model, models, allowed_models)
     _check_chat_unsupported(req)
     common = _check_common(req, spec.limits, spec.tokenizer.vocab_size)
-    if req.max_completion_tokens is not None:
-        max_param, requested = "max_completion_tokens", req.max_completion_tokens
-    else:
-        max_param, requested = "max_tokens", req.max_tokens
-    requested = _check_max_tokens(max_param, requested, spec.limits)
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = _check_max_tokens(
+        max_param, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, spec.limits
+    )
     messages = _chat_messages(req)
     prompt = _encode(spec, _render(spec, messages))
     return _finish("chat", req, spec, prompt, common, max_param, requested)

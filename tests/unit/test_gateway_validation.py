@@ -1,0 +1,468 @@
+"""Validation: every error case's status/param/code, context length, exact token counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from proto import AdmissionDecision, ErrorCode, GenerateRequest, decode, encode, unpack_tokens
+from proto.tokenizer import ByteTokenizer, HFTokenizer
+from services.gateway.chat_template import ChatTemplate
+from services.gateway.validation import (
+    ApiError,
+    ModelLimits,
+    ModelSpec,
+    NormalizedRequest,
+    from_admission,
+    from_mesh_error,
+    invalid_api_key,
+    missing_api_key,
+    parse_chat_request,
+    parse_completion_request,
+    parse_request,
+    parse_ws_message,
+    parse_ws_request,
+    payload_too_large,
+    rate_limited,
+)
+
+BYTE = ByteTokenizer()
+LIMITS = ModelLimits(max_model_len=256, max_tokens_cap=200, max_top_k=100)
+MODELS = {
+    "sim": ModelSpec("sim", BYTE, LIMITS),
+    "sim-alias": ModelSpec("sim", BYTE, LIMITS),
+    "other": ModelSpec("other", BYTE, ModelLimits(max_model_len=64)),
+}
+# The default ChatML template around one user message, in bytes = byte-tokenizer tokens.
+CHATML_OVERHEAD = len("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")
+
+
+def chat(**fields: Any) -> bytes:
+    body: dict[str, Any] = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+def completion(**fields: Any) -> bytes:
+    body: dict[str, Any] = {"model": "sim", "prompt": "hi"}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+def error_of(fn: Any, body: bytes | str, **kw: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(body, MODELS, **kw)
+    return info.value
+
+
+# ------------------------------------------------------------------------ happy paths
+
+
+def test_chat_normalises_and_tokenizes_once() -> None:
+    req = parse_chat_request(
+        chat(max_tokens=10, temperature=0.0, top_p=0.5, top_k=5, seed=3, stop="END", stream=True,
+             stream_options={"include_usage": True}, user="alice", min_tokens=2, ignore_eos=True,
+             repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5, stop_token_ids=[2]),
+        MODELS,
+    )
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert req.prompt_token_ids == BYTE.encode(rendered)
+    assert req.kind == "chat" and req.model == "sim" and req.requested_model == "sim"
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.min_tokens) == (10, 0.0, 0.5, 5, 3, ["END"], 2)
+    assert (s.ignore_eos, s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.stop_token_ids) == (
+        True, 1.2, 0.5, -0.5, [2]
+    )
+    assert req.stream and req.include_usage
+    assert req.session_key == "alice" and req.user == "alice"
+    assert req.reserved_tokens == len(rendered) + 10
+
+
+def test_token_counts_are_exact_with_the_byte_tokenizer() -> None:
+    content = "héllo wörld ✓ 🙂"
+    req = parse_chat_request(chat(messages=[{"role": "user", "content": content}]), MODELS)
+    assert req.prompt_tokens == CHATML_OVERHEAD + len(content.encode("utf-8"))
+    req = parse_completion_request(completion(prompt=content), MODELS)
+    assert req.prompt_token_ids == [b + 3 for b in content.encode("utf-8")]
+
+
+def test_content_parts_developer_role_and_alias() -> None:
+    req = parse_chat_request(
+        chat(
+            model="sim-alias",
+            messages=[
+                {"role": "developer", "content": "rules"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None},
+            ],
+        ),
+        MODELS,
+    )
+    text = BYTE.decode(req.prompt_token_ids)
+    assert text.startswith("<|im_start|>system\nrules<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n")
+    assert "<|im_start|>assistant\n<|im_end|>" in text
+    assert req.model == "sim" and req.requested_model == "sim-alias"
+
+
+def test_defaults_come_from_the_model_limits() -> None:
+    limits = ModelLimits(max_model_len=100, default_temperature=0.7, default_top_p=0.8)
+    models = {"m": ModelSpec("m", BYTE, limits)}
+    req = parse_chat_request(chat(model="m"), models)
+    assert req.sampling.temperature == 0.7 and req.sampling.top_p == 0.8
+    assert req.max_tokens == 100 - req.prompt_tokens  # chat: the rest of the context
+    assert not req.stream and not req.include_usage and req.session_key is None
+    capped = {"m": ModelSpec("m", BYTE, ModelLimits(max_model_len=100, max_tokens_cap=7))}
+    assert parse_chat_request(chat(model="m"), capped).max_tokens == 7
+    dflt = {"m": ModelSpec("m", BYTE, ModelLimits(max_model_len=100, default_max_tokens=20))}
+    assert parse_chat_request(chat(model="m"), dflt).max_tokens == 20
+    # legacy completions default to 16, clamped to what fits
+    assert parse_completion_request(completion(model="m"), models).max_tokens == 16
+    assert parse_completion_request(completion(model="m", prompt="x" * 95), models).max_tokens == 5
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert parse_chat_request(chat(max_tokens=50, max_completion_tokens=9), MODELS).max_tokens == 9
+
+
+def test_session_id_wins_over_user() -> None:
+    req = parse_chat_request(chat(user="u", session_id="s"), MODELS)
+    assert req.session_key == "s" and req.user == "u"
+
+
+def test_top_k_zero_or_beyond_vocab_means_disabled() -> None:
+    models = {"m": ModelSpec("m", BYTE, ModelLimits())}
+    assert parse_chat_request(chat(model="m", top_k=0), models).sampling.top_k == -1
+    assert parse_chat_request(chat(model="m", top_k=10**30), models).sampling.top_k == -1
+    assert parse_chat_request(chat(model="m", top_k=BYTE.vocab_size - 1), models).sampling.top_k == BYTE.vocab_size - 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ids"),
+    [
+        ([5, 6, 7], [5, 6, 7]),
+        ([[5, 6]], [5, 6]),
+        (["ab"], [100, 101]),
+        ([0, 258], [0, 258]),
+    ],
+)
+def test_completion_prompt_shapes(prompt: Any, ids: list[int]) -> None:
+    assert parse_completion_request(completion(prompt=prompt), MODELS).prompt_token_ids == ids
+
+
+def test_body_may_be_str_bytearray_memoryview() -> None:
+    raw = completion()
+    for body in (raw.decode(), bytearray(raw), memoryview(raw)):
+        assert parse_completion_request(body, MODELS).prompt_tokens == 2
+
+
+def test_generate_request_packs_the_prompt() -> None:
+    req = parse_chat_request(chat(max_tokens=4, session_id="s"), MODELS)
+    gen = req.generate_request(request_id="r1", token_subject="mesh.tokens.g.r1", gateway_id="g", org="acme",
+                               key_id="k", tier="premium", arrival_time=1.5, reserved_tokens=req.reserved_tokens)
+    back = decode(encode(gen), GenerateRequest)
+    assert unpack_tokens(back.prompt) == req.prompt_token_ids
+    assert back.sampling.max_tokens == 4 and back.session_key == "s" and back.tier == "premium"
+    assert back.reserved_tokens == req.reserved_tokens
+
+
+def test_ws_messages_and_requests() -> None:
+    msg = parse_ws_message(b'{"type":"chat.completion","id":"c1","body":' + chat(max_tokens=3) + b"}")
+    req = parse_ws_request(msg, MODELS)  # type: ignore[arg-type]
+    assert req.stream and req.kind == "chat" and req.max_tokens == 3
+    msg = parse_ws_message(b'{"type":"completion","id":"c2","body":' + completion() + b"}")
+    assert parse_ws_request(msg, MODELS).kind == "completion"  # type: ignore[arg-type]
+    for bad, param in [
+        (b'{"type":"cancel","id":""}', "id"),
+        (b'{"type":"cancel","id":"' + b"x" * 200 + b'"}', "id"),
+        (b'{"type":"launch","id":"x"}', "type"),
+        (b'{"type":"auth"}', "api_key"),
+    ]:
+        with pytest.raises(ApiError) as info:
+            parse_ws_message(bad)
+        assert info.value.status == 400 and info.value.param == param
+    with pytest.raises(ApiError) as info:
+        parse_ws_message(b"not json")
+    assert info.value.code == "invalid_json"
+
+
+# ------------------------------------------------------------------------ error cases
+
+CHAT_ERRORS: list[tuple[str, bytes, int, str | None, str | None]] = [
+    ("malformed json", b'{"model": "sim",', 400, None, "invalid_json"),
+    ("empty body", b"", 400, None, "invalid_json"),
+    ("not utf-8", b'{"model": "\xff"}', 400, None, "invalid_json"),
+    ("not an object", b"[1, 2]", 400, None, "invalid_type"),
+    ("missing model", b'{"messages": []}', 400, "model", "missing_required_parameter"),
+    ("missing messages", b'{"model": "sim"}', 400, "messages", "missing_required_parameter"),
+    ("empty model", chat(model=""), 400, "model", "missing_required_parameter"),
+    ("unknown model", chat(model="gpt-9"), 404, "model", "model_not_found"),
+    ("wrong type", chat(max_tokens="5"), 400, "max_tokens", "invalid_type"),
+    ("float for int", chat(max_tokens=5.0), 400, "max_tokens", "invalid_type"),
+    ("bool for int", chat(n=True), 400, "n", "invalid_type"),
+    ("nested wrong type", chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", "invalid_type"),
+    ("missing role", chat(messages=[{"content": "x"}]), 400, "messages[0].role", "missing_required_parameter"),
+    ("empty messages", chat(messages=[]), 400, "messages", "invalid_value"),
+    ("tool role", chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role", "unsupported_value"),
+    ("no content", chat(messages=[{"role": "user"}]), 400, "messages[0].content", "missing_required_parameter"),
+    ("image part", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     400, "messages[0].content[0].type", "unsupported_value"),
+    ("text part without text", chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+     400, "messages[0].content[0].text", "missing_required_parameter"),
+    ("temperature high", chat(temperature=2.5), 400, "temperature", "invalid_value"),
+    ("temperature negative", chat(temperature=-0.1), 400, "temperature", "invalid_value"),
+    ("top_p zero", chat(top_p=0), 400, "top_p", "invalid_value"),
+    ("top_p above one", chat(top_p=1.01), 400, "top_p", "invalid_value"),
+    ("presence penalty", chat(presence_penalty=2.5), 400, "presence_penalty", "invalid_value"),
+    ("frequency penalty", chat(frequency_penalty=-3), 400, "frequency_penalty", "invalid_value"),
+    ("repetition penalty", chat(repetition_penalty=0), 400, "repetition_penalty", "invalid_value"),
+    ("top_k negative", chat(top_k=-2), 400, "top_k", "invalid_value"),
+    ("top_k over cap", chat(top_k=101), 400, "top_k", "invalid_value"),
+    ("max_tokens zero", chat(max_tokens=0), 400, "max_tokens", "integer_below_min_value"),
+    ("max_tokens over cap", chat(max_tokens=201), 400, "max_tokens", "invalid_value"),
+    ("max_completion_tokens zero", chat(max_completion_tokens=0), 400, "max_completion_tokens", "integer_below_min_value"),
+    ("huge max_tokens", chat(max_tokens=10**30), 400, "max_tokens", "invalid_value"),
+    ("min_tokens negative", chat(min_tokens=-1), 400, "min_tokens", "invalid_value"),
+    ("min over max", chat(max_tokens=5, min_tokens=6), 400, "min_tokens", "invalid_value"),
+    ("n two", chat(n=2), 400, "n", "unsupported_parameter"),
+    ("seed too big", chat(seed=2**63), 400, "seed", "invalid_value"),
+    ("too many stops", chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
+    ("empty stop", chat(stop=""), 400, "stop", "invalid_value"),
+    ("long stop", chat(stop="x" * 257), 400, "stop", "invalid_value"),
+    ("stop token out of vocab", chat(stop_token_ids=[259]), 400, "stop_token_ids", "invalid_value"),
+    ("stream_options without stream", chat(stream_options={"include_usage": True}), 400, "stream_options", "invalid_value"),
+    ("logprobs", chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    ("top_logprobs", chat(top_logprobs=3), 400, "top_logprobs", "unsupported_parameter"),
+    ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    ("tool_choice", chat(tool_choice="auto"), 400, "tool_choice", "unsupported_parameter"),
+    ("json mode", chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported_parameter"),
+    ("logit_bias", chat(logit_bias={"50256": -100}), 400, "logit_bias", "unsupported_parameter"),
+    ("audio modality", chat(modalities=["text", "audio"]), 400, "modalities", "unsupported_parameter"),
+    ("long user", chat(user="u" * 257), 400, "user", "invalid_value"),
+    ("deep nesting", b'{"model":"sim","messages":[],"tools":' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+     "invalid_json"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param", "code"), CHAT_ERRORS, ids=[c[0] for c in CHAT_ERRORS])
+def test_chat_errors(name: str, body: bytes, status: int, param: str | None, code: str | None) -> None:
+    err = error_of(parse_chat_request, body)
+    assert (err.status, err.param, err.code) == (status, param, code), err.message
+    assert err.type == "invalid_request_error"
+    assert err.message
+
+
+def test_supported_values_of_unsupported_fields_pass() -> None:
+    req = parse_chat_request(
+        chat(logprobs=False, top_logprobs=0, tools=[], tool_choice="none", response_format={"type": "text"},
+             modalities=["text"], logit_bias={}, n=1, best_of=1),
+        MODELS,
+    )
+    assert req.prompt_tokens > 0
+
+
+COMPLETION_ERRORS: list[tuple[str, bytes, int, str | None, str | None]] = [
+    ("missing prompt", b'{"model":"sim"}', 400, "prompt", "missing_required_parameter"),
+    ("empty string", completion(prompt=""), 400, "prompt", "invalid_value"),
+    ("empty list", completion(prompt=[]), 400, "prompt", "invalid_value"),
+    ("empty inner list", completion(prompt=[[]]), 400, "prompt", "invalid_value"),
+    ("token out of vocab", completion(prompt=[1, 259]), 400, "prompt", "invalid_value"),
+    ("negative token", completion(prompt=[-1]), 400, "prompt", "invalid_value"),
+    ("batch of strings", completion(prompt=["a", "b"]), 400, "prompt", "unsupported_value"),
+    ("batch of token lists", completion(prompt=[[1], [2]]), 400, "prompt", "unsupported_value"),
+    ("mixed list", completion(prompt=["a", 1]), 400, "prompt", "invalid_type"),
+    ("bool in prompt", completion(prompt=[True]), 400, "prompt[0]", "invalid_type"),
+    ("echo", completion(echo=True), 400, "echo", "unsupported_parameter"),
+    ("best_of", completion(best_of=2), 400, "best_of", "unsupported_parameter"),
+    ("logprobs", completion(logprobs=1), 400, "logprobs", "unsupported_parameter"),
+    ("suffix", completion(suffix="end"), 400, "suffix", "unsupported_parameter"),
+    ("n", completion(n=3), 400, "n", "unsupported_parameter"),
+    ("unknown model", completion(model="nope"), 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param", "code"), COMPLETION_ERRORS,
+                         ids=[c[0] for c in COMPLETION_ERRORS])
+def test_completion_errors(name: str, body: bytes, status: int, param: str | None, code: str | None) -> None:
+    err = error_of(parse_completion_request, body)
+    assert (err.status, err.param, err.code) == (status, param, code), err.message
+
+
+def test_key_model_allow_list_answers_404() -> None:
+    assert error_of(parse_chat_request, chat(), allowed_models=["other"]).status == 404
+    assert parse_chat_request(chat(model="sim-alias"), MODELS, allowed_models=["sim"]).model == "sim"
+    assert parse_chat_request(chat(), MODELS, allowed_models=[]).model == "sim"  # empty: all models
+
+
+def test_long_model_names_are_clipped_in_messages() -> None:
+    err = error_of(parse_chat_request, chat(model="m" * 100_000))
+    assert err.status == 404 and len(err.message) < 400
+
+
+# ------------------------------------------------------------------ context length
+
+
+def test_context_length_boundary_chat() -> None:
+    # "other": max_model_len 64; the prompt is CHATML_OVERHEAD + len(content) tokens
+    content = "x" * 10
+    prompt = CHATML_OVERHEAD + 10
+    room = 64 - prompt
+    ok = parse_chat_request(chat(model="other", messages=[{"role": "user", "content": content}], max_tokens=room), MODELS)
+    assert ok.prompt_tokens + ok.max_tokens == 64
+    err = error_of(parse_chat_request, chat(model="other", messages=[{"role": "user", "content": content}],
+                                            max_tokens=room + 1))
+    assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded")
+    assert err.message == (
+        f"This model's maximum context length is 64 tokens. However, you requested 65 tokens ({prompt} in the"
+        f" messages, {room + 1} in the completion). Please reduce the length of the messages or completion."
+    )
+
+
+def test_context_length_prompt_alone_too_long() -> None:
+    err = error_of(parse_chat_request, chat(model="other", messages=[{"role": "user", "content": "x" * 64}]))
+    assert err.code == "context_length_exceeded"
+    assert f"your messages resulted in {CHATML_OVERHEAD + 64} tokens" in err.message
+    # a prompt exactly one token short of the limit still gets one output token
+    req = parse_completion_request(completion(model="other", prompt="x" * 63), MODELS)
+    assert req.max_tokens == 1
+    err = error_of(parse_completion_request, completion(model="other", prompt="x" * 64))
+    assert (err.param, err.code) == ("prompt", "context_length_exceeded")
+
+
+def test_context_length_completion_message() -> None:
+    err = error_of(parse_completion_request, completion(model="other", prompt=[5] * 60, max_tokens=10))
+    assert "(60 in the prompt, 10 in the completion)" in err.message
+
+
+# ------------------------------------------------------------- templates in validation
+
+
+def test_template_rejection_is_400_and_broken_template_is_500() -> None:
+    strict = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}x")
+    broken = ChatTemplate("{{ messages[0].nope.deeper }}")
+    models = {"strict": ModelSpec("strict", BYTE, template=strict), "broken": ModelSpec("broken", BYTE, template=broken)}
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(chat(model="strict", messages=[{"role": "assistant", "content": "x"}]), models)
+    assert (info.value.status, info.value.message, info.value.param) == (400, "user first", "messages")
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(chat(model="broken"), models)
+    assert (info.value.status, info.value.type, info.value.code) == (500, "server_error", "chat_template_error")
+
+
+def test_template_output_limit_is_context_length_exceeded() -> None:
+    small = ChatTemplate(max_output_chars=100)
+    models = {"m": ModelSpec("m", BYTE, template=small)}
+    err = error_of(lambda b, _m: parse_chat_request(b, models), chat(model="m", messages=[{"role": "user", "content": "x" * 200}]))
+    assert (err.status, err.code) == (400, "context_length_exceeded")
+
+
+def test_empty_rendered_prompt_is_refused() -> None:
+    models = {"m": ModelSpec("m", BYTE, template=ChatTemplate(""))}
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(chat(model="m"), models)
+    assert (info.value.status, info.value.param) == (400, "messages")
+
+
+def _tiny_hf_tokenizer(directory: Path) -> HFTokenizer:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}",
+    }))
+    return HFTokenizer(directory)
+
+
+def test_hf_tokenizer_and_its_template(tmp_path: Path) -> None:
+    tok = _tiny_hf_tokenizer(tmp_path)
+    spec = ModelSpec("hf", tok, ModelLimits(max_model_len=512), template=ChatTemplate.for_tokenizer(tok, bos_token="<s>"))
+    req = parse_chat_request(chat(model="hf", messages=[{"role": "user", "content": "hello world"}]), {"hf": spec})
+    expected = tok.encode("<s>[user] hello world\n[assistant] ")
+    assert req.prompt_token_ids == expected
+    assert req.prompt_token_ids[0] == tok.bos_token_id  # the special token text became its id
+    err = error_of(lambda b, _m: parse_completion_request(b, {"hf": spec}), completion(model="hf", prompt=[tok.vocab_size]))
+    assert err.param == "prompt"
+
+
+# ----------------------------------------------------------------- error builders
+
+
+def test_api_error_serialisations() -> None:
+    err = rate_limited("Rate limit reached for requests per minute.", 1.2)
+    assert err.status == 429 and err.code == "rate_limit_exceeded" and err.type == "requests"
+    assert err.headers() == {"Retry-After": "2"}
+    assert json.loads(err.to_json()) == {
+        "error": {"message": "Rate limit reached for requests per minute.", "type": "requests", "param": None,
+                  "code": "rate_limit_exceeded"}
+    }
+    ws = json.loads(err.to_ws("c1"))
+    assert ws["type"] == "error" and ws["id"] == "c1" and ws["status"] == 429 and ws["retry_after"] == 1.2
+    assert payload_too_large(1024, 4096).status == 413
+    assert missing_api_key().status == 401 and invalid_api_key("msk-abc-***").code == "invalid_api_key"
+    assert "msk-abc-***" in invalid_api_key("msk-abc-***").message
+    assert missing_api_key().headers() == {}
+
+
+@pytest.mark.parametrize(
+    ("reason", "status", "type_", "code"),
+    [
+        ("quota_tokens", 429, "tokens", "rate_limit_exceeded"),
+        ("quota_requests", 429, "requests", "rate_limit_exceeded"),
+        ("slo", 429, "server_error", "slo_overloaded"),
+        ("no_capacity", 503, "server_error", "no_capacity"),
+    ],
+)
+def test_from_admission(reason: str, status: int, type_: str, code: str) -> None:
+    err = from_admission(AdmissionDecision(request_id="r", admitted=False, reason=reason, retry_after=2.5))  # type: ignore[arg-type]
+    assert (err.status, err.type, err.code, err.retry_after) == (status, type_, code, 2.5)
+    assert err.headers() == {"Retry-After": "3"}
+    assert "2.5s" in err.message
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (ErrorCode.BAD_REQUEST, 400),
+        (ErrorCode.PROMPT_TOO_LONG, 400),
+        (ErrorCode.UNKNOWN_MODEL, 404),
+        (ErrorCode.UNAUTHORIZED, 401),
+        (ErrorCode.QUOTA_TOKENS, 429),
+        (ErrorCode.NO_CAPACITY, 503),
+        (ErrorCode.DRAINING, 503),
+        (ErrorCode.TIMEOUT, 504),
+        (ErrorCode.WORKER_LOST, 502),
+        (ErrorCode.INTERNAL, 500),
+        ("something_new", 500),
+    ],
+)
+def test_from_mesh_error(code: str, status: int) -> None:
+    err = from_mesh_error(code, "msg", retry_after=1.0)
+    assert err.status == status and err.message == "msg"
+    if code == ErrorCode.PROMPT_TOO_LONG:
+        assert err.code == "context_length_exceeded"
+    if status == 429:
+        assert err.code == "rate_limit_exceeded"
+
+
+def test_model_limits_decode_from_config_and_reject_nonsense() -> None:
+    limits = msgspec.json.decode(b'{"max_model_len": 8192, "max_tokens_cap": 1024}', type=ModelLimits)
+    assert limits.max_model_len == 8192 and limits.default_completion_max_tokens == 16
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"max_model_len": 1}', type=ModelLimits)
+
+
+def test_parse_request_dispatches_by_kind() -> None:
+    assert parse_request("chat", chat(), MODELS).kind == "chat"
+    assert parse_request("completion", completion(), MODELS).kind == "completion"
+    assert isinstance(parse_request("completion", completion(), MODELS), NormalizedRequest)
