@@ -1,0 +1,330 @@
+"""Token buckets and the per-key / per-org limiter with its reservation ledger.
+
+Pure and synchronous: every method takes the caller's clock reading ``now`` (seconds,
+monotonic in practice). A multi-bucket reservation checks every bucket and takes from
+all of them or from none within one synchronous call, so on an asyncio shell no other
+request can interleave between the check and the take: concurrent requests cannot
+slip past a limit together.
+
+Reservations are pessimistic (``prompt_tokens + max_tokens``) and reconciled exactly
+once per request id from the request's usage event: ``reserved − actual`` goes back to
+the token buckets. A reservation whose usage never arrives expires after
+``reservation_ttl_s`` and is settled as fully used. That is the safe side: a missing
+usage event usually means the worker died or the usage stream lagged, not that the
+tokens were not spent, and refunding them would let a key exceed its limit by one
+reservation per lost event (a client can provoke exactly that by dropping connections).
+Charging in full costs an honest key at most one request's estimate, once, for one
+refill period. A usage event arriving after expiry is then a no-op, like any repeat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+QuotaReason = Literal["quota_tokens", "quota_requests"]
+
+
+class TokenBucket:
+    """``rate`` tokens per second, refilled continuously, holding at most ``capacity``."""
+
+    __slots__ = ("capacity", "rate", "tokens", "updated")
+
+    def __init__(self, rate: float, capacity: float, now: float, tokens: float | None = None) -> None:
+        if rate < 0 or capacity < 0:
+            raise ValueError("rate and capacity must be ≥ 0")
+        self.rate = float(rate)
+        self.capacity = float(capacity)
+        self.tokens = self.capacity if tokens is None else min(float(tokens), self.capacity)
+        self.updated = now
+
+    def __repr__(self) -> str:
+        return f"TokenBucket(rate={self.rate}, capacity={self.capacity}, tokens={self.tokens:.1f})"
+
+    def refill(self, now: float) -> float:
+        """Bring the bucket to ``now``; return the tokens available."""
+        if now > self.updated:
+            self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+            self.updated = now
+        return self.tokens
+
+    available = refill
+
+    def deficit(self, amount: float, now: float) -> float:
+        return max(0.0, amount - self.refill(now))
+
+    def wait_time(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` can be taken (0 now; ``inf`` when it never can)."""
+        if amount > self.capacity:
+            return math.inf
+        d = self.deficit(amount, now)
+        if d <= 0:
+            return 0.0
+        return d / self.rate if self.rate > 0 else math.inf
+
+    def try_reserve(self, amount: float, now: float) -> float:
+        """Take ``amount`` if available and return 0.0; else take nothing, return the deficit."""
+        d = self.deficit(amount, now)
+        if d <= 0:
+            self.tokens -= amount
+        return d
+
+    def refund(self, amount: float, now: float) -> None:
+        """Give back unused tokens; the bucket never exceeds its capacity."""
+        self.refill(now)
+        self.tokens = min(self.capacity, self.tokens + amount)
+
+    def charge(self, amount: float, now: float) -> None:
+        """Take ``amount`` unconditionally (usage beyond the reservation): may go into debt,
+        which later requests wait out."""
+        self.refill(now)
+        self.tokens -= amount
+
+    def set_limits(self, rate: float, capacity: float, now: float) -> None:
+        """New limits (the key's record changed): keep the balance, capped to the new capacity."""
+        self.refill(now)
+        self.rate = float(rate)
+        self.capacity = float(capacity)
+        self.tokens = min(self.tokens, self.capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """One bucket that could not cover its part of a multi-bucket reservation."""
+
+    name: str
+    amount: float
+    deficit: float
+    retry_after: float  # deficit / rate; inf when the amount exceeds the capacity
+    capacity: float
+
+    @property
+    def retryable(self) -> bool:
+        return math.isfinite(self.retry_after)
+
+
+def reserve_all(demands: Sequence[tuple[str, TokenBucket, float]], now: float) -> list[Shortfall]:
+    """Take each ``amount`` from its bucket, all or nothing. Empty list: reserved.
+
+    Otherwise nothing was taken and the list names every bucket short, each with the
+    time its deficit takes to refill; the request can succeed after the largest.
+    """
+    short: list[Shortfall] = []
+    for name, bucket, amount in demands:
+        d = bucket.deficit(amount, now)
+        if d > 0 or amount > bucket.capacity:
+            short.append(Shortfall(name, amount, d, bucket.wait_time(amount, now), bucket.capacity))
+    if not short:
+        for _, bucket, amount in demands:
+            bucket.tokens -= amount  # refilled to ``now`` by ``deficit`` above
+    return short
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's limits and its org's (per minute); ``None`` is unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    org_rpm: int | None = None
+    org_tpm: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterConfig:
+    # Bucket capacity = the per-minute limit × burst_s / 60: by default a key may spend
+    # a whole minute's budget at once, then refills at limit / 60 per second.
+    burst_s: float = 60.0
+    reservation_ttl_s: float = 900.0  # longer than any request may run
+    idle_bucket_ttl_s: float = 600.0  # full, unused buckets are dropped (re-created full)
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaResult:
+    admitted: bool
+    reserved_tokens: int = 0
+    reason: QuotaReason | None = None
+    retry_after: float = 0.0
+    retryable: bool = True
+    limit: str = ""  # which limit refused: "key_tpm", "key_rpm", "org_tpm", "org_rpm"
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    request_id: str
+    tokens: int
+    created_at: float
+    # Refunds go to the bucket objects the tokens came from, even if limits changed since.
+    token_buckets: tuple[tuple[str, TokenBucket], ...]  # (bucket name, bucket)
+    request_buckets: tuple[tuple[str, TokenBucket], ...]
+
+    @property
+    def bucket_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in (*self.token_buckets, *self.request_buckets))
+
+
+_REASON: dict[str, QuotaReason] = {
+    "key_tpm": "quota_tokens",
+    "org_tpm": "quota_tokens",
+    "key_rpm": "quota_requests",
+    "org_rpm": "quota_requests",
+}
+
+
+class Limiter:
+    """Buckets per key and per org, created lazily, plus the reservation ledger."""
+
+    def __init__(self, config: LimiterConfig | None = None) -> None:
+        self.config = config or LimiterConfig()
+        self._buckets: dict[str, TokenBucket] = {}  # "key:<id>:tpm", "org:<id>:rpm", ...
+        self._last_used: dict[str, float] = {}
+        self._holds: dict[str, int] = {}  # bucket name → open reservations drawing on it
+        # Open reservations, oldest first. Only open ones are kept: a settled id is simply
+        # absent, so any repeat of its usage (USAGE redelivery) finds nothing to refund.
+        self._open: dict[str, Reservation] = {}
+
+    # ---- buckets ----
+    def bucket(self, name: str) -> TokenBucket | None:
+        return self._buckets.get(name)
+
+    def _bucket(self, name: str, per_minute: int, now: float) -> TokenBucket:
+        rate = per_minute / 60.0
+        capacity = per_minute * self.config.burst_s / 60.0
+        b = self._buckets.get(name)
+        if b is None:
+            b = self._buckets[name] = TokenBucket(rate, capacity, now)
+        elif b.rate != rate or b.capacity != capacity:
+            b.set_limits(rate, capacity, now)
+        self._last_used.pop(name, None)  # re-inserted: the dict stays in last-use order
+        self._last_used[name] = now
+        return b
+
+    # ---- reservations ----
+    def reserve(
+        self, request_id: str, key_id: str, org: str, tokens: int, limits: Limits, now: float
+    ) -> QuotaResult:
+        """Reserve ``tokens`` and one request from every limited bucket, all or nothing."""
+        existing = self._open.get(request_id)
+        if existing is not None:  # the same request asked twice (a retried call): no double charge
+            return QuotaResult(admitted=True, reserved_tokens=existing.tokens)
+        token_b: list[tuple[str, TokenBucket]] = []
+        request_b: list[tuple[str, TokenBucket]] = []
+        demands: list[tuple[str, TokenBucket, float]] = []
+        for label, name, per_minute in (
+            ("key_tpm", f"key:{key_id}:tpm", limits.tpm),
+            ("key_rpm", f"key:{key_id}:rpm", limits.rpm),
+            ("org_tpm", f"org:{org}:tpm", limits.org_tpm),
+            ("org_rpm", f"org:{org}:rpm", limits.org_rpm),
+        ):
+            if per_minute is None:
+                continue
+            b = self._bucket(name, per_minute, now)
+            is_tokens = _REASON[label] == "quota_tokens"
+            (token_b if is_tokens else request_b).append((name, b))
+            demands.append((label, b, float(tokens) if is_tokens else 1.0))
+        short = reserve_all(demands, now)
+        if short:
+            return self._refusal(short, tokens)
+        r = Reservation(request_id, tokens, now, tuple(token_b), tuple(request_b))
+        for n in r.bucket_names:
+            self._holds[n] = self._holds.get(n, 0) + 1
+        self._open[request_id] = r
+        return QuotaResult(admitted=True, reserved_tokens=tokens)
+
+    @staticmethod
+    def _refusal(short: list[Shortfall], tokens: int) -> QuotaResult:
+        never = [s for s in short if not s.retryable]
+        if never:
+            s = never[0]
+            label = s.name
+            unit = "tokens" if _REASON[label] == "quota_tokens" else "requests"
+            return QuotaResult(
+                admitted=False,
+                reason=_REASON[label],
+                retry_after=0.0,
+                retryable=False,
+                limit=label,
+                message=f"the request needs {s.amount:.0f} {unit}, more than the {label.replace('_', ' ')} "
+                f"limit ever allows at once ({s.capacity:.0f}): retrying cannot succeed",
+            )
+        s = max(short, key=lambda x: x.retry_after)  # the request fits once the slowest refills
+        label = s.name
+        return QuotaResult(
+            admitted=False,
+            reason=_REASON[label],
+            retry_after=s.retry_after,
+            retryable=True,
+            limit=label,
+            message=f"{label.replace('_', ' ')} limit reached; retry in {s.retry_after:.2f} s",
+        )
+
+    def reconcile(self, request_id: str, actual_tokens: int, now: float) -> int | None:
+        """Settle a reservation from its usage: refund ``reserved − actual`` tokens.
+
+        Returns the tokens refunded (negative when usage exceeded the reservation and the
+        excess was charged), or ``None`` when the id has no open reservation (already
+        settled, expired, or never reserved here): repeats are no-ops.
+        """
+        r = self._close(request_id, now)
+        if r is None:
+            return None
+        delta = r.tokens - max(actual_tokens, 0)
+        for _, b in r.token_buckets:
+            if delta >= 0:
+                b.refund(delta, now)
+            else:
+                b.charge(-delta, now)
+        return delta
+
+    def release(self, request_id: str, now: float) -> bool:
+        """Undo a reservation entirely (the request never ran: SLO shed, no capacity)."""
+        r = self._close(request_id, now)
+        if r is None:
+            return False
+        for _, b in r.token_buckets:
+            b.refund(r.tokens, now)
+        for _, b in r.request_buckets:
+            b.refund(1.0, now)
+        return True
+
+    def _close(self, request_id: str, now: float) -> Reservation | None:
+        r = self._open.pop(request_id, None)
+        if r is None:
+            return None
+        for n in r.bucket_names:
+            left = self._holds[n] - 1
+            if left:
+                self._holds[n] = left
+            else:
+                del self._holds[n]
+        return r
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def expire(self, now: float) -> list[str]:
+        """Settle reservations older than ``reservation_ttl_s`` as fully used and drop idle
+        buckets. Returns the ids expired."""
+        cfg = self.config
+        expired: list[str] = []
+        for rid, r in list(self._open.items()):
+            if now - r.created_at < cfg.reservation_ttl_s:
+                break  # insertion order is creation order
+            self._close(rid, now)  # no refund: charged in full (see the module docstring)
+            expired.append(rid)
+        for name, used in list(self._last_used.items()):
+            if now - used < cfg.idle_bucket_ttl_s:
+                break  # last-use order
+            b = self._buckets[name]
+            # Dropping is invisible only if the bucket would be re-created identical: full,
+            # and with no open reservation that will refund into it.
+            if name not in self._holds and b.refill(now) >= b.capacity:
+                del self._buckets[name]
+                del self._last_used[name]
+        return expired

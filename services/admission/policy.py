@@ -1,0 +1,74 @@
+"""The admission verdict: quota first, then the SLO prediction, in one synchronous step.
+
+Quota comes first because it is the client's own budget (its refusal tells the client
+to slow down, whatever the fleet's state). The SLO check runs only on a reserved
+request, and a shed request gets its reservation back in full, request count
+included: a client is not charged for work the fleet refused. Both steps happen in one
+call with no await in between, so no other request can see the buckets half-updated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from proto.messages import AdmissionDecision, AdmissionRequest, UsageEvent
+
+from .buckets import Limiter, Limits
+from .slo import ReplicaLoad, SloAdmitter
+
+
+def limits_of(req: AdmissionRequest) -> Limits:
+    return Limits(rpm=req.rpm_limit, tpm=req.tpm_limit, org_rpm=req.org_rpm_limit, org_tpm=req.org_tpm_limit)
+
+
+class AdmissionPolicy:
+    def __init__(self, limiter: Limiter | None = None, slo: SloAdmitter | None = None) -> None:
+        self.limiter = limiter or Limiter()
+        self.slo = slo or SloAdmitter()
+
+    def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
+        """``replicas``: the request's pool, with ``cached_tokens`` set when known."""
+        reserve = req.prompt_tokens + req.max_tokens
+        quota = self.limiter.reserve(req.request_id, req.key_id, req.org, reserve, limits_of(req), now)
+        if not quota.admitted:
+            return AdmissionDecision(
+                request_id=req.request_id,
+                admitted=False,
+                reason=quota.reason,
+                retry_after=quota.retry_after,
+                message=quota.message,
+            )
+        pool = list(replicas)
+        verdict = self.slo.check(req.tier, req.prompt_tokens, pool, now)
+        if not verdict.admitted:
+            self.limiter.release(req.request_id, now)
+            return AdmissionDecision(
+                request_id=req.request_id,
+                admitted=False,
+                reason=verdict.reason,
+                retry_after=verdict.retry_after,
+                predicted_ttft=verdict.predicted_ttft,
+                message=verdict.message,
+            )
+        cached = next((r.cached_tokens for r in pool if r.worker_id == verdict.worker_id), 0)
+        self.slo.record_admitted(req.tier, max(req.prompt_tokens - cached, 0), now)
+        return AdmissionDecision(
+            request_id=req.request_id,
+            admitted=True,
+            predicted_ttft=verdict.predicted_ttft,
+            reserved_tokens=quota.reserved_tokens,
+        )
+
+    def on_usage(self, ev: UsageEvent, now: float) -> int | None:
+        """Reconcile a request's reservation from its usage event (repeats are no-ops).
+
+        A request rejected downstream never ran: its reservation is released in full.
+        Anything else (finished, cut at max_tokens, stopped, cancelled, failed) is charged
+        what it really consumed: the prompt it prefilled and the tokens it streamed.
+        """
+        if ev.status == "rejected":
+            return 0 if self.limiter.release(ev.request_id, now) else None
+        return self.limiter.reconcile(ev.request_id, ev.prompt_tokens + ev.completion_tokens, now)
+
+    def expire(self, now: float) -> list[str]:
+        return self.limiter.expire(now)

@@ -1,0 +1,257 @@
+"""Predictive SLO admission per tier: shed early rather than admit a request that will
+miss its TTFT SLO and slow everyone already running.
+
+Prediction. On replica ``w``, a request of tier ``x`` would see
+
+    ttft_x(w) = (queued_prefill(w) · share_x + uncached(w)) / prefill_tokens_per_s(w) + step(w)
+
+``share_x`` is the part of the queue that runs before a tier-``x`` request. Workers run
+higher ``GenerateRequest.priority`` first (the gateway sets it from the tier's priority),
+so a premium request waits only for queued premium work; admission estimates the queue's
+composition from the prompt tokens it admitted recently per priority (exponentially
+decayed, ``mix_half_life_s``). The estimate errs towards safety for higher tiers: they are
+served first, so the real queue holds less of them than the admitted mix. Without
+history, or with ``priority_queues=False`` (FIFO workers), ``share_x = 1``. Workers with no
+measured rate yet (cold start) use ``default_prefill_tokens_per_s`` / ``default_step_time_s``.
+
+Ordering guarantee: a higher tier is never shed while a lower one is admitted.
+A tier-``t`` request is admitted on a replica only if it meets its own SLO there *and* a
+request of the same shape from every higher tier would still be admitted there with a
+margin: for a tier ``x`` that is ``k`` priority levels above ``t``
+
+    ttft_x(w) ≤ headroom^k · slo_x          (k = 0: the request's own check)
+
+So when the premium-visible queue of every replica grows past 0.8 · 1 s, standard
+requests are refused, past 0.64 s batch ones, and premium ones only past 1 s. The proof
+is one line: thresholds only shrink as ``k`` grows, and every check a higher tier makes
+is one a lower tier makes too, at a larger ``k``. Lower tiers still use their own, longer
+SLOs against the longer queue they really wait in: with priority queues a pool full of
+batch work keeps admitting premium and standard, and batch up to its own 10 s.
+
+Long prompts: a request whose prefill alone misses the SLO on an idle replica could
+never be admitted, so its threshold is raised to ``own · (1 + long_prompt_slack · headroom^k)``
+(own = its TTFT on an empty queue): it is admitted when it waits at most that fraction of
+its own prefill time. The margin shrinks with ``k`` like the others, so ordering holds.
+
+``retry_after`` for an SLO refusal is the smallest excess over all replicas: the predicted
+seconds of queue that must drain before the request would pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from proto.messages import WorkerGauge
+
+SloReason = Literal["slo", "no_capacity"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSLO:
+    name: str
+    ttft_slo_s: float
+    priority: int  # higher runs first on the workers and is shed last
+
+
+DEFAULT_TIERS: tuple[TierSLO, ...] = (
+    TierSLO("premium", 1.0, 2),
+    TierSLO("standard", 2.0, 1),
+    TierSLO("batch", 10.0, 0),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SloConfig:
+    tiers: tuple[TierSLO, ...] = DEFAULT_TIERS
+    default_tier: str = "standard"  # for a tier name the config does not know
+    headroom: float = 0.8  # each priority level below sheds at this fraction of the one above
+    long_prompt_slack: float = 0.5
+    priority_queues: bool = True
+    mix_half_life_s: float = 30.0
+    default_prefill_tokens_per_s: float = 8000.0
+    default_step_time_s: float = 0.05
+    min_retry_after_s: float = 0.25
+    no_capacity_retry_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names) or self.default_tier not in names:
+            raise ValueError(f"tiers must be unique and include the default tier {self.default_tier!r}")
+        if not 0 < self.headroom <= 1:
+            raise ValueError("headroom must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What admission knows of one replica of the request's pool."""
+
+    worker_id: str
+    queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # 0: not measured yet
+    step_time_s: float = 0.0
+    cached_tokens: int = 0  # of this request's prompt, when the shell can estimate it
+    draining: bool = False
+
+    @classmethod
+    def from_gauge(cls, g: WorkerGauge, cached_tokens: int = 0) -> ReplicaLoad:
+        return cls(
+            worker_id=g.worker_id,
+            queued_prefill_tokens=g.queued_prefill_tokens,
+            prefill_tokens_per_s=g.prefill_tokens_per_s,
+            step_time_s=g.step_time_s,
+            cached_tokens=cached_tokens,
+            draining=g.draining,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SloVerdict:
+    admitted: bool
+    tier: str
+    predicted_ttft: float | None  # on the chosen (or, if refused, the best) replica
+    worker_id: str | None = None
+    reason: SloReason | None = None
+    retry_after: float = 0.0
+    message: str = ""
+
+
+class TierMix:
+    """Exponentially decayed prompt tokens admitted per priority."""
+
+    __slots__ = ("half_life_s", "updated", "weights")
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self.weights: dict[int, float] = {}
+        self.updated = -math.inf
+
+    def _decay(self, now: float) -> None:
+        if now > self.updated:
+            if self.weights and math.isfinite(self.updated):
+                f = 0.5 ** ((now - self.updated) / self.half_life_s)
+                for p in self.weights:
+                    self.weights[p] *= f
+            self.updated = now
+
+    def add(self, priority: int, tokens: float, now: float) -> None:
+        self._decay(now)
+        self.weights[priority] = self.weights.get(priority, 0.0) + tokens
+
+    def share_at_or_above(self, priority: int, now: float) -> float:
+        """Fraction of the queued work that runs before a request of ``priority``."""
+        self._decay(now)
+        total = sum(self.weights.values())
+        if total <= 1e-9:
+            return 1.0  # no history: assume the whole queue is ahead
+        return sum(w for p, w in self.weights.items() if p >= priority) / total
+
+
+class SloAdmitter:
+    def __init__(self, config: SloConfig | None = None) -> None:
+        self.config = config or SloConfig()
+        self._tiers = {t.name: t for t in self.config.tiers}
+        levels = sorted({t.priority for t in self.config.tiers}, reverse=True)
+        self._level = {p: i for i, p in enumerate(levels)}  # 0 = highest priority
+        self.mix = TierMix(self.config.mix_half_life_s)
+
+    def tier(self, name: str) -> TierSLO:
+        return self._tiers.get(name) or self._tiers[self.config.default_tier]
+
+    def record_admitted(self, tier: str, uncached_tokens: int, now: float) -> None:
+        """Feed the queue-composition estimate (call for every admitted request)."""
+        self.mix.add(self.tier(tier).priority, uncached_tokens, now)
+
+    def _guards(self, t: TierSLO) -> list[tuple[TierSLO, int]]:
+        """The tier itself (k = 0) and every strictly higher tier with its level distance."""
+        lt = self._level[t.priority]
+        out = [(t, 0)]
+        for x in self.config.tiers:
+            if x.priority > t.priority:
+                out.append((x, lt - self._level[x.priority]))
+        return out
+
+    def predict(self, replica: ReplicaLoad, prompt_tokens: int, tier: str, now: float) -> float:
+        """Predicted TTFT of a ``tier`` request of ``prompt_tokens`` on ``replica``."""
+        rate, step = self._rate_step(replica)
+        share = self._share(self.tier(tier), now)
+        uncached = max(prompt_tokens - replica.cached_tokens, 0)
+        return (replica.queued_prefill_tokens * share + uncached) / rate + step
+
+    def _rate_step(self, r: ReplicaLoad) -> tuple[float, float]:
+        cfg = self.config
+        rate = r.prefill_tokens_per_s if r.prefill_tokens_per_s > 0 else cfg.default_prefill_tokens_per_s
+        step = r.step_time_s if r.step_time_s > 0 else cfg.default_step_time_s
+        return rate, step
+
+    def _share(self, t: TierSLO, now: float) -> float:
+        if not self.config.priority_queues:
+            return 1.0
+        return self.mix.share_at_or_above(t.priority, now)
+
+    def check(self, tier: str, prompt_tokens: int, replicas: Iterable[ReplicaLoad], now: float) -> SloVerdict:
+        """Admit when some replica meets the tier's SLO without endangering higher tiers."""
+        cfg = self.config
+        t = self.tier(tier)
+        live = [r for r in replicas if not r.draining]
+        if not live:
+            return SloVerdict(
+                admitted=False,
+                tier=t.name,
+                predicted_ttft=None,
+                reason="no_capacity",
+                retry_after=cfg.no_capacity_retry_after_s,
+                message="no replica is serving this model",
+            )
+        guards = [(x, k, self._share(x, now), cfg.headroom**k) for x, k in self._guards(t)]
+        best_ok: tuple[float, ReplicaLoad] | None = None
+        best_any: tuple[float, ReplicaLoad] | None = None
+        least_excess = math.inf
+        binding = ""
+        for r in live:
+            rate, step = self._rate_step(r)
+            uncached = max(prompt_tokens - r.cached_tokens, 0)
+            own = uncached / rate + step  # TTFT on an empty queue
+            excess = 0.0
+            why = ""
+            own_pred = 0.0
+            for x, k, share, margin in guards:
+                pred = (r.queued_prefill_tokens * share + uncached) / rate + step
+                if k == 0:
+                    own_pred = pred
+                limit = max(margin * x.ttft_slo_s, own * (1 + cfg.long_prompt_slack * margin))
+                if pred - limit > excess:
+                    excess = pred - limit
+                    why = (
+                        f"predicted TTFT {pred:.2f} s > {limit:.2f} s"
+                        + (f" ({x.name} SLO)" if k == 0 else f" (protecting {x.name})")
+                        + f" on {r.worker_id}"
+                    )
+            if best_any is None or own_pred < best_any[0]:
+                best_any = (own_pred, r)
+            if excess <= 0:
+                if best_ok is None or own_pred < best_ok[0]:
+                    best_ok = (own_pred, r)
+            elif excess < least_excess:
+                least_excess, binding = excess, why
+        if best_ok is not None:
+            return SloVerdict(
+                admitted=True, tier=t.name, predicted_ttft=best_ok[0], worker_id=best_ok[1].worker_id
+            )
+        assert best_any is not None
+        return SloVerdict(
+            admitted=False,
+            tier=t.name,
+            predicted_ttft=best_any[0],
+            worker_id=best_any[1].worker_id,
+            reason="slo",
+            retry_after=max(least_excess, cfg.min_retry_after_s),
+            message=f"{t.name}: {binding}",
+        )
+
+    def thresholds(self, tier: str) -> list[tuple[str, float]]:
+        """The limits a ``tier`` request is held to (tier name, seconds), for docs and metrics."""
+        t = self.tier(tier)
+        return [(x.name, self.config.headroom**k * x.ttft_slo_s) for x, k in self._guards(t)]
