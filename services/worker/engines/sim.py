@@ -289,12 +289,13 @@ class SimEngine(Engine):
 
     def _to_wall(self, out: EngineOutput, arrival: float) -> EngineOutput:
         t = out.timings
-        out.timings = Timings(
-            arrival=arrival or self.to_epoch(t.arrival),
-            scheduled=self.to_epoch(t.scheduled) if t.scheduled else 0.0,
-            first_token=self.to_epoch(t.first_token) if t.first_token else 0.0,
-            finished=self.to_epoch(t.finished) if t.finished else 0.0,
-        )
+        arrival = arrival or self.to_epoch(t.arrival)
+        # Clamped so the phases never run backwards: the caller's arrival stamp and the
+        # simulated clock's epoch anchor come from different clock reads.
+        scheduled = max(arrival, self.to_epoch(t.scheduled)) if t.scheduled else 0.0
+        first_token = max(scheduled, self.to_epoch(t.first_token)) if t.first_token else 0.0
+        finished = max(first_token, arrival, self.to_epoch(t.finished)) if t.finished else 0.0
+        out.timings = Timings(arrival=arrival, scheduled=scheduled, first_token=first_token, finished=finished)
         return out
 
     def _push_kv(self, events: list[KvEvent]) -> None:
