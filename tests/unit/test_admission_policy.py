@@ -1,0 +1,124 @@
+"""The admission verdict: quota, then SLO; refunds on shedding; reconciliation from usage."""
+
+from __future__ import annotations
+
+import pytest
+
+from proto.messages import AdmissionRequest, UsageEvent
+from services.admission.buckets import Limiter
+from services.admission.policy import AdmissionPolicy
+from services.admission.slo import ReplicaLoad, SloAdmitter, SloConfig
+
+IDLE = [ReplicaLoad(worker_id="w0", queued_prefill_tokens=0, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+BUSY = [
+    ReplicaLoad(worker_id="w0", queued_prefill_tokens=30_000, prefill_tokens_per_s=10_000, step_time_s=0.05)
+]
+
+
+def req(
+    rid: str, prompt: int = 1000, max_tokens: int = 500, tier: str = "standard", **kw: object
+) -> AdmissionRequest:
+    base: dict[str, object] = {"rpm_limit": 10, "tpm_limit": 20_000, "org_tpm_limit": 100_000}
+    base.update(kw)
+    return AdmissionRequest(
+        request_id=rid,
+        org="acme",
+        key_id="k1",
+        tier=tier,
+        model="m",
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        **base,
+    )  # type: ignore[arg-type]
+
+
+def usage(rid: str, prompt: int, completion: int, status: str = "finished") -> UsageEvent:
+    return UsageEvent(
+        request_id=rid,
+        org="acme",
+        key_id="k1",
+        model="m",
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        status=status,
+    )  # type: ignore[arg-type]
+
+
+def policy() -> AdmissionPolicy:
+    return AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False)))
+
+
+def test_admitted_request_reserves_its_pessimistic_estimate() -> None:
+    p = policy()
+    d = p.check(req("r1"), IDLE, 0.0)
+    assert d.admitted
+    assert d.reason is None
+    assert d.reserved_tokens == 1500
+    assert d.predicted_ttft == pytest.approx(0.15)
+    assert p.limiter.bucket("key:k1:tpm").available(0.0) == 18_500  # type: ignore[union-attr]
+
+
+def test_quota_refusal_reasons() -> None:
+    p = policy()
+    for i in range(13):
+        assert p.check(req(f"r{i}", rpm_limit=100), IDLE, 0.0).admitted
+    d = p.check(req("r13", rpm_limit=100), IDLE, 0.0)  # 13 × 1500 = 19 500 reserved; 1500 more does not fit
+    assert (d.admitted, d.reason) == (False, "quota_tokens")
+    assert d.retry_after == pytest.approx(1000 / (20_000 / 60))
+    p2 = policy()
+    for i in range(10):
+        assert p2.check(req(f"r{i}", prompt=10, max_tokens=10), IDLE, 0.0).admitted
+    d = p2.check(req("r10", prompt=10, max_tokens=10), IDLE, 0.0)
+    assert (d.reason, d.retry_after) == ("quota_requests", pytest.approx(6.0))
+
+
+def test_oversized_request_is_refused_for_good() -> None:
+    d = policy().check(req("big", prompt=15_000, max_tokens=8000), IDLE, 0.0)
+    assert (d.admitted, d.reason, d.retry_after) == (False, "quota_tokens", 0.0)
+    assert "cannot succeed" in d.message
+
+
+def test_slo_shed_refunds_the_reservation_in_full() -> None:
+    p = policy()
+    d = p.check(req("r1"), BUSY, 0.0)
+    assert (d.admitted, d.reason) == (False, "slo")
+    assert d.retry_after == pytest.approx((30_000 + 1000) / 10_000 + 0.05 - 0.8)
+    assert d.predicted_ttft == pytest.approx(3.15)
+    assert p.limiter.bucket("key:k1:tpm").available(0.0) == 20_000  # type: ignore[union-attr]
+    assert p.limiter.bucket("key:k1:rpm").available(0.0) == 10  # type: ignore[union-attr]
+    assert len(p.limiter) == 0
+
+
+def test_no_capacity() -> None:
+    d = policy().check(req("r1"), [], 0.0)
+    assert (d.admitted, d.reason, d.retry_after) == (False, "no_capacity", 5.0)
+
+
+def test_usage_reconciles_exactly_once() -> None:
+    p = policy()
+    p.check(req("r1"), IDLE, 0.0)
+    assert p.on_usage(usage("r1", 1000, 120, "cancelled"), 0.0) == 1500 - 1120
+    assert p.on_usage(usage("r1", 1000, 120, "cancelled"), 0.0) is None
+    assert p.limiter.bucket("key:k1:tpm").available(0.0) == 20_000 - 1120  # type: ignore[union-attr]
+
+
+def test_usage_of_a_request_rejected_downstream_releases_it() -> None:
+    p = policy()
+    p.check(req("r1"), IDLE, 0.0)
+    assert p.on_usage(usage("r1", 0, 0, "rejected"), 0.0) == 0
+    assert p.limiter.bucket("key:k1:rpm").available(0.0) == 10  # type: ignore[union-attr]
+    assert p.on_usage(usage("r1", 0, 0, "rejected"), 0.0) is None
+
+
+def test_admitted_work_feeds_the_queue_mix() -> None:
+    p = AdmissionPolicy()
+    p.check(req("r1", tier="batch"), IDLE, 0.0)
+    assert p.slo.mix.share_at_or_above(2, 0.0) == 0.0  # only batch admitted so far
+    assert p.slo.mix.share_at_or_above(0, 0.0) == 1.0
+
+
+def test_expired_reservations_are_settled() -> None:
+    p = policy()
+    p.check(req("r1"), IDLE, 0.0)
+    assert p.expire(10_000.0) == ["r1"]
+    assert p.on_usage(usage("r1", 10, 10), 10_001.0) is None

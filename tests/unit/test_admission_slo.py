@@ -1,0 +1,190 @@
+"""Predictive SLO admission: prediction, cold start, tier ordering, retry_after."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proto.messages import WorkerGauge
+from services.admission.slo import DEFAULT_TIERS, ReplicaLoad, SloAdmitter, SloConfig, TierSLO
+
+TIERS = ("premium", "standard", "batch")
+FIFO = SloConfig(priority_queues=False, default_step_time_s=0.05)
+
+
+def rep(q: int, rate: float = 10_000.0, step: float = 0.05, wid: str = "w", **kw: object) -> ReplicaLoad:
+    return ReplicaLoad(
+        worker_id=wid, queued_prefill_tokens=q, prefill_tokens_per_s=rate, step_time_s=step, **kw
+    )  # type: ignore[arg-type]
+
+
+def test_prediction_formula_and_best_replica() -> None:
+    slo = SloAdmitter(FIFO)
+    a = rep(8000, rate=10_000, step=0.04, wid="a")
+    b = rep(2000, rate=5_000, step=0.04, wid="b", cached_tokens=800)
+    assert slo.predict(a, 1000, "standard", 0.0) == pytest.approx((8000 + 1000) / 10_000 + 0.04)
+    assert slo.predict(b, 1000, "standard", 0.0) == pytest.approx((2000 + 200) / 5_000 + 0.04)
+    v = slo.check("premium", 1000, [a, b], 0.0)
+    assert v.admitted
+    assert v.worker_id == "b"
+    assert v.predicted_ttft == pytest.approx(0.48)
+
+
+def test_cold_start_uses_configured_defaults() -> None:
+    slo = SloAdmitter(
+        SloConfig(priority_queues=False, default_prefill_tokens_per_s=4000, default_step_time_s=0.1)
+    )
+    cold = ReplicaLoad(worker_id="new", queued_prefill_tokens=2000)
+    assert slo.predict(cold, 2000, "standard", 0.0) == pytest.approx(4000 / 4000 + 0.1)
+    g = WorkerGauge(worker_id="new", model="m", ts=0.0, queued_prefill_tokens=2000)
+    assert slo.predict(ReplicaLoad.from_gauge(g), 2000, "standard", 0.0) == pytest.approx(1.1)
+
+
+def test_no_capacity_when_no_live_replica() -> None:
+    slo = SloAdmitter()
+    for replicas in ([], [rep(0, draining=True)]):
+        v = slo.check("premium", 10, replicas, 0.0)
+        assert (v.admitted, v.reason, v.retry_after) == (False, "no_capacity", 5.0)
+
+
+def test_default_thresholds_chain() -> None:
+    slo = SloAdmitter()
+    assert slo.thresholds("premium") == [("premium", 1.0)]
+    assert slo.thresholds("standard") == [("standard", 2.0), ("premium", pytest.approx(0.8))]
+    assert slo.thresholds("batch") == [
+        ("batch", 10.0),
+        ("premium", pytest.approx(0.64)),
+        ("standard", pytest.approx(1.6)),
+    ]
+    assert slo.tier("no-such-tier").name == "standard"
+
+
+def first_rejection(slo: SloAdmitter, tier: str, prompt: int = 500) -> int:
+    for q in range(0, 200_000, 100):
+        if not slo.check(tier, prompt, [rep(q, wid="a"), rep(q + 3000, wid="b")], 0.0).admitted:
+            return q
+    raise AssertionError("never rejected")
+
+
+def test_fifo_rising_load_sheds_batch_then_standard_then_premium() -> None:
+    slo = SloAdmitter(FIFO)
+    qb, qs, qp = (first_rejection(slo, t) for t in ("batch", "standard", "premium"))
+    assert qb < qs < qp
+    # one queue, one prediction: thresholds 0.64 / 0.8 / 1.0 s at 10k tokens/s, 0.05 s step
+    assert qb == pytest.approx((0.64 - 0.05) * 10_000 - 500, abs=100)
+    assert qs == pytest.approx((0.80 - 0.05) * 10_000 - 500, abs=100)
+    assert qp == pytest.approx((1.00 - 0.05) * 10_000 - 500, abs=100)
+
+
+def test_priority_queues_rising_load_keeps_the_order() -> None:
+    slo = SloAdmitter(SloConfig(priority_queues=True))
+    # recent traffic: mostly batch, some standard, a little premium
+    slo.record_admitted("batch", 60_000, 0.0)
+    slo.record_admitted("standard", 30_000, 0.0)
+    slo.record_admitted("premium", 10_000, 0.0)
+    qb, qs, qp = (first_rejection(slo, t) for t in ("batch", "standard", "premium"))
+    assert qb < qs < qp
+    # premium waits only for the premium tenth of the queue: it survives a 10x longer queue
+    assert qp > 5 * first_rejection(SloAdmitter(FIFO), "premium")
+
+
+def test_priority_queues_let_batch_use_its_own_slo_on_a_batch_queue() -> None:
+    slo = SloAdmitter()
+    slo.record_admitted("batch", 100_000, 0.0)
+    # 8 s of queued batch work: far past premium's 1 s, yet premium would jump the queue
+    v = slo.check("batch", 500, [rep(80_000)], 0.0)
+    assert v.admitted
+    assert v.predicted_ttft == pytest.approx(8.1)
+    assert slo.check("premium", 500, [rep(80_000)], 0.0).admitted
+    assert not slo.check("batch", 500, [rep(100_000)], 0.0).admitted  # 10.1 s > 10 s
+
+
+def test_mix_decays() -> None:
+    slo = SloAdmitter(SloConfig(mix_half_life_s=10.0))
+    slo.record_admitted("premium", 1000, 0.0)
+    slo.record_admitted("batch", 1000, 10.0)
+    # at t=10 premium's weight halved: 500 / 1500 of the queue runs before a premium request
+    assert slo.mix.share_at_or_above(2, 10.0) == pytest.approx(1 / 3)
+    assert slo.mix.share_at_or_above(0, 10.0) == 1.0
+
+
+def test_retry_after_is_the_queue_drain_needed() -> None:
+    slo = SloAdmitter(FIFO)
+    # standard: 0.8 s limit (protecting premium); prediction (12000+500)/10000 + 0.05 = 1.3 s
+    v = slo.check("standard", 500, [rep(12_000)], 0.0)
+    assert (v.admitted, v.reason) == (False, "slo")
+    assert v.retry_after == pytest.approx(0.5)
+    assert v.predicted_ttft == pytest.approx(1.3)
+    assert "protecting premium" in v.message
+    # the best replica sets it: another one 0.1 s over its limit
+    v = slo.check("standard", 500, [rep(12_000, wid="a"), rep(8_500, wid="b")], 0.0)
+    assert v.retry_after == pytest.approx(0.25)  # 0.1 s, floored at min_retry_after_s
+    assert v.worker_id == "b"
+
+
+def test_long_prompt_is_held_to_a_proportional_target() -> None:
+    slo = SloAdmitter(FIFO)
+    # 20k tokens at 10k/s: 2.05 s on an idle replica, past premium's 1 s forever
+    assert slo.check("premium", 20_000, [rep(0)], 0.0).admitted
+    assert slo.check("premium", 20_000, [rep(10_000)], 0.0).admitted  # waits 1 s ≤ 50 % of 2.05 s
+    assert not slo.check("premium", 20_000, [rep(11_000)], 0.0).admitted
+    # ordering still holds for it
+    assert not slo.check("standard", 20_000, [rep(10_000)], 0.0).admitted
+
+
+def test_custom_tiers_same_priority_peers_do_not_constrain_each_other() -> None:
+    cfg = SloConfig(
+        tiers=(TierSLO("gold", 0.5, 1), TierSLO("silver", 3.0, 1), TierSLO("bronze", 20.0, 0)),
+        default_tier="silver",
+        priority_queues=False,
+    )
+    slo = SloAdmitter(cfg)
+    assert slo.thresholds("silver") == [("silver", 3.0)]
+    assert slo.check("silver", 100, [rep(20_000)], 0.0).admitted  # 2.06 s
+    assert not slo.check("gold", 100, [rep(20_000)], 0.0).admitted
+
+
+def test_bad_config_rejected() -> None:
+    with pytest.raises(ValueError):
+        SloConfig(default_tier="gold")
+    with pytest.raises(ValueError):
+        SloConfig(headroom=1.5)
+    assert DEFAULT_TIERS[0].priority > DEFAULT_TIERS[1].priority > DEFAULT_TIERS[2].priority
+
+
+# ---- the ordering guarantee, for any state ----
+
+replica = st.builds(
+    ReplicaLoad,
+    worker_id=st.sampled_from(["a", "b", "c", "d"]),
+    queued_prefill_tokens=st.integers(0, 200_000),
+    prefill_tokens_per_s=st.sampled_from([0.0, 500.0, 4000.0, 12_000.0, 40_000.0]),
+    step_time_s=st.sampled_from([0.0, 0.01, 0.05, 0.3]),
+    cached_tokens=st.integers(0, 30_000),
+    draining=st.booleans(),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    replicas=st.lists(replica, max_size=5),
+    prompt=st.integers(1, 60_000),
+    mix=st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6)),
+    headroom=st.sampled_from([0.5, 0.8, 1.0]),
+    priority_queues=st.booleans(),
+)
+def test_a_higher_tier_is_never_shed_while_a_lower_one_is_admitted(
+    replicas: list[ReplicaLoad],
+    prompt: int,
+    mix: tuple[int, int, int],
+    headroom: float,
+    priority_queues: bool,
+) -> None:
+    slo = SloAdmitter(SloConfig(headroom=headroom, priority_queues=priority_queues))
+    for tier, tokens in zip(TIERS, mix, strict=True):
+        if tokens:
+            slo.record_admitted(tier, tokens, 0.0)
+    admitted = [slo.check(t, prompt, replicas, 0.0).admitted for t in TIERS]
+    # premium rejected ⇒ standard rejected ⇒ batch rejected
+    assert admitted == sorted(admitted, reverse=True)
