@@ -351,7 +351,7 @@ class Router:
     ) -> Decision | NoCapacity:
         pool = self.view.pool(model)
         if pool is None or not pool.workers:
-            known = model in self.config.models or model in self.view.pools
+            known = model in self.config.models or model in self.view.models_seen
             return NoCapacity(
                 q.request_id,
                 model,

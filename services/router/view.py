@@ -318,6 +318,9 @@ class RouterView:
     def __init__(self, config: ViewConfig | None = None) -> None:
         self.config = config or ViewConfig()
         self.pools: dict[str, Pool] = {}
+        # Every model a worker has ever served: a pool that lost its last worker is
+        # "empty" (retry later), not "unknown".
+        self.models_seen: set[str] = set()
         self._where: dict[str, Pool] = {}  # worker id → its pool
         self._placement_owner: dict[str, WorkerView] = {}  # request id → worker
 
@@ -363,6 +366,7 @@ class RouterView:
             pool = self.pools.get(model)
             if pool is None:
                 pool = self.pools[model] = Pool(model, self.config)
+                self.models_seen.add(model)
             self._where[worker_id] = pool
             return pool, pool._add(worker_id)
         return pool, pool.workers[worker_id]

@@ -253,6 +253,11 @@ def test_unknown_model_and_empty_pool() -> None:
     assert isinstance(res, NoCapacity)
     assert res.reason == "empty_pool"
     assert res.retryable
+    # a pool whose last worker went away is empty, not unknown
+    v.remove_worker("llama-0")
+    res = router(v).decide(q(), 0.5)
+    assert isinstance(res, NoCapacity)
+    assert (res.reason, res.retryable) == ("empty_pool", True)
 
 
 def test_pool_of_one() -> None:
