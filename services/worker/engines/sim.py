@@ -295,7 +295,9 @@ class SimEngine(Engine):
         scheduled = max(arrival, self.to_epoch(t.scheduled)) if t.scheduled else 0.0
         first_token = max(scheduled, self.to_epoch(t.first_token)) if t.first_token else 0.0
         finished = max(first_token, arrival, self.to_epoch(t.finished)) if t.finished else 0.0
-        out.timings = Timings(arrival=arrival, scheduled=scheduled, first_token=first_token, finished=finished)
+        out.timings = Timings(
+            arrival=arrival, scheduled=scheduled, first_token=first_token, finished=finished
+        )
         return out
 
     def _push_kv(self, events: list[KvEvent]) -> None:
