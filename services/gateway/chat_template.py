@@ -354,7 +354,10 @@ class ChatTemplate:
         Raises ``ChatTemplateError`` and nothing else.
         """
         limit = self.max_output_chars if max_output_chars is None else min(max_output_chars, self.max_output_chars)
-        context: dict[str, Any] = dict(extra_context or {})
+        # tools/documents are None, not undefined, as transformers passes them: templates
+        # test ``tools is not none`` (undefined would count as "not none").
+        context: dict[str, Any] = {"tools": None, "documents": None}
+        context.update(extra_context or {})
         context.update(
             messages=_CountedList(dict(m) for m in messages),
             add_generation_prompt=add_generation_prompt,

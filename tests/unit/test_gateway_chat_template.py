@@ -71,6 +71,12 @@ def test_tojson_keeps_non_ascii_and_generation_tag_is_accepted() -> None:
     assert tmpl.render([{"role": "user", "content": "héllo <b>"}]) == '{"role": "user", "content": "héllo <b>"}[héllo <b>]'
 
 
+def test_tools_and_documents_are_none_like_in_transformers() -> None:
+    tmpl = ChatTemplate("{{ 'tools' if tools is not none else 'plain' }}/{{ documents is none }}")
+    assert tmpl.render([]) == "plain/True"
+    assert tmpl.render([], extra_context={"tools": []}) == "tools/True"
+
+
 def test_loopcontrols_and_trim_blocks() -> None:
     tmpl = ChatTemplate("{% for m in messages %}\n{% if loop.index > 2 %}{% break %}{% endif %}\n{{ m.role }};\n{% endfor %}")
     assert tmpl.render(MESSAGES) == "system;\nuser;\n"
