@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from typing import Any
 
@@ -50,7 +51,7 @@ def run_keys(args: argparse.Namespace) -> int:
     from .serve import apply_common_arguments
 
     apply_common_arguments(args)
-    console = Console()
+    console = Console(width=160) if not sys.stdout.isatty() else Console()
 
     async def main() -> int:
         bus = await Bus.open(BusSettings.from_env(), "meshserve-keys", initial_attempts=3)

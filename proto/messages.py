@@ -337,6 +337,8 @@ class RequestRecord(Struct, kw_only=True, omit_defaults=True):
     created: int = 0
     include_usage: bool = False
     worker_id: str = ""
+    resumable: bool = False  # the client asked that a lost connection not cancel the request
+    resumes: int = 0  # incremented by each resume, so a disconnect timer elsewhere stands down
 
 
 # Every top-level message type: the codec's registry and the property tests' list.

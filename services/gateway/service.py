@@ -91,6 +91,7 @@ tracer = trace.get_tracer("meshserve.gateway")
 
 STATIC_DIR = Path(__file__).parent / "static"
 DONE_HEADER = "Meshserve-Done"  # marks the last message of a streamed NATS API reply
+RESUMABLE_HEADER = "X-Meshserve-Resumable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,9 @@ class GatewayConfig:
     max_in_flight: int = 4096  # beyond this the gateway sheds with 429
     stall_timeout_s: float = 120.0  # no chunk for this long: the request ends with an error
     keepalive_s: float = 15.0
+    # A resumable request (header X-Meshserve-Resumable: true) whose client vanished keeps
+    # generating this long, waiting for a resume, before its worker is told to stop.
+    resume_window_s: float = 60.0
     model_limits: Mapping[str, ModelLimits] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     path: PathConfig = field(default_factory=PathConfig)
@@ -127,6 +131,7 @@ class Execution:
         self.completion_tokens = 0
         self.finished = False
         self.final: TokenChunk | None = None
+        self.record: RequestRecord | None = None
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         cfg = self.gateway.config
@@ -331,7 +336,7 @@ class GatewayService(Service):
         return any(ip in net for net in self._trusted)
 
     # ---- the request path, shared by every API ----------------------------------------
-    async def execute(self, request: NormalizedRequest, key: ApiKeyRecord, *, parent: Any = None) -> Execution:
+    async def execute(self, request: NormalizedRequest, key: ApiKeyRecord, *, parent: Any = None, resumable: bool = False) -> Execution:
         """Admit, place and start streaming one request; raises ApiError when it cannot."""
         if self._in_flight >= self.config.max_in_flight:
             raise overloaded(f"gateway {self.gateway_id} is at its in-flight limit", retry_after=1.0, status=429, code="overloaded")
@@ -344,7 +349,7 @@ class GatewayService(Service):
         ctx = trace.set_span_in_context(span)
         try:
             with trace.use_span(span, end_on_exit=False):
-                return await self._execute(request, key, request_id, started, span, ctx)
+                return await self._execute(request, key, request_id, started, span, ctx, resumable)
         except BaseException as exc:
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR)
@@ -352,7 +357,7 @@ class GatewayService(Service):
             raise
 
     async def _execute(self, request: NormalizedRequest, key: ApiKeyRecord, request_id: str, started: float,
-                       span: trace.Span, ctx: Any) -> Execution:
+                       span: trace.Span, ctx: Any, resumable: bool) -> Execution:
         with tracer.start_as_current_span("gateway.admission") as admission_span:
             decision = await self.path.admit(AdmissionRequest(
                 request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
@@ -375,7 +380,7 @@ class GatewayService(Service):
         )
         record = RequestRecord(request_id=request_id, key_id=key.key_id, org=key.org, gateway_id=self.gateway_id,
                                token_subject=stream.subject, kind=request.kind, model=request.requested_model,
-                               created=int(time.time()), include_usage=request.include_usage)
+                               created=int(time.time()), include_usage=request.include_usage, resumable=resumable)
         try:
             await self.requests_kv.put(request_id, encode(record))
             with tracer.start_as_current_span("gateway.route"):
@@ -391,7 +396,11 @@ class GatewayService(Service):
                 raise from_mesh_error(str(exc.code), exc.message, getattr(exc, "retry_after", None)) from exc
             raise
         span.set_attribute("meshserve.worker_id", placement.worker_id)
+        record.worker_id = placement.worker_id
+        with contextlib.suppress(Exception):  # resume and its disconnect timer need the worker
+            await self.requests_kv.put(request_id, encode(record))
         execution = Execution(self, request, request_id, stream, placement.worker_id, started, span)
+        execution.record = record
         return execution
 
     async def _publish_rejected_usage(self, generate: Any, error: str) -> None:
@@ -433,7 +442,8 @@ class GatewayService(Service):
         body = await http.read()
         request = parse_request(kind, body, self.model_specs(), allowed_models=key.models or None)
         parent = extract(dict(http.headers))
-        execution = await self.execute(request, key, parent=parent)
+        resumable = request.stream and http.headers.get(RESUMABLE_HEADER, "").lower() in ("1", "true", "yes")
+        execution = await self.execute(request, key, parent=parent, resumable=resumable)
         try:
             if request.stream:
                 return await self._sse(http, execution, request)
@@ -471,10 +481,29 @@ class GatewayService(Service):
         try:
             await self._relay_sse(response, execution.chunks(), builder, after=None, first_seq=0)
         except (ConnectionResetError, asyncio.CancelledError):
-            # The client went away mid-stream: free the worker's KV blocks now.
-            await asyncio.shield(execution.cancel("client_disconnected"))
+            if execution.record is not None and execution.record.resumable:
+                execution.finished = True  # keep generating: the client may resume (on any gateway)
+                self.spawn(self._cancel_unless_resumed(execution.request_id, execution.record.resumes))
+            else:
+                # The client went away mid-stream: free the worker's KV blocks now.
+                await asyncio.shield(execution.cancel("client_disconnected"))
             raise
         return response
+
+    async def _cancel_unless_resumed(self, request_id: str, resumes_at_disconnect: int) -> None:
+        await asyncio.sleep(self.config.resume_window_s)
+        record = await self._load_record(request_id)
+        if record is None or record.resumes > resumes_at_disconnect or not record.worker_id:
+            return
+        self.metrics.cancels.labels(reason="resume_window_expired").inc()
+        await self.path.cancel(record.worker_id, request_id, "client did not resume")
+
+    async def _load_record(self, request_id: str) -> RequestRecord | None:
+        try:
+            entry = await self.requests_kv.get(request_id)
+            return decode(entry.value or b"", RequestRecord)
+        except (KeyNotFoundError, MeshError):
+            return None
 
     async def _relay_sse(self, response: web.StreamResponse, chunks: AsyncIterator[TokenChunk], builder: EventBuilder,
                          *, after: tuple[int, int] | None, first_seq: int) -> None:
@@ -487,15 +516,13 @@ class GatewayService(Service):
     async def http_resume(self, http: web.Request) -> web.StreamResponse:
         key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
         request_id = http.match_info["request_id"]
-        try:
-            entry = await self.requests_kv.get(request_id)
-            record = decode(entry.value or b"", RequestRecord)
-        except (KeyNotFoundError, MeshError) as exc:
-            raise ApiError(404, f"No resumable request {request_id!r} (unknown or expired).", "invalid_request_error",
-                           None, "not_found") from exc
-        if record.key_id != key.key_id:
-            # Same answer as an unknown id: do not reveal other keys' request ids.
+        record = await self._load_record(request_id)
+        if record is None or record.key_id != key.key_id:
+            # Another key's request gets the same answer as an unknown id: ids are not revealed.
             raise ApiError(404, f"No resumable request {request_id!r} (unknown or expired).", "invalid_request_error", None, "not_found")
+        record.resumes += 1
+        with contextlib.suppress(Exception):
+            await self.requests_kv.put(request_id, encode(record))
         after = parse_event_id(http.headers.get("Last-Event-ID"))
         self.metrics.resumes.inc()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -503,7 +530,14 @@ class GatewayService(Service):
         await response.prepare(http)
         builder = EventBuilder(record.kind, request_id, record.model, record.created, record.include_usage)
         chunks = self.dispatcher.replay(self.bus.subjects.tokens_of_request(request_id), idle_timeout_s=self.config.stall_timeout_s)
-        await self._relay_sse(response, _dedup_by_seq(chunks), builder, after=after, first_seq=0)
+        try:
+            await self._relay_sse(response, _dedup_by_seq(chunks), builder, after=after, first_seq=0)
+        except (ConnectionResetError, asyncio.CancelledError):
+            if record.resumable:
+                self.spawn(self._cancel_unless_resumed(request_id, record.resumes))
+            elif record.worker_id:
+                await asyncio.shield(self.path.cancel(record.worker_id, request_id, "client disconnected"))
+            raise
         return response
 
     async def http_models(self, http: web.Request) -> web.Response:

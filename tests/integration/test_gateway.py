@@ -1,0 +1,328 @@
+"""The gateway end to end: stock clients against a mesh of real processes (``meshserve up``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import nats
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bus import Bus
+from ops.natsserver import free_port
+from ops.up import Mesh, MeshConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "sim-llama-8b"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    config = MeshConfig(
+        state_dir=tmp_path_factory.mktemp("mesh"), nats_port=0, http_port=free_port(), model=MODEL, workers=2, speed=20.0,
+        gateway_args=["--stall-timeout", "20"],
+    )
+    m = Mesh(config)
+    try:
+        asyncio.run(m.start(timeout=90))
+    except BaseException:
+        m.stop(timeout=10)
+        raise
+    yield m
+    m.stop(timeout=30)
+
+
+@pytest.fixture
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key=mesh.dev_key, max_retries=0, timeout=60)
+
+
+def test_openai_client_chat_and_completions(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage is not None
+    assert chat.usage.completion_tokens == 12 and len(chat.choices[0].message.content or "") == 12  # byte tokenizer
+
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=30,
+                                            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert finish == "length" and usage is not None and usage.completion_tokens == 30
+    assert len("".join(pieces)) == 30
+
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8)
+    assert completion.usage is not None and completion.usage.prompt_tokens == len("The capital of France is")
+    streamed = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=16, stream=True, extra_body={"ignore_eos": True})
+    assert len("".join(c.choices[0].text for c in streamed if c.choices)) == 16
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_same_seed_same_text(client: openai.OpenAI) -> None:
+    def run() -> str:
+        r = client.completions.create(model=MODEL, prompt="seeded", max_tokens=40, seed=1234, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    assert run() == run()
+
+
+def test_openai_errors(client: openai.OpenAI, mesh: Mesh) -> None:
+    bad_key = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="msk-000000000000-" + "x" * 43, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=7)
+    assert info.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x" * 10, max_tokens=10_000_000)
+    assert info.value.code in ("context_length_exceeded", "invalid_value")
+
+
+async def test_http_status_codes_and_headers(mesh: Mesh) -> None:
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        async with http.post("/v1/chat/completions", data=b"{not json", headers=headers) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
+        async with http.post("/v1/chat/completions", json={"model": MODEL, "messages": []}) as r:
+            assert r.status == 401 and "error" in await r.json()
+        async with http.post("/v1/completions", data=b"x" * (5 * 1024 * 1024), headers=headers) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+        async with http.get("/healthz") as r:
+            assert r.status == 200
+        async with http.get("/readyz") as r:
+            assert r.status == 200 and (await r.json())["models"] == [MODEL]
+        async with http.get("/metrics") as r:
+            text = await r.text()
+            assert "meshserve:time_to_first_token_seconds_bucket" in text and "meshserve:gateway_requests_total" in text
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=st.one_of(
+    st.binary(max_size=200),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+        max_leaves=12,
+    ).map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({
+        "model": st.sampled_from([MODEL, "", "x" * 300, "🙂"]),
+        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus", 3]),
+                                                   "content": st.one_of(st.text(max_size=30), st.integers(), st.none())}), max_size=3),
+        "max_tokens": st.one_of(st.integers(min_value=-5, max_value=10**12), st.text(max_size=5), st.none()),
+        "temperature": st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.none()),
+        "stream": st.just(False),
+        "n": st.integers(min_value=-1, max_value=3),
+    }).map(lambda v: json.dumps(v).encode()),
+))
+def test_fuzzed_bodies_get_only_4xx(mesh: Mesh, body: bytes) -> None:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(mesh.gateway_url + "/v1/chat/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {mesh.dev_key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read()
+    if status == 200:  # a body that happened to be valid (n=1, tiny max_tokens)
+        assert json.loads(payload)["object"] == "chat.completion"
+        return
+    assert 400 <= status < 500, (status, body, payload)
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+async def test_gateway_returns_to_baseline_after_fuzz(mesh: Mesh) -> None:
+    # runs after the fuzz test: no stream left open
+    async with aiohttp.ClientSession(mesh.gateway_url) as http, http.get("/metrics") as r:
+        text = await r.text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("meshserve:gateway_streams_in_flight "))
+    assert float(line.split()[1]) == 0
+
+
+async def _read_sse(response: aiohttp.ClientResponse, limit: int | None = None) -> list[tuple[str, str]]:
+    """(id, data) of each SSE event; stops after ``limit`` events."""
+    events: list[tuple[str, str]] = []
+    event_id, data = "", ""
+    async for raw in response.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif line == "" and data:
+            events.append((event_id, data))
+            event_id, data = "", ""
+            if limit is not None and len(events) >= limit:
+                break
+    return events
+
+
+def _text(events: list[tuple[str, str]]) -> str:
+    out = []
+    for _, data in events:
+        if data == "[DONE]":
+            continue
+        for choice in json.loads(data).get("choices", []):
+            out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+async def test_kill_and_resume_joins_to_the_uninterrupted_text(mesh: Mesh) -> None:
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    body = {"model": MODEL, "prompt": "resume me", "max_tokens": 400, "seed": 99, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        async with http.post("/v1/completions", json=body, headers=headers) as r:
+            uninterrupted = await _read_sse(r)
+        # second run, resumable: cut after a few events
+        async with http.post("/v1/completions", json=body, headers={**headers, "X-Meshserve-Resumable": "true"}) as r:
+            request_id = r.headers["X-Request-Id"]
+            first = await _read_sse(r, limit=3)
+        # the connection is closed: the worker keeps generating, tokens wait in JetStream
+        await asyncio.sleep(0.3)
+        async with http.get(f"/v1/requests/{request_id}/stream", headers={**headers, "Last-Event-ID": first[-1][0]}) as r:
+            assert r.status == 200
+            rest = await _read_sse(r)
+        # another key may not read it
+        async with http.get(f"/v1/requests/{request_id}/stream", headers={"Authorization": "Bearer msk-000000000000-" + "y" * 43}) as r:
+            assert r.status == 401
+        other_key = await _second_key(mesh)
+        async with http.get(f"/v1/requests/{request_id}/stream", headers={"Authorization": f"Bearer {other_key}"}) as r:
+            assert r.status == 404
+    joined = first + rest
+    ids = [e for e, _ in joined]
+    assert len(ids) == len(set(ids)), "an event was repeated"
+    assert _text(joined) == _text(uninterrupted) and len(_text(joined)) == 400
+    assert joined[-1][1] == "[DONE]" and json.loads(joined[-2][1])["usage"]["completion_tokens"] == 400
+
+
+async def _second_key(mesh: Mesh) -> str:
+    from ops.keys import create_key
+
+    bus = await Bus.open(mesh.settings, "test-keys", initial_attempts=10)
+    try:
+        key, _ = await create_key(bus, org="other-org")
+    finally:
+        await bus.close()
+    await asyncio.sleep(0.3)  # the gateway's key watcher picks it up
+    return key
+
+
+async def test_client_disconnect_cancels_the_worker(mesh: Mesh) -> None:
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    bus = await Bus.open(mesh.settings, "test-observer", initial_attempts=10)
+    try:
+        async with aiohttp.ClientSession(mesh.gateway_url) as http:
+            async with http.post("/v1/completions", json=body, headers=headers) as r:
+                request_id = r.headers["X-Request-Id"]
+                await _read_sse(r, limit=2)
+        # the final chunk of that request says it was aborted, long before 3000 tokens
+        from services.gateway.streams import TokenDispatcher
+
+        replay = TokenDispatcher(bus, "observer").replay(bus.subjects.tokens_of_request(request_id), idle_timeout_s=10)
+        final = None
+        async for chunk in replay:
+            final = chunk
+        assert final is not None and final.finish_reason == "abort"
+        assert final.usage is not None and final.usage.completion_tokens < 3000
+    finally:
+        await bus.close()
+
+
+async def test_websocket_multiplexes_requests_and_cancels(mesh: Mesh) -> None:
+    async with aiohttp.ClientSession(mesh.gateway_url) as http, http.ws_connect("/v1/ws") as ws:
+        await ws.send_json({"type": "chat.completion", "id": "early", "body": {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}})
+        error = await ws.receive_json(timeout=10)
+        assert error["type"] == "error" and error["status"] == 401
+        await ws.send_json({"type": "auth", "api_key": mesh.dev_key})
+        await ws.send_json({"type": "chat.completion", "id": "a", "body": {"model": MODEL, "messages": [{"role": "user", "content": "one"}], "max_tokens": 20, "ignore_eos": True}})
+        await ws.send_json({"type": "completion", "id": "b", "body": {"model": MODEL, "prompt": "two", "max_tokens": 2000, "ignore_eos": True}})
+        await ws.send_json({"type": "completion", "id": "c", "body": {"model": MODEL, "prompt": "", "max_tokens": 5}})
+        done: dict[str, dict] = {}
+        text: dict[str, str] = {"a": "", "b": ""}
+        cancelled = False
+        while len(done) < 3:
+            message = await ws.receive_json(timeout=30)
+            if message["type"] == "token":
+                text[message["id"]] += message["text"]
+                if message["id"] == "b" and not cancelled:
+                    await ws.send_json({"type": "cancel", "id": "b"})
+                    cancelled = True
+            else:
+                done[message["id"]] = message
+        assert done["a"]["type"] == "done" and done["a"]["usage"]["completion_tokens"] == 20 and len(text["a"]) == 20
+        assert done["b"]["type"] == "done" and done["b"]["finish_reason"] == "abort"
+        assert done["c"]["type"] == "error" and done["c"]["status"] == 400
+
+
+async def test_nats_request_reply_api(mesh: Mesh) -> None:
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "ignore_eos": True}
+        reply = await nc.request("mesh.api.v1.chat.completions", json.dumps(body).encode(), headers=headers, timeout=30)
+        response = json.loads(reply.data)
+        assert response["object"] == "chat.completion" and response["usage"]["completion_tokens"] == 10
+
+        bad = await nc.request("mesh.api.v1.chat.completions", json.dumps(body).encode(), timeout=10)
+        assert bad.headers and bad.headers["Nats-Service-Error-Code"] == "401"
+
+        inbox = nc.new_inbox()
+        chunks: list[dict] = []
+        finished = asyncio.Event()
+
+        async def on_message(msg):  # type: ignore[no-untyped-def]
+            chunks.append(json.loads(msg.data))
+            if msg.headers and msg.headers.get("Meshserve-Done") == "1":
+                finished.set()
+
+        await nc.subscribe(inbox, cb=on_message)
+        stream_body = {**body, "stream": True, "max_tokens": 25, "stream_options": {"include_usage": True}}
+        await nc.publish("mesh.api.v1.chat.completions", json.dumps(stream_body).encode(), reply=inbox, headers=headers)
+        await asyncio.wait_for(finished.wait(), 30)
+        content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
+        assert len(content) == 25 and chunks[-1]["usage"]["completion_tokens"] == 25
+    finally:
+        await nc.close()
+
+
+def test_keys_cli_create_list_revoke(mesh: Mesh) -> None:
+    env_args = ["--nats-url", mesh.nats_url]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ops.cli", "keys", *env_args, *a], capture_output=True, text=True, cwd=ROOT, check=True)  # noqa: E731
+    created = run("create", "--org", "acme", "--tier", "standard")
+    key = created.stdout.strip().splitlines()[-1]
+    assert key.startswith("msk-")
+    client = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key=key, max_retries=0)
+    assert client.models.list().data
+    key_id = key.split("-")[1]
+    assert key_id in run("list").stdout and key not in run("list").stdout
+    run("revoke", key_id)
+    for _ in range(50):  # the gateway's key watcher sees the revocation
+        try:
+            client.models.list()
+        except openai.AuthenticationError:
+            break
+        import time
+
+        time.sleep(0.1)
+    else:
+        pytest.fail("revoked key still accepted")
