@@ -252,6 +252,7 @@ class SloAdmitter:
         )
 
     def thresholds(self, tier: str) -> list[tuple[str, float]]:
-        """The limits a ``tier`` request is held to (tier name, seconds), for docs and metrics."""
+        """The limits a ``tier`` request is held to (tier name, seconds), before any
+        long-prompt allowance; for docs and metrics."""
         t = self.tier(tier)
         return [(x.name, self.config.headroom**k * x.ttft_slo_s) for x, k in self._guards(t)]

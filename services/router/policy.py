@@ -16,9 +16,9 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   restores power-of-d's protection against many routers herding onto one minimum),
   plus ``d`` workers drawn at random from the rest. Pools with at most
   ``full_scan_max`` eligible workers are scanned whole: sampling buys nothing there.
-  Hot spots: a replica holding a shared system prompt wins only while its extra queue
-  is smaller than the prompt's uncached length, so once its queue grows by that much
-  others win, prefill the prompt once, and become holders too.
+  Hot spots: a replica holding a shared system prompt wins only while its extra load
+  (queued prefill + β·running) is smaller than the prompt's cached part, so once its
+  load grows by that much others win, prefill the prompt once, and become holders too.
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
   the session key; falls back to ``prefix`` without a key or when the target is
   overloaded (outstanding tokens above ``session_overload_factor`` × the pool mean and
