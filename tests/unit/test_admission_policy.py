@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from proto.messages import AdmissionRequest, UsageEvent
+from proto.messages import AdmissionRequest, UsageEvent, UsageStatus
 from services.admission.buckets import Limiter
 from services.admission.policy import AdmissionPolicy
 from services.admission.slo import ReplicaLoad, SloAdmitter, SloConfig
@@ -16,9 +18,9 @@ BUSY = [
 
 
 def req(
-    rid: str, prompt: int = 1000, max_tokens: int = 500, tier: str = "standard", **kw: object
+    rid: str, prompt: int = 1000, max_tokens: int = 500, tier: str = "standard", **kw: Any
 ) -> AdmissionRequest:
-    base: dict[str, object] = {"rpm_limit": 10, "tpm_limit": 20_000, "org_tpm_limit": 100_000}
+    base: dict[str, Any] = {"rpm_limit": 10, "tpm_limit": 20_000, "org_tpm_limit": 100_000}
     base.update(kw)
     return AdmissionRequest(
         request_id=rid,
@@ -29,10 +31,10 @@ def req(
         prompt_tokens=prompt,
         max_tokens=max_tokens,
         **base,
-    )  # type: ignore[arg-type]
+    )
 
 
-def usage(rid: str, prompt: int, completion: int, status: str = "finished") -> UsageEvent:
+def usage(rid: str, prompt: int, completion: int, status: UsageStatus = "finished") -> UsageEvent:
     return UsageEvent(
         request_id=rid,
         org="acme",
@@ -41,7 +43,7 @@ def usage(rid: str, prompt: int, completion: int, status: str = "finished") -> U
         prompt_tokens=prompt,
         completion_tokens=completion,
         status=status,
-    )  # type: ignore[arg-type]
+    )
 
 
 def policy() -> AdmissionPolicy:

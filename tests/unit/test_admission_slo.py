@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,10 +15,10 @@ TIERS = ("premium", "standard", "batch")
 FIFO = SloConfig(priority_queues=False, default_step_time_s=0.05)
 
 
-def rep(q: int, rate: float = 10_000.0, step: float = 0.05, wid: str = "w", **kw: object) -> ReplicaLoad:
+def rep(q: int, rate: float = 10_000.0, step: float = 0.05, wid: str = "w", **kw: Any) -> ReplicaLoad:
     return ReplicaLoad(
         worker_id=wid, queued_prefill_tokens=q, prefill_tokens_per_s=rate, step_time_s=step, **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 def test_prediction_formula_and_best_replica() -> None:
