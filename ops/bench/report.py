@@ -5,7 +5,6 @@ side-by-side comparison of several result files.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,7 +84,7 @@ def throughput_table(result: BenchResult) -> Table:
 
 
 def queueing_picture(result: BenchResult, width: int = 40) -> Table | None:
-    """Latency against offered load, one bar per load point (p99 TTFT, log scale)."""
+    """Latency against offered load, one bar per load point (p99 TTFT)."""
     by_ep: dict[str, list[RunResult]] = {}
     for r in result.runs:
         by_ep.setdefault(r.endpoint, []).append(r)
@@ -100,16 +99,16 @@ def queueing_picture(result: BenchResult, width: int = 40) -> Table | None:
     t.add_column("achieved req/s", justify="right")
     t.add_column("TTFT p50/p99 ms", justify="right")
     t.add_column("TPOT p50/p99 ms", justify="right")
-    t.add_column("p99 TTFT (log scale)", no_wrap=True)
+    t.add_column("p99 TTFT (bar: 0 to max)", no_wrap=True)
     vals = [r.summary.ttft_ms.p99 for r in result.runs if r.summary.ttft_ms.p99]
-    lo, hi = (min(vals), max(vals)) if vals else (1.0, 1.0)
-    span = math.log(hi / lo) if hi > lo else 1.0
+    hi = max(vals) if vals else 1.0
     for ep, runs in by_ep.items():
         knee = result.knees.get(ep)
         for r in sorted(runs, key=lambda x: x.load_value):
             s = r.summary
             p99 = s.ttft_ms.p99
-            n = 1 + int((width - 1) * math.log(p99 / lo) / span) if p99 and p99 > 0 else 0
+            # Linear from zero: the queueing blow-up near saturation shows as it is.
+            n = max(1, round(width * p99 / hi)) if p99 and p99 > 0 else 0
             style = "green" if s.slo_holds or s.slo_holds is None else "red"
             bar = Text("█" * n, style=style)
             if knee is not None and r.load_value == knee:

@@ -144,10 +144,12 @@ class BenchResult(msgspec.Struct, kw_only=True):
     runs: list[RunResult] = msgspec.field(default_factory=list)
     # Per endpoint: the highest load whose SLO holds, with every lower load holding too.
     knees: dict[str, float | None] = msgspec.field(default_factory=dict)
+    # True when the load generator itself lagged in any run (see runs[].client.reasons).
+    client_lagged: bool = False
 
     @property
     def lagged(self) -> bool:
-        return any(r.client.lagged for r in self.runs)
+        return self.client_lagged or any(r.client.lagged for r in self.runs)
 
     def endpoints(self) -> list[str]:
         seen: dict[str, None] = {}

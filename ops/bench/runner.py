@@ -365,11 +365,13 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
             progress.stop()
         for target in targets:
             await target.close()
+    result.client_lagged = any(r.client.lagged for r in result.runs)
     if config.slo.active:
         for ep in config.endpoints:
-            points = [(r.load_value, r.summary.slo_holds) for r in result.runs if r.endpoint == ep.label]
-            knee = find_knee(points)
-            result.knees[ep.label] = None if knee is None or math.isinf(knee) else knee
+            # "All at once" is no rate on the axis: the knee is among the finite loads.
+            points = [(r.load_value, r.summary.slo_holds) for r in result.runs
+                      if r.endpoint == ep.label and not math.isinf(r.load_value)]
+            result.knees[ep.label] = find_knee(points)
     return result
 
 

@@ -137,6 +137,8 @@ class OpenAITarget:
                     acc.on_eof(t)
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
             acc.fail(time.perf_counter(), STATUS_CONNECTION, f"{type(exc).__name__}: {exc}")
+        except ValueError as exc:  # aiohttp: an SSE line over its buffer limit
+            acc.fail(time.perf_counter(), STATUS_PROTOCOL, f"{type(exc).__name__}: {exc}")
 
 
 class NatsTarget:

@@ -84,8 +84,9 @@ class KnownDelayServer:
                 choice["delta"] = {"content": "a" * c} if k > c else {"role": "assistant", "content": "a" * c}
             else:
                 choice["text"] = "a" * c
-            await emit({"id": "x", "object": "chunk", "choices": [choice]}, final=False)
+            # Logged before the write: the client can never see a token before this instant.
             req.token_times.extend([time.perf_counter()] * c)
+            await emit({"id": "x", "object": "chunk", "choices": [choice]}, final=False)
             if req.model == "noend" and k >= n // 2:
                 return  # the stream breaks off: no finish reason, no usage, no end marker
         usage = {"prompt_tokens": req.prompt_tokens, "completion_tokens": n,

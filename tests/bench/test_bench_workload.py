@@ -73,7 +73,7 @@ def test_shared_prefix_workload() -> None:
     assert {s.group for s in sessions} == {0, 1, 2}
     for s in sessions:
         assert s.system_tokens == 100 and s.input_tokens(0) == 120
-        assert s.system == wl.prefix(s.group)[0]  # type: ignore[index]
+        assert s.group is not None and s.system == wl.prefix(s.group)[0]
     assert len({s.turns[0].user for s in sessions}) == 40  # distinct suffixes
     body = build_body("completions", "m", sessions[0], 0)
     assert len(body["prompt"].encode()) == 120 and body["prompt"].startswith(sessions[0].system)
