@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "ops.up",
     "ops.serve",
     "ops.keys",
+    "ops.usage",
     "ops.plan.cli",
 )
 

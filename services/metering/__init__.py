@@ -1,0 +1,1 @@
+"""The metering service: USAGE events into an idempotent ledger (SQLite or PostgreSQL), usage queries."""

@@ -1,0 +1,64 @@
+"""Metering: usage events from the USAGE stream into an idempotent ledger, and usage queries.
+
+``meshserve serve metering [--ledger-url URL] [--prices FILE]``. The ledger is SQLite at
+``.meshserve/ledger.sqlite3`` by default (one instance per file); give a
+``postgresql://`` URL for production or for several instances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from bus import run_service
+
+LEDGER_URL_ENV = "MESHSERVE_LEDGER_URL"
+PRICES_ENV = "MESHSERVE_PRICES"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ledger-url", default=None,
+        help=f"sqlite:///relative/path, sqlite:////absolute/path, a file path, or postgresql://user:pass@host/db "
+             f"(env {LEDGER_URL_ENV}; default sqlite:///.meshserve/ledger.sqlite3)",
+    )
+    parser.add_argument("--prices", default=None,
+                        help=f"price table, JSON or .toml (env {PRICES_ENV}; default: every model costs zero)")
+    parser.add_argument("--durable", default="metering", help="name of the durable JetStream consumer on USAGE")
+    parser.add_argument("--batch-size", type=int, default=256, help="events per fetch and per ledger transaction")
+    parser.add_argument("--max-ack-pending", type=int, default=2048, help="events held unacked at most (consumer-wide)")
+    parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked event is redelivered")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds the batch in progress gets on SIGTERM")
+
+
+def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .prices import load_prices
+    from .service import MeteringConfig
+
+    if args.batch_size < 1 or args.max_ack_pending < args.batch_size:
+        raise ValueError("--batch-size must be >= 1 and --max-ack-pending >= --batch-size")
+    if args.ack_wait <= 0:
+        raise ValueError("--ack-wait must be > 0")
+    return MeteringConfig(
+        ledger_url=args.ledger_url or os.environ.get(LEDGER_URL_ENV) or None,
+        prices=load_prices(args.prices or os.environ.get(PRICES_ENV) or None),
+        durable=args.durable,
+        batch_size=args.batch_size,
+        max_ack_pending=args.max_ack_pending,
+        ack_wait_s=args.ack_wait,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from .ledger import ledger_from_url
+    from .service import MeteringService
+
+    try:
+        config = build_config(args)
+        ledger_from_url(config.ledger_url)  # a malformed URL is an error now, not a retry loop
+    except ValueError as exc:
+        print(f"meshserve serve metering: {exc}", file=sys.stderr)
+        return 2
+    return run_service(lambda: MeteringService(config))

@@ -1,0 +1,355 @@
+"""The metering service: USAGE stream → idempotent ledger, and usage queries.
+
+Consumption. A durable JetStream pull consumer (``metering`` by default; explicit acks,
+``max_ack_pending`` bounded, unlimited deliveries) on the USAGE stream. Each fetched batch
+is decoded, validated, priced and written to the ledger in one transaction; the batch is
+acked only after the commit. A crash anywhere before the acks reach the server means
+redelivery, and the ledger's primary key (the usage id) makes the replay count nothing
+twice. Several instances may share the consumer (the server spreads batches) when they
+share a PostgreSQL ledger.
+
+Bad input. Undecodable bytes, events of a schema version this build does not speak, and
+decodable events that must not be billed (negative tokens, no request id) are logged,
+counted and terminated (``term``): never redelivered, never blocking the stream. They
+stay in the stream (until its max age) under the logged sequence, for an operator to
+inspect. Deploy metering before workers that emit a newer usage schema.
+
+Ledger outage. When the ledger cannot write (PostgreSQL down, disk full, locked), the
+service keeps the batch unacked, stops fetching, and retries the same batch with
+exponential backoff (0.2 s doubling to 10 s), telling the server it is still working
+on it (``in_progress``) so the batch is not redelivered meanwhile. The events wait in the
+stream. USAGE's documented limits (``bus.provision.StreamLimits``) bound that wait:
+events are kept for 7 days (``usage_max_age_s``) and up to 1 GiB (``usage_max_bytes``,
+roughly 5 million events of ~200 bytes); the stream discards *new* events when full
+(``DiscardPolicy.NEW``: workers' publishes fail and they retry) rather than drop unbilled
+old ones. A ledger outage longer than 7 days loses the oldest events.
+
+Drain (SIGTERM). Stop answering queries and fetching, finish the batch in progress
+(commit and acks), close the ledger. A batch that cannot be committed during the drain
+is handed back (``nak``) for another instance or the next start.
+
+Queries. ``mesh.metering.usage`` (``proto.metering.UsageQuery`` → ``UsageReport``):
+totals per org/key/model/tier/worker/status/hour/day over a time range.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.client import JetStreamContext
+
+from bus import BusSettings, Service
+from proto.codec import decode
+from proto.errors import DecodeError, ErrorCode, MeshError, UnsupportedVersion
+from proto.messages import UsageEvent
+from proto.metering import UsageQuery, UsageReport, check_query
+
+from .ledger import (
+    InvalidEvent,
+    Ledger,
+    LedgerEntry,
+    LedgerError,
+    LedgerRejected,
+    entry_from_event,
+    ledger_from_url,
+)
+from .prices import DEFAULT_PRICES, PriceTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MeteringConfig:
+    ledger_url: str | None = None  # None: SQLite at .meshserve/ledger.sqlite3
+    prices: PriceTable = field(default_factory=lambda: DEFAULT_PRICES)
+    durable: str = "metering"
+    batch_size: int = 256  # events per fetch and per ledger transaction
+    max_ack_pending: int = 2048  # bounds what one slow instance holds unacked
+    ack_wait_s: float = 30.0  # redelivery after a crash waits this long
+    fetch_timeout_s: float = 1.0  # also the longest a drain waits for an idle fetch
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 10.0
+    drain_timeout_s: float = 30.0
+
+
+class MeteringService(Service):
+    name = "metering"
+    description = "meshserve metering: usage events into an idempotent ledger, usage and spend queries"
+
+    def __init__(
+        self,
+        config: MeteringConfig | None = None,
+        settings: BusSettings | None = None,
+        *,
+        ledger: Ledger | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        config = config or MeteringConfig()
+        super().__init__(settings, drain_timeout_s=config.drain_timeout_s)
+        self.config = config
+        self.ledger = ledger if ledger is not None else ledger_from_url(config.ledger_url)
+        self.clock = clock
+        self._ledger_open = False
+        self._stopping = asyncio.Event()
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._unpriced_models: set[str] = set()
+        # figures for $SRV.STATS (and tests)
+        self.ledger_ok = False
+        self.events_written = 0
+        self.duplicates = 0
+        self.decode_errors = 0
+        self.unsupported_version = 0
+        self.invalid_events = 0
+        self.rejected_events = 0
+        self.ledger_errors = 0
+        self.redelivered = 0
+        self.unpriced_events = 0
+        self.batches = 0
+        self.lag = 0  # events in the stream not yet delivered to this consumer
+        self.last_commit_at = 0.0
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def on_start(self) -> None:
+        s = self.bus.subjects
+        await self._open_ledger()  # failing here is fine: the consume loop retries
+        await self._ensure_consumer()
+        self._sub = await self.bus.js.pull_subscribe_bind(durable=self.config.durable, stream=s.usage_stream)
+        await self.add_endpoint("usage", s.metering_usage, UsageQuery, self.handle_usage)
+        # Spawned: the drain waits for the batch in progress to commit and ack.
+        self.spawn(self._consume(), name="consume")
+
+    async def on_drain(self) -> None:
+        await self.stop_endpoints()
+        self._stopping.set()
+
+    async def on_stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self._ledger_open:
+            self._ledger_open = False
+            await self.ledger.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger.url,
+            "ledger_ok": self.ledger_ok,
+            "events_written": self.events_written,
+            "duplicates": self.duplicates,
+            "decode_errors": self.decode_errors,
+            "unsupported_version": self.unsupported_version,
+            "invalid_events": self.invalid_events,
+            "rejected_events": self.rejected_events,
+            "ledger_errors": self.ledger_errors,
+            "redelivered": self.redelivered,
+            "unpriced_events": self.unpriced_events,
+            "batches": self.batches,
+            "lag": self.lag,
+            "last_commit_at": self.last_commit_at,
+        }
+
+    async def _ensure_consumer(self) -> None:
+        s = self.bus.subjects
+        config = api.ConsumerConfig(
+            name=self.config.durable,
+            durable_name=self.config.durable,
+            description="meshserve metering: usage events into the ledger",
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.config.ack_wait_s,
+            max_deliver=-1,  # usage is never given up on: only term() ends an event
+            max_ack_pending=self.config.max_ack_pending,
+            filter_subject=s.usage_all,
+        )
+        try:
+            # Creates the durable, or updates the limits of an existing one.
+            await self.bus.js.add_consumer(s.usage_stream, config)
+        except nats.js.errors.BadRequestError as exc:
+            # A change the server cannot apply in place (e.g. another deliver policy):
+            # keep consuming with the existing consumer rather than lose our position.
+            log.warning("metering consumer %s keeps its existing configuration: %s", self.config.durable, exc)
+
+    async def _open_ledger(self) -> bool:
+        try:
+            await self.ledger.open()
+        except LedgerError as exc:
+            self.ledger_errors += 1
+            self.ledger_ok = False
+            log.warning("ledger %s not available: %s", self.ledger.url, exc)
+            return False
+        self._ledger_open = self.ledger_ok = True
+        log.info("ledger %s open", self.ledger.url)
+        return True
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when the drain begins."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    # ---- consumption ------------------------------------------------------------------
+    async def _consume(self) -> None:
+        assert self._sub is not None
+        backoff = self.config.backoff_initial_s
+        while not self._stopping.is_set():
+            if not self._ledger_open:
+                if not await self._open_ledger():
+                    await self._pause(backoff)
+                    backoff = min(backoff * 2, self.config.backoff_max_s)
+                    continue
+                backoff = self.config.backoff_initial_s
+            try:
+                msgs = await self._sub.fetch(self.config.batch_size, timeout=self.config.fetch_timeout_s)
+            except TimeoutError:  # nats' fetch timeouts derive from it: nothing to read
+                self.lag = 0
+                continue
+            except (nats.errors.Error, OSError) as exc:
+                if self._stopping.is_set():
+                    break
+                log.warning("fetching usage events failed: %r; retrying in %.1fs", exc, backoff)
+                await self._pause(backoff)
+                backoff = min(backoff * 2, self.config.backoff_max_s)
+                continue
+            backoff = self.config.backoff_initial_s
+            if not msgs:
+                continue
+            try:
+                await self._process(msgs)
+            except Exception:
+                # A bug must not end consumption; the unacked batch comes back after ack_wait.
+                log.exception("processing a batch of %d usage events failed", len(msgs))
+                await self._pause(self.config.backoff_max_s)
+
+    async def _process(self, msgs: Sequence[Msg]) -> None:
+        now = self.clock()
+        entries: list[LedgerEntry] = []
+        kept: list[Msg] = []
+        for msg in msgs:
+            meta = msg.metadata
+            seq = meta.sequence.stream
+            try:
+                event = decode(msg.data, UsageEvent)
+                entry = entry_from_event(event, self.config.prices, recorded_at=now, stream_seq=seq)
+            except UnsupportedVersion as exc:
+                self.unsupported_version += 1
+                log.error("usage event at %s seq %d has an unsupported schema, terminated (replay it after "
+                          "upgrading metering): %s", self.bus.subjects.usage_stream, seq, exc)
+                await self._settle(msg, "term")
+                continue
+            except DecodeError as exc:
+                self.decode_errors += 1
+                log.warning("undecodable usage event on %s (seq %d), terminated: %s", msg.subject, seq, exc)
+                await self._settle(msg, "term")
+                continue
+            except InvalidEvent as exc:
+                self.invalid_events += 1
+                log.warning("invalid usage event on %s (seq %d), terminated: %s", msg.subject, seq, exc)
+                await self._settle(msg, "term")
+                continue
+            if self.config.prices.price_for(event.model) is None:
+                self.unpriced_events += 1
+                if event.model not in self._unpriced_models and len(self._unpriced_models) < 1000:
+                    self._unpriced_models.add(event.model)
+                    log.warning("no price for model %r (and no \"*\" entry): its usage is charged zero", event.model)
+            if meta.num_delivered > 1:
+                self.redelivered += 1
+            entries.append(entry)
+            kept.append(msg)
+        self.lag = msgs[-1].metadata.num_pending
+        await self._write(entries, kept)
+
+    async def _write(self, entries: list[LedgerEntry], msgs: list[Msg]) -> None:
+        """Commit ``entries`` then ack ``msgs``; retry while the ledger is unavailable."""
+        if not entries:
+            return
+        backoff = self.config.backoff_initial_s
+        last_touch = time.monotonic()
+        while True:
+            try:
+                inserted = await self.ledger.record(entries)
+            except LedgerRejected as exc:
+                if len(entries) > 1:
+                    # One bad row must not block the rest: write them one by one.
+                    log.warning("ledger refused a batch of %d (%s); isolating the bad event", len(entries), exc)
+                    for entry, msg in zip(entries, msgs, strict=True):
+                        await self._write([entry], [msg])
+                    return
+                self.rejected_events += 1
+                log.error("ledger refused usage %s (stream seq %d), terminated: %s",
+                          entries[0].usage_id, entries[0].stream_seq, exc)
+                await self._settle(msgs[0], "term")
+                return
+            except LedgerError as exc:
+                self.ledger_errors += 1
+                self.ledger_ok = False
+                if self._stopping.is_set():
+                    log.warning("ledger unavailable during drain: %d events handed back for redelivery", len(msgs))
+                    for msg in msgs:
+                        await self._settle(msg, "nak")
+                    return
+                log.warning("ledger unavailable (%s); holding %d events, retrying in %.1fs", exc, len(entries), backoff)
+                if time.monotonic() - last_touch > self.config.ack_wait_s / 3:
+                    # Still ours: without this the server redelivers the batch every ack_wait.
+                    for msg in msgs:
+                        await self._settle(msg, "in_progress")
+                    last_touch = time.monotonic()
+                await self._pause(backoff)
+                backoff = min(backoff * 2, self.config.backoff_max_s)
+                continue
+            break
+        if not self.ledger_ok:
+            log.info("ledger %s writable again", self.ledger.url)
+        self.ledger_ok = True
+        self.batches += 1
+        self.events_written += inserted
+        self.duplicates += len(entries) - inserted
+        self.last_commit_at = self.clock()
+        for msg in msgs:
+            await self._settle(msg, "ack")
+
+    async def _settle(self, msg: Msg, how: str) -> None:
+        # A lost ack only means a redelivery, which the ledger absorbs: never fail on it.
+        try:
+            if how == "ack":
+                await msg.ack()
+            elif how == "term":
+                await msg.term()
+            elif how == "nak":
+                await msg.nak()
+            else:
+                await msg.in_progress()
+        except (nats.errors.Error, OSError) as exc:
+            log.debug("%s of a usage event failed: %r", how, exc)
+
+    # ---- queries ----------------------------------------------------------------------
+    async def handle_usage(self, query: UsageQuery, msg: Msg) -> None:
+        try:
+            check_query(query)
+        except ValueError as exc:
+            raise MeshError(str(exc), code=ErrorCode.BAD_REQUEST) from exc
+        if not self._ledger_open:
+            raise MeshError(f"usage ledger {self.ledger.url} is unavailable", code=ErrorCode.INTERNAL)
+        try:
+            rows = await self.ledger.totals(org=query.org, key_id=query.key_id, model=query.model, since=query.since,
+                                            until=query.until, group_by=query.group_by)
+        except LedgerError as exc:
+            raise MeshError(f"usage ledger unavailable: {exc}", code=ErrorCode.INTERNAL) from exc
+        report = UsageReport(
+            rows=rows[: query.limit],
+            group_by=list(query.group_by),
+            since=query.since,
+            until=query.until,
+            currency=self.config.prices.currency,
+            truncated=len(rows) > query.limit,
+            generated_at=self.clock(),
+        )
+        await self.bus.respond(msg, report)
