@@ -30,6 +30,8 @@ def _plt():  # type: ignore[no-untyped-def]
 def _xlabel(runs: Sequence[RunResult]) -> str:
     if any(r.mode == "closed-loop" for r in runs):
         return "concurrency (closed loop)"
+    if any("sessions/s" in r.load for r in runs):
+        return "offered load (sessions/s, open loop)"
     return "offered load (req/s, open loop)"
 
 

@@ -130,7 +130,9 @@ def render(result: BenchResult, console: Console) -> None:
         for ep in result.endpoints():
             knee = result.knees.get(ep)
             closed = any(r.mode == "closed-loop" for r in result.runs if r.endpoint == ep)
-            unit = "concurrent requests (closed loop)" if closed else "req/s"
+            sessions = any("sessions/s" in r.load for r in result.runs if r.endpoint == ep)
+            unit = ("concurrent requests (closed loop)" if closed else
+                    "sessions/s" if sessions else "req/s")
             console.print(f"[bold]{ep}[/]: goodput knee " +
                           (f"[green]{knee:g} {unit}[/]" if knee is not None else
                            "[red]none — the SLO fails at the lowest load[/]"))

@@ -381,7 +381,8 @@ async def _one_run(config: BenchConfig, target: Target, model: str, text: TextFa
     ep = target.endpoint
     mode = "closed-loop" if config.closed_loop else "open-loop"
     arrival = config.arrival_kind
-    label = fmt_load(mode, arrival, rate, conc)
+    unit = "sessions/s" if config.workload.kind == "multi-turn" else "req/s"
+    label = fmt_load(mode, arrival, rate, conc, unit)
     if arrival == "trace" and config.rates is None:
         label = f"trace native ({rate:.3g} req/s)" if rate else "trace native"
     total = sum(ps.n_turns for ps in plan)

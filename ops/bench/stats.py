@@ -142,9 +142,11 @@ def client_health(
     return h
 
 
-def fmt_load(mode: str, arrival: str, rate: float | None, concurrency: int | None) -> str:
+def fmt_load(mode: str, arrival: str, rate: float | None, concurrency: int | None,
+             unit: str = "req/s") -> str:
+    """``unit`` is sessions/s for multi-turn workloads (arrivals start sessions)."""
     if mode == "closed-loop":
         return f"closed-loop c={concurrency}"
     if rate is None or math.isinf(rate):
         return f"{arrival} all-at-once"
-    return f"{arrival} {rate:g} req/s"
+    return f"{arrival} {rate:g} {unit}"
