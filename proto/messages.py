@@ -221,7 +221,11 @@ class AdmissionRequest(Struct, kw_only=True, omit_defaults=True):
     tpm_limit: int | None = None
     org_rpm_limit: int | None = None
     org_tpm_limit: int | None = None
-    block_hashes: list[int] = []  # lets admission estimate the cached prefix
+    # The prompt's chained block hashes in the pool's block size (proto.hashing, salt = LoRA
+    # name or ""): admission matches them against workers' KV events to find cached prefixes.
+    block_hashes: list[int] = []
+    block_size: int = 0
+    lora: str | None = None
 
 
 AdmissionReason = Literal["quota_tokens", "quota_requests", "slo", "no_capacity"]

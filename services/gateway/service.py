@@ -43,6 +43,7 @@ from proto import (
     TokenChunk,
     UsageEvent,
     WorkerInfo,
+    block_hashes,
     decode,
     encode,
     usage_dedup_id,
@@ -306,6 +307,11 @@ class GatewayService(Service):
             self._specs[cache_key] = spec
         return spec
 
+    def _block_size(self, model: str) -> int:
+        """The KV block size of the model's pool (per engine: 16 on vLLM GPU, 128 on its CPU build)."""
+        workers = self.registry.ready_workers(model)
+        return workers[0].block_size if workers else 0
+
     def authenticate(self, presented: str | None) -> ApiKeyRecord:
         if not presented:
             raise missing_api_key()
@@ -358,10 +364,13 @@ class GatewayService(Service):
 
     async def _execute(self, request: NormalizedRequest, key: ApiKeyRecord, request_id: str, started: float,
                        span: trace.Span, ctx: Any, resumable: bool) -> Execution:
+        block_size = self._block_size(request.model)
         with tracer.start_as_current_span("gateway.admission") as admission_span:
             decision = await self.path.admit(AdmissionRequest(
                 request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
                 prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm, tpm_limit=key.tpm,
+                block_hashes=block_hashes(request.prompt_token_ids, block_size) if block_size else [],
+                block_size=block_size,
             ))
             admission_span.set_attribute("meshserve.admitted", decision.admitted)
             if decision.reason:
