@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "ops.up",
     "ops.serve",
     "ops.keys",
+    "ops.status",
     "ops.usage",
     "ops.plan.cli",
 )

@@ -15,6 +15,7 @@ from typing import Any
 SERVICES: dict[str, str] = {
     "worker": "services.worker.main",
     "gateway": "services.gateway.main",
+    "autoscaler": "services.autoscaler.main",
     "metering": "services.metering.main",
 }
 

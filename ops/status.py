@@ -1,0 +1,149 @@
+"""``meshserve status``: what the autoscaler sees and decided, per pool.
+
+Asks ``mesh.autoscaler.status`` and prints, per pool, the replica counts, the signals of
+the last tick, the workers, drains in progress and the last decisions with their reasons;
+then the driver's health. ``--json`` prints the reply as JSON instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from bus import Bus, BusSettings
+from proto.autoscaler import AutoscalerStatus, AutoscalerStatusRequest, PoolStatus
+from proto.errors import MeshError
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("status", help="autoscaler status: replicas, signals and decisions per pool")
+    parser.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
+    parser.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
+    parser.add_argument("--pool", default="", help="only this pool")
+    parser.add_argument("--decisions", type=int, default=10, help="recent decisions per pool")
+    parser.add_argument("--json", action="store_true", help="print the reply as JSON")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the autoscaler")
+    parser.set_defaults(func=run_status)
+
+
+async def fetch_status(bus: Bus, pool: str = "", decisions: int = 10, timeout: float = 3.0) -> AutoscalerStatus:
+    return await bus.request(
+        bus.subjects.autoscaler_status, AutoscalerStatusRequest(pool=pool, decisions=decisions), AutoscalerStatus,
+        timeout=timeout,
+    )
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from .serve import apply_common_arguments
+
+    apply_common_arguments(args)
+
+    async def main() -> int:
+        try:
+            bus = await Bus.open(BusSettings.from_env(), "meshserve-status", initial_attempts=3)
+        except MeshError as exc:
+            print(f"meshserve status: {exc}", file=sys.stderr)
+            return 2
+        try:
+            status = await fetch_status(bus, args.pool, args.decisions, args.timeout)
+        except MeshError as exc:
+            print(f"meshserve status: no autoscaler answered on {bus.subjects.autoscaler_status}: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            await bus.close()
+        if args.json:
+            sys.stdout.write(msgspec.json.format(msgspec.json.encode(status)).decode() + "\n")
+        else:
+            print_status(status)
+        return 0 if status.driver.ok else 3
+
+    return asyncio.run(main())
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%H:%M:%S") if ts else "-"
+
+
+def _num(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def print_status(status: AutoscalerStatus, console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(soft_wrap=True)
+    summary = Table(title=f"autoscaler {status.instance_id} (tick {status.tick_s:g} s, at {_clock(status.at)})")
+    for column in ("pool", "current", "desired", "ready", "starting", "draining", "min–max", "load tokens",
+                   "capacity/replica", "pending"):
+        summary.add_column(column, justify="left" if column == "pool" else "right")
+    for p in status.pools:
+        s = p.signals
+        summary.add_row(
+            p.pool, str(p.current), f"[bold]{p.desired}[/bold]", str(p.ready), str(p.starting), str(p.draining),
+            f"{p.min_replicas}–{p.max_replicas}",
+            _num(s.waiting_tokens + s.running_tokens) if s else "-",
+            f"{_num(s.replica_token_capacity)} ({s.capacity_source})" if s else "-",
+            str(p.pending_requests),
+        )
+    console.print(summary)
+    for p in status.pools:
+        _print_pool(console, p, status.at)
+    d = status.driver
+    colour = "green" if d.ok else "red"
+    console.print(f"driver [bold]{d.name}[/bold]: [{colour}]{'ok' if d.ok else 'CANNOT ACT'}[/{colour}] — {d.message}")
+    if d.errors:
+        console.print("  errors: " + ", ".join(f"{reason} ×{n}" for reason, n in sorted(d.errors.items())))
+    if d.last_error and d.last_error != d.message:
+        console.print(f"  last error at {_clock(d.last_error_at)}: {d.last_error}")
+
+
+def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
+    from rich.table import Table
+
+    console.print(f"\n[bold]{p.pool}[/bold]: {p.last_reason}")
+    if p.signals is not None:
+        s = p.signals
+        signals = Table(show_header=True, box=None, pad_edge=False)
+        for column in ("waiting tok", "running tok", "needed", "warm", "floor", "window max", "cooldown left",
+                       "idle", "prefill tok/s", "decode tok/s", "queue drains in"):
+            signals.add_column(column, justify="right")
+        signals.add_row(
+            _num(s.waiting_tokens), _num(s.running_tokens), str(s.needed), str(s.warm_buffer), str(s.floor),
+            str(s.window_max), f"{s.cooldown_remaining_s:,.0f} s", f"{s.idle_s:,.0f} s",
+            _num(s.prefill_tokens_per_s), _num(s.decode_tokens_per_s),
+            f"{s.queue_drain_s:,.1f} s" if s.queue_drain_s is not None else "-",
+        )
+        console.print(signals)
+    if p.workers:
+        workers = Table(title="workers", title_justify="left")
+        for column in ("worker", "state", "running", "waiting", "running tok", "queued prefill", "KV", "gauge age", "ours"):
+            workers.add_column(column, justify="left" if column in ("worker", "state") else "right")
+        for w in p.workers:
+            workers.add_row(
+                w.worker_id, w.state, str(w.running), str(w.waiting), _num(w.running_tokens), _num(w.queued_prefill_tokens),
+                f"{w.kv_usage:.0%}", f"{w.gauge_age_s:.1f} s" if w.gauge_age_s is not None else "-",
+                "yes" if w.managed else "",
+            )
+        console.print(workers)
+    for drain in p.drains:
+        left = drain.deadline - now
+        console.print(
+            f"  draining {drain.worker_id}: since {_clock(drain.issued_at)}, {drain.in_flight} in flight when asked, "
+            f"{'acknowledged' if drain.acknowledged else 'NOT acknowledged'}, forced stop in {max(0.0, left):,.0f} s"
+        )
+    if p.decisions:
+        decisions = Table(title="recent decisions", title_justify="left")
+        for column in ("at", "action", "current → desired", "reason", "outcome"):
+            decisions.add_column(column, overflow="fold")
+        for r in p.decisions:
+            colour = {"scale_up": "green", "scale_down": "yellow"}.get(r.action, "")
+            action = f"[{colour}]{r.action}[/{colour}]" if colour else r.action
+            decisions.add_row(_clock(r.at), action, f"{r.current} → {r.desired}", r.reason, r.outcome)
+        console.print(decisions)
+
