@@ -326,3 +326,41 @@ def test_keys_cli_create_list_revoke(mesh: Mesh) -> None:
         time.sleep(0.1)
     else:
         pytest.fail("revoked key still accepted")
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_chat_page_streams_a_reply_in_headless_chromium(mesh: Mesh, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )
+        try:
+            page = browser.new_page()
+            page.goto(mesh.gateway_url + "/")
+            page.fill("#api-key", mesh.dev_key)
+            page.dispatch_event("#api-key", "change")
+            page.wait_for_function("document.querySelector('#model') && document.querySelector('#model').options.length > 0")
+            page.fill("#prompt", "Hello from a browser")
+            page.click("#send")
+            page.wait_for_selector(".reply[data-state=done]", timeout=30_000)
+            text = page.inner_text(".reply[data-state=done] .reply-text")
+            stats = page.inner_text(".reply[data-state=done] .reply-stats")
+            page.screenshot(path=str(tmp_path / "chat.png"))
+            assert text.strip(), "no streamed text appeared"
+            assert "TTFT" in stats or "ms" in stats
+            # a bad key shows a legible error instead of hanging
+            page.fill("#api-key", "msk-000000000000-" + "z" * 43)
+            page.dispatch_event("#api-key", "change")
+            page.fill("#prompt", "again")
+            page.click("#send")
+            page.wait_for_selector(".error", timeout=15_000)
+            assert "401" in page.inner_text(".error") or "API key" in page.inner_text(".error")
+        finally:
+            browser.close()
