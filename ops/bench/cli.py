@@ -184,7 +184,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         result = run_loop(run_bench(config, console=err))
-    except ValueError as exc:
+    except (ValueError, ConnectionError) as exc:
         err.print(f"[red]meshserve bench: {exc}[/]")
         return 2
     except KeyboardInterrupt:

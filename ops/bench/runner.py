@@ -328,7 +328,11 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
     try:
         models: dict[str, str] = {}
         for target in targets:
-            await target.start()
+            try:
+                await target.start()
+            except Exception as exc:  # nats.connect raises its own families
+                raise ConnectionError(f"{target.endpoint.label}: cannot connect: "
+                                      f"{type(exc).__name__}: {exc}") from exc
             model = target.endpoint.model or await target.discover_model()
             if model is None:
                 other = next((m for m in models.values()), None)

@@ -156,7 +156,8 @@ class NatsTarget:
         import nats
 
         self._nc = await nats.connect(self.endpoint.url, name="meshserve-bench",
-                                      max_reconnect_attempts=3, connect_timeout=10)
+                                      max_reconnect_attempts=3, reconnect_time_wait=0.5,
+                                      connect_timeout=10)
         self._prefix = self._nc.new_inbox()
         # Generous pending limits: a slow callback must show up as lag, not as drops.
         await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch,

@@ -31,7 +31,7 @@ def test_sweep_json_table_plots_and_compare(http_server: Any, tmp_path: Path,
               "--input-tokens", "uniform:20:60", "--output-tokens", "5", "--slo-ttft", "0.5",
               "--slo-tpot", "0.05", "--request-timeout", "10"]
     a, b = tmp_path / "a", tmp_path / "b"
-    assert bench([*common, "--rates", "10,20", "--out", str(a), "--label", "A"]) == 0
+    assert bench([*common, "--rates", "10,20", "--out", str(a), "--label", "A", "--api-key", "sk-secret"]) == 0
     out = capsys.readouterr().out
     for heading in ("Latency (ms)", "Throughput and goodput", "Queueing picture", "goodput knee"):
         assert heading in out
@@ -40,7 +40,9 @@ def test_sweep_json_table_plots_and_compare(http_server: Any, tmp_path: Path,
     result = load_result(a / "results.json")
     assert result.label == "A" and [r.rate for r in result.runs] == [10.0, 20.0]
     assert result.knees == {"fake": 20.0}  # 200 ms TTFT meets a 500 ms SLO at both rates
-    assert result.config["endpoints"][0]["api_key"] in (None, "***")
+    assert result.config["endpoints"][0]["api_key"] == "***"
+    assert b"sk-secret" not in (a / "results.json").read_bytes()  # secrets never reach files
+    assert http_server.served[0].headers["Authorization"] == "Bearer sk-secret"
     for run in result.runs:
         assert run.summary.ok == 8 and len(run.requests) == 8
         assert all(len(r.chunk_s) == 5 and r.ttft_s is not None for r in run.requests)
@@ -72,6 +74,7 @@ def test_cli_rejects_bad_configs(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench(["--target", "http://x/v1", "--rates", "1", "--concurrency", "2"]) == 2
     assert bench(["--target", "http://x/v1", "--workload", "trace"]) == 2
     assert bench(["--target", "http://x/v1", "--input-tokens", "zipf:1"]) == 2
+    assert bench(["--target", "nats://127.0.0.1:1", "--model", "m", "-n", "1"]) == 2  # unreachable
     assert "meshserve bench:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench(["--rates", "fast"])
