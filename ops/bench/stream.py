@@ -79,6 +79,7 @@ class StreamAccumulator:
     """
 
     __slots__ = (
+        "_continuous",
         "_count",
         "_last_cum",
         "_last_t",
@@ -106,6 +107,7 @@ class StreamAccumulator:
         self._t_first: float | None = None
         self._last_t = t_sent
         self._last_cum = 0
+        self._continuous = False
         self.chunk_s: list[float] = []
         self.chunk_tokens: list[int] = []
         self.itl_s: list[float] = []
@@ -158,6 +160,7 @@ class StreamAccumulator:
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
         n = 0
+        by_usage = False
         usage = obj.get("usage")
         if isinstance(usage, dict):
             if usage.get("prompt_tokens") is not None:
@@ -166,10 +169,14 @@ class StreamAccumulator:
             if cum is not None:
                 cum = int(cum)
                 self.usage_completion = cum
-                if choices:  # continuous usage: the delta since the last chunk is exact
+                # Continuous usage (usage on content chunks from the first one on): the
+                # delta is exact. Usage first seen on a late content chunk is the final
+                # total riding on the last chunk: count that chunk's text instead.
+                if choices and (self._continuous or not self.chunk_tokens):
+                    self._continuous = by_usage = True
                     n = max(0, cum - self._last_cum)
                 self._last_cum = cum
-        if n == 0 and text:
+        if not by_usage and text:
             n = max(1, self._count(text))
         if self.keep_text and text:
             self.text_parts.append(text)

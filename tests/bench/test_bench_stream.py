@@ -77,6 +77,35 @@ def test_accumulator_continuous_usage_and_completions_text() -> None:
     assert r.itl_s == pytest.approx([0.1 / 3] * 3)
 
 
+def test_final_usage_riding_on_the_last_content_chunk() -> None:
+    acc = StreamAccumulator(byte_count)
+    acc.start(0.0)
+    acc.on_chunk(0.1, chunk("a"))
+    acc.on_chunk(0.2, chunk("b"))
+    acc.on_chunk(0.3, chunk("c", finish="length", usage={"prompt_tokens": 3, "completion_tokens": 3}))
+    acc.on_done(0.3)  # e.g. a Meshserve-Done message whose body is the last chunk
+    r = fill(acc)
+    assert r.chunk_tokens == [1, 1, 1] and r.output_tokens == 3 and r.prompt_tokens == 3
+    # A one-chunk answer carrying its usage: all tokens in that chunk.
+    acc = StreamAccumulator(byte_count)
+    acc.start(0.0)
+    acc.on_chunk(0.1, chunk("xyz", finish="stop", usage={"prompt_tokens": 1, "completion_tokens": 2}))
+    acc.on_done(0.1)
+    assert fill(acc).chunk_tokens == [2]
+
+
+def test_continuous_usage_holds_back_text_without_new_tokens() -> None:
+    acc = StreamAccumulator(byte_count)
+    acc.start(0.0)
+    acc.on_chunk(0.05, chunk("", role=True, usage={"prompt_tokens": 3, "completion_tokens": 0}))
+    acc.on_chunk(0.1, chunk("", usage={"prompt_tokens": 3, "completion_tokens": 1}))  # held-back text
+    acc.on_chunk(0.2, chunk("ab", usage={"prompt_tokens": 3, "completion_tokens": 1}))
+    acc.on_chunk(0.3, chunk("c", usage={"prompt_tokens": 3, "completion_tokens": 2}))
+    acc.on_done(0.3)
+    r = fill(acc)
+    assert r.chunk_tokens == [1, 1] and r.ttft_s == pytest.approx(0.1)
+
+
 def test_accumulator_errors_and_incomplete() -> None:
     acc = StreamAccumulator(byte_count)
     acc.start(0.0)
