@@ -605,7 +605,10 @@ class ComposeDriver(Driver):
             raise self.fail("timeout", f"{' '.join(argv[:6])}... took over {timeout or self.timeout_s:.0f}s") from exc
         if proc.returncode != 0:
             detail = err.decode(errors="replace").strip()[-300:] or out.decode(errors="replace").strip()[-300:]
-            raise self.fail("command_failed", f"{' '.join(argv)} exited with {proc.returncode}: {detail}")
+            # A daemon that is down is a reachability problem the next probe can clear; any
+            # other failure (bad compose file, image) stays until an operation succeeds.
+            reason = "unreachable" if "docker daemon" in detail.lower() else "command_failed"
+            raise self.fail(reason, f"{' '.join(argv)} exited with {proc.returncode}: {detail}")
         return out.decode(errors="replace")
 
     async def containers(self, pool: str) -> list[str]:
