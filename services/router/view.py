@@ -6,23 +6,11 @@ reading ``now``. Worker timestamps are only compared with other timestamps of th
 worker (gauge ordering), never with the router's clock, so clock skew between hosts
 cannot make a worker look dead or a gauge look fresh.
 
-Prefix index. Per pool, ``block hash → bitmask of worker slots``: one dict entry per
-distinct block, a Python int as a bitset (a slot is a small integer handed out when a
-worker joins and reused after it leaves). Entries held by a single worker share one
-interned mask object, so a fleet of mostly-private caches costs one dict slot per block.
-Each worker also keeps the set of hashes it holds, which makes AllCleared, removal
-and snapshot replacement proportional to that worker's cache, not to the pool's.
-Finding every worker's longest cached prefix is one walk over the prompt's blocks,
-AND-ing masks until no worker survives: O(prefix blocks) integer operations whatever
-the pool size, and the prompt is hashed lazily so an uncached prompt costs one hash.
-
-KV events are sequenced per worker. A gap (or joining a worker's stream mid-way) marks
-the worker as needing a resync: the shell asks it for a ``KvSnapshot`` and calls
-``apply_snapshot``. Until then events keep being applied (a mostly-right index beats an
-empty one; a wrong entry only costs a less-than-ideal placement) and are also buffered,
-so the snapshot, which is "as of seq S", can be brought forward by replaying the
-buffered batches after S. A short window of recent batches is kept even when healthy,
-so an unrequested snapshot (e.g. at router start) lands consistently as well.
+Prefix index. Per pool, a ``proto.kvindex.KvIndex`` (block hash → bitmask of worker
+slots, per-worker event sequencing, gap detection, snapshot replay): the shared reading
+of the KV event contract, which admission keeps too. A ``WorkerView`` carries its
+worker's ``KvHolder``; a gap makes ``take_resync_requests`` name the worker, the shell
+asks it for a ``KvSnapshot`` and hands it to ``apply_snapshot``.
 """
 
 from __future__ import annotations
@@ -30,20 +18,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 
-from proto.hashing import extend_block_hashes, pack_tokens, root_hash
-from proto.messages import (
-    AllCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEventBatch,
-    KvSnapshot,
-    WorkerGauge,
-    WorkerInfo,
-)
+from proto.hashing import pack_tokens
+from proto.kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvIndexConfig
+from proto.messages import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
 
-DEFAULT_BLOCK_SIZE = 16
+__all__ = ["DEFAULT_BLOCK_SIZE", "KvApply", "Pool", "RouterView", "ViewConfig", "WorkerView", "pack_prompt"]
 
 # Pool generations come from one counter so that a pool dropped and re-created never
 # repeats a generation a consumer has cached.
@@ -71,15 +51,14 @@ class ViewConfig:
     hash_chunk_blocks: int = 16
     hash_chunk_max: int = 1024
 
-
-class KvApply(Enum):
-    """What ``apply_kv_events`` did with a batch."""
-
-    APPLIED = "applied"  # in order
-    DUPLICATE = "duplicate"  # seq already seen: ignored
-    GAP = "gap"  # applied best-effort; the worker now needs a resync (new this batch)
-    RESYNCING = "resyncing"  # applied best-effort and buffered; a resync is pending
-    RESET = "reset"  # seq restarted at 0: the worker's engine restarted, index rebuilt
+    @property
+    def kv_config(self) -> KvIndexConfig:
+        return KvIndexConfig(
+            replay_window=self.replay_window,
+            max_pending_batches=self.max_pending_batches,
+            hash_chunk_blocks=self.hash_chunk_blocks,
+            hash_chunk_max=self.hash_chunk_max,
+        )
 
 
 @dataclass(slots=True)
@@ -96,24 +75,38 @@ class WorkerView:
 
     worker_id: str
     model: str
-    slot: int
-    bit: int  # 1 << slot, interned: the single-holder mask shared by index entries
+    kv: KvHolder  # its cache mirror in the pool's prefix index
+    slot: int  # kv.slot and kv.bit, fixed for the holder's life: read on hot paths
+    bit: int
     info: WorkerInfo | None = None
     gauge: WorkerGauge | None = None
     last_seen: float = 0.0
     gauge_received_at: float = float("-inf")
-    block_size: int = DEFAULT_BLOCK_SIZE
     # optimistic accounting: placements not yet reflected by a gauge, oldest first
     placements: dict[str, _Placement] = field(default_factory=dict)
     opt_prefill_tokens: int = 0
     opt_running_tokens: int = 0
-    # KV cache mirror
-    blocks: set[int] = field(default_factory=set)
-    kv_seq: int = -1  # highest batch seq received (-1: none yet)
-    needs_resync: bool = False
-    resync_requested_at: float | None = None
-    recent_batches: dict[int, KvEventBatch] = field(default_factory=dict)  # seq → batch
-    prev_gauge_kv_seq: int = -1
+
+    # ---- KV cache mirror (held by the pool's KvIndex) ----
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def blocks(self) -> set[int]:
+        return self.kv.blocks
+
+    @property
+    def kv_seq(self) -> int:
+        return self.kv.seq
+
+    @property
+    def needs_resync(self) -> bool:
+        return self.kv.needs_resync
+
+    @property
+    def recent_batches(self) -> dict[int, KvEventBatch]:
+        return self.kv.recent
 
     # ---- load, gauge plus what this router placed since that gauge ----
     @property
@@ -162,16 +155,14 @@ class WorkerView:
 class Pool:
     """The workers serving one model, and their shared prefix index."""
 
-    __slots__ = ("_bs_masks", "_free_slots", "_slots", "config", "generation", "index", "model", "workers")
+    __slots__ = ("_by_slot", "config", "generation", "kv", "model", "workers")
 
     def __init__(self, model: str, config: ViewConfig) -> None:
         self.model = model
         self.config = config
         self.workers: dict[str, WorkerView] = {}
-        self.index: dict[int, int] = {}  # block hash → bitmask of slots holding it
-        self._slots: list[WorkerView | None] = []
-        self._free_slots: list[int] = []
-        self._bs_masks: dict[int, int] = {}  # block size → slots with that block size
+        self.kv = KvIndex(config.kv_config)
+        self._by_slot: list[WorkerView | None] = []  # index slot → worker
         # Changes when membership changes; consumers (the session ring) rebuild on it.
         self.generation = next(_generations)
 
@@ -182,84 +173,37 @@ class Pool:
         return iter(self.workers.values())
 
     @property
+    def index(self) -> dict[int, int]:
+        """Block hash → bitmask of the slots holding it."""
+        return self.kv.index
+
+    @property
     def block_sizes(self) -> list[int]:
-        return sorted(bs for bs, mask in self._bs_masks.items() if mask)
+        return self.kv.block_sizes
 
     def at(self, slot: int) -> WorkerView:
         """The worker in ``slot`` (as returned by ``cached_prefix_blocks``)."""
-        w = self._slots[slot]
+        w = self._by_slot[slot] if slot < len(self._by_slot) else None
         if w is None:
             raise KeyError(slot)
         return w
 
     # ---- membership ----
     def _add(self, worker_id: str) -> WorkerView:
-        if self._free_slots:
-            slot = min(self._free_slots)  # low slots keep masks small
-            self._free_slots.remove(slot)
-        else:
-            slot = len(self._slots)
-            self._slots.append(None)
-        w = WorkerView(worker_id=worker_id, model=self.model, slot=slot, bit=1 << slot)
-        self._slots[slot] = w
+        h = self.kv.add(worker_id)
+        w = WorkerView(worker_id=worker_id, model=self.model, kv=h, slot=h.slot, bit=h.bit)
+        while len(self._by_slot) <= h.slot:
+            self._by_slot.append(None)
+        self._by_slot[h.slot] = w
         self.workers[worker_id] = w
-        self._bs_masks[w.block_size] = self._bs_masks.get(w.block_size, 0) | w.bit
         self.generation = next(_generations)
         return w
 
     def _remove(self, w: WorkerView) -> None:
-        self._clear_blocks(w)
-        self._bs_masks[w.block_size] &= ~w.bit
-        self._slots[w.slot] = None
-        self._free_slots.append(w.slot)
+        self.kv.remove(w.worker_id)
+        self._by_slot[w.slot] = None
         del self.workers[w.worker_id]
         self.generation = next(_generations)
-
-    def _set_block_size(self, w: WorkerView, block_size: int) -> None:
-        if block_size <= 0 or block_size == w.block_size:
-            return
-        # Hashes of another block size are meaningless for the new one.
-        self._clear_blocks(w)
-        self._bs_masks[w.block_size] &= ~w.bit
-        w.block_size = block_size
-        self._bs_masks[block_size] = self._bs_masks.get(block_size, 0) | w.bit
-
-    # ---- prefix index maintenance ----
-    def _store(self, w: WorkerView, hashes: Iterable[int]) -> None:
-        index, blocks, bit = self.index, w.blocks, w.bit
-        for h in hashes:
-            if h in blocks:
-                continue
-            blocks.add(h)
-            m = index.get(h)
-            index[h] = bit if m is None else (m | bit)
-
-    def _drop(self, w: WorkerView, hashes: Iterable[int]) -> None:
-        index, blocks, notbit = self.index, w.blocks, ~w.bit
-        for h in hashes:
-            if h not in blocks:
-                continue
-            blocks.discard(h)
-            m = index[h] & notbit
-            if m:
-                index[h] = m
-            else:
-                del index[h]
-
-    def _clear_blocks(self, w: WorkerView) -> None:
-        index, notbit = self.index, ~w.bit
-        for h in w.blocks:
-            m = index[h] & notbit
-            if m:
-                index[h] = m
-            else:
-                del index[h]
-        w.blocks = set()
-
-    def _replace_blocks(self, w: WorkerView, hashes: Iterable[int]) -> None:
-        new = set(hashes)
-        self._drop(w, [h for h in w.blocks if h not in new])
-        self._store(w, new)
 
     # ---- queries ----
     def mask_of(self, workers: Iterable[WorkerView]) -> int:
@@ -274,42 +218,7 @@ class Pool:
         Workers holding no leading block are absent. ``prompt`` is packed token ids.
         The prompt is hashed per block size present among ``mask``'s workers.
         """
-        out: dict[int, int] = {}
-        for bs, bs_mask in self._bs_masks.items():
-            alive = mask & bs_mask
-            if alive:
-                self._walk(prompt, bs, salt, alive, out)
-        return out
-
-    def _walk(self, data: bytes, block_size: int, salt: str, alive: int, out: dict[int, int]) -> None:
-        stride = 4 * block_size
-        nblocks = len(data) // stride
-        index_get = self.index.get
-        parent = root_hash(salt)
-        chunk = self.config.hash_chunk_blocks
-        i = 0
-        while alive and i < nblocks:
-            end = min(nblocks, i + chunk)
-            hashes = extend_block_hashes(parent, data[i * stride : end * stride], block_size)
-            for h in hashes:
-                m = index_get(h, 0) & alive
-                if m != alive:
-                    lost = alive & ~m
-                    if i:
-                        while lost:
-                            low = lost & -lost
-                            out[low.bit_length() - 1] = i
-                            lost ^= low
-                    alive = m
-                    if not alive:
-                        return
-                i += 1
-            parent = hashes[-1]
-            chunk = min(chunk * 2, self.config.hash_chunk_max)
-        while alive:  # survivors hold every full block of the prompt
-            low = alive & -alive
-            out[low.bit_length() - 1] = i
-            alive ^= low
+        return self.kv.cached_prefix_blocks(prompt, salt, mask)
 
 
 class RouterView:
@@ -379,7 +288,7 @@ class RouterView:
             # Same id, new process: its KV cache and in-flight work are gone.
             self._reset_worker(pool, w)
         w.info = info
-        pool._set_block_size(w, info.block_size)
+        pool.kv.set_block_size(w.kv, info.block_size)
         w.last_seen = max(w.last_seen, now)
         return w
 
@@ -404,19 +313,14 @@ class RouterView:
         return dead
 
     def _reset_worker(self, pool: Pool, w: WorkerView) -> None:
-        pool._clear_blocks(w)
-        w.kv_seq = -1
-        w.needs_resync = False
-        w.resync_requested_at = None
-        w.recent_batches.clear()
-        w.prev_gauge_kv_seq = -1
+        pool.kv.reset(w.kv)
         w.gauge = None
         self._drop_placements(w, len(w.placements))
 
     # ---- gauges and optimistic accounting ----
     def apply_gauge(self, gauge: WorkerGauge, now: float) -> bool:
         """A new load report. Returns False for one older than the gauge already held."""
-        _, w = self._ensure(gauge.worker_id, gauge.model)
+        pool, w = self._ensure(gauge.worker_id, gauge.model)
         w.last_seen = max(w.last_seen, now)
         if w.gauge is not None and gauge.ts < w.gauge.ts:
             return False  # reordered delivery: the newer gauge stays
@@ -430,13 +334,9 @@ class RouterView:
                 break
             n += 1
         self._drop_placements(w, n)
-        # A gauge names the last KV batch its worker published. If the previous gauge
-        # named a batch we still have not seen a whole gauge period later, that batch
-        # was lost (a gap nothing after it would reveal, e.g. the last before idling).
-        if gauge.kv_event_seq >= 0:
-            if w.prev_gauge_kv_seq > w.kv_seq and not w.needs_resync:
-                self._start_resync(w)
-            w.prev_gauge_kv_seq = gauge.kv_event_seq
+        # A gauge names the last KV batch its worker published: a batch still unseen a
+        # gauge period later was lost (e.g. the last one before the worker idled).
+        pool.kv.note_published_seq(w.kv, gauge.kv_event_seq)
         return True
 
     def record_placement(
@@ -493,58 +393,7 @@ class RouterView:
     def apply_kv_events(self, batch: KvEventBatch, now: float) -> KvApply:
         pool, w = self._ensure(batch.worker_id, batch.model)
         w.last_seen = max(w.last_seen, now)
-        seq = batch.seq
-        if seq == 0 and w.kv_seq > 0:
-            # The worker's event counter restarted: a new engine, an empty cache.
-            self._reset_kv(pool, w)
-            self._apply_batch(pool, w, batch)
-            w.kv_seq = 0
-            return KvApply.RESET
-        if seq <= w.kv_seq or seq in w.recent_batches:
-            return KvApply.DUPLICATE  # already seen, or older than an applied snapshot
-        self._apply_batch(pool, w, batch)
-        expected = w.kv_seq + 1
-        w.kv_seq = seq
-        if w.needs_resync:
-            return KvApply.RESYNCING
-        if seq == expected:
-            return KvApply.APPLIED
-        # A gap, or a stream joined mid-way (first batch seen is not seq 0).
-        self._start_resync(w)
-        return KvApply.GAP
-
-    def _reset_kv(self, pool: Pool, w: WorkerView) -> None:
-        pool._clear_blocks(w)
-        w.kv_seq = -1
-        w.needs_resync = False
-        w.resync_requested_at = None
-        w.recent_batches.clear()
-        w.prev_gauge_kv_seq = -1
-
-    def _start_resync(self, w: WorkerView) -> None:
-        w.needs_resync = True
-        w.resync_requested_at = None
-
-    def _apply_batch(self, pool: Pool, w: WorkerView, batch: KvEventBatch) -> None:
-        self._replay(pool, w, batch)
-        recent = w.recent_batches
-        recent[batch.seq] = batch
-        limit = self.config.max_pending_batches if w.needs_resync else self.config.replay_window
-        while len(recent) > limit:
-            del recent[next(iter(recent))]  # inserted in seq order: the first is the oldest
-
-    @staticmethod
-    def _replay(pool: Pool, w: WorkerView, batch: KvEventBatch) -> None:
-        for ev in batch.events:
-            match ev:
-                case BlockStored():
-                    if w.info is None and ev.block_size != w.block_size:
-                        pool._set_block_size(w, ev.block_size)  # learnt before the registry entry
-                    pool._store(w, ev.block_hashes)
-                case BlockRemoved():
-                    pool._drop(w, ev.block_hashes)
-                case AllCleared():
-                    pool._clear_blocks(w)
+        return pool.kv.apply(batch)
 
     def take_resync_requests(self, now: float, retry_after_s: float = 2.0) -> list[str]:
         """Workers whose snapshot the shell should request now (marks them requested).
@@ -554,12 +403,7 @@ class RouterView:
         """
         out: list[str] = []
         for pool in self.pools.values():
-            for w in pool:
-                if not w.needs_resync:
-                    continue
-                if w.resync_requested_at is None or now - w.resync_requested_at >= retry_after_s:
-                    w.resync_requested_at = now
-                    out.append(w.worker_id)
+            out.extend(pool.kv.take_resync_requests(now, retry_after_s))
         return out
 
     def needs_resync(self, worker_id: str) -> bool:
@@ -578,34 +422,7 @@ class RouterView:
             return False
         w = pool.workers[snap.worker_id]
         w.last_seen = max(w.last_seen, now)
-        if w.info is None:
-            pool._set_block_size(w, snap.block_size)
-        pool._replace_blocks(w, snap.block_hashes)
-        last = snap.seq
-        recent = w.recent_batches
-        for s in sorted(s for s in recent if s > snap.seq):
-            if s != last + 1:
-                break
-            self._replay(pool, w, recent[s])
-            last = s
-        consistent = last >= w.kv_seq
-        if not consistent:
-            # A batch after the snapshot is missing. The ones beyond the hole are still
-            # true events: apply them best-effort and keep them for the next snapshot.
-            for s in sorted(s for s in recent if s > last):
-                self._replay(pool, w, recent[s])
-        w.kv_seq = max(w.kv_seq, last)
-        for s in [s for s in recent if s <= last]:
-            if s < last - self.config.replay_window:
-                del recent[s]
-        if consistent:
-            w.needs_resync = False
-            w.resync_requested_at = None
-            while len(recent) > self.config.replay_window:
-                del recent[next(iter(recent))]
-        else:
-            w.needs_resync = True
-        return consistent
+        return pool.kv.apply_snapshot(snap)
 
 
 def pack_prompt(prompt: bytes | Iterable[int]) -> bytes:
