@@ -12,8 +12,8 @@ Storage interface (``Ledger``): ``open()``, ``record(entries) -> inserted``,
   several metering instances sharing the durable consumer.
 
 Idempotence: the primary key is the usage id (``proto.usage_dedup_id``: the request id,
-plus the migration segment) and inserts skip existing keys (``INSERT OR IGNORE`` /
-``ON CONFLICT DO NOTHING``). A batch is one transaction, so a redelivered event — after
+plus the migration segment) and inserts skip existing keys (``ON CONFLICT (usage_id) DO NOTHING``
+in both backends). A batch is one transaction, so a redelivered event — after
 a crash between commit and ack — is counted once, and ``record`` says how many rows
 were new (the rest were duplicates).
 
@@ -332,7 +332,10 @@ class SqliteLedger(Ledger):
         # sqlite3 connections are not safe for concurrent use: one call at a time on each.
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock()
-        self._insert = f"INSERT OR IGNORE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+        # ON CONFLICT (usage_id), not INSERT OR IGNORE: OR IGNORE would also silently skip
+        # a row breaking NOT NULL, and an acked event would vanish as a "duplicate".
+        self._insert = (f"INSERT INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
+                        "ON CONFLICT (usage_id) DO NOTHING")
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per batch.

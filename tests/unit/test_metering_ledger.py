@@ -1,0 +1,282 @@
+"""The ledger suite, run against SQLite and a real PostgreSQL (skipped only when none is installed).
+
+Idempotency (same usage id twice → counted once, inside a batch and across batches),
+totals grouped every way the query allows, time ranges (since inclusive, until
+exclusive), time buckets, and the error classes the service's retry logic relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from proto import UsageEvent
+from services.metering.ledger import (
+    Ledger,
+    LedgerEntry,
+    LedgerRejected,
+    LedgerUnavailable,
+    PostgresLedger,
+    SqliteLedger,
+    entry_from_event,
+)
+from services.metering.pgserver import PostgresServer, postgres_bin_dir
+from services.metering.prices import ModelPrice, PriceTable
+
+PRICES = PriceTable(models={"small": ModelPrice.of(input="0.1", cached_input="0.05", output="0.4"),
+                            "big": ModelPrice.of(input=3, cached_input=1, output=15)})
+DAY = 86400.0
+T0 = 1_750_032_000.0  # 2025-06-16 00:00:00 UTC: a day boundary
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb on PATH nor in /usr/lib/postgresql/*/bin); "
+                    ".ci/run installs Debian's postgresql package")
+    server = PostgresServer(bin_dir).start()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+_db_names = itertools.count()
+
+
+async def fresh_database(server: PostgresServer) -> str:
+    import asyncpg
+
+    name = f"ledger_{next(_db_names)}"
+    conn = await asyncpg.connect(server.url())
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+    return server.url(name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ledger]:
+    if request.param == "sqlite":
+        opened: Ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    else:
+        opened = PostgresLedger(await fresh_database(request.getfixturevalue("postgres")))
+    await opened.open()
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def make(request_id: str, *, org: str = "acme", key: str = "k1", model: str = "small", prompt: int = 100,
+         cached: int = 0, completion: int = 10, status: str = "finished", at: float = T0 + 60, migrations: int = 0,
+         tier: str = "standard", worker: str = "w1") -> LedgerEntry:
+    event = UsageEvent(request_id=request_id, org=org, key_id=key, model=model, prompt_tokens=prompt,
+                       cached_tokens=cached, completion_tokens=completion, status=status,  # type: ignore[arg-type]
+                       arrival_time=at - 1, finish_time=at, migrations=migrations, tier=tier, worker_id=worker)
+    return entry_from_event(event, PRICES, recorded_at=at + 1, stream_seq=1)
+
+
+async def test_same_usage_id_twice_is_counted_once(ledger: Ledger) -> None:
+    first = make("r1", prompt=100, completion=10)
+    assert await ledger.record([first]) == 1
+    # a redelivery (same id) in a later batch: ignored, even if its content differs
+    assert await ledger.record([make("r1", prompt=999, completion=999), make("r2")]) == 1
+    # the same id twice inside one batch
+    assert await ledger.record([make("r3"), make("r3")]) == 1
+    (row,) = await ledger.totals(group_by=[])
+    assert row.requests == 3
+    assert row.prompt_tokens == 300 and row.completion_tokens == 30  # the first r1 won
+    assert await ledger.record([]) == 0
+
+
+async def test_migration_segments_are_distinct_usage(ledger: Ledger) -> None:
+    assert await ledger.record([make("r1", completion=5), make("r1", completion=7, migrations=1)]) == 2
+    assert await ledger.record([make("r1", completion=7, migrations=1)]) == 0
+    (row,) = await ledger.totals(group_by=[])
+    assert row.requests == 2 and row.completion_tokens == 12
+
+
+async def test_every_field_is_stored(ledger: Ledger, tmp_path: Path) -> None:
+    entry = make("r-all", prompt=123, cached=45, completion=67, status="cancelled", migrations=3, tier="premium",
+                 worker="w-9")
+    await ledger.record([entry])
+    if isinstance(ledger, SqliteLedger):
+        conn = sqlite3.connect(ledger.path)
+        row = conn.execute("SELECT * FROM usage_events").fetchone()
+        conn.close()
+    else:
+        import asyncpg
+
+        assert isinstance(ledger, PostgresLedger)
+        conn_pg = await asyncpg.connect(ledger._dsn)
+        row = tuple(await conn_pg.fetchrow("SELECT * FROM usage_events"))
+        await conn_pg.close()
+    assert tuple(row) == tuple(getattr(entry, f) for f in entry.__slots__)
+
+
+async def test_totals_grouping_and_spend(ledger: Ledger) -> None:
+    entries = [
+        make("a1", org="acme", key="k1", model="small", prompt=1000, cached=400, completion=100),
+        make("a2", org="acme", key="k1", model="big", prompt=2000, cached=0, completion=500, status="cancelled"),
+        make("a3", org="acme", key="k2", model="small", prompt=10, completion=0, status="rejected"),
+        make("b1", org="beta", key="k3", model="big", prompt=50, cached=50, completion=5, tier="premium"),
+    ]
+    assert await ledger.record(entries) == 4
+    by_key_model = await ledger.totals(group_by=["org", "key", "model"])
+    assert [(r.org, r.key_id, r.model) for r in by_key_model] == [
+        ("acme", "k1", "big"), ("acme", "k1", "small"), ("acme", "k2", "small"), ("beta", "k3", "big")]
+    for row in by_key_model:
+        assert row.tier is None and row.status is None and row.bucket is None
+    by_org = {r.org: r for r in await ledger.totals(group_by=["org"])}
+    acme = by_org["acme"]
+    assert (acme.requests, acme.prompt_tokens, acme.cached_tokens, acme.completion_tokens) == (3, 3010, 400, 600)
+    assert acme.by_status == {"finished": 1, "cancelled": 1, "rejected": 1}
+    # spend: a1 = 600×0.1 + 400×0.05 + 100×0.4 = 120 per M; a2 = 2000×3 + 500×15 = 13500 per M; a3 free (rejected)
+    assert acme.spend_nano == 120 * 1000 + 13500 * 1000
+    assert by_org["beta"].spend_nano == 50 * 1000 + 5 * 15000
+    assert sum(r.spend_nano for r in by_org.values()) == sum(e.spend_nano for e in entries)
+    by_status = {r.status: r.requests for r in await ledger.totals(group_by=["status"])}
+    assert by_status == {"finished": 2, "cancelled": 1, "rejected": 1}
+    by_tier = {r.tier: r.requests for r in await ledger.totals(group_by=["tier"])}
+    assert by_tier == {"standard": 3, "premium": 1}
+    by_worker = await ledger.totals(group_by=["worker"])
+    assert [(r.worker_id, r.requests) for r in by_worker] == [("w1", 4)]
+    # filters
+    (k1,) = await ledger.totals(org="acme", key_id="k1", group_by=["key"])
+    assert k1.key_id == "k1" and k1.requests == 2
+    (big,) = await ledger.totals(model="big", group_by=[])
+    assert big.requests == 2 and big.org is None
+    assert await ledger.totals(org="nobody") == []
+
+
+async def test_time_ranges_are_half_open(ledger: Ledger) -> None:
+    times = [T0, T0 + 10, T0 + 20, T0 + 30]
+    await ledger.record([make(f"r{i}", at=t, completion=i + 1) for i, t in enumerate(times)])
+
+    async def completions(since: float | None, until: float | None) -> int:
+        rows = await ledger.totals(since=since, until=until, group_by=[])
+        return rows[0].completion_tokens if rows else 0
+
+    assert await completions(None, None) == 1 + 2 + 3 + 4
+    assert await completions(T0 + 10, T0 + 30) == 2 + 3  # since inclusive, until exclusive
+    assert await completions(T0 + 10.5, None) == 3 + 4
+    assert await completions(None, T0) == 0
+    assert await completions(T0 + 30, T0 + 30) == 0
+    (row,) = await ledger.totals(since=T0, until=T0 + 31, group_by=[])
+    assert (row.first_at, row.last_at) == (T0, T0 + 30)
+
+
+async def test_hour_and_day_buckets(ledger: Ledger) -> None:
+    await ledger.record([
+        make("d1a", at=T0 + 5), make("d1b", at=T0 + 3600 + 5), make("d1c", at=T0 + DAY - 1),
+        make("d2a", at=T0 + DAY), make("d2b", at=T0 + DAY + 7200 + 1),
+    ])
+    days = await ledger.totals(group_by=["day"])
+    assert [(r.bucket, r.requests) for r in days] == [(T0, 3), (T0 + DAY, 2)]
+    hours = await ledger.totals(since=T0, until=T0 + DAY, group_by=["hour"])
+    assert [(r.bucket, r.requests) for r in hours] == [(T0, 1), (T0 + 3600, 1), (T0 + DAY - 3600, 1)]
+    per_model_day = await ledger.totals(group_by=["model", "day"])
+    assert [(r.model, r.bucket) for r in per_model_day] == [("small", T0), ("small", T0 + DAY)]
+
+
+async def test_hostile_strings_round_trip(ledger: Ledger) -> None:
+    org = "o'; DROP TABLE usage_events; --\u202e\U0001f600"
+    await ledger.record([make("x1", org=org, key="k\x00ey")])
+    (row,) = await ledger.totals(org=org, group_by=["org", "key"])
+    assert row.org == org and row.key_id == "key"
+
+
+async def test_concurrent_writers_and_readers(ledger: Ledger) -> None:
+    rng = random.Random(7)
+    batches = [[make(f"c{b}-{i}", completion=rng.randrange(50)) for i in range(50)] for b in range(8)]
+    # the same batches twice, concurrently with queries: every id lands exactly once
+    results = await asyncio.gather(*(ledger.record(b) for b in batches + batches),
+                                   *(ledger.totals(group_by=["org"]) for _ in range(8)))
+    inserted = [r for r in results if isinstance(r, int)]
+    assert sum(inserted) == 400
+    (row,) = await ledger.totals(group_by=[])
+    assert row.requests == 400
+    assert row.completion_tokens == sum(e.completion_tokens for b in batches for e in b)
+
+
+async def test_reopen_keeps_the_data(ledger: Ledger) -> None:
+    await ledger.record([make("p1"), make("p2")])
+    await ledger.close()
+    await ledger.open()
+    assert await ledger.record([make("p1"), make("p3")]) == 1
+    (row,) = await ledger.totals(group_by=[])
+    assert row.requests == 3
+
+
+# ---- errors the service relies on ---------------------------------------------------------
+async def test_sqlite_lock_is_unavailable_not_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    ledger = SqliteLedger(path, busy_timeout_s=0.1)
+    await ledger.open()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(LedgerUnavailable):
+            await ledger.record([make("l1")])
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert await ledger.record([make("l1")]) == 1  # nothing half-written before
+    await ledger.close()
+    with pytest.raises(LedgerUnavailable):
+        await ledger.record([make("l2")])
+
+
+async def test_sqlite_unopenable_path_is_unavailable(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(LedgerUnavailable):
+        await SqliteLedger(tmp_path / "file" / "ledger.sqlite3").open()
+
+
+async def test_constraint_violation_is_rejected_and_rolls_back_the_batch(ledger: Ledger) -> None:
+    bad = LedgerEntry(**{**{f: getattr(make("n1"), f) for f in LedgerEntry.__slots__}, "org": None})  # type: ignore[arg-type]
+    with pytest.raises(LedgerRejected):
+        await ledger.record([make("ok"), bad])
+    assert await ledger.totals(group_by=[]) == []  # one transaction: "ok" was rolled back too
+    assert await ledger.record([make("ok")]) == 1
+
+
+async def test_postgres_down_is_unavailable_and_recovers(postgres: PostgresServer) -> None:
+    ledger = PostgresLedger(await fresh_database(postgres), timeout_s=2.0)
+    await ledger.open()
+    assert await ledger.record([make("u1")]) == 1
+    postgres.stop("immediate")
+    try:
+        with pytest.raises(LedgerUnavailable):
+            await ledger.record([make("u2")])
+        with pytest.raises(LedgerUnavailable):
+            await ledger.totals()
+    finally:
+        postgres.start()
+    # the pool replaces its dead connections: the same ledger object works again
+    for _ in range(20):
+        try:
+            assert await ledger.record([make("u2"), make("u1")]) == 1
+            break
+        except LedgerUnavailable:
+            await asyncio.sleep(0.25)
+    (row,) = await ledger.totals(group_by=[])
+    assert row.requests == 2
+    await ledger.close()
+
+
+async def test_postgres_unreachable_at_open_is_unavailable() -> None:
+    from services.metering.pgserver import _free_port
+
+    with pytest.raises(LedgerUnavailable):
+        await PostgresLedger(f"postgresql://x@127.0.0.1:{_free_port()}/none", timeout_s=1.0).open()
