@@ -302,7 +302,8 @@ class MeteringService(Service):
                     for msg in msgs:
                         await self._settle(msg, "in_progress")
                     last_touch = time.monotonic()
-                await self._pause(backoff)
+                # Never sleep past the next in_progress that is due.
+                await self._pause(min(backoff, self.config.ack_wait_s / 3))
                 backoff = min(backoff * 2, self.config.backoff_max_s)
                 continue
             break

@@ -1,0 +1,377 @@
+"""The metering service on a real nats-server: exact totals, idempotency, hostile input,
+ledger outages (backpressure), drain, and ``meshserve usage``.
+
+The service runs in-process here; ``test_metering_crash.py`` runs it as a process and
+kills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sqlite3
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.js import api
+
+from bus import Bus, BusSettings, provision
+from proto import ErrorCode, RemoteError, UsageEvent, usage_dedup_id
+from proto.metering import UsageQuery, UsageReport
+from services.metering.ledger import LedgerEntry, SqliteLedger
+from services.metering.prices import ModelPrice, PriceTable
+from services.metering.service import MeteringConfig, MeteringService
+
+REPO = Path(__file__).resolve().parents[2]
+PRICES = PriceTable(models={"small": ModelPrice.of(input="0.1", cached_input="0.05", output="0.4"),
+                            "*": ModelPrice.of(input=1, output=2)})
+T0 = 1_750_000_000.0
+
+
+def make_events(n: int, seed: int = 1, prefix: str = "req") -> list[UsageEvent]:
+    rng = random.Random(seed)
+    events = []
+    for i in range(n):
+        prompt = rng.randrange(1, 4000)
+        events.append(UsageEvent(
+            request_id=f"{prefix}-{i}", org=rng.choice(["acme", "beta", "gamma.co"]), key_id=rng.choice(["k1", "k2"]),
+            model=rng.choice(["small", "meta-llama/Llama-3.1-8B"]), worker_id="w1", prompt_tokens=prompt,
+            cached_tokens=rng.randrange(0, prompt + 1), completion_tokens=rng.randrange(0, 1000),
+            status=rng.choice(["finished", "finished", "length", "cancelled", "failed"]),  # type: ignore[arg-type]
+            arrival_time=T0 + i, first_token_time=T0 + i + 0.1, finish_time=T0 + i + 1.0,
+        ))
+    return events
+
+
+def expected_totals(events: Sequence[UsageEvent], dims: Sequence[str]) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    """requests, prompt, cached, completion, spend per group, computed here independently of the ledger."""
+    out: dict[tuple[Any, ...], list[int]] = {}
+    for e in events:
+        key = tuple(getattr(e, d) for d in dims)
+        charge = PRICES.charge(e.model, e.status, e.prompt_tokens, e.cached_tokens, e.completion_tokens)
+        sums = out.setdefault(key, [0, 0, 0, 0, 0])
+        for i, value in enumerate((1, e.prompt_tokens, e.cached_tokens, e.completion_tokens, charge.spend_nano)):
+            sums[i] += value
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def report_totals(report: UsageReport, fields: Sequence[str]) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    return {tuple(getattr(r, f) for f in fields): (r.requests, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                                                   r.spend_nano) for r in report.rows}
+
+
+async def publish(bus: Bus, events: Sequence[UsageEvent], concurrency: int = 64) -> None:
+    for start in range(0, len(events), concurrency):
+        await asyncio.gather(*(bus.js_publish(bus.subjects.usage(e.org), e, msg_id=usage_dedup_id(e.request_id, e.migrations))
+                               for e in events[start:start + concurrency]))
+
+
+async def eventually(check: Callable[[], Awaitable[bool]] | Callable[[], bool], timeout: float = 20.0,
+                     what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def consumer(bus: Bus, durable: str = "metering") -> api.ConsumerInfo:
+    return await bus.js.consumer_info(bus.subjects.usage_stream, durable)
+
+
+def config(tmp_path: Path, **overrides: Any) -> MeteringConfig:
+    base: dict[str, Any] = dict(ledger_url=str(tmp_path / "ledger.sqlite3"), prices=PRICES, ack_wait_s=3.0,
+                                fetch_timeout_s=0.2, batch_size=64, backoff_max_s=0.5)
+    base.update(overrides)
+    return MeteringConfig(**base)
+
+
+@pytest.fixture
+async def provisioned(bus: Bus) -> Bus:
+    await provision(bus.js, bus.subjects)
+    return bus
+
+
+@pytest.fixture
+async def metering(provisioned: Bus, bus_settings: BusSettings, tmp_path: Path) -> AsyncIterator[MeteringService]:
+    svc = MeteringService(config(tmp_path), bus_settings)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        if not svc.stopped.is_set():
+            await svc.drain_and_close()
+
+
+async def query(bus: Bus, **fields: Any) -> UsageReport:
+    return await bus.request(bus.subjects.metering_usage, UsageQuery(**fields), UsageReport, timeout=5.0)
+
+
+# ---- exact totals -----------------------------------------------------------------------
+async def test_totals_are_exact_per_org_key_model(provisioned: Bus, metering: MeteringService) -> None:
+    bus = provisioned
+    events = make_events(500)
+    await publish(bus, events)
+    await eventually(lambda: metering.events_written == 500, what="500 events written")
+
+    report = await query(bus, group_by=["org", "key", "model"])
+    assert report_totals(report, ["org", "key_id", "model"]) == expected_totals(events, ["org", "key_id", "model"])
+    assert report.currency == "USD" and not report.truncated
+    by_status = await query(bus, group_by=["status"])
+    assert report_totals(by_status, ["status"]) == expected_totals(events, ["status"])
+    # filters and a time range: since inclusive, until exclusive, on the finish time
+    acme = await query(bus, org="acme", since=T0 + 100.0, until=T0 + 301.0, group_by=["model"])
+    chosen = [e for e in events if e.org == "acme" and T0 + 100 <= e.finish_time < T0 + 301]
+    assert report_totals(acme, ["model"]) == expected_totals(chosen, ["model"])
+    limited = await query(bus, group_by=["org", "key", "model"], limit=2)
+    assert len(limited.rows) == 2 and limited.truncated
+    info = await consumer(bus)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+    assert metering.stats()["lag"] == 0 and metering.stats()["ledger_ok"] is True
+
+
+async def test_redelivered_and_republished_events_count_once(provisioned: Bus, metering: MeteringService) -> None:
+    bus = provisioned
+    events = make_events(100, seed=2)
+    await publish(bus, events)
+    await eventually(lambda: metering.events_written == 100, what="100 written")
+    # Same msg ids: JetStream's duplicate window drops them before they reach the stream.
+    await publish(bus, events[:30])
+    # Different msg ids (a publish after the window, a buggy retry): the ledger's key drops them.
+    for e in events[30:60]:
+        await bus.js_publish(bus.subjects.usage(e.org), e, msg_id=f"other-{e.request_id}")
+    await eventually(lambda: metering.duplicates == 30, what="30 duplicates")
+    assert metering.events_written == 100
+    report = await query(bus, group_by=["org"])
+    assert report_totals(report, ["org"]) == expected_totals(events, ["org"])
+
+
+# ---- hostile input ------------------------------------------------------------------------
+async def test_hostile_bytes_are_terminated_not_redelivered(provisioned: Bus, metering: MeteringService) -> None:
+    bus = provisioned
+    events = make_events(40, seed=3)
+    subject = bus.subjects.usage("acme")
+    await publish(bus, events[:20])
+    await bus.js.publish(subject, b"\xc1\xff\x00 not msgpack")
+    await bus.js.publish(subject, msgspec.msgpack.encode({"hello": "world"}))
+    await bus.js.publish(subject, msgspec.msgpack.encode([1, 2, 3] * 1000))
+    await bus.js.publish(subject, msgspec.msgpack.encode(
+        {"v": 2, "request_id": "future", "org": "acme", "key_id": "k", "model": "m"}))
+    await bus.js.publish(subject, msgspec.msgpack.encode(
+        {"v": 1, "request_id": "neg", "org": "acme", "key_id": "k", "model": "m", "prompt_tokens": -5}))
+    await bus.js.publish(subject, msgspec.msgpack.encode(
+        {"v": 1, "request_id": "", "org": "acme", "key_id": "k", "model": "m"}))
+    await publish(bus, events[20:])
+    await eventually(lambda: metering.events_written == 40, what="the valid events")
+    await eventually(lambda: metering.decode_errors == 3 and metering.unsupported_version == 1
+                     and metering.invalid_events == 2, what="bad events counted")
+    # terminated, not pending: after more than ack_wait nothing comes back
+    await asyncio.sleep(metering.config.ack_wait_s + 0.5)
+    info = await consumer(bus)
+    assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
+    assert (metering.decode_errors, metering.unsupported_version, metering.invalid_events) == (3, 1, 2)
+    report = await query(bus, group_by=["org"])
+    assert report_totals(report, ["org"]) == expected_totals(events, ["org"])
+
+
+async def test_bad_queries_get_typed_errors(provisioned: Bus, metering: MeteringService) -> None:
+    bus = provisioned
+    with pytest.raises(RemoteError) as caught:
+        await query(bus, group_by=["org", "org"])
+    assert caught.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(RemoteError) as caught:
+        await query(bus, since=10.0, until=1.0)
+    assert caught.value.code == ErrorCode.BAD_REQUEST
+    # raw garbage on the query subject: an error reply, and the endpoint lives on
+    reply = await bus.nc.request(bus.subjects.metering_usage, b"\x00\x01garbage", timeout=5.0)
+    assert reply.headers and "Nats-Service-Error" in reply.headers
+    assert (await query(bus, group_by=[])).rows == []
+
+
+# ---- backpressure: the ledger is down -------------------------------------------------
+async def test_ledger_outage_holds_events_in_the_stream(provisioned: Bus, bus_settings: BusSettings,
+                                                        tmp_path: Path) -> None:
+    bus = provisioned
+    path = tmp_path / "ledger.sqlite3"
+    ledger = SqliteLedger(path, busy_timeout_s=0.05)
+    await ledger.open()
+    # Another process holds the write lock: every commit fails with "database is locked".
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    events = make_events(200, seed=4)
+    await publish(bus, events)
+    svc = MeteringService(config(tmp_path, batch_size=50, max_ack_pending=100), bus_settings, ledger=ledger)
+    await svc.start()
+    try:
+        await eventually(lambda: svc.ledger_errors >= 3, what="failed commits")
+        # It stopped fetching: one batch held unacked, the rest waits in the stream.
+        info = await consumer(bus)
+        assert (info.num_ack_pending, info.num_pending) == (50, 150)
+        assert svc.events_written == 0 and svc.stats()["ledger_ok"] is False
+        # Longer than ack_wait: in_progress keeps the held batch from being redelivered.
+        await asyncio.sleep(svc.config.ack_wait_s * 1.5)
+        info = await consumer(bus)
+        assert (info.num_ack_pending, info.num_pending, info.num_redelivered) == (50, 150, 0)
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        await eventually(lambda: svc.events_written == 200, what="the backlog written after recovery")
+        assert svc.duplicates == 0 and svc.stats()["ledger_ok"] is True
+        report = await query(bus, group_by=["org", "model"])
+        assert report_totals(report, ["org", "model"]) == expected_totals(events, ["org", "model"])
+    finally:
+        await svc.drain_and_close()
+
+
+async def test_ledger_unavailable_at_start_then_recovers(provisioned: Bus, bus_settings: BusSettings,
+                                                         tmp_path: Path) -> None:
+    bus = provisioned
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the ledger's folder should be")
+    svc = MeteringService(config(tmp_path, ledger_url=str(blocked / "ledger.sqlite3")), bus_settings)
+    await svc.start()  # starts anyway: answers queries with an error, consumes nothing
+    try:
+        events = make_events(30, seed=5)
+        await publish(bus, events)
+        await eventually(lambda: svc.ledger_errors >= 2, what="open retries")
+        with pytest.raises(RemoteError, match="unavailable"):
+            await query(bus)
+        assert (await consumer(bus)).num_pending == 30
+        blocked.unlink()
+        await eventually(lambda: svc.events_written == 30, what="written once the ledger opens")
+        assert report_totals(await query(bus, group_by=["org"]), ["org"]) == expected_totals(events, ["org"])
+    finally:
+        await svc.drain_and_close()
+
+
+# ---- crash between commit and ack; drain ----------------------------------------------
+class GatedLedger(SqliteLedger):
+    """Commits, then waits at a gate before returning (the acks come after the return)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.gate = asyncio.Event()
+        self.committed = asyncio.Event()
+
+    async def record(self, entries: Sequence[LedgerEntry]) -> int:
+        inserted = await super().record(entries)
+        self.committed.set()
+        await self.gate.wait()
+        return inserted
+
+
+async def test_crash_between_commit_and_ack_counts_nothing_twice(provisioned: Bus, bus_settings: BusSettings,
+                                                                 tmp_path: Path) -> None:
+    bus = provisioned
+    events = make_events(60, seed=6)
+    await publish(bus, events)
+    path = tmp_path / "ledger.sqlite3"
+    gated = GatedLedger(path)
+    first = MeteringService(config(tmp_path, batch_size=100), bus_settings, ledger=gated)
+    await first.start()
+    await asyncio.wait_for(gated.committed.wait(), 10)
+    # "Crash": the connection goes away with the batch committed but never acked.
+    await first.bus.nc.close()
+    for task in list(first._tasks):
+        task.cancel()
+    second = MeteringService(config(tmp_path, batch_size=100), bus_settings)
+    await second.start()
+    try:
+        await eventually(lambda: second.duplicates == 60, timeout=first.config.ack_wait_s + 10,
+                         what="the redelivered batch recognised as duplicates")
+        assert second.events_written == 0 and second.redelivered == 60
+        report = await query(bus, group_by=["org", "key", "model"])
+        assert report_totals(report, ["org", "key_id", "model"]) == expected_totals(events, ["org", "key_id", "model"])
+    finally:
+        await second.drain_and_close()
+        await gated.close()
+
+
+async def test_drain_finishes_the_batch_in_progress(provisioned: Bus, bus_settings: BusSettings,
+                                                    tmp_path: Path) -> None:
+    bus = provisioned
+    events = make_events(40, seed=7)
+    await publish(bus, events)
+    gated = GatedLedger(tmp_path / "ledger.sqlite3")
+    svc = MeteringService(config(tmp_path, batch_size=100), bus_settings, ledger=gated)
+    await svc.start()
+    await asyncio.wait_for(gated.committed.wait(), 10)
+    drain = asyncio.create_task(svc.drain_and_close())
+    await asyncio.sleep(0.3)
+    assert not drain.done()  # the drain waits for the commit's acks
+    gated.gate.set()
+    assert await asyncio.wait_for(drain, 10) is True
+    info = await consumer(bus)
+    assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
+    reopened = SqliteLedger(tmp_path / "ledger.sqlite3")
+    await reopened.open()
+    (row,) = await reopened.totals(group_by=[])
+    assert row.requests == 40
+    await reopened.close()
+
+
+async def test_drain_with_the_ledger_down_hands_the_batch_back(provisioned: Bus, bus_settings: BusSettings,
+                                                               tmp_path: Path) -> None:
+    bus = provisioned
+    path = tmp_path / "ledger.sqlite3"
+    events = make_events(30, seed=8)
+    await publish(bus, events)
+    # a long ack_wait: only the nak can make these come back quickly
+    slow = config(tmp_path, ack_wait_s=60.0)
+    ledger = SqliteLedger(path, busy_timeout_s=0.05)
+    await ledger.open()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    first = MeteringService(slow, bus_settings, ledger=ledger)
+    await first.start()
+    await eventually(lambda: first.ledger_errors >= 1, what="a failed commit")
+    started = time.monotonic()
+    assert await first.drain_and_close() is True
+    assert time.monotonic() - started < 5.0
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    second = MeteringService(slow, bus_settings)
+    await second.start()
+    try:
+        await eventually(lambda: second.events_written == 30, timeout=10, what="the handed-back batch")
+    finally:
+        await second.drain_and_close()
+
+
+# ---- meshserve usage ------------------------------------------------------------------
+async def test_meshserve_usage_cli(provisioned: Bus, metering: MeteringService, nats_url: str) -> None:
+    bus = provisioned
+    events = make_events(50, seed=9)
+    await publish(bus, events)
+    await eventually(lambda: metering.events_written == 50, what="written")
+
+    async def cli(*argv: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ops.cli", "usage", "--nats-url", nats_url, *argv, cwd=REPO,
+            env={**os.environ, "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+    rc, out, err = await cli("--group-by", "org,model", "--since", str(T0), "--json")
+    assert rc == 0, err
+    body = json.loads(out)
+    got = {(r["org"], r["model"]): (r["requests"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"],
+                                    r["spend_nano"]) for r in body["data"]}
+    assert got == expected_totals(events, ["org", "model"])
+    rc, out, err = await cli("--org", "acme", "--group-by", "key,day")
+    assert rc == 0, err
+    acme = [e for e in events if e.org == "acme"]
+    assert "k1" in out and "total" in out and f"{len(acme):,}" in out
+    rc, _, err = await cli("--since", "last tuesday")
+    assert rc == 2 and "not a time" in err
