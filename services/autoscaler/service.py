@@ -77,6 +77,9 @@ class AutoscalerConfig:
     drain_grace_s: float = 15.0  # beyond the drain timeout before a forced stop
     start_timeout_s: float = 600.0  # a launch with no gauge by then is written off (cold starts: minutes)
     gauge_stale_s: float = 15.0  # an older gauge is not evidence of a live replica
+    # No decision before gauges had time to arrive: a (re)started autoscaler that has not
+    # heard its replicas yet would see an empty pool and start replicas it does not need.
+    warmup_s: float = 3.0
     control_timeout_s: float = 3.0  # the drain command's request-reply
     history: int = 50  # decisions kept per pool
     pending_ttl_s: float = 10.0
@@ -311,6 +314,7 @@ class AutoscalerService(Service):
         self.retired: set[str] = set()  # force-stopped: ignored until they leave the registry
         self.registry: WorkerRegistry | None = None
         self._tick_task: asyncio.Task[None] | None = None
+        self._listening_since: float | None = None
         self._metrics_runner: object | None = None
         self.metrics_port: int | None = None
         driver.pools = tuple(self.pools)
@@ -322,6 +326,7 @@ class AutoscalerService(Service):
         self.registry.on_change(self._on_registry_change)
         await self.registry.start()
         await self.subscribe(self.bus.subjects.gauges_all, WorkerGauge, self._on_gauge)
+        self._listening_since = self.clock()
         await self.add_endpoint("status", self.bus.subjects.autoscaler_status, AutoscalerStatusRequest, self.handle_status)
         if self.config.metrics_port is not None:
             await self._serve_metrics()
@@ -431,6 +436,8 @@ class AutoscalerService(Service):
             )
         await self._progress_drains(now)
         self._forget_stale_gauges(now)
+        if self._listening_since is None or now - self._listening_since < self.config.warmup_s:
+            return
         for pool, rt in self.pools.items():
             gauges = self.pool_gauges(pool, now)
             self.launches.observe(pool, (g.worker_id for g in gauges))
