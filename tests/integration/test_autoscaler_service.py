@@ -139,7 +139,7 @@ class FakeWorkers:
             self._task.cancel()
 
 
-SATURATED = {"waiting": 6, "running": 4, "queued_prefill_tokens": 6000, "running_tokens": 2000, "kv_usage": 0.5}
+SATURATED: dict[str, Any] = {"waiting": 6, "running": 4, "queued_prefill_tokens": 6000, "running_tokens": 2000, "kv_usage": 0.5}
 IDLE: dict[str, Any] = {}
 
 
@@ -155,7 +155,7 @@ async def workers(bus: Bus) -> AsyncIterator[FakeWorkers]:
 
 
 def make_service(bus_settings: BusSettings, driver: Driver, **overrides: Any) -> AutoscalerService:
-    policy = dict(pool=POOL, min_replicas=1, max_replicas=4, scale_down_cooldown_s=1.0, drain_ack_timeout_s=2.0)
+    policy: dict[str, Any] = dict(pool=POOL, min_replicas=1, max_replicas=4, scale_down_cooldown_s=1.0, drain_ack_timeout_s=2.0)
     config: dict[str, Any] = dict(tick_s=0.2, warmup_s=0.5, drain_timeout_s=1.0, drain_grace_s=0.5, control_timeout_s=0.5,
                                   start_backoff_s=30.0)
     for key in list(overrides):
