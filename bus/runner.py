@@ -146,7 +146,7 @@ class Service:
         self,
         name: str,
         subject: str,
-        handler: Callable[[Msg], Awaitable[None]],
+        handler: Callable[[Msg], Coroutine[Any, Any, None]],
         *,
         queue_group: str | None = None,
     ) -> None:

@@ -39,6 +39,8 @@ class JsonLinesSpanExporter(SpanExporter):
         lines = []
         for span in spans:
             ctx = span.get_span_context()
+            if ctx is None:
+                continue
             parent = span.parent
             lines.append(
                 json.dumps(

@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "ops.keys",
     "ops.status",
     "ops.usage",
+    "ops.bench.cli",
     "ops.plan.cli",
 )
 

@@ -15,10 +15,24 @@ from typing import Protocol
 
 
 class Tokenizer(Protocol):
-    name: str
-    vocab_size: int
-    eos_token_id: int
-    bos_token_id: int | None
+    # Read-only properties: implementations may narrow the types (ByteTokenizer always has a BOS).
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def bos_token(self) -> str: ...
+
+    @property
+    def eos_token(self) -> str: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -36,6 +50,9 @@ class ByteTokenizer:
         self.vocab_size = 256 + self.OFFSET
         self.eos_token_id = self.EOS
         self.bos_token_id = self.BOS
+        # The sim models' chat template needs no special strings: ids 1 and 2 have no text.
+        self.bos_token = ""
+        self.eos_token = ""
 
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
@@ -65,6 +82,15 @@ class HFTokenizer:
         self.eos_token_id = self._special_id(config.get("eos_token"), default=0)
         bos = self._special_id(config.get("bos_token"), default=-1)
         self.bos_token_id = bos if bos >= 0 else None
+        # Chat templates (Llama's among them) render these strings themselves.
+        self.bos_token = self._special_text(config.get("bos_token"))
+        self.eos_token = self._special_text(config.get("eos_token"))
+
+    @staticmethod
+    def _special_text(token: object) -> str:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return token if isinstance(token, str) else ""
 
     def _special_id(self, token: object, default: int) -> int:
         if isinstance(token, dict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import ssl
@@ -618,11 +619,11 @@ class GatewayService(Service):
                         raise ApiError(400, f"request id {parsed.id!r} is already in flight on this socket", "invalid_request_error", "id")
                     request = parse_ws_request(parsed, self.model_specs(), allowed_models=key.models or None)
                 except ApiError as exc:
-                    await send(exc.to_ws(getattr(locals().get("parsed"), "id", None)))
+                    await send(exc.to_ws(_message_id(message.data)))
                     continue
                 task = asyncio.create_task(self._ws_request(send, parsed.id, request, key))
                 running[parsed.id] = task
-                task.add_done_callback(lambda _t, rid=parsed.id: running.pop(rid, None))
+                task.add_done_callback(functools.partial(_forget, running, parsed.id))
         finally:
             for task in running.values():
                 task.cancel()
@@ -691,6 +692,20 @@ class GatewayService(Service):
                     await nc.publish(msg.reply, event.data, headers=headers)
         finally:
             self.finish(execution)
+
+
+def _message_id(data: str) -> str | None:
+    """The client's request id of a WebSocket message that failed validation, if it has one."""
+    try:
+        value = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    request_id = value.get("id") if isinstance(value, dict) else None
+    return request_id if isinstance(request_id, str) else None
+
+
+def _forget(running: dict[str, asyncio.Task[None]], request_id: str, _task: asyncio.Task[None]) -> None:
+    running.pop(request_id, None)
 
 
 def _dedup_by_seq(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
