@@ -91,10 +91,10 @@ def render(report: UsageReport) -> Any:
     for row in report.rows:
         dims = []
         for name in report.group_by:
-            value = getattr(row, fields[name])
+            dim = getattr(row, fields[name])
             if name in ("hour", "day"):
-                value = _when(value)[: 10 if name == "day" else 16]
-            dims.append("" if value is None else str(value) or "-")
+                dim = _when(dim)[: 10 if name == "day" else 16]
+            dims.append("" if dim is None else str(dim) or "-")
         statuses = " ".join(f"{status}={count}" for status, count in sorted(row.by_status.items()))
         table.add_row(*dims, f"{row.requests:,}", f"{row.prompt_tokens:,}", f"{row.cached_tokens:,}",
                       f"{row.completion_tokens:,}", _spend(row), statuses)
