@@ -17,6 +17,7 @@ SERVICES: dict[str, str] = {
     "gateway": "services.gateway.main",
     "autoscaler": "services.autoscaler.main",
     "metering": "services.metering.main",
+    "router": "services.router.main",
 }
 
 

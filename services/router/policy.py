@@ -295,6 +295,11 @@ class Router:
         self._rings: dict[str, _Ring] = {}
         self._cascades = {name: _Cascade(c) for name, c in self.config.cascades.items()}
 
+    def set_cascade(self, name: str, cascade: CascadeConfig) -> None:
+        """Add or replace a cascade, e.g. once the shell has tokenized its keywords."""
+        self.config.cascades[name] = cascade
+        self._cascades[name] = _Cascade(cascade)
+
     # ---- model resolution ----
     def resolve(self, query: RouteQuery) -> tuple[list[str], str]:
         """Pools to try, in order, and a note on how they were chosen."""

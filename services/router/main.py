@@ -1,0 +1,51 @@
+"""The router: KV-aware placement of requests on workers.
+
+``meshserve serve router [--policy prefix] [--config FILE] [--metrics-port N]``. Several
+routers may run (one queue group); each builds the same view from the workers' events.
+``--config`` (JSON, or TOML when it ends in ``.toml``) sets per-model policies, aliases
+and cascades; see ``services.router.service.parse_config`` for the schema::
+
+    {"policy": "prefix", "default": {"beta": 0.5, "d": 2},
+     "models": {"meta-llama/Llama-3.1-8B-Instruct": "session"},
+     "aliases": {"llama": "meta-llama/Llama-3.1-8B-Instruct"},
+     "cascades": {"auto": {"small": "llama-8b", "large": "llama-70b", "max_prompt_tokens": 1024,
+                           "hard_keywords": ["prove", "step by step"]}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bus import run_service
+
+from .policy import POLICIES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", choices=POLICIES, default=None,
+                        help="default policy for models the config does not name (default: the config's, else prefix)")
+    parser.add_argument("--config", default=None, help="JSON or TOML file: per-model policies, aliases, cascades")
+    parser.add_argument("--forward-timeout", type=float, default=None,
+                        help="seconds a worker gets to accept a request before the next one is tried (default 2)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and candidate sampling")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1")
+
+
+def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .service import load_config
+
+    try:
+        return load_config(
+            args.config, policy=args.policy, forward_timeout_s=args.forward_timeout, seed=args.seed,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        )
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"router config: {exc}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    from .service import RouterService
+
+    config = build_config(args)
+    return run_service(lambda: RouterService(config))

@@ -1,0 +1,504 @@
+"""The router service: ``policy`` and ``view`` wired to the mesh (DESIGN.md, Routing).
+
+It keeps the view live from four feeds: the worker registry (joins, heartbeats, state
+changes, deletes), gauges (``mesh.gauges.>``), KV event batches (``mesh.kv.>``; a gap, a
+stream joined mid-way or a batch a gauge names but that never came makes it ask the
+worker for a ``KvSnapshot``), and its own clock (workers silent for ``stale_after_s`` are
+expired). Several routers may run: each builds the same view from the same events and
+they share the ``router`` queue group, so each request is placed by exactly one.
+
+``mesh.router.route`` (a NATS micro endpoint): decide with the model's policy, forward
+the ``GenerateRequest`` to the chosen worker (request-reply on its generate subject; its
+model rewritten to the resolved pool when an alias or cascade resolved it), and answer
+the gateway with a ``Placement``. A worker that refuses (draining, no responders,
+timeout) costs one retry on the next best worker, the first excluded; then the gateway
+gets a typed error (``no_capacity``; ``unknown_model`` for a model nobody ever served).
+On a timeout the first worker is also told to cancel, in case it did take the request
+and only its answer was late, so the request never runs twice.
+
+Metrics (own Prometheus registry, served on ``metrics_port`` when set, also in
+``stats()``): placements per worker and policy, prefix-hit and prompt tokens, retries,
+errors, resyncs, decision time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from bus import BusSettings, Service
+from bus.registry import WorkerRegistry
+from proto import (
+    CancelRequest,
+    ControlReply,
+    ErrorCode,
+    GenerateRequest,
+    KvEventBatch,
+    KvSnapshot,
+    KvSnapshotRequest,
+    MeshError,
+    RequestTimeout,
+    RouteRequest,
+    WorkerGauge,
+    WorkerInfo,
+)
+from proto.kvindex import KvApply
+
+from .policy import (
+    POLICIES,
+    CascadeConfig,
+    Decision,
+    NoCapacity,
+    PolicyConfig,
+    RouteQuery,
+    Router,
+    RouterConfig,
+)
+from .view import RouterView, ViewConfig
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("meshserve.router")
+
+# Worker answers that mean "not me, try another": nothing started there.
+_REFUSALS = frozenset({ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT})
+
+
+@dataclass(frozen=True)
+class RouterServiceConfig:
+    router: RouterConfig = field(default_factory=RouterConfig)
+    view: ViewConfig = field(default_factory=ViewConfig)
+    # The worker answers a generate at once (before the first token): a slow answer means
+    # a sick worker. Two attempts must fit in the gateway's route timeout (5 s).
+    forward_timeout_s: float = 2.0
+    snapshot_timeout_s: float = 2.0
+    resync_retry_s: float = 2.0  # ask again when a snapshot has not come by then
+    maintenance_interval_s: float = 0.5  # expiry and resync requests
+    seed: int | None = None  # tie-breaking and candidate sampling (None: random)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+
+
+# ============================================================================ config file
+
+
+def load_config(path: str | Path | None, *, policy: str | None = None, **overrides: Any) -> RouterServiceConfig:
+    """A ``RouterServiceConfig`` from a JSON or TOML (``.toml``) file, and CLI overrides.
+
+    ``policy`` (the CLI's ``--policy``) replaces the file's default policy name.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        text = p.read_text()
+        try:
+            raw = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"{p}: {exc}") from exc
+    return parse_config(raw, policy=policy, **overrides)
+
+
+_CONFIG_KEYS = {"policy", "default", "models", "aliases", "cascades", "view", "service"}
+
+
+def parse_config(raw: Mapping[str, Any], *, policy: str | None = None, **overrides: Any) -> RouterServiceConfig:
+    """The file's schema (every section optional)::
+
+        policy = "prefix"                      # default policy name
+        [default]                              # PolicyConfig fields for every model
+        beta = 0.5
+        d = 2
+        [models."meta-llama/Llama-3.1-8B-Instruct"]   # a policy name or PolicyConfig fields
+        policy = "session"
+        [aliases]
+        llama = "meta-llama/Llama-3.1-8B-Instruct"
+        [cascades.auto]                        # CascadeConfig fields
+        small = "llama-8b"
+        large = "llama-70b"
+        max_prompt_tokens = 1024
+        hard_keywords = ["prove", "step by step"]
+        [view]                                 # ViewConfig fields
+        stale_after_s = 15
+        [service]                              # RouterServiceConfig timing fields
+        forward_timeout_s = 2.0
+    """
+    unknown = set(raw) - _CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"unknown router config sections {sorted(unknown)}; expected {sorted(_CONFIG_KEYS)}")
+    base = dict(raw.get("default") or {})
+    if "policy" in raw:
+        base["policy"] = raw["policy"]
+    if policy is not None:
+        base["policy"] = policy
+    default = _struct(PolicyConfig, base, "default")
+    models: dict[str, PolicyConfig] = {}
+    for model, spec in (raw.get("models") or {}).items():
+        spec = {"policy": spec} if isinstance(spec, str) else dict(spec)
+        models[model] = replace(default, **_checked(PolicyConfig, spec, f"models.{model}"))
+    cascades: dict[str, CascadeConfig] = {}
+    for name, spec in (raw.get("cascades") or {}).items():
+        spec = dict(spec)
+        for key in ("hard_keywords",):
+            if key in spec:
+                spec[key] = tuple(spec[key])
+        if "hard_keyword_tokens" in spec:
+            spec["hard_keyword_tokens"] = tuple(tuple(int(t) for t in seq) for seq in spec["hard_keyword_tokens"])
+        cascades[name] = _struct(CascadeConfig, spec, f"cascades.{name}")
+    aliases = {str(k): str(v) for k, v in (raw.get("aliases") or {}).items()}
+    view = _struct(ViewConfig, dict(raw.get("view") or {}), "view")
+    service = _checked(RouterServiceConfig, dict(raw.get("service") or {}), "service")
+    for bad in ("router", "view"):
+        if bad in service:
+            raise ValueError(f"service.{bad} is not a setting; use the [{bad if bad == 'view' else 'default'}] section")
+    service.update({k: v for k, v in overrides.items() if v is not None})
+    return RouterServiceConfig(
+        router=RouterConfig(default=default, models=models, aliases=aliases, cascades=cascades), view=view, **service
+    )
+
+
+def _checked(kind: type[Any], spec: dict[str, Any], where: str) -> dict[str, Any]:
+    names = {f.name for f in fields(kind)}
+    unknown = set(spec) - names
+    if unknown:
+        raise ValueError(f"{where}: unknown settings {sorted(unknown)}")
+    return spec
+
+
+def _struct(kind: type[Any], spec: dict[str, Any], where: str) -> Any:
+    try:
+        return kind(**_checked(kind, spec, where))
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+# ============================================================================ metrics
+
+DECISION_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.placements = Counter(
+            "meshserve:router_placements_total", "Requests placed, by worker and policy", ["model", "worker", "policy"], registry=r
+        )
+        self.prompt_tokens = Counter("meshserve:router_prompt_tokens_total", "Prompt tokens placed", ["model"], registry=r)
+        self.prefix_hit_tokens = Counter(
+            "meshserve:router_prefix_hit_tokens_total", "Prompt tokens estimated cached on the chosen worker", ["model"], registry=r
+        )
+        self.decision_seconds = Histogram(
+            "meshserve:router_decision_seconds", "Time of one placement decision", buckets=DECISION_BUCKETS, registry=r
+        )
+        self.retries = Counter("meshserve:router_retries_total", "Placements moved after a refusal", ["reason"], registry=r)
+        self.errors = Counter("meshserve:router_errors_total", "Route requests answered with an error", ["code"], registry=r)
+        self.resyncs = Counter("meshserve:router_kv_resyncs_total", "KV snapshot requests by outcome", ["outcome"], registry=r)
+        self.workers = Gauge("meshserve:router_workers", "Workers in the view, by placeability", ["state"], registry=r)
+
+
+# ============================================================================ the shell
+
+
+class RouterService(Service):
+    name = "router"
+    description = "meshserve router: KV-aware placement of requests on workers"
+
+    def __init__(
+        self,
+        config: RouterServiceConfig | None = None,
+        settings: BusSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        instance_id: str | None = None,
+    ) -> None:
+        super().__init__(settings, instance_id=instance_id)
+        self.config = config or RouterServiceConfig()
+        # The view only compares the router's own clock readings: monotonic suits it.
+        self.clock = clock
+        self.view = RouterView(self.config.view)
+        self.router = Router(self.view, self.config.router, random.Random(self.config.seed))
+        self.metrics = RouterMetrics()
+        self.registry: WorkerRegistry | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._metrics_runner: Any = None
+        self.metrics_port: int | None = None
+        self._cascade_keywords_done: set[str] = set()
+        # plain counters for stats() (Prometheus children are per label set)
+        self.placed = 0
+        self.placed_by_worker: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.retried = 0
+        self.failed = 0
+        self.resyncs_requested = 0
+        self.resyncs_applied = 0
+        self.decision_s_total = 0.0
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def on_start(self) -> None:
+        s = self.bus.subjects
+        self.registry = WorkerRegistry(self.bus)
+        self.registry.on_change(self._on_registry)
+        await self.registry.start()
+        await self.subscribe(s.gauges_all, WorkerGauge, self._on_gauge)
+        await self.subscribe(s.kv_events_all, KvEventBatch, self._on_kv_events)
+        await self.add_endpoint("route", s.router_route, RouteRequest, self.handle_route, queue_group="router")
+        self._loop_task = asyncio.create_task(self._maintenance(), name="router-maintenance")
+        if self.config.metrics_port is not None:
+            await self._serve_metrics()
+
+    async def on_stop(self) -> None:
+        tasks = [t for t in (self._loop_task, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.registry is not None:
+            await self.registry.stop()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+
+    def stats(self) -> dict[str, Any]:
+        placeable = 0
+        known = 0
+        now = self.clock()
+        for pool in self.view.pools.values():
+            for w in pool:
+                known += 1
+                placeable += self.view.placeable(w, now)
+        return {
+            "workers": known,
+            "placeable": placeable,
+            "placements": self.placed,
+            "placements_by_worker": dict(self.placed_by_worker),
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "retries": self.retried,
+            "errors": self.failed,
+            "resyncs_requested": self.resyncs_requested,
+            "resyncs_applied": self.resyncs_applied,
+            "mean_decision_us": 1e6 * self.decision_s_total / self.placed if self.placed else 0.0,
+        }
+
+    # ---- feeds ------------------------------------------------------------------------
+    def _on_registry(self, worker_id: str, info: WorkerInfo | None) -> None:
+        if info is None:
+            self.view.remove_worker(worker_id)
+            return
+        self.view.update_worker(info, self.clock())
+        self._maybe_compile_keywords(info)
+
+    async def _on_gauge(self, gauge: WorkerGauge, msg: Msg) -> None:
+        if gauge.worker_id not in self.view and (self.registry is None or gauge.worker_id not in self.registry.workers):
+            # A gauge from a worker the registry no longer lists (its last one, published
+            # on the way out, or a straggler): do not resurrect it.
+            return
+        self.view.apply_gauge(gauge, self.clock())
+        if self.view.needs_resync(gauge.worker_id):
+            self._request_resyncs()
+
+    async def _on_kv_events(self, batch: KvEventBatch, msg: Msg) -> None:
+        if batch.worker_id not in self.view and (self.registry is None or batch.worker_id not in self.registry.workers):
+            return
+        result = self.view.apply_kv_events(batch, self.clock())
+        if result is KvApply.GAP:
+            log.info("KV events of %s: gap before batch %d, resyncing", batch.worker_id, batch.seq)
+            self._request_resyncs()
+
+    def _request_resyncs(self) -> None:
+        for worker_id in self.view.take_resync_requests(self.clock(), self.config.resync_retry_s):
+            self.resyncs_requested += 1
+            self._background_task(self._resync(worker_id), f"resync-{worker_id}")
+
+    async def _resync(self, worker_id: str) -> None:
+        s = self.bus.subjects
+        try:
+            snap = await self.bus.request(
+                s.worker_kv_snapshot(worker_id), KvSnapshotRequest(worker_id=worker_id), KvSnapshot,
+                timeout=self.config.snapshot_timeout_s,
+            )
+        except MeshError as exc:
+            # take_resync_requests names the worker again after resync_retry_s.
+            log.warning("KV snapshot of %s failed: %s", worker_id, exc)
+            self.metrics.resyncs.labels(outcome="failed").inc()
+            return
+        if self.view.apply_snapshot(snap, self.clock()):
+            self.resyncs_applied += 1
+            self.metrics.resyncs.labels(outcome="applied").inc()
+            log.info("KV index of %s resynced from a snapshot at batch %d (%d blocks)", worker_id, snap.seq, len(snap.block_hashes))
+        else:
+            self.metrics.resyncs.labels(outcome="incomplete").inc()
+
+    async def _maintenance(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.maintenance_interval_s)
+            try:
+                for worker_id in self.view.expire(self.clock()):
+                    log.warning("worker %s expired: no registry heartbeat, gauge or KV event for %.0f s",
+                                worker_id, self.config.view.stale_after_s)
+                self._request_resyncs()
+                self._update_worker_gauges()
+            except Exception:  # a bug here must not stop expiry for good
+                log.exception("router maintenance failed")
+
+    def _update_worker_gauges(self) -> None:
+        s = self.stats()
+        self.metrics.workers.labels(state="placeable").set(s["placeable"])
+        self.metrics.workers.labels(state="other").set(s["workers"] - s["placeable"])
+
+    def _background_task(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- cascades: keyword token ids ---------------------------------------------------
+    def _maybe_compile_keywords(self, info: WorkerInfo) -> None:
+        """Tokenize a cascade's hard keywords once a worker tells which tokenizer its pool uses."""
+        for name, cascade in self.router.config.cascades.items():
+            if name in self._cascade_keywords_done or not cascade.hard_keywords or cascade.hard_keyword_tokens:
+                continue
+            if info.model not in (cascade.small, cascade.large):
+                continue
+            self._cascade_keywords_done.add(name)
+            try:
+                from proto.tokenizer import load_tokenizer
+
+                tok = load_tokenizer(info.model_dir or info.tokenizer or "byte")
+                seqs: set[tuple[int, ...]] = set()
+                for kw in cascade.hard_keywords:
+                    for variant in (kw, " " + kw, kw.capitalize(), " " + kw.capitalize()):
+                        ids = tuple(tok.encode(variant))
+                        if ids:
+                            seqs.add(ids)
+            except Exception as exc:
+                log.warning("cascade %s: cannot tokenize keywords with %s's tokenizer: %s", name, info.model, exc)
+                continue
+            self.router.set_cascade(name, replace(cascade, hard_keyword_tokens=tuple(sorted(seqs))))
+
+    # ---- the endpoint -----------------------------------------------------------------
+    async def handle_route(self, route: RouteRequest, msg: Msg) -> None:
+        request = route.request
+        with tracer.start_as_current_span(
+            "router.route", context=self.bus.remote_context(msg), kind=trace.SpanKind.SERVER,
+            attributes={"meshserve.request_id": request.request_id, "gen_ai.request.model": request.model},
+        ) as span:
+            try:
+                decision = await self._place(route)
+            except MeshError as exc:
+                self.failed += 1
+                self.metrics.errors.labels(code=exc.code.value).inc()
+                span.set_attribute("meshserve.error", exc.code.value)
+                raise
+            span.set_attributes({"meshserve.worker_id": decision.worker_id, "meshserve.policy": decision.policy,
+                                 "meshserve.cached_tokens": decision.cached_tokens})
+        await self.bus.respond(msg, decision.to_placement())
+
+    def _decide(self, query: RouteQuery, exclude: list[str]) -> Decision:
+        t0 = time.perf_counter()
+        result = self.router.place(query, self.clock(), exclude)
+        elapsed = time.perf_counter() - t0
+        self.metrics.decision_seconds.observe(elapsed)
+        self.decision_s_total += elapsed
+        if isinstance(result, NoCapacity):
+            code = ErrorCode.NO_CAPACITY if result.retryable else ErrorCode.UNKNOWN_MODEL
+            raise MeshError(result.message, code=code)
+        return result
+
+    async def _place(self, route: RouteRequest) -> Decision:
+        request = route.request
+        query = RouteQuery.from_generate(request)
+        exclude = list(route.exclude_workers)
+        decision = self._decide(query, exclude)
+        try:
+            await self._forward(decision, request)
+        except MeshError as exc:
+            self.router.release(request.request_id)
+            if exc.code not in _REFUSALS:
+                raise  # the request itself is at fault: another worker would refuse it too
+            self.retried += 1
+            self.metrics.retries.labels(reason=exc.code.value).inc()
+            log.info("worker %s refused %s (%s); retrying elsewhere", decision.worker_id, request.request_id, exc.code.value)
+            exclude.append(decision.worker_id)
+            try:
+                decision = self._decide(query, exclude)
+            except MeshError as again:
+                raise MeshError(f"worker {exclude[-1]} refused ({exc.message}) and {again.message}",
+                                code=again.code) from exc
+            try:
+                await self._forward(decision, request)
+            except MeshError as exc2:
+                self.router.release(request.request_id)
+                if exc2.code not in _REFUSALS:
+                    raise
+                raise MeshError(
+                    f"workers {exclude[-1]} and {decision.worker_id} refused the request ({exc.message}; {exc2.message})",
+                    code=ErrorCode.NO_CAPACITY,
+                ) from exc2
+        self._count(decision)
+        return decision
+
+    async def _forward(self, decision: Decision, request: GenerateRequest) -> None:
+        """Hand the request to the decision's worker; raises MeshError when it does not take it."""
+        forward = request if decision.model == request.model else msgspec.structs.replace(request, model=decision.model)
+        s = self.bus.subjects
+        try:
+            await self.bus.request(s.worker_generate(decision.worker_id), forward, ControlReply,
+                                   timeout=self.config.forward_timeout_s)
+        except RequestTimeout:
+            # It may have started it and only answered late: make sure it stops.
+            with contextlib.suppress(MeshError):
+                await self.bus.publish(s.worker_cancel(decision.worker_id),
+                                       CancelRequest(request_id=request.request_id, reason="router timed out"))
+            raise
+
+    def _count(self, d: Decision) -> None:
+        self.placed += 1
+        self.placed_by_worker[d.worker_id] = self.placed_by_worker.get(d.worker_id, 0) + 1
+        self.prompt_tokens += d.prompt_tokens
+        self.prefix_hit_tokens += d.cached_tokens
+        self.metrics.placements.labels(model=d.model, worker=d.worker_id, policy=d.policy).inc()
+        self.metrics.prompt_tokens.labels(model=d.model).inc(d.prompt_tokens)
+        self.metrics.prefix_hit_tokens.labels(model=d.model).inc(d.cached_tokens)
+
+    # ---- metrics endpoint -------------------------------------------------------------
+    async def _serve_metrics(self) -> None:
+        from aiohttp import web
+
+        async def metrics(_: web.Request) -> web.Response:
+            self._update_worker_gauges()
+            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port)
+        await site.start()
+        self._metrics_runner = runner
+        sockets = getattr(site._server, "sockets", None) or []
+        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.config.metrics_port
+        log.info("router metrics on http://%s:%s/metrics", self.config.metrics_host, self.metrics_port)
+
+
+__all__ = ["POLICIES", "RouterMetrics", "RouterService", "RouterServiceConfig", "load_config", "parse_config"]

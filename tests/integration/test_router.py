@@ -1,0 +1,312 @@
+"""The router service on a real nats-server, with sim workers (and a gateway) in process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from nats.aio.msg import Msg
+
+from bus import Bus, BusSettings
+from ops.keys import create_key
+from proto import (
+    ControlCommand,
+    ControlReply,
+    ErrorCode,
+    GenerateRequest,
+    Placement,
+    RemoteError,
+    RouteRequest,
+    SamplingParams,
+    TokenChunk,
+    pack_tokens,
+)
+from services.gateway.service import GatewayConfig, GatewayService
+from services.router.policy import PolicyConfig, RouterConfig
+from services.router.service import RouterService, RouterServiceConfig
+from services.router.view import ViewConfig
+from services.worker.engines.sim import SimEngine
+from services.worker.service import WorkerConfig, WorkerService
+
+MODEL = "sim-llama-8b"
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Chunks:
+    """Token chunks of the test's requests (gateway id ``test-gw``)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.chunks: dict[str, list[TokenChunk]] = defaultdict(list)
+        self.done: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def start(self) -> Chunks:
+        await self.bus.subscribe(self.bus.subjects.tokens_of_gateway("test-gw"), TokenChunk, self._on)
+        return self
+
+    async def _on(self, chunk: TokenChunk, msg: Msg) -> None:
+        self.chunks[chunk.request_id].append(chunk)
+        if chunk.finish_reason is not None:
+            self.done[chunk.request_id].set()
+
+    async def final(self, request_id: str, timeout: float = 20.0) -> TokenChunk:
+        await asyncio.wait_for(self.done[request_id].wait(), timeout)
+        return self.chunks[request_id][-1]
+
+
+def generate(bus: Bus, request_id: str, prompt: list[int], max_tokens: int = 4, model: str = MODEL) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=request_id, model=model, prompt=pack_tokens(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1),
+        token_subject=bus.subjects.tokens("test-gw", request_id), org="org", key_id="k",
+    )
+
+
+async def route(bus: Bus, request: GenerateRequest, timeout: float = 10.0) -> Placement:
+    return await bus.request(bus.subjects.router_route, RouteRequest(request=request), Placement, timeout=timeout)
+
+
+def long_prompt(seed: int, tokens: int = 1024) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(tokens)]
+
+
+WorkerFactory = Callable[..., Awaitable[WorkerService]]
+RouterFactory = Callable[..., Awaitable[RouterService]]
+
+
+@pytest.fixture
+async def start_worker(bus_settings: BusSettings) -> AsyncIterator[WorkerFactory]:
+    started: list[WorkerService] = []
+
+    async def start(worker_id: str, **engine: object) -> WorkerService:
+        options: dict[str, object] = {"speed": 50.0, "max_model_len": 8192, "num_kv_blocks": 4096}
+        options.update(engine)
+        service = WorkerService(
+            SimEngine(model=MODEL, **options),  # type: ignore[arg-type]
+            WorkerConfig(worker_id=worker_id, gauge_interval_s=0.05, drain_timeout_s=5),
+            bus_settings,
+        )
+        await service.start()
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        if not service.stopped.is_set():
+            await service.drain_and_close()
+
+
+@pytest.fixture
+async def start_router(bus_settings: BusSettings) -> AsyncIterator[RouterFactory]:
+    started: list[RouterService] = []
+
+    async def start(policy: str = "prefix", *, view: ViewConfig | None = None, **router: object) -> RouterService:
+        config = RouterServiceConfig(
+            router=RouterConfig(default=PolicyConfig(policy=policy), **router),  # type: ignore[arg-type]
+            view=view or ViewConfig(), seed=3, maintenance_interval_s=0.1,
+        )
+        service = RouterService(config, bus_settings)
+        await service.start()
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        if not service.stopped.is_set():
+            await service.drain_and_close()
+
+
+async def placeable(router: RouterService, n: int) -> None:
+    await eventually(lambda: router.stats()["placeable"] == n, what=f"{n} placeable workers")
+
+
+async def test_prefix_policy_sends_a_repeated_prompt_to_the_worker_that_cached_it(
+    bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory
+) -> None:
+    workers = {wid: await start_worker(wid) for wid in ("w1", "w2", "w3")}
+    router = await start_router("prefix")
+    await placeable(router, 3)
+    chunks = await Chunks(bus).start()
+    for k in range(3):  # three documents: the holder is not luck
+        prompt = long_prompt(k)
+        first = await route(bus, generate(bus, f"a{k}", prompt))
+        assert first.policy == "prefix" and first.cached_tokens == 0
+        await chunks.final(f"a{k}")
+        holder = router.view.worker(first.worker_id)
+        assert holder is not None
+        # Its KV events are in, and a gauge says it is idle again (a gauge taken while it
+        # prefilled would rightly make it look busier than an empty worker).
+        await eventually(lambda h=holder: len(h.blocks) >= 64 and h.outstanding_tokens == 0,  # type: ignore[misc]
+                         what="the first request's KV events and an idle gauge")
+        again = await route(bus, generate(bus, f"b{k}", [*prompt, 7, 8, 9]))
+        assert again.worker_id == first.worker_id
+        assert again.cached_tokens == 1024  # every full block of the shared part
+        final = await chunks.final(f"b{k}")
+        assert final.usage is not None and final.usage.cached_tokens >= 1024 - 16
+    hit_rates = {wid: w.engine.stats().prefix_hit_rate for wid, w in workers.items()}
+    assert max(hit_rates.values()) > 0
+    stats = router.stats()
+    assert stats["placements"] == 6 and stats["prefix_hit_tokens"] == 3 * 1024
+    assert sum(stats["placements_by_worker"].values()) == 6
+
+
+async def test_draining_workers_get_nothing(bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory) -> None:
+    for wid in ("w1", "w2", "w3"):
+        await start_worker(wid)
+    router = await start_router("round_robin")
+    await placeable(router, 3)
+    reply = await bus.request(bus.subjects.worker_control("w2"), ControlCommand(command="drain", timeout_s=30), ControlReply)
+    assert reply.state == "draining"
+    await placeable(router, 2)
+    chunks = await Chunks(bus).start()
+    placements = [await route(bus, generate(bus, f"r{i}", long_prompt(i, 64))) for i in range(12)]
+    assert {p.worker_id for p in placements} == {"w1", "w3"}
+    for p in placements:
+        await chunks.final(p.request_id)
+    assert router.stats()["retries"] == 0  # skipped, not tried and refused
+
+
+@pytest.mark.parametrize("refusal", ["draining", "no_responders"])
+async def test_a_refusing_worker_costs_one_retry_elsewhere(
+    bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory, refusal: str
+) -> None:
+    w1 = await start_worker("w1")
+    w2 = await start_worker("w2")
+    router = await start_router("round_robin")
+    await placeable(router, 2)
+    # w1 goes bad without the router hearing of it: its heartbeat and gauges stop first.
+    for task in w1._loops:
+        task.cancel()
+    if refusal == "draining":
+        w1.state = "draining"  # answers generate with a retryable DRAINING error
+    else:
+        await w1.stop_endpoints()  # nobody listens on its generate subject
+    chunks = await Chunks(bus).start()
+    placements = [await route(bus, generate(bus, f"r{i}", long_prompt(i, 64))) for i in range(4)]
+    assert {p.worker_id for p in placements} == {"w2"}
+    for p in placements:
+        assert (await chunks.final(p.request_id)).finish_reason == "length"
+    assert router.stats()["retries"] >= 1
+    # both refuse: a typed, retryable error
+    for task in w2._loops:
+        task.cancel()
+    w2.state = "draining"
+    with pytest.raises(RemoteError) as info:
+        await route(bus, generate(bus, "nope", long_prompt(9, 64)))
+    assert info.value.code is ErrorCode.NO_CAPACITY
+
+
+async def test_unknown_model_is_not_retryable(bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory) -> None:
+    await start_worker("w1")
+    router = await start_router("prefix")
+    await placeable(router, 1)
+    with pytest.raises(RemoteError) as info:
+        await route(bus, generate(bus, "x", [1, 2, 3], model="no-such-model"))
+    assert info.value.code is ErrorCode.UNKNOWN_MODEL
+
+
+async def test_a_router_started_late_resyncs_the_index_from_snapshots(
+    bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory
+) -> None:
+    """KV batches published before the router existed are a gap: it asks for a snapshot."""
+    await start_worker("w1")
+    await start_worker("w2")
+    chunks = await Chunks(bus).start()
+    prompt = long_prompt(42)
+    reply = await bus.request(bus.subjects.worker_generate("w2"), generate(bus, "warm", prompt), ControlReply)
+    assert reply.worker_id == "w2"
+    await chunks.final("warm")
+    router = await start_router("prefix")
+    await placeable(router, 2)
+    w2 = router.view.worker("w2")
+    assert w2 is not None
+    await eventually(lambda: len(w2.blocks) >= 64 and not w2.needs_resync, what="the snapshot of w2")
+    assert router.stats()["resyncs_applied"] >= 1
+    placement = await route(bus, generate(bus, "again", prompt))
+    assert placement.worker_id == "w2" and placement.cached_tokens == 1024
+    await chunks.final("again")
+
+
+async def test_a_silent_worker_is_expired(bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory) -> None:
+    w1 = await start_worker("w1")
+    await start_worker("w2")
+    router = await start_router("round_robin", view=ViewConfig(stale_after_s=0.5))
+    await placeable(router, 2)
+    for task in w1._loops:  # hung: no heartbeat, no gauge (its registry entry outlives it)
+        task.cancel()
+    await eventually(lambda: "w1" not in router.view, what="w1 expired")
+    chunks = await Chunks(bus).start()
+    placements = [await route(bus, generate(bus, f"r{i}", long_prompt(i, 32))) for i in range(4)]
+    assert {p.worker_id for p in placements} == {"w2"}
+    for p in placements:
+        await chunks.final(p.request_id)
+
+
+async def test_alias_is_rewritten_to_the_pool_model(bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory) -> None:
+    await start_worker("w1")
+    router = await start_router("least_load", aliases={"fast": MODEL})
+    await placeable(router, 1)
+    chunks = await Chunks(bus).start()
+    placement = await route(bus, generate(bus, "al", long_prompt(1, 40), model="fast"))
+    assert placement.model == MODEL and placement.worker_id == "w1"
+    # the worker only serves MODEL: it took the request, so the model was rewritten
+    assert (await chunks.final("al")).finish_reason == "length"
+
+
+async def test_the_gateway_places_through_the_router(
+    bus: Bus, bus_settings: BusSettings, start_worker: WorkerFactory, start_router: RouterFactory
+) -> None:
+    for wid in ("w1", "w2"):
+        await start_worker(wid)
+    router = await start_router("prefix")
+    await placeable(router, 2)
+    gateway = GatewayService(GatewayConfig(port=0), bus_settings)
+    await gateway.start()
+    try:
+        key, _ = await create_key(bus, org="acme")
+        text = "The quick brown fox jumps over the lazy dog. " * 40
+        body = {"model": MODEL, "prompt": text, "max_tokens": 5, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {key}"}
+        url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(50):  # the gateway's key watcher sees the new key
+                async with http.post(url, json=body, headers=headers) as r:
+                    status, first = r.status, await r.json()
+                if status != 401:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == 200, first
+            pool = router.view.pool(MODEL)
+            assert pool is not None
+            await eventually(lambda: any(len(w.blocks) >= 16 and w.outstanding_tokens == 0 for w in pool),
+                             what="KV events and an idle gauge")
+            async with http.post(url, json=body, headers=headers) as r:
+                assert r.status == 200
+                second = await r.json()
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert router.stats()["placements"] == 2 and router.stats()["prefix_hit_tokens"] > 0
+        assert gateway.path.direct_placements == 0
+    finally:
+        await gateway.drain_and_close()
+
+
+async def test_stats_over_nats_micro(bus: Bus, start_router: RouterFactory) -> None:
+    """``$SRV.STATS`` carries the router's own figures (``meshserve status`` reads them)."""
+    await start_router("session")
+    msg = await bus.nc.request("$SRV.STATS.meshserve-router", b"", timeout=2)
+    data = json.loads(msg.data)
+    assert data["name"] == "meshserve-router"
+    figures = data["endpoints"][0]["data"]
+    assert figures["placements"] == 0 and figures["workers"] == 0 and "prefix_hit_rate" in figures
