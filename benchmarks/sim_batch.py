@@ -35,7 +35,7 @@ from proto.messages import SamplingParams
 from services.worker.engines.base import EngineRequest
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_core import SimConfig, SimCore
-from services.worker.engines.sim_profile import load_profile
+from services.worker.engines.sim_profile import IntendedPoint, load_profile
 
 
 @dataclass
@@ -44,6 +44,15 @@ class Figures:
     tpot_ms: float
     itl_p50_ms: float
     run_tok_s: float
+
+
+@dataclass
+class Row:
+    batch: int
+    wall_s: float
+    sim: Figures
+    measured: Figures
+    intended: IntendedPoint | None
 
 
 def figures(arrivals: dict[str, list[float]], start: float) -> Figures:
@@ -120,16 +129,13 @@ async def main() -> None:
     args = parser.parse_args()
     prof = load_profile(args.profile)
     intended = {p.batch: p for p in prof.intended}
-    rows = []
+    rows: list[Row] = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        reqs = requests(batch, args.input_len, args.output_len)
-        sim = simulate(args.profile, reqs)
+        sim = simulate(args.profile, requests(batch, args.input_len, args.output_len))
         wall0 = time.monotonic()
         measured = await measure(args.profile, args.speed, requests(batch, args.input_len, args.output_len))
         wall = time.monotonic() - wall0
-        point = intended.get(batch)
-        rows.append({"batch": batch, "wall_s": wall, "sim": asdict(sim), "measured": asdict(measured),
-                     "intended": asdict(point) if point else None})  # fmt: skip
+        rows.append(Row(batch, wall, sim, measured, intended.get(batch)))
         print(f"batch {batch}: {wall:.1f} s wall", file=sys.stderr)
 
     print(f"profile {prof.name}, {args.input_len} in / {args.output_len} out, ignore_eos, speed {args.speed}")
@@ -140,15 +146,15 @@ async def main() -> None:
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        s, m, i = row["sim"], row["measured"], row["intended"]
+        s, m, i = row.sim, row.measured, row.intended
         print(
-            f"| {row['batch']} | {fmt(i['output_tokens_per_s']) if i else '-'} | {fmt(s['decode_tok_s'])} "
-            f"| {fmt(m['decode_tok_s'])} | {fmt(i['tpot_ms'], 1) if i else '-'} | {fmt(s['tpot_ms'], 1)} "
-            f"| {fmt(m['tpot_ms'], 1)} | {fmt(s['itl_p50_ms'], 1)} | {fmt(m['itl_p50_ms'], 1)} "
-            f"| {fmt(s['run_tok_s'])} | {fmt(m['run_tok_s'])} |"
+            f"| {row.batch} | {fmt(i.output_tokens_per_s) if i else '-'} | {fmt(s.decode_tok_s)} "
+            f"| {fmt(m.decode_tok_s)} | {fmt(i.tpot_ms, 1) if i else '-'} | {fmt(s.tpot_ms, 1)} "
+            f"| {fmt(m.tpot_ms, 1)} | {fmt(s.itl_p50_ms, 1)} | {fmt(m.itl_p50_ms, 1)} "
+            f"| {fmt(s.run_tok_s)} | {fmt(m.run_tok_s)} |"
         )
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
 
 
 if __name__ == "__main__":

@@ -205,6 +205,26 @@ async def test_shutdown_aborts_in_flight_requests() -> None:
         await collect(eng, req("late", prompt(5)))
 
 
+async def test_a_failing_step_errors_requests_and_the_engine_recovers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with engine() as eng:
+        gen = eng.generate(req("victim", prompt(30), max_tokens=500, ignore_eos=True))
+        await anext(gen)
+        broken = eng.core
+
+        def explode(now: float) -> None:
+            raise RuntimeError("bookkeeping bug")
+
+        broken.step = explode  # type: ignore[method-assign]
+        outs = [o async for o in gen]
+        assert outs[-1].finish_reason == "error" and "bookkeeping bug" in (outs[-1].error or "")
+        assert eng.core is not broken and "sim engine step failed" in caplog.text
+        assert eng.kv_snapshot() == []
+        after = await collect(eng, req("next", prompt(30), max_tokens=3, ignore_eos=True))
+        assert after[-1].finish_reason == "length"
+
+
 async def test_stats_are_gauge_fields_in_wall_clock_units() -> None:
     names = {f.name for f in dataclasses.fields(EngineStats)}
     assert names <= set(WorkerGauge.__struct_fields__)

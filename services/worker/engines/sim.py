@@ -249,8 +249,8 @@ class SimEngine(Engine):
     # --------------------------------------------------------------- internals
 
     async def _run(self) -> None:
-        core = self.core
         while True:
+            core = self.core  # replaced by _fail_all after a failed step
             if not core.has_work():
                 self._wake.clear()
                 self._prev_end = None
@@ -317,11 +317,13 @@ class SimEngine(Engine):
         self._kv.put_nowait(events)
 
     def _fail_all(self, message: str) -> None:
+        """End every request with an error and start over on a fresh core: after an
+        exception the old core's bookkeeping cannot be trusted, and a clean restart
+        (cache lost, announced with ``AllCleared``) beats a worker that hangs."""
+        now = self.to_epoch(self.sim_now())
         for rid in list(self._queues):
             queue = self._queues.pop(rid)
             arrival = self._arrivals.pop(rid, 0.0)
-            self.core.abort(rid, self.sim_now())
-            now = self.to_epoch(self.sim_now())
             queue.put_nowait(
                 EngineOutput(
                     request_id=rid,
@@ -330,3 +332,6 @@ class SimEngine(Engine):
                     error=message,
                 )
             )
+        self.core = SimCore(self.config)
+        self._prev_end = None
+        self._push_kv([AllCleared()])
