@@ -67,8 +67,9 @@ class EngineOutput:
     token and the tokens of a matched stop string; ``text`` excludes all of those (as
     vLLM does), so concatenated ``text`` deltas are exactly the response text.
     ``completion_tokens`` counts the tokens this engine generated for the request so far
-    (not the ``output_offset`` ones); ``cached_tokens`` is the prompt prefix served from
-    the prefix cache when the request was first scheduled.
+    (not the ``output_offset`` ones); ``prompt_tokens`` is ``len(prompt_token_ids)``
+    (those included); ``cached_tokens`` is the prompt prefix served from the prefix
+    cache when the request was first scheduled.
     """
 
     request_id: str
@@ -178,7 +179,8 @@ class Engine(ABC):
     def generate(self, req: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Stream the outputs of one request; the last output has ``finish_reason`` set.
 
-        Implementations are async generators. Invalid requests (prompt longer than
+        Implementations are async generators: the request enters the engine at the
+        first ``__anext__``, not when ``generate`` is called. Invalid requests (prompt longer than
         ``max_model_len``, unknown LoRA adapter, ...) yield one output with
         ``finish_reason="error"`` rather than raising, so the worker always has a final
         chunk to publish; a ``request_id`` already in flight raises ``ValueError``.
@@ -203,8 +205,9 @@ class Engine(ABC):
         """Batches of ``BlockStored``/``BlockRemoved``/``AllCleared`` as the prefix cache
         changes, in the hash space of ``proto.hashing`` (salt: the LoRA name or "").
 
-        Applying every batch yielded so far, plus those still buffered, to an empty set
-        gives ``kv_snapshot()``. Ends after ``shutdown()``. One consumer at a time.
+        ``BlockStored.parent_hash`` is None for a sequence's first block. Applying every
+        batch yielded so far, plus those still buffered, to an empty set gives
+        ``kv_snapshot()``. Ends after ``shutdown()``. One consumer at a time.
         """
 
     @abstractmethod

@@ -16,8 +16,9 @@ behaviour without a GPU:
 - Step time comes from the profile (``sim_profile.StepCosts``); the caller owns the
   clock (``now`` is passed in, the core never reads one), so the same inputs always give
   the same outputs and timings.
-- Output tokens are pseudo-text derived from the request's seed (or id) and the output
-  position only, so batching, preemption and migration never change what is generated.
+- Output tokens are pseudo-text derived only from the request's seed (or id), its
+  original prompt and the output position, so batching, preemption and migration never
+  change what is generated. Temperature, top-p/k and penalties are accepted and ignored.
 
 Times inside the core are whatever clock the caller passes (the async shell passes
 simulated seconds); nothing here sleeps or does I/O.
