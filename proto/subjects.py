@@ -15,17 +15,21 @@ _ROOT_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 _SAFE = re.compile(r"[^A-Za-z0-9_\-]")
 
 
+# Escaping only ever emits safe characters and "%XX", so "%%" cannot be a value's escape.
+_EMPTY = "%%"
+
+
 def subject_token(value: str) -> str:
     """Escape an arbitrary string into one NATS subject token (reversible, %XX)."""
     if not value:
-        return "_"
+        return _EMPTY
     return _SAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), value)
 
 
 def unescape_token(token: str) -> str:
     from urllib.parse import unquote
 
-    return "" if token == "_" else unquote(token)
+    return "" if token == _EMPTY else unquote(token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,6 +211,7 @@ class GatewayService(Service):
         self._runner: web.AppRunner | None = None
         self._trusted = [ipaddress.ip_network(c, strict=False) for c in config.trusted_proxies]
         self._in_flight = 0
+        self._timers: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -235,6 +236,8 @@ class GatewayService(Service):
                 await site.stop()
 
     async def on_stop(self) -> None:
+        for timer in list(self._timers):
+            timer.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.dispatcher.stop()
@@ -418,7 +421,7 @@ class GatewayService(Service):
                            tier=generate.tier, status="rejected", reserved_tokens=generate.reserved_tokens,
                            arrival_time=generate.arrival_time, finish_time=time.time(), error=error[:500])
         with contextlib.suppress(MeshError):
-            await self.bus.js_publish(self.bus.subjects.usage(generate.org or "_"), event, msg_id=usage_dedup_id(generate.request_id))
+            await self.bus.js_publish(self.bus.subjects.usage(generate.org), event, msg_id=usage_dedup_id(generate.request_id))
 
     def finish(self, execution: Execution) -> None:
         self._in_flight -= 1
@@ -493,12 +496,18 @@ class GatewayService(Service):
         except (ConnectionResetError, asyncio.CancelledError):
             if execution.record is not None and execution.record.resumable:
                 execution.finished = True  # keep generating: the client may resume (on any gateway)
-                self.spawn(self._cancel_unless_resumed(execution.request_id, execution.record.resumes))
+                self._start_timer(self._cancel_unless_resumed(execution.request_id, execution.record.resumes))
             else:
                 # The client went away mid-stream: free the worker's KV blocks now.
                 await asyncio.shield(execution.cancel("client_disconnected"))
             raise
         return response
+
+    def _start_timer(self, coro: Any) -> None:
+        # Not in-flight work: a drain does not wait for resume windows (the request just runs on).
+        task = asyncio.create_task(coro)
+        self._timers.add(task)
+        task.add_done_callback(self._timers.discard)
 
     async def _cancel_unless_resumed(self, request_id: str, resumes_at_disconnect: int) -> None:
         await asyncio.sleep(self.config.resume_window_s)
@@ -544,7 +553,7 @@ class GatewayService(Service):
             await self._relay_sse(response, _dedup_by_seq(chunks), builder, after=after, first_seq=0)
         except (ConnectionResetError, asyncio.CancelledError):
             if record.resumable:
-                self.spawn(self._cancel_unless_resumed(request_id, record.resumes))
+                self._start_timer(self._cancel_unless_resumed(request_id, record.resumes))
             elif record.worker_id:
                 await asyncio.shield(self.path.cancel(record.worker_id, request_id, "client disconnected"))
             raise

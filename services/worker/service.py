@@ -307,7 +307,7 @@ class WorkerService(Service):
             error=error,
         )
         await self.bus.js_publish(
-            self.bus.subjects.usage(request.org or "_"), event, msg_id=usage_dedup_id(request.request_id, request.migrations)
+            self.bus.subjects.usage(request.org), event, msg_id=usage_dedup_id(request.request_id, request.migrations)
         )
 
     async def _finish_rejected(self, request: GenerateRequest, error: MeshError) -> None:
