@@ -18,6 +18,7 @@ SERVICES: dict[str, str] = {
     "autoscaler": "services.autoscaler.main",
     "metering": "services.metering.main",
     "router": "services.router.main",
+    "admission": "services.admission.main",
 }
 
 

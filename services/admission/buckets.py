@@ -15,6 +15,11 @@ tokens were not spent, and refunding them would let a key exceed its limit by on
 reservation per lost event (a client can provoke exactly that by dropping connections).
 Charging in full costs an honest key at most one request's estimate, once, for one
 refill period. A usage event arriving after expiry is then a no-op, like any repeat.
+
+``Limiter.snapshot`` / ``restore`` carry the state (buckets that are not full or that an
+open reservation draws on, and the open reservations) from one admission instance to
+its successor; bucket times are the caller's clock, so that clock must be one both
+instances share (wall-clock seconds).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 QuotaReason = Literal["quota_tokens", "quota_requests"]
 
@@ -166,6 +173,31 @@ class Reservation:
         return tuple(n for n, _ in (*self.token_buckets, *self.request_buckets))
 
 
+class BucketState(msgspec.Struct, array_like=True):
+    name: str
+    rate: float
+    capacity: float
+    tokens: float
+    updated: float
+
+
+class ReservationState(msgspec.Struct, array_like=True):
+    request_id: str
+    tokens: int
+    created_at: float
+    token_buckets: list[str]
+    request_buckets: list[str]
+
+
+class LimiterState(msgspec.Struct, kw_only=True):
+    """A limiter's state at ``taken_at``, for the instance that takes over."""
+
+    v: int = 1
+    taken_at: float
+    buckets: list[BucketState] = []
+    reservations: list[ReservationState] = []
+
+
 _REASON: dict[str, QuotaReason] = {
     "key_tpm": "quota_tokens",
     "org_tpm": "quota_tokens",
@@ -301,6 +333,46 @@ class Limiter:
             else:
                 del self._holds[n]
         return r
+
+    # ---- hand-over ----
+    def snapshot(self, now: float) -> LimiterState:
+        """Everything a successor needs: full buckets nothing draws on are left out (they
+        are re-created identical), so the state grows with the keys in use, not all keys."""
+        names = {n for n, b in self._buckets.items() if n in self._holds or b.refill(now) < b.capacity}
+        return LimiterState(
+            taken_at=now,
+            buckets=[
+                BucketState(n, b.rate, b.capacity, b.tokens, b.updated)
+                for n, b in self._buckets.items()
+                if n in names
+            ],
+            reservations=[
+                ReservationState(
+                    r.request_id, r.tokens, r.created_at,
+                    [n for n, _ in r.token_buckets], [n for n, _ in r.request_buckets],
+                )
+                for r in self._open.values()
+            ],
+        )
+
+    def restore(self, state: LimiterState, now: float) -> None:
+        """Replace this limiter's state by ``state`` (an instance taking over)."""
+        self._buckets = {}
+        self._last_used = {}
+        self._holds = {}
+        self._open = {}
+        for bs in state.buckets:
+            b = TokenBucket(bs.rate, bs.capacity, bs.updated, bs.tokens)
+            b.tokens = bs.tokens  # may be negative (a debt from usage beyond a reservation)
+            self._buckets[bs.name] = b
+            self._last_used[bs.name] = now
+        for rs in sorted(state.reservations, key=lambda r: r.created_at):
+            token_b = tuple((n, self._buckets[n]) for n in rs.token_buckets if n in self._buckets)
+            request_b = tuple((n, self._buckets[n]) for n in rs.request_buckets if n in self._buckets)
+            r = Reservation(rs.request_id, rs.tokens, rs.created_at, token_b, request_b)
+            for n in r.bucket_names:
+                self._holds[n] = self._holds.get(n, 0) + 1
+            self._open[rs.request_id] = r
 
     def is_open(self, request_id: str) -> bool:
         return request_id in self._open

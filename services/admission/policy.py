@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from proto.messages import AdmissionDecision, AdmissionRequest, UsageEvent
 
 from .buckets import Limiter, Limits
-from .slo import ReplicaLoad, SloAdmitter
+from .slo import ReplicaLoad, SloAdmitter, SloVerdict
 
 
 def limits_of(req: AdmissionRequest) -> Limits:
@@ -28,6 +28,13 @@ class AdmissionPolicy:
 
     def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
         """``replicas``: the request's pool, with ``cached_tokens`` set when known."""
+        return self.check_verdict(req, replicas, now)[0]
+
+    def check_verdict(
+        self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float
+    ) -> tuple[AdmissionDecision, SloVerdict | None]:
+        """``check``, plus the SLO verdict (None when quota refused first): the shell
+        counts an admission on the replica the prediction used."""
         reserve = req.prompt_tokens + req.max_tokens
         quota = self.limiter.reserve(req.request_id, req.key_id, req.org, reserve, limits_of(req), now)
         if not quota.admitted:
@@ -37,7 +44,7 @@ class AdmissionPolicy:
                 reason=quota.reason,
                 retry_after=quota.retry_after,
                 message=quota.message,
-            )
+            ), None
         pool = list(replicas)
         verdict = self.slo.check(req.tier, req.prompt_tokens, pool, now)
         if not verdict.admitted:
@@ -49,7 +56,7 @@ class AdmissionPolicy:
                 retry_after=verdict.retry_after,
                 predicted_ttft=verdict.predicted_ttft,
                 message=verdict.message,
-            )
+            ), verdict
         cached = next((r.cached_tokens for r in pool if r.worker_id == verdict.worker_id), 0)
         self.slo.record_admitted(req.tier, max(req.prompt_tokens - cached, 0), now)
         return AdmissionDecision(
@@ -57,7 +64,7 @@ class AdmissionPolicy:
             admitted=True,
             predicted_ttft=verdict.predicted_ttft,
             reserved_tokens=quota.reserved_tokens,
-        )
+        ), verdict
 
     def on_usage(self, ev: UsageEvent, now: float) -> int | None:
         """Reconcile a request's reservation from its usage event (repeats are no-ops).

@@ -1,0 +1,621 @@
+"""The admission service: ``AdmissionPolicy`` wired to the mesh (DESIGN.md, Admission).
+
+``mesh.admission.check`` (a NATS micro endpoint, queue group ``admission``) answers each
+``AdmissionRequest`` with an ``AdmissionDecision``: quota first (token buckets per key
+and org from the request's RPM/TPM limits), then the predictive SLO check per tier over
+the model's replicas (``ReplicaBook``: registry, latest gauges, this service's recent
+admissions, and the prefix each replica caches, from the same KV events the router
+reads, matched against the request's block hashes). Reservations are reconciled from
+the USAGE stream and unreconciled ones expire (``Limiter``).
+
+One active instance, standbys beside it. The budget is global state: two instances
+deciding independently would each grant a key its whole budget. Two ways out were
+weighed. Sharding keys by a stable hash across instances needs every instance to agree
+on the membership (a shard map) at every moment, a request touches a key bucket and an
+org bucket that hash apart unless sharding is by org, and each join or leave moves
+live buckets between instances. A leader lease is simpler and enough: a check is a few
+dict operations and one SLO pass (tens of µs), so one instance serves far more checks
+than a fleet of gateways sends, and what a fleet needs from several instances is
+availability, which standbys give. So:
+
+- The lease is the key ``leader`` in the JetStream KV bucket ``<root>_admission``, whose
+  entries live ``lease_ttl_s``. An instance takes it with an atomic ``create`` (only one
+  can succeed), renews it every ``lease_renew_s`` with ``update(last=revision)`` (fails
+  if anyone else wrote it), and stops serving if it could not renew for 0.8 of the TTL,
+  before anyone else can take the lease over, so two leaders never serve at once. A
+  standby retries ``create`` every ``lease_renew_s``: it takes over at most TTL + renew
+  after the leader died (the gateway fails open meanwhile, within its grace window).
+  A leader that drains deletes the lease, and a standby takes over at once.
+- Only the leader has the check endpoint and consumes USAGE. Standbys keep their replica
+  book warm (registry, gauges, KV events) so they predict well from the first request.
+- The leader checkpoints the limiter every ``checkpoint_interval_s`` into the bucket
+  ``<root>_admission_state`` (no TTL): buckets not full, open reservations, and the
+  USAGE stream sequence reconciled so far. The successor restores it and consumes USAGE
+  from the next sequence, so reservations open at the checkpoint are still reconciled
+  exactly once and failover grants no fresh budget: at most the admissions of the last
+  checkpoint interval go uncharged. Bucket times are wall-clock seconds (``clock``),
+  comparable across hosts; everything local (gauge ages, lease timing) is monotonic.
+
+USAGE is read with an ordered push consumer (ephemeral, flow-controlled, re-created by
+the client from the last sequence on any gap): each event is applied once, in order,
+and the limiter's ledger makes a repeated event a no-op anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from bus import BusSettings, Service
+from bus.provision import ensure_kv
+from bus.registry import WorkerRegistry
+from proto import (
+    AdmissionDecision,
+    AdmissionRequest,
+    DecodeError,
+    KvEventBatch,
+    KvSnapshot,
+    KvSnapshotRequest,
+    MeshError,
+    UsageEvent,
+    WorkerGauge,
+    WorkerInfo,
+    decode,
+)
+from proto.kvindex import KvApply
+from proto.subjects import Subjects
+
+from .buckets import Limiter, LimiterConfig, LimiterState
+from .policy import AdmissionPolicy
+from .replicas import BookConfig, ReplicaBook
+from .slo import SloAdmitter, SloConfig, TierSLO
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("meshserve.admission")
+
+LEASE_KEY = "leader"
+STATE_KEY = "limiter"
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    limiter: LimiterConfig = field(default_factory=LimiterConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+    book: BookConfig = field(default_factory=BookConfig)
+    lease_ttl_s: float = 3.0
+    lease_renew_s: float = 1.0
+    checkpoint_interval_s: float = 0.5
+    expire_interval_s: float = 1.0
+    snapshot_timeout_s: float = 2.0
+    resync_retry_s: float = 2.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_renew_s < self.lease_ttl_s / 2:
+            raise ValueError("the lease must be renewed at least twice per TTL")
+
+
+# ============================================================================ config file
+
+_SECTIONS = {"tiers", "default_tier", "limits", "slo", "replicas", "service"}
+
+
+def load_config(path: str | Path | None, **overrides: Any) -> AdmissionConfig:
+    """An ``AdmissionConfig`` from a JSON or TOML (``.toml``) file, and CLI overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        text = p.read_text()
+        try:
+            raw = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"{p}: {exc}") from exc
+    return parse_config(raw, **overrides)
+
+
+def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
+    """The file's schema (every section optional)::
+
+        default_tier = "standard"
+        [tiers.premium]            # replaces the default tiers when present
+        ttft_slo_s = 1.0
+        priority = 2
+        [tiers.standard]
+        ttft_slo_s = 2.0
+        priority = 1
+        [limits]                   # LimiterConfig: burst_s, reservation_ttl_s, idle_bucket_ttl_s
+        burst_s = 60
+        [slo]                      # SloConfig: headroom, long_prompt_slack, priority_queues, ...
+        headroom = 0.8
+        [replicas]                 # BookConfig: gauge_stale_s, settle_s, pending_max_age_s
+        [service]                  # lease_ttl_s, lease_renew_s, checkpoint_interval_s, ...
+
+    ``overrides`` (from the CLI) win over the file; None values are ignored. Keys:
+    ``burst_s``, ``reservation_ttl_s`` (limiter), and any ``AdmissionConfig`` field.
+    """
+    unknown = set(raw) - _SECTIONS
+    if unknown:
+        raise ValueError(f"unknown admission config sections {sorted(unknown)}; expected {sorted(_SECTIONS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    limits = dict(raw.get("limits") or {})
+    for key in ("burst_s", "reservation_ttl_s"):
+        if key in overrides:
+            limits[key] = overrides.pop(key)
+    slo = dict(raw.get("slo") or {})
+    if raw.get("tiers"):
+        tiers = raw["tiers"]
+        items = tiers.items() if isinstance(tiers, Mapping) else ((t.get("name"), t) for t in tiers)
+        slo["tiers"] = tuple(
+            _build(TierSLO, {**{k: v for k, v in spec.items() if k != "name"}, "name": name}, f"tiers.{name}")
+            for name, spec in items
+        )
+    if "default_tier" in raw:
+        slo["default_tier"] = raw["default_tier"]
+    service = _checked(AdmissionConfig, dict(raw.get("service") or {}), "service")
+    for nested in ("limiter", "slo", "book"):
+        if nested in service:
+            raise ValueError(f"service.{nested} is not a setting: use its own section")
+    service.update(overrides)
+    return AdmissionConfig(
+        limiter=_build(LimiterConfig, limits, "limits"),
+        slo=_build(SloConfig, slo, "slo"),
+        book=_build(BookConfig, dict(raw.get("replicas") or {}), "replicas"),
+        **service,
+    )
+
+
+def _checked(kind: type[Any], spec: dict[str, Any], where: str) -> dict[str, Any]:
+    unknown = set(spec) - {f.name for f in fields(kind)}
+    if unknown:
+        raise ValueError(f"{where}: unknown settings {sorted(unknown)}")
+    return spec
+
+
+def _build(kind: type[Any], spec: dict[str, Any], where: str) -> Any:
+    try:
+        return kind(**_checked(kind, spec, where))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+# ============================================================================ buckets
+
+
+def lease_bucket_name(subjects: Subjects) -> str:
+    return f"{subjects.root}_admission"
+
+
+def state_bucket_name(subjects: Subjects) -> str:
+    return f"{subjects.root}_admission_state"
+
+
+async def admission_buckets(
+    js: JetStreamContext, subjects: Subjects, *, lease_ttl_s: float, replicas: int = 1
+) -> tuple[KeyValue, KeyValue]:
+    """The lease bucket (entries expire after the lease TTL) and the checkpoint bucket."""
+    lease = await ensure_kv(
+        js,
+        api.KeyValueConfig(
+            bucket=lease_bucket_name(subjects),
+            description="meshserve admission leader lease",
+            history=1,
+            ttl=lease_ttl_s,
+            storage=api.StorageType.MEMORY,  # a lease is worth nothing after a restart
+            replicas=replicas,
+        ),
+    )
+    state = await ensure_kv(
+        js,
+        api.KeyValueConfig(
+            bucket=state_bucket_name(subjects),
+            description="meshserve admission limiter checkpoint (for the next leader)",
+            history=1,
+            storage=api.StorageType.FILE,
+            replicas=replicas,
+        ),
+    )
+    return lease, state
+
+
+class Checkpoint(msgspec.Struct, kw_only=True):
+    """The leader's hand-over record in ``<root>_admission_state``."""
+
+    v: int = 1
+    instance_id: str
+    usage_seq: int  # every USAGE event up to this stream sequence is in ``limiter``
+    limiter: LimiterState
+
+
+# ============================================================================ metrics
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+
+
+class AdmissionMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "meshserve:admission_decisions_total", "Verdicts by tier and outcome (admitted or the reason)",
+            ["tier", "outcome"], registry=r,
+        )
+        self.predicted_ttft = Histogram(
+            "meshserve:admission_predicted_ttft_seconds", "Predicted TTFT of admitted requests", ["tier"],
+            buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.reconciled = Counter(
+            "meshserve:admission_reconciled_total", "Usage events by what they did to a reservation", ["outcome"], registry=r
+        )
+        self.expired = Counter("meshserve:admission_reservations_expired_total", "Reservations charged in full", registry=r)
+        self.open = Gauge("meshserve:admission_reservations_open", "Reservations awaiting their usage event", registry=r)
+        self.leader = Gauge("meshserve:admission_leader", "1 while this instance holds the lease", registry=r)
+        self.takeovers = Counter("meshserve:admission_takeovers_total", "Times this instance became the leader", registry=r)
+
+
+# ============================================================================ the shell
+
+
+class AdmissionService(Service):
+    name = "admission"
+    description = "meshserve admission: quotas and predictive SLO shedding"
+
+    def __init__(
+        self,
+        config: AdmissionConfig | None = None,
+        settings: BusSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        instance_id: str | None = None,
+    ) -> None:
+        super().__init__(settings, instance_id=instance_id)
+        self.config = config or AdmissionConfig()
+        self.clock = clock  # quota state: shared with the next leader, so wall clock
+        self.monotonic = monotonic  # local ages: gauges, lease renewals
+        self.policy = AdmissionPolicy(Limiter(self.config.limiter), SloAdmitter(self.config.slo))
+        self.book = ReplicaBook(self.config.book)
+        self.metrics = AdmissionMetrics()
+        self.registry: WorkerRegistry | None = None
+        self.leading = False
+        self.usage_seq = 0
+        self._lease: KeyValue | None = None
+        self._state: KeyValue | None = None
+        self._lease_rev = 0
+        self._renewed_at = float("-inf")
+        self._usage_sub: Subscription | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._role_lock = asyncio.Lock()
+        self._metrics_runner: Any = None
+        self.metrics_port: int | None = None
+        self.admitted = 0
+        self.rejected: dict[str, int] = {}
+        self.reconciled = 0
+        self.takeovers = 0
+        self.checkpoints = 0
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def on_start(self) -> None:
+        s = self.bus.subjects
+        self.registry = WorkerRegistry(self.bus)
+        self.registry.on_change(self._on_registry)
+        await self.registry.start()
+        await self.subscribe(s.gauges_all, WorkerGauge, self._on_gauge)
+        await self.subscribe(s.kv_events_all, KvEventBatch, self._on_kv_events)
+        self._lease, self._state = await admission_buckets(
+            self.bus.js, s, lease_ttl_s=self.config.lease_ttl_s, replicas=self.settings.js_replicas
+        )
+        await self._lease_step()  # lead at once when nobody does
+        self._loops = [
+            asyncio.create_task(self._lease_loop(), name="admission-lease"),
+            asyncio.create_task(self._maintenance_loop(), name="admission-maintenance"),
+        ]
+        if self.config.metrics_port is not None:
+            await self._serve_metrics()
+
+    async def on_drain(self) -> None:
+        # Hand over at once: final checkpoint, then delete the lease so a standby's next
+        # create succeeds without waiting for the TTL.
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        self._loops = []
+        async with self._role_lock:
+            if self.leading:
+                await self._checkpoint()
+                await self._step_down("draining")
+                if self._lease is not None:
+                    with contextlib.suppress(Exception):
+                        await self._lease.delete(LEASE_KEY, last=self._lease_rev)
+        await self.stop_endpoints()
+
+    async def on_stop(self) -> None:
+        for task in [*self._loops, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._loops, *self._background, return_exceptions=True)
+        if self.registry is not None:
+            await self.registry.stop()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "leading": self.leading,
+            "admitted": self.admitted,
+            "rejected": dict(self.rejected),
+            "open_reservations": len(self.policy.limiter),
+            "reconciled": self.reconciled,
+            "usage_seq": self.usage_seq,
+            "takeovers": self.takeovers,
+            "checkpoints": self.checkpoints,
+            "replicas": len(self.book.replicas),
+        }
+
+    # ---- leadership -------------------------------------------------------------------
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_renew_s)
+            try:
+                await self._lease_step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("admission lease step failed")
+
+    async def _lease_step(self) -> None:
+        assert self._lease is not None
+        value = self.instance_id.encode()
+        async with self._role_lock:
+            if self.leading:
+                try:
+                    self._lease_rev = await self._lease.update(LEASE_KEY, value, last=self._lease_rev)
+                    self._renewed_at = self.monotonic()
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    await self._step_down("another instance holds the lease")
+                except (nats.errors.Error, TimeoutError) as exc:
+                    # Stop before the lease can expire and a standby take over: two
+                    # leaders must never serve at once.
+                    if self.monotonic() - self._renewed_at > 0.8 * self.config.lease_ttl_s:
+                        await self._step_down(f"lease not renewed: {exc!r}")
+                return
+            try:
+                self._lease_rev = await self._lease.create(LEASE_KEY, value)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return  # somebody leads
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.debug("lease create failed: %r", exc)
+                return
+            self._renewed_at = self.monotonic()
+            try:
+                await self._take_over()
+            except Exception:
+                log.exception("taking over failed; giving the lease back")
+                await self._step_down("take-over failed")
+                with contextlib.suppress(Exception):
+                    await self._lease.delete(LEASE_KEY, last=self._lease_rev)
+
+    async def _take_over(self) -> None:
+        assert self._state is not None
+        s = self.bus.subjects
+        checkpoint: Checkpoint | None = None
+        try:
+            entry = await self._state.get(STATE_KEY)
+            if entry.value:
+                checkpoint = msgspec.msgpack.decode(entry.value, type=Checkpoint)
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.error("ignoring an unreadable admission checkpoint: %s", exc)
+        if checkpoint is not None:
+            self.policy.limiter.restore(checkpoint.limiter, self.clock())
+            self.usage_seq = checkpoint.usage_seq
+            log.info("restored the limiter of %s: %d buckets, %d open reservations, USAGE at %d",
+                     checkpoint.instance_id, len(checkpoint.limiter.buckets), len(checkpoint.limiter.reservations),
+                     checkpoint.usage_seq)
+        else:
+            # Nothing to carry over: every reservation is ours from here on.
+            self.usage_seq = (await self.bus.js.stream_info(s.usage_stream)).state.last_seq
+        config = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.usage_seq + 1
+        )
+        self._usage_sub = await self.bus.js.subscribe(
+            s.usage_all, stream=s.usage_stream, cb=self._on_usage, ordered_consumer=True, config=config
+        )
+        await self.add_endpoint("check", s.admission_check, AdmissionRequest, self.handle_check,
+                                queue_group="admission", concurrent=False)
+        self.leading = True
+        self.takeovers += 1
+        self.metrics.leader.set(1)
+        self.metrics.takeovers.inc()
+        log.info("%s is the admission leader", self.instance_id)
+
+    async def _step_down(self, reason: str) -> None:
+        if not self.leading:
+            return
+        self.leading = False
+        self.metrics.leader.set(0)
+        log.warning("%s stops serving admission: %s", self.instance_id, reason)
+        await self._remove_endpoint("check")
+        if self._usage_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._usage_sub.unsubscribe()
+            self._usage_sub = None
+
+    async def _remove_endpoint(self, name: str) -> None:
+        """Stop one NATS micro endpoint (nats.micro can only stop them all)."""
+        micro = self._micro
+        if micro is None:
+            return
+        for endpoint in list(micro._endpoints):
+            if endpoint._name == name:
+                with contextlib.suppress(Exception):
+                    await endpoint._stop()
+                micro._endpoints.remove(endpoint)
+
+    async def _checkpoint(self) -> None:
+        if not self.leading or self._state is None:
+            return
+        record = Checkpoint(
+            instance_id=self.instance_id, usage_seq=self.usage_seq, limiter=self.policy.limiter.snapshot(self.clock())
+        )
+        data = msgspec.msgpack.encode(record)
+        if len(data) + 1024 > self.bus.max_payload:
+            log.error("admission checkpoint of %d bytes exceeds max_payload: not written", len(data))
+            return
+        try:
+            await self._state.put(STATE_KEY, data)
+            self.checkpoints += 1
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("admission checkpoint failed: %r", exc)
+
+    async def _maintenance_loop(self) -> None:
+        last_expire = self.monotonic()
+        while True:
+            await asyncio.sleep(self.config.checkpoint_interval_s)
+            try:
+                if self.leading:
+                    await self._checkpoint()
+                    if self.monotonic() - last_expire >= self.config.expire_interval_s:
+                        last_expire = self.monotonic()
+                        expired = self.policy.expire(self.clock())
+                        if expired:
+                            self.metrics.expired.inc(len(expired))
+                            log.info("%d reservations expired without a usage event (charged in full)", len(expired))
+                self.metrics.open.set(len(self.policy.limiter))
+                self._request_resyncs()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("admission maintenance failed")
+
+    # ---- feeds ------------------------------------------------------------------------
+    def _on_registry(self, worker_id: str, info: WorkerInfo | None) -> None:
+        if info is None:
+            self.book.remove_worker(worker_id)
+        else:
+            self.book.update_worker(info)
+
+    async def _on_gauge(self, gauge: WorkerGauge, msg: Msg) -> None:
+        self.book.apply_gauge(gauge, self.monotonic())
+
+    async def _on_kv_events(self, batch: KvEventBatch, msg: Msg) -> None:
+        if self.book.apply_kv_events(batch) is KvApply.GAP:
+            self._request_resyncs()
+
+    def _request_resyncs(self) -> None:
+        for worker_id in self.book.take_resync_requests(self.monotonic(), self.config.resync_retry_s):
+            task = asyncio.get_running_loop().create_task(self._resync(worker_id), name=f"resync-{worker_id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _resync(self, worker_id: str) -> None:
+        try:
+            snap = await self.bus.request(
+                self.bus.subjects.worker_kv_snapshot(worker_id), KvSnapshotRequest(worker_id=worker_id), KvSnapshot,
+                timeout=self.config.snapshot_timeout_s,
+            )
+        except MeshError as exc:
+            log.info("KV snapshot of %s failed: %s (asked again later)", worker_id, exc)
+            return
+        self.book.apply_snapshot(snap)
+
+    async def _on_usage(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.usage_seq:
+            return  # already in the restored checkpoint
+        self.usage_seq = seq
+        try:
+            event = decode(msg.data, UsageEvent)
+        except DecodeError as exc:
+            log.warning("ignoring a bad usage event at USAGE %d: %s", seq, exc)
+            return
+        delta = self.policy.on_usage(event, self.clock())
+        if delta is None:
+            outcome = "no_reservation"  # repeat, expired, or reserved by a failed predecessor
+        elif event.status == "rejected":
+            outcome = "released"
+        else:
+            outcome = "refunded" if delta >= 0 else "charged"
+            self.reconciled += 1
+        self.metrics.reconciled.labels(outcome=outcome).inc()
+
+    # ---- the endpoint -----------------------------------------------------------------
+    async def handle_check(self, req: AdmissionRequest, msg: Msg) -> None:
+        # Synchronous from here to the reply: no other check can interleave with this one.
+        decision = self.decide(req)
+        await self.bus.respond(msg, decision)
+
+    def decide(self, req: AdmissionRequest) -> AdmissionDecision:
+        mono = self.monotonic()
+        replicas = self.book.loads(req, mono)
+        decision, verdict = self.policy.check_verdict(req, replicas, self.clock())
+        tier = self.policy.slo.tier(req.tier).name
+        if decision.admitted:
+            self.admitted += 1
+            self.metrics.decisions.labels(tier=tier, outcome="admitted").inc()
+            if decision.predicted_ttft is not None:
+                self.metrics.predicted_ttft.labels(tier=tier).observe(decision.predicted_ttft)
+            if verdict is not None and verdict.worker_id is not None:
+                cached = next((r.cached_tokens for r in replicas if r.worker_id == verdict.worker_id), 0)
+                self.book.note_admitted(verdict.worker_id, max(req.prompt_tokens - cached, 0), mono)
+        else:
+            reason = decision.reason or "unknown"
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+            self.metrics.decisions.labels(tier=tier, outcome=reason).inc()
+        return decision
+
+    # ---- metrics endpoint -------------------------------------------------------------
+    async def _serve_metrics(self) -> None:
+        from aiohttp import web
+
+        async def metrics(_: web.Request) -> web.Response:
+            self.metrics.open.set(len(self.policy.limiter))
+            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port)
+        await site.start()
+        self._metrics_runner = runner
+        sockets = getattr(site._server, "sockets", None) or []
+        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.config.metrics_port
+        log.info("admission metrics on http://%s:%s/metrics", self.config.metrics_host, self.metrics_port)
+
+
+__all__ = [
+    "AdmissionConfig",
+    "AdmissionMetrics",
+    "AdmissionService",
+    "Checkpoint",
+    "admission_buckets",
+    "load_config",
+    "parse_config",
+]

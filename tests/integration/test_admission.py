@@ -1,0 +1,313 @@
+"""The admission service on a real nats-server: quotas through the gateway, reconciliation
+from USAGE, SLO shedding order on an overloaded sim worker, fail-open/closed, leader lease."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import openai
+import pytest
+from nats.js import api
+
+from bus import Bus, BusSettings
+from ops.keys import create_key
+from proto import AdmissionDecision, AdmissionRequest, UsageEvent, decode, usage_dedup_id
+from services.admission.buckets import LimiterConfig
+from services.admission.service import AdmissionConfig, AdmissionService
+from services.gateway.path import PathConfig
+from services.gateway.service import GatewayConfig, GatewayService
+from services.router.service import RouterService
+from services.worker.engines.sim import SimEngine
+from services.worker.service import WorkerConfig, WorkerService
+
+MODEL = "sim-llama-8b"
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class FrozenClock:
+    """Wall clock for the buckets that only moves when told: no refill during a test."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Factory = Callable[..., Awaitable[object]]
+
+
+@pytest.fixture
+async def mesh(bus_settings: BusSettings) -> AsyncIterator[dict[str, Callable[..., Awaitable[object]]]]:
+    """Starters for in-process services; everything is stopped at the end (crashed ones too)."""
+    started: list[object] = []
+
+    async def worker(worker_id: str, **engine: object) -> WorkerService:
+        options: dict[str, object] = {"speed": 50.0, "max_model_len": 8192, "num_kv_blocks": 4096}
+        options.update(engine)
+        w = WorkerService(SimEngine(model=MODEL, **options),  # type: ignore[arg-type]
+                          WorkerConfig(worker_id=worker_id, gauge_interval_s=0.05, drain_timeout_s=10), bus_settings)
+        await w.start()
+        started.append(w)
+        return w
+
+    async def admission(config: AdmissionConfig | None = None, **kw: object) -> AdmissionService:
+        a = AdmissionService(config or AdmissionConfig(), bus_settings, **kw)  # type: ignore[arg-type]
+        await a.start()
+        started.append(a)
+        return a
+
+    async def gateway(config: GatewayConfig | None = None) -> GatewayService:
+        g = GatewayService(config or GatewayConfig(port=0), bus_settings)
+        await g.start()
+        started.append(g)
+        return g
+
+    async def router() -> RouterService:
+        r = RouterService(settings=bus_settings)
+        await r.start()
+        started.append(r)
+        return r
+
+    yield {"worker": worker, "admission": admission, "gateway": gateway, "router": router}
+    for service in reversed(started):
+        if getattr(service, "crashed", False):
+            with contextlib.suppress(Exception):
+                await service.on_stop()  # type: ignore[attr-defined]
+        elif not service.stopped.is_set():  # type: ignore[attr-defined]
+            await service.drain_and_close()  # type: ignore[attr-defined]
+
+
+async def wait_for_key(gateway: GatewayService, key_id: str) -> None:
+    await eventually(lambda: key_id in gateway.keys.records, what="the gateway to see the new key")
+
+
+async def usage_events(bus: Bus) -> list[UsageEvent]:
+    info = await bus.js.stream_info(bus.subjects.usage_stream)
+    n = info.state.messages
+    if not n:
+        return []
+    sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
+                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+    out: list[UsageEvent] = []
+    while len(out) < n:
+        out.extend(decode(m.data, UsageEvent) for m in await sub.fetch(n - len(out), timeout=5))
+    await sub.unsubscribe()
+    return out
+
+
+def crash(service: AdmissionService) -> Awaitable[None]:
+    """Like a kill -9: its loops stop and its connection drops, nothing is handed over."""
+    service.crashed = True  # type: ignore[attr-defined]
+    for task in service._loops:
+        task.cancel()
+    return service.bus.nc.close()
+
+
+# ---- quota through the gateway ----------------------------------------------------------
+
+
+async def test_quota_429_with_retry_after_through_the_gateway(bus: Bus, mesh: dict[str, Factory]) -> None:
+    await mesh["worker"]("w1")
+    clock = FrozenClock()
+    admission = await mesh["admission"](clock=clock)
+    gateway = await mesh["gateway"]()
+    key, record = await create_key(bus, org="acme", tpm=250)
+    await wait_for_key(gateway, record.key_id)  # type: ignore[arg-type]
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.bound_port}/v1", api_key=key, max_retries=0)  # type: ignore[attr-defined]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "extra_body": {"ignore_eos": True}}
+    for _ in range(2):  # each reserves prompt + 100 of the 250-token bucket
+        done = await client.completions.create(**body)  # type: ignore[call-overload]
+        assert done.usage is not None and done.usage.completion_tokens == 100
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.completions.create(**body)  # type: ignore[call-overload]
+    retry_after = float(info.value.response.headers["retry-after"])
+    # the deficit over the refill rate (250 tokens a minute): several seconds, not a guess
+    assert 1.0 < retry_after <= 60.0
+    assert admission.stats()["rejected"] == {"quota_tokens": 1}  # type: ignore[attr-defined]
+    await client.close()
+
+
+async def test_cancelled_and_failed_requests_leave_the_bucket_where_streamed_tokens_say(
+    bus: Bus, mesh: dict[str, Factory]
+) -> None:
+    worker = await mesh["worker"]("w1", speed=20.0)
+    clock = FrozenClock()
+    admission: AdmissionService = await mesh["admission"](clock=clock)  # type: ignore[assignment]
+    gateway: GatewayService = await mesh["gateway"]()  # type: ignore[assignment]
+    tpm, rpm = 100_000, 1_000
+    key, record = await create_key(bus, org="burst-org", tpm=tpm, rpm=rpm)
+    await wait_for_key(gateway, record.key_id)
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
+    headers = {"Authorization": f"Bearer {key}"}
+    rng = random.Random(5)
+
+    async def cancelled(i: int) -> None:
+        prompt = "".join(rng.choice("abcdefgh ") for _ in range(200 + 10 * i))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as http, http.post(url, json=body, headers=headers) as r:
+            assert r.status == 200
+            events = 0
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    events += 1
+                    if events >= 2 + i % 3:
+                        break  # leave mid-stream: the gateway cancels the worker
+    await asyncio.gather(*(cancelled(i) for i in range(8)))
+    await eventually(lambda: len(admission.policy.limiter) == 0, what="every cancelled request's usage")
+
+    # Then the worker stops answering while it still looks alive: admitted, then failed.
+    for task in worker._loops:  # type: ignore[attr-defined]
+        task.cancel()
+    await worker.stop_endpoints()  # type: ignore[attr-defined]
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):
+            body = {"model": MODEL, "prompt": f"failing {i}", "max_tokens": 500}
+            async with http.post(url, json=body, headers=headers) as r:
+                assert r.status == 503, await r.text()
+    await eventually(lambda: len(admission.policy.limiter) == 0, what="the failed requests' rejected usage")
+
+    events = [e for e in await usage_events(bus) if e.key_id == record.key_id]
+    cancelled_events = [e for e in events if e.status == "cancelled"]
+    assert len(cancelled_events) == 8 and all(0 < e.completion_tokens < 3000 for e in cancelled_events)
+    assert len([e for e in events if e.status == "rejected"]) == 3
+    spent = sum(e.prompt_tokens + e.completion_tokens for e in cancelled_events)
+    tokens = admission.policy.limiter.bucket(f"key:{record.key_id}:tpm")
+    requests = admission.policy.limiter.bucket(f"key:{record.key_id}:rpm")
+    assert tokens is not None and requests is not None
+    assert tokens.tokens == pytest.approx(tpm - spent)  # reserved 3000+ each, refunded to what streamed
+    assert requests.tokens == pytest.approx(rpm - 8)  # the failed three were refunded their request too
+
+
+# ---- SLO shedding order --------------------------------------------------------------------
+
+
+async def test_slo_sheds_standard_while_premium_is_kept(bus: Bus, mesh: dict[str, Factory]) -> None:
+    # One slow replica (a quarter of real time, small prefill chunks): its queue grows fast.
+    await mesh["worker"]("slow", speed=0.5, max_num_batched_tokens=512)
+    admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
+    gateway: GatewayService = await mesh["gateway"]()  # type: ignore[assignment]
+    standard, std_rec = await create_key(bus, org="o", tier="standard")
+    premium, prem_rec = await create_key(bus, org="o", tier="premium")
+    await wait_for_key(gateway, std_rec.key_id)
+    await wait_for_key(gateway, prem_rec.key_id)
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
+    rng = random.Random(11)
+
+    async def send(http: aiohttp.ClientSession, key: str, size: int = 1500) -> tuple[int, str]:
+        # distinct prompts: a cached prefix would (rightly) make them cheap
+        prompt = "".join(rng.choice("abcdefghijklmnop ") for _ in range(size))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        async with http.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+            data = await r.json()
+            code = data.get("error", {}).get("code", "") if r.status != 200 else ""
+            return r.status, code
+
+    async with aiohttp.ClientSession() as http:
+        flood = [asyncio.create_task(send(http, standard)) for _ in range(24)]
+        await eventually(lambda: admission.rejected.get("slo", 0) >= 3, what="standard shedding")
+        # While standard is being shed, premium arriving at the same moment is admitted:
+        # it waits only for premium work, which runs first on the worker. (Smaller prompts:
+        # three 1500-token prompts at once would take ~0.8 s of prefill on this replica,
+        # at the edge of premium's own 1 s SLO.)
+        both = await asyncio.gather(*(send(http, premium, 400) for _ in range(3)),
+                                    *(send(http, standard) for _ in range(3)))
+        premium_results, late_standard = both[:3], both[3:]
+        standard_results = await asyncio.gather(*flood)
+    assert all(status == 200 for status, _ in premium_results), premium_results
+    shed = [r for r in standard_results if r[0] == 429]
+    assert shed and all(code == "slo_overloaded" for _, code in shed)
+    assert any(status == 200 for status, _ in standard_results)  # shed the excess, not everything
+    # The queue is at standard's threshold: at most one of the three fits before it is over again.
+    assert late_standard.count((429, "slo_overloaded")) >= 2, late_standard
+
+
+# ---- admission unreachable ----------------------------------------------------------------
+
+
+async def test_gateway_fails_open_within_its_grace_then_closed(bus: Bus, mesh: dict[str, Factory]) -> None:
+    await mesh["worker"]("w1")
+    admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
+    path = PathConfig(admission_timeout_s=0.5, admission_unreachable="grace", admission_grace_s=1.0)
+    gateway: GatewayService = await mesh["gateway"](GatewayConfig(port=0, path=path))  # type: ignore[assignment]
+    key, record = await create_key(bus, org="o")
+    await wait_for_key(gateway, record.key_id)
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json=body, headers=headers) as r:
+            assert r.status == 200
+        assert admission.admitted == 1
+        await admission.drain_and_close()
+        async with http.post(url, json=body, headers=headers) as r:
+            assert r.status == 200  # within the grace window: open
+        assert gateway.path.admission_fail_open == 1
+        await asyncio.sleep(1.1)
+        async with http.post(url, json=body, headers=headers) as r:
+            assert r.status == 503  # grace over: closed
+            assert "admission" in (await r.json())["error"]["message"]
+        assert gateway.path.admission_fail_closed == 1
+
+
+# ---- leader lease -------------------------------------------------------------------------
+
+
+def check(i: int, tokens: int = 100, key: str = "k1") -> AdmissionRequest:
+    return AdmissionRequest(request_id=f"r{i}", org="org", key_id=key, model=MODEL,
+                            prompt_tokens=tokens // 2, max_tokens=tokens - tokens // 2, tpm_limit=1000)
+
+
+async def ask(bus: Bus, request: AdmissionRequest) -> AdmissionDecision:
+    return await bus.request(bus.subjects.admission_check, request, AdmissionDecision, timeout=2)
+
+
+async def test_two_instances_share_one_budget_and_the_standby_takes_over(bus: Bus, mesh: dict[str, Factory]) -> None:
+    await mesh["worker"]("w1")
+    clock = FrozenClock()
+    config = AdmissionConfig(limiter=LimiterConfig(), lease_ttl_s=1.5, lease_renew_s=0.3, checkpoint_interval_s=0.1)
+    a1: AdmissionService = await mesh["admission"](config, clock=clock, instance_id="adm-1")  # type: ignore[assignment]
+    a2: AdmissionService = await mesh["admission"](config, clock=clock, instance_id="adm-2")  # type: ignore[assignment]
+    assert (a1.leading, a2.leading) == (True, False)
+    # 25 checks of 100 tokens against a 1000-token budget, whoever answers: 10 admitted.
+    decisions = await asyncio.gather(*(ask(bus, check(i)) for i in range(25)))
+    admitted = [d.request_id for d in decisions if d.admitted]
+    assert len(admitted) == 10
+    assert all(d.reason == "quota_tokens" for d in decisions if not d.admitted)
+    assert a2.admitted == 0 and sum(a2.rejected.values()) == 0  # the standby served nothing
+    # Three admitted requests finish using 20 tokens each; one event is delivered twice.
+    for rid in admitted[:3]:
+        ev = UsageEvent(request_id=rid, org="org", key_id="k1", model=MODEL, prompt_tokens=10, completion_tokens=10)
+        await bus.js_publish(bus.subjects.usage("org"), ev, msg_id=usage_dedup_id(rid))
+    await eventually(lambda: a1.reconciled == 3, what="reconciliation on the leader")
+    await eventually(lambda: a1.checkpoints >= 2, what="a checkpoint after it")
+    await asyncio.sleep(0.3)
+
+    await crash(a1)
+    await eventually(lambda: a2.leading, timeout=10, what="the standby to take over")
+    # The budget came along: 3 × 80 tokens refunded, nothing more.
+    after = [await ask(bus, check(100 + i)) for i in range(4)]
+    assert [d.admitted for d in after] == [True, True, False, False]
+    # Reservations open at the hand-over are still reconciled, exactly once.
+    rid = admitted[5]
+    for _ in range(2):
+        ev = UsageEvent(request_id=rid, org="org", key_id="k1", model=MODEL, prompt_tokens=50, completion_tokens=0)
+        await bus.js_publish(bus.subjects.usage("org"), ev, msg_id=f"{rid}-{_}")  # two deliveries, same request
+    await eventually(lambda: a2.reconciled == 1, what="reconciliation on the new leader")
+    await asyncio.sleep(0.2)
+    assert a2.reconciled == 1
+    # 40 left + 50 refunded once = 90: three checks of 25 fit, a fourth does not
+    refund = [await ask(bus, check(200 + i, tokens=25)) for i in range(4)]
+    assert [d.admitted for d in refund] == [True, True, True, False]
