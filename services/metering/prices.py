@@ -159,5 +159,5 @@ def load_prices(path: str | Path | None) -> PriceTable:
     path = Path(path)
     try:
         return parse_prices(path.read_text(), toml=path.suffix.lower() == ".toml")
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"{path}: {exc}") from exc

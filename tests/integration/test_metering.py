@@ -375,3 +375,25 @@ async def test_meshserve_usage_cli(provisioned: Bus, metering: MeteringService, 
     assert "k1" in out and "total" in out and f"{len(acme):,}" in out
     rc, _, err = await cli("--since", "last tuesday")
     assert rc == 2 and "not a time" in err
+
+
+async def test_restart_with_new_limits_updates_the_durable_consumer(provisioned: Bus, bus_settings: BusSettings,
+                                                                    tmp_path: Path) -> None:
+    bus = provisioned
+    first = MeteringService(config(tmp_path, ack_wait_s=30.0, max_ack_pending=1000), bus_settings)
+    await first.start()
+    await publish(bus, make_events(10, seed=10))
+    await eventually(lambda: first.events_written == 10, what="written")
+    await first.drain_and_close()
+    second = MeteringService(config(tmp_path, ack_wait_s=5.0, max_ack_pending=300), bus_settings)
+    await second.start()
+    try:
+        info = await consumer(bus)
+        assert (info.config.ack_wait, info.config.max_ack_pending) == (5.0, 300)
+        assert info.config.ack_policy == api.AckPolicy.EXPLICIT and info.config.max_deliver == -1
+        # the durable kept its position: nothing is consumed twice
+        await publish(bus, make_events(5, seed=11, prefix="later"))
+        await eventually(lambda: second.events_written == 5, what="only the new events")
+        assert second.duplicates == 0
+    finally:
+        await second.drain_and_close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -235,3 +236,44 @@ def test_ledger_from_url() -> None:
 def test_redact_url() -> None:
     assert redact_url("postgresql://u:pw@h:5/d") == "postgresql://u:***@h:5/d"
     assert redact_url("postgresql://h/d") == "postgresql://h/d"
+
+
+# ---- the service's command line -------------------------------------------------------
+def parse_serve_args(*argv: str) -> Any:
+    import argparse
+
+    from services.metering import main
+
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_serve_arguments_build_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.metering.main import build_config
+
+    prices = tmp_path / "prices.json"
+    prices.write_text('{"currency": "EUR", "models": {"m": {"input": 1}}}')
+    monkeypatch.setenv("MESHSERVE_LEDGER_URL", "postgresql://db/billing")
+    monkeypatch.setenv("MESHSERVE_PRICES", str(prices))
+    config = build_config(parse_serve_args("--batch-size", "128", "--ack-wait", "12"))
+    assert config.ledger_url == "postgresql://db/billing" and config.prices.currency == "EUR"
+    assert (config.batch_size, config.ack_wait_s, config.durable) == (128, 12.0, "metering")
+    # the command line wins over the environment
+    assert build_config(parse_serve_args("--ledger-url", "/x.db")).ledger_url == "/x.db"
+    monkeypatch.delenv("MESHSERVE_LEDGER_URL")
+    monkeypatch.delenv("MESHSERVE_PRICES")
+    defaults = build_config(parse_serve_args())
+    assert defaults.ledger_url is None and defaults.prices.currency == "USD"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("--ledger-url", "mysql://db/x"), ("--batch-size", "0"), ("--max-ack-pending", "10"), ("--ack-wait", "0"),
+     ("--prices", "/nonexistent/prices.toml")],
+)
+def test_serve_refuses_bad_arguments_before_connecting(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    from services.metering.main import run
+
+    assert run(parse_serve_args(*argv)) == 2
+    assert "meshserve serve metering:" in capsys.readouterr().err
