@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 from datetime import UTC, datetime
@@ -45,6 +46,9 @@ def add_parser(subparsers: Any) -> None:
     usage.add_argument("--json", action="store_true", help="print the report as JSON")
     usage.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the metering service")
     usage.set_defaults(func=run_usage)
+    # `--since -1h`: argparse takes "-1h" for an option unless it looks like a negative
+    # number; widen its notion of one for this parser (it has no options that look so).
+    usage._negative_number_matcher = re.compile(r"^-\d+(\.\d+)?[smhdw]?$|^-\d*\.\d+$")
 
 
 def build_query(args: argparse.Namespace, now: float) -> UsageQuery:
@@ -71,6 +75,10 @@ def _spend(row: UsageRow) -> str:
     return f"{row.spend_nano / 1e9:,.6f}"
 
 
+def _statuses(by_status: dict[str, int]) -> str:
+    return " ".join(f"{status}={count:,}" for status, count in sorted(by_status.items()))
+
+
 def render(report: UsageReport) -> Any:
     from rich.table import Table
 
@@ -78,7 +86,9 @@ def render(report: UsageReport) -> Any:
                "hour": "hour (UTC)", "day": "day (UTC)"}
     fields = {"org": "org", "key": "key_id", "model": "model", "tier": "tier", "worker": "worker_id",
               "status": "status", "hour": "bucket", "day": "bucket"}
-    window = f"{_when(report.since)} → {_when(report.until) if report.until is not None else 'now'} UTC"
+    since = _when(report.since) if report.since is not None else "the first event"
+    until = _when(report.until) if report.until is not None else "now"
+    window = f"{since} → {until} (UTC)"
     table = Table(title=f"usage {window}", show_footer=len(report.rows) > 1)
     total = report.total()
     for i, name in enumerate(report.group_by):
@@ -87,7 +97,7 @@ def render(report: UsageReport) -> Any:
                          ("cached", total.cached_tokens), ("completion", total.completion_tokens)):
         table.add_column(title, justify="right", footer=f"{value:,}")
     table.add_column(f"spend ({report.currency})", justify="right", footer=_spend(total))
-    table.add_column("by status")
+    table.add_column("by status", footer=_statuses(total.by_status))
     for row in report.rows:
         dims = []
         for name in report.group_by:
@@ -95,9 +105,8 @@ def render(report: UsageReport) -> Any:
             if name in ("hour", "day"):
                 dim = _when(dim)[: 10 if name == "day" else 16]
             dims.append("" if dim is None else str(dim) or "-")
-        statuses = " ".join(f"{status}={count}" for status, count in sorted(row.by_status.items()))
         table.add_row(*dims, f"{row.requests:,}", f"{row.prompt_tokens:,}", f"{row.cached_tokens:,}",
-                      f"{row.completion_tokens:,}", _spend(row), statuses)
+                      f"{row.completion_tokens:,}", _spend(row), _statuses(row.by_status))
     return table
 
 

@@ -277,3 +277,25 @@ def test_serve_refuses_bad_arguments_before_connecting(argv: tuple[str, ...], ca
 
     assert run(parse_serve_args(*argv)) == 2
     assert "meshserve serve metering:" in capsys.readouterr().err
+
+
+def test_meshserve_usage_arguments() -> None:
+    from ops.cli import build_parser
+    from ops.usage import build_query, render
+
+    # "-1h" must reach parse_time, not be taken for an option
+    args = build_parser().parse_args(["usage", "--since", "-1h", "--until", "-30m", "--group-by", "org,day"])
+    query = build_query(args, NOW)
+    assert (query.since, query.until, query.group_by) == (NOW - 3600, NOW - 1800, ["org", "day"])
+    whole = build_query(build_parser().parse_args(["usage", "--group-by", ""]), NOW)
+    assert whole.group_by == [] and whole.since is None
+    with pytest.raises(ValueError):
+        build_query(build_parser().parse_args(["usage", "--group-by", "org,colour"]), NOW)
+    report = UsageReport(rows=[UsageRow(org="a", bucket=NOW, requests=3, spend_nano=2_500_000,
+                                        by_status={"finished": 2, "failed": 1})], group_by=["org", "day"])
+    from rich.console import Console
+
+    console = Console(record=True, width=160)
+    console.print(render(report))
+    text = console.export_text()
+    assert "2025-06-15" in text and "0.002500" in text and "failed=1 finished=2" in text
