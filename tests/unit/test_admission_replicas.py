@@ -1,0 +1,93 @@
+"""ReplicaBook: who counts for the SLO check, cached prefixes, optimistic queue growth."""
+
+from __future__ import annotations
+
+from proto.hashing import block_hashes
+from proto.messages import AdmissionRequest, BlockStored, KvEventBatch, WorkerGauge, WorkerInfo, WorkerState
+from services.admission.replicas import BookConfig, ReplicaBook
+
+MODEL = "m"
+PROMPT = list(range(16 * 6))
+HASHES = block_hashes(PROMPT, 16)
+
+
+def info(wid: str, state: WorkerState = "ready", started_at: float = 1.0, model: str = MODEL, **kw: object) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, model=model, engine="sim", state=state, started_at=started_at, **kw)  # type: ignore[arg-type]
+
+
+def gauge(wid: str, ts: float, **kw: object) -> WorkerGauge:
+    return WorkerGauge(worker_id=wid, model=MODEL, ts=ts, **kw)  # type: ignore[arg-type]
+
+
+def req(**kw: object) -> AdmissionRequest:
+    base: dict[str, object] = {"request_id": "r", "org": "o", "key_id": "k", "model": MODEL, "prompt_tokens": len(PROMPT),
+                               "max_tokens": 10, "block_hashes": HASHES, "block_size": 16}
+    base.update(kw)
+    return AdmissionRequest(**base)  # type: ignore[arg-type]
+
+
+def test_membership_from_the_registry_and_fresh_gauges() -> None:
+    book = ReplicaBook(BookConfig(gauge_stale_s=5.0))
+    book.update_worker(info("a"))
+    book.update_worker(info("b", state="draining"))
+    book.update_worker(info("c", state="starting"))
+    book.update_worker(info("d"))
+    book.update_worker(info("other", model="x"))
+    book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=300, prefill_tokens_per_s=5000.0, step_time_s=0.02), 0.0)
+    book.apply_gauge(gauge("d", 1.0), 0.0)
+    assert not book.apply_gauge(gauge("ghost", 1.0), 0.0)  # unregistered: ignored
+    loads = {r.worker_id: r for r in book.loads(req(), 1.0)}
+    assert set(loads) == {"a", "b", "d"}
+    assert loads["b"].draining and not loads["a"].draining
+    assert (loads["a"].queued_prefill_tokens, loads["a"].prefill_tokens_per_s, loads["a"].step_time_s) == (300, 5000.0, 0.02)
+    # d's gauges stop: after gauge_stale_s it no longer counts; a, still reporting, does
+    book.apply_gauge(gauge("a", 2.0), 5.5)
+    assert {r.worker_id for r in book.loads(req(), 6.0)} == {"a", "b"}
+    book.remove_worker("a")
+    assert {r.worker_id for r in book.loads(req(), 6.0)} == {"b"}
+
+
+def test_cached_prefix_from_kv_events_and_the_requests_hashes() -> None:
+    book = ReplicaBook()
+    book.update_worker(info("a"))
+    book.update_worker(info("b"))
+    book.apply_kv_events(KvEventBatch(worker_id="a", model=MODEL, seq=0, ts=0.0, events=[BlockStored(block_hashes=HASHES[:4])]))
+    assert book.apply_kv_events(KvEventBatch(worker_id="z", model=MODEL, seq=0, ts=0.0, events=[])) is None
+    loads = {r.worker_id: r.cached_tokens for r in book.loads(req(), 0.0)}
+    assert loads == {"a": 64, "b": 0}
+    # no hashes (the gateway did not know the block size): nothing cached is assumed
+    assert {r.cached_tokens for r in book.loads(req(block_hashes=[], block_size=0), 0.0)} == {0}
+
+
+def test_admissions_count_until_a_gauge_taken_after_them() -> None:
+    book = ReplicaBook(BookConfig(settle_s=0.05, pending_max_age_s=2.0))
+    book.update_worker(info("a"))
+    book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=100), 0.0)
+    book.note_admitted("a", 500, 1.0)
+    book.note_admitted("a", 200, 1.02)
+    assert book.loads(req(), 1.03)[0].queued_prefill_tokens == 800
+    book.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=600), 1.06)  # includes the first only
+    assert book.loads(req(), 1.06)[0].queued_prefill_tokens == 800
+    book.apply_gauge(gauge("a", 3.0, queued_prefill_tokens=650), 1.2)
+    assert book.loads(req(), 1.2)[0].queued_prefill_tokens == 650
+    book.note_admitted("a", 300, 2.0)  # no gauge since: aged out after 2 s
+    assert book.loads(req(), 3.0)[0].queued_prefill_tokens == 950
+    assert book.loads(req(), 4.5)[0].queued_prefill_tokens == 650
+
+
+def test_lora_prefers_replicas_with_the_adapter() -> None:
+    book = ReplicaBook()
+    book.update_worker(info("a", lora_adapters=["sql"]))
+    book.update_worker(info("b"))
+    assert [r.worker_id for r in book.loads(req(lora="sql"), 0.0)] == ["a"]
+    assert {r.worker_id for r in book.loads(req(lora="new"), 0.0)} == {"a", "b"}  # loaded on demand
+
+
+def test_a_restarted_worker_loses_its_cache_and_queue() -> None:
+    book = ReplicaBook()
+    book.update_worker(info("a", started_at=1.0))
+    book.apply_kv_events(KvEventBatch(worker_id="a", model=MODEL, seq=0, ts=0.0, events=[BlockStored(block_hashes=HASHES)]))
+    book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=900), 0.0)
+    book.update_worker(info("a", started_at=50.0))
+    (load,) = book.loads(req(), 0.0)
+    assert (load.cached_tokens, load.queued_prefill_tokens) == (0, 0)
