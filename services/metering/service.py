@@ -68,6 +68,11 @@ from .prices import DEFAULT_PRICES, PriceTable
 log = logging.getLogger(__name__)
 
 
+def _worth_logging(count: int) -> bool:
+    """The first ten, then every thousandth: a flood of garbage must not flood the logs."""
+    return count <= 10 or count % 1000 == 0
+
+
 @dataclass(frozen=True, slots=True)
 class MeteringConfig:
     ledger_url: str | None = None  # None: SQLite at .meshserve/ledger.sqlite3
@@ -249,12 +254,16 @@ class MeteringService(Service):
                 continue
             except DecodeError as exc:
                 self.decode_errors += 1
-                log.warning("undecodable usage event on %s (seq %d), terminated: %s", msg.subject, seq, exc)
+                if _worth_logging(self.decode_errors):
+                    log.warning("undecodable usage event on %s (seq %d), terminated (%d so far): %s",
+                                msg.subject, seq, self.decode_errors, exc)
                 await self._settle(msg, "term")
                 continue
             except InvalidEvent as exc:
                 self.invalid_events += 1
-                log.warning("invalid usage event on %s (seq %d), terminated: %s", msg.subject, seq, exc)
+                if _worth_logging(self.invalid_events):
+                    log.warning("invalid usage event on %s (seq %d), terminated (%d so far): %s",
+                                msg.subject, seq, self.invalid_events, exc)
                 await self._settle(msg, "term")
                 continue
             if self.config.prices.price_for(event.model) is None:
