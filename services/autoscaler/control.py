@@ -21,7 +21,11 @@ Hysteresis
 
 Capacity (tokens a replica holds at saturation) is measured, never guessed once it can be:
     - a replica with requests waiting while it runs is saturated: its ``running_tokens``
-      is a direct sample of its capacity, whatever limit it hit (KV blocks, max_num_seqs);
+      is a direct sample of its capacity, whatever limit it hit (KV blocks, max_num_seqs).
+      Where the shell knows a replica's ``max_num_seqs`` it also requires that a limit
+      was hit (that many running, or the KV at ``saturation_kv_usage``): gauges are
+      published as requests arrive, so a new arrival waiting for the next engine step
+      shows ``waiting > 0`` on an almost idle replica, which is no saturation;
     - any replica whose KV is in use gives ``running_tokens / kv_usage``, the tokens it
       would hold with its KV full: a ceiling, since a replica may saturate before its KV;
     - whatever a replica holds right now is a floor.
@@ -49,7 +53,7 @@ Time of day
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Literal
@@ -104,6 +108,7 @@ class PoolPolicy:
     capacity_time_constant_s: float = 60.0  # EWMA time constant of the capacity samples
     min_kv_usage_for_estimate: float = 0.1  # below it running/kv_usage is block-rounding noise
     drain_ack_timeout_s: float = 30.0  # a drain the worker never showed is considered lost
+    saturation_kv_usage: float = 0.9  # KV this full with requests waiting: at its limit
     schedule: tuple[ScheduleWindow, ...] = ()
     timezone: str = "UTC"  # IANA name the schedule's hours are in
     prescale_lead_s: float = 0.0  # start scheduled minimums this early
@@ -146,6 +151,7 @@ class PoolObservation:
     starting: int = 0  # replicas launched that have not reported a gauge yet
     pending_requests: int = 0  # requests waiting for this pool with no replica to take them
     pending_tokens: int = 0  # their prompt tokens, if known
+    max_num_seqs: Mapping[str, int] = field(default_factory=dict)  # worker id → its limit, if known
 
 
 # --------------------------------------------------------------------------- capacity
@@ -178,16 +184,31 @@ def _ewma(old: float | None, old_at: float | None, sample: float, now: float, ta
     return old + alpha * (sample - old)
 
 
-def is_saturated(g: WorkerGauge) -> bool:
-    """Requests wait while others run: the replica took all it could hold."""
-    return g.waiting > 0 and g.running > 0 and g.running_tokens > 0
+def is_saturated(g: WorkerGauge, max_num_seqs: int = 0, kv_full: float = 0.9) -> bool:
+    """Requests wait while others run: the replica took all it could hold.
+
+    With its ``max_num_seqs`` known, only when it hit a limit: a request that arrived
+    just before the gauge waits for the next step on any replica, however idle.
+    """
+    if not (g.waiting > 0 and g.running > 0 and g.running_tokens > 0):
+        return False
+    return max_num_seqs <= 0 or g.running >= max_num_seqs or g.kv_usage >= kv_full
 
 
 def update_capacity(
-    est: CapacityEstimate, gauges: Sequence[WorkerGauge], now: float, policy: PoolPolicy
+    est: CapacityEstimate,
+    gauges: Sequence[WorkerGauge],
+    now: float,
+    policy: PoolPolicy,
+    max_num_seqs: Mapping[str, int] | None = None,
 ) -> CapacityEstimate:
     live = [g for g in gauges if not g.draining]
-    sat = [float(g.running_tokens) for g in live if is_saturated(g)]
+    limits = max_num_seqs or {}
+    sat = [
+        float(g.running_tokens)
+        for g in live
+        if is_saturated(g, limits.get(g.worker_id, 0), policy.saturation_kv_usage)
+    ]
     kv = [
         g.running_tokens / g.kv_usage
         for g in live
@@ -322,7 +343,7 @@ def step(
     prefill_rate = sum(g.prefill_tokens_per_s for g in live)
     decode_rate = sum(g.decode_tokens_per_s for g in live)
 
-    capacity_est = update_capacity(state.capacity, live, now, policy)
+    capacity_est = update_capacity(state.capacity, live, now, policy, obs.max_num_seqs)
     held = max((float(g.running_tokens) for g in live), default=0.0)
     capacity, source = capacity_est.value(policy.initial_replica_token_capacity, floor=held)
 

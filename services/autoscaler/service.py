@@ -438,6 +438,7 @@ class AutoscalerService(Service):
         self._forget_stale_gauges(now)
         if self._listening_since is None or now - self._listening_since < self.config.warmup_s:
             return
+        workers = self.registry.workers if self.registry is not None else {}
         for pool, rt in self.pools.items():
             gauges = self.pool_gauges(pool, now)
             self.launches.observe(pool, (g.worker_id for g in gauges))
@@ -448,6 +449,10 @@ class AutoscalerService(Service):
                 starting=self.launches.starting(pool) + rt.starts_in_flight,
                 pending_requests=pending_requests,
                 pending_tokens=pending_tokens,
+                # Lets the law tell a replica at its limit from one whose new arrival
+                # waits for the next step (gauges go out as requests arrive).
+                max_num_seqs={g.worker_id: workers[g.worker_id].max_num_seqs for g in gauges
+                              if g.worker_id in workers and workers[g.worker_id].max_num_seqs > 0},
             )
             decision = rt.controller.decide(observation, now)
             record = rt.log.add(decision)

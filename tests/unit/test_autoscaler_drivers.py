@@ -568,3 +568,22 @@ def test_decision_log_keeps_actions_and_changed_holds() -> None:
 def test_pool_slug() -> None:
     assert pool_slug("meta-llama/Llama-3.1-8B-Instruct") == "llama-3-1-8b-instruct"
     assert pool_slug("///") == "pool"
+
+
+def test_arrival_waiting_for_the_next_step_is_not_saturation() -> None:
+    """Workers publish a gauge as a request arrives, before the engine schedules it: the
+    gauge shows one waiting on an idle replica. With the replica's max_num_seqs known
+    (the shell reads it from the registry) that is not a capacity sample."""
+    from proto.messages import WorkerGauge
+
+    arrival = WorkerGauge(worker_id="w", model="m", ts=0.0, waiting=1, running=1, running_tokens=330, kv_usage=0.01)
+    full = WorkerGauge(worker_id="w", model="m", ts=0.0, waiting=3, running=16, running_tokens=6000, kv_usage=0.3)
+    policy = PoolPolicy(pool="m", initial_replica_token_capacity=8000)
+    limits = {"w": 16}
+    d = PoolController(policy).decide(PoolObservation(gauges=[arrival], max_num_seqs=limits), 0.0)
+    assert d.signals.capacity_source == "initial" and d.signals.replica_token_capacity == 8000
+    d = PoolController(policy).decide(PoolObservation(gauges=[full], max_num_seqs=limits), 0.0)
+    assert (d.signals.capacity_source, d.signals.replica_token_capacity) == ("saturated", 6000)
+    # Without the limit, the gauge alone decides, as before.
+    d = PoolController(policy).decide(PoolObservation(gauges=[arrival]), 0.0)
+    assert (d.signals.capacity_source, d.signals.replica_token_capacity) == ("saturated", 330)
