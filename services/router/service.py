@@ -389,6 +389,8 @@ class RouterService(Service):
                 for kw in cascade.hard_keywords:
                     for variant in (kw, " " + kw, kw.capitalize(), " " + kw.capitalize()):
                         ids = tuple(tok.encode(variant))
+                        if ids and ids[0] == tok.bos_token_id:
+                            ids = ids[1:]  # a BOS would only match at the prompt's start
                         if ids:
                             seqs.add(ids)
             except Exception as exc:

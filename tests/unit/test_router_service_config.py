@@ -90,3 +90,20 @@ def test_cli_arguments(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(SystemExit):
         build_config(parser.parse_args(["--config", str(bad)]))
+
+
+def test_cascade_keywords_are_tokenized_once_the_pool_tokenizer_is_known() -> None:
+    from proto.hashing import pack_tokens
+    from proto.messages import WorkerInfo
+    from proto.tokenizer import load_tokenizer
+    from services.router.policy import RouteQuery
+    from services.router.service import RouterService
+
+    cfg = parse_config({"cascades": {"auto": {"small": "s", "large": "l", "hard_keywords": ["prove"]}}})
+    service = RouterService(cfg)
+    query = RouteQuery.of("r", "auto", pack_tokens(load_tokenizer("byte").encode("please prove it")), max_tokens=8)
+    assert service.router.resolve(query)[0] == ["s", "l"]  # no token ids yet: looks easy
+    service._on_registry("w1", WorkerInfo(worker_id="w1", model="s", engine="sim", tokenizer="byte", state="ready"))
+    assert service.router.config.cascades["auto"].hard_keyword_tokens
+    models, why = service.router.resolve(query)
+    assert models[0] == "l" and "keyword" in why
