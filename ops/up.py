@@ -80,7 +80,7 @@ class MeshConfig:
     speed: float = 1.0
     profile: str | None = None
     worker_args: list[str] = field(default_factory=list)
-    services: tuple[str, ...] = ("worker", "gateway")
+    services: tuple[str, ...] = ("worker", "gateway", "metering")
     gateway_args: list[str] = field(default_factory=list)
     dev_key: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -134,6 +134,9 @@ class Mesh:
                 if "admission" not in self.config.services:
                     argv += ["--admission-unreachable", "open"]  # a mesh run without admission on purpose
                 plan.append(ServiceProcess(name, "gateway", argv, self.log_dir / "gateway.log"))
+            elif name == "metering":
+                argv = [] if os.environ.get("MESHSERVE_LEDGER_URL") else ["--ledger-url", str(self.state_dir / "ledger.sqlite3")]
+                plan.append(ServiceProcess(name, name, argv, self.log_dir / "metering.log"))
             else:
                 plan.append(ServiceProcess(name, name, [], self.log_dir / f"{name}.log"))
         return plan

@@ -49,6 +49,7 @@ from proto import (
     encode,
     usage_dedup_id,
 )
+from proto.metering import UsageReport, org_usage_query, usage_report_json
 from proto.tokenizer import load_tokenizer
 
 from .apikeys import key_allows_model, parse_bearer, parse_key, redact_key, verify_key
@@ -259,6 +260,7 @@ class GatewayService(Service):
             web.post("/v1/completions", self.http_completions),
             web.get("/v1/requests/{request_id}/stream", self.http_resume),
             web.get("/v1/models", self.http_models),
+            web.get("/v1/usage", self.http_usage),
             web.get("/v1/ws", self.http_ws),
             web.get("/healthz", self.http_health),
             web.get("/readyz", self.http_ready),
@@ -565,6 +567,20 @@ class GatewayService(Service):
         cards = [ModelCard(id=name, created=now, owned_by="meshserve") for name in sorted(self.model_specs())
                  if key_allows_model(key, name)]
         return web.Response(body=encode_json(ModelList(data=cards)), content_type="application/json")
+
+    async def http_usage(self, http: web.Request) -> web.Response:
+        """Usage and spend of the calling key's own org (from the metering ledger)."""
+        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        try:
+            query = org_usage_query(key.org, dict(http.query), time.time())
+        except ValueError as exc:
+            raise ApiError(400, f"Invalid usage query: {exc}", "invalid_request_error", None, "invalid_value") from exc
+        try:
+            report = await self.bus.request(self.bus.subjects.metering_usage, query, UsageReport, timeout=10.0)
+        except MeshError as exc:
+            code = ErrorCode.NO_CAPACITY if exc.code in (ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT) else exc.code
+            raise from_mesh_error(str(code), f"usage is unavailable right now: {exc.message}", 5.0) from exc
+        return web.json_response(usage_report_json(report))
 
     async def http_health(self, http: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

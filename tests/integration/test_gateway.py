@@ -364,3 +364,24 @@ def test_chat_page_streams_a_reply_in_headless_chromium(mesh: Mesh, tmp_path: Pa
             assert "401" in page.inner_text(".error") or "API key" in page.inner_text(".error")
         finally:
             browser.close()
+
+
+async def test_usage_endpoint_reports_the_callers_org_only(mesh: Mesh, client: openai.OpenAI) -> None:
+    made = client.completions.create(model=MODEL, prompt="bill me", max_tokens=7, extra_body={"ignore_eos": True})
+    assert made.usage is not None
+    other = await _second_key(mesh)
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        for _ in range(50):  # metering writes asynchronously from the USAGE stream
+            async with http.get("/v1/usage", headers={"Authorization": f"Bearer {mesh.dev_key}"}) as r:
+                assert r.status == 200
+                report = await r.json()
+            if report["data"] and sum(row["completion_tokens"] for row in report["data"]) >= 7:
+                break
+            await asyncio.sleep(0.2)
+        rows = report["data"]
+        assert rows and all(row.get("model") == MODEL for row in rows)
+        assert sum(row["requests"] for row in rows) >= 1
+        async with http.get("/v1/usage", headers={"Authorization": f"Bearer {other}"}) as r:
+            assert r.status == 200 and (await r.json())["data"] == []
+        async with http.get("/v1/usage?bogus=1", headers={"Authorization": f"Bearer {mesh.dev_key}"}) as r:
+            assert r.status == 400 and "error" in await r.json()
