@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+from aiohttp import web
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -298,8 +299,8 @@ class AutoscalerService(Service):
         clock: Callable[[], float] = time.time,
         instance_id: str | None = None,
     ) -> None:
-        # The drain waits for in-flight starts and drain commands, and the local driver's
-        # own drain of its workers happens in on_stop: give both room.
+        # On SIGTERM the runner waits this long for starts and drain commands in flight;
+        # the local driver's drain of its workers (on_stop) has its own bound.
         super().__init__(settings, instance_id=instance_id, drain_timeout_s=30.0)
         self.config = config
         self.driver = driver
@@ -315,7 +316,7 @@ class AutoscalerService(Service):
         self.registry: WorkerRegistry | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._listening_since: float | None = None
-        self._metrics_runner: object | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
         driver.pools = tuple(self.pools)
         driver.on_error(lambda name, reason, _msg: self.metrics.driver_errors.labels(driver=name, reason=reason).inc())
@@ -345,9 +346,6 @@ class AutoscalerService(Service):
         if self.registry is not None:
             await self.registry.stop()
         if self._metrics_runner is not None:
-            from aiohttp import web
-
-            assert isinstance(self._metrics_runner, web.AppRunner)
             await self._metrics_runner.cleanup()
 
     def stats(self) -> dict[str, object]:
@@ -358,7 +356,6 @@ class AutoscalerService(Service):
         }
 
     async def _serve_metrics(self) -> None:
-        from aiohttp import web
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         async def metrics(_: web.Request) -> web.Response:
@@ -592,7 +589,7 @@ class AutoscalerService(Service):
                 draining=latest.signals.draining if latest else 0,
                 pending_requests=rt.last_pending,
                 signals=to_signals(latest) if latest else None,
-                last_reason=latest.reason if latest else "no tick yet",
+                last_reason=latest.reason if latest else f"warming up: no decision in the first {self.config.warmup_s:g} s",
                 workers=self._worker_views(name, now),
                 drains=[DrainView(worker_id=d.ref.worker_id, issued_at=d.issued_at, deadline=d.deadline,
                                   in_flight=d.in_flight, acknowledged=d.acknowledged) for d in rt.drains.values()],
