@@ -134,12 +134,27 @@ class Mesh:
                 if "admission" not in self.config.services:
                     argv += ["--admission-unreachable", "open"]  # a mesh run without admission on purpose
                 plan.append(ServiceProcess(name, "gateway", argv, self.log_dir / "gateway.log"))
+            elif name == "autoscaler":
+                plan.append(self.autoscaler_process())
             elif name == "metering":
                 argv = [] if os.environ.get("MESHSERVE_LEDGER_URL") else ["--ledger-url", str(self.state_dir / "ledger.sqlite3")]
                 plan.append(ServiceProcess(name, name, argv, self.log_dir / "metering.log"))
             else:
                 plan.append(ServiceProcess(name, name, [], self.log_dir / f"{name}.log"))
         return plan
+
+    def autoscaler_process(self) -> ServiceProcess:
+        """The autoscaler with the local driver: it starts (and drains) the pool's workers itself."""
+        c = self.config
+        worker_args = ["--engine", "sim", "--speed", str(c.speed), *(["--profile", c.profile] if c.profile else []),
+                       "--drain-timeout", "20", *c.worker_args]
+        argv = [
+            "--driver", "local", "--pool", c.model, "--min-replicas", str(c.workers),
+            "--max-replicas", str(max(4, c.workers)), "--max-workers", str(max(4, c.workers)),
+            "--state-dir", str(self.state_dir), "--drain-timeout", "20", "--drain-grace", "5",
+            "--worker-args", " ".join(worker_args),
+        ]
+        return ServiceProcess("autoscaler", "autoscaler", argv, self.log_dir / "autoscaler.log")
 
     @property
     def gateway_url(self) -> str:
@@ -257,6 +272,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--workers", type=int, default=2, help="sim workers to start")
     parser.add_argument("--speed", type=float, default=1.0, help="sim speed factor (1.0 = real time)")
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--no-autoscaler", action="store_true",
+                        help="start a fixed set of --workers instead of letting the autoscaler manage the pool")
     parser.set_defaults(func=run_up)
 
 
@@ -269,6 +286,9 @@ def run_up(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
         model=args.model, workers=args.workers, speed=args.speed, profile=args.profile,
     )
+    if not args.no_autoscaler:
+        # The autoscaler owns the pool: it starts --workers replicas and scales with the queue.
+        config.services = (*(s for s in config.services if s != "worker"), "autoscaler")
     mesh = Mesh(config)
     stop = asyncio.Event()
 
