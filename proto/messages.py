@@ -19,7 +19,8 @@ from msgspec import Struct
 SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
-UsageStatus = Literal["finished", "length", "stopped", "cancelled", "failed", "rejected"]
+# "migrated": the segment of a request whose worker died; the gateway bills what the client received.
+UsageStatus = Literal["finished", "length", "stopped", "cancelled", "failed", "rejected", "migrated"]
 WorkerState = Literal["starting", "ready", "draining", "stopped"]
 Tier = str  # free-form: tiers are configuration (premium, standard, batch by default)
 
@@ -343,6 +344,9 @@ class RequestRecord(Struct, kw_only=True, omit_defaults=True):
     worker_id: str = ""
     resumable: bool = False  # the client asked that a lost connection not cancel the request
     resumes: int = 0  # incremented by each resume, so a disconnect timer elsewhere stands down
+    # Workers that lost the request (died or stalled) → the first chunk seq taken over by
+    # the next worker: their chunks from that seq on are void (live and on replay).
+    retired: dict[str, int] = {}
 
 
 # Every top-level message type: the codec's registry and the property tests' list.

@@ -38,4 +38,5 @@ class GatewayMetrics:
             "meshserve:gateway_admission_unreachable_total", "Decisions made without admission", ["outcome"], registry=r
         )
         self.cancels = Counter("meshserve:gateway_cancels_total", "Cancels sent to workers", ["reason"], registry=r)
+        self.migrations = Counter("meshserve:gateway_migrations_total", "Requests moved off a lost worker", registry=r)
         self.resumes = Counter("meshserve:gateway_resumes_total", "Streams resumed with Last-Event-ID", registry=r)

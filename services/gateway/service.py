@@ -37,6 +37,7 @@ from proto import (
     AdmissionRequest,
     ApiKeyRecord,
     ErrorCode,
+    GenerateRequest,
     MeshError,
     RemoteError,
     RequestRecord,
@@ -47,6 +48,7 @@ from proto import (
     block_hashes,
     decode,
     encode,
+    pack_tokens,
     usage_dedup_id,
 )
 from proto.metering import UsageReport, org_usage_query, usage_report_json
@@ -107,7 +109,9 @@ class GatewayConfig:
     trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
     max_body_bytes: int = 4 * 1024 * 1024
     max_in_flight: int = 4096  # beyond this the gateway sheds with 429
-    stall_timeout_s: float = 120.0  # no chunk for this long: the request ends with an error
+    stall_timeout_s: float = 30.0  # no chunk for this long: the worker is considered lost
+    liveness_check_s: float = 1.0  # how often a silent stream checks on its worker
+    max_migrations: int = 2  # a request moves to another replica at most this often
     keepalive_s: float = 15.0
     # A resumable request (header X-Meshserve-Resumable: true) whose client vanished keeps
     # generating this long, waiting for a resume, before its worker is told to stop.
@@ -135,31 +139,88 @@ class Execution:
         self.finished = False
         self.final: TokenChunk | None = None
         self.record: RequestRecord | None = None
+        self.generate: GenerateRequest | None = None  # what was sent, for a migration
+        self.migrations = 0
+        self.segment_tokens: list[int] = []  # tokens the current worker streamed
+        self._prior_tokens: list[int] = []
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         cfg = self.gateway.config
         while not self.finished:
             try:
-                chunk = await self.stream.get(timeout=cfg.stall_timeout_s)
+                chunk = await self.stream.get(timeout=cfg.liveness_check_s)
             except TimeoutError:
-                chunk = self._stalled()
+                lost = self._worker_lost()
+                if lost is None:
+                    continue
+                failed = await self._migrate(lost)
+                if failed is None:
+                    continue
+                chunk = failed
             if self.stream.overflowed:
                 chunk = self._error_chunk(ErrorCode.OVERLOADED, "client too slow: stream buffer exceeded")
+                await self.cancel("slow_client")
             if chunk.token_ids and self.first_token_at is None:
                 self.first_token_at = time.monotonic()
             self.completion_tokens += len(chunk.token_ids)
+            self.segment_tokens.extend(chunk.token_ids)
             if chunk.finish_reason is not None:
                 self.finished = True
                 self.final = chunk
             yield chunk
 
-    def _stalled(self) -> TokenChunk:
-        alive = self.worker_id in self.gateway.registry.workers
-        reason = "stalled" if alive else "is gone"
-        code = ErrorCode.TIMEOUT if alive else ErrorCode.WORKER_LOST
-        if alive:
-            self.gateway.spawn(self.gateway.path.cancel(self.worker_id, self.request_id, "stalled"))
-        return self._error_chunk(code, f"worker {self.worker_id} {reason}: no tokens for {self.gateway.config.stall_timeout_s:.0f}s")
+    def _worker_lost(self) -> str | None:
+        """Why the serving worker is considered lost, or None while it is fine."""
+        if self.worker_id not in self.gateway.registry.workers:
+            return f"worker {self.worker_id} is gone (heartbeat expired)"
+        silent = time.monotonic() - self.stream.last_chunk_at
+        if silent >= self.gateway.config.stall_timeout_s:
+            return f"worker {self.worker_id} stalled: no tokens for {silent:.0f}s"
+        return None
+
+    async def _migrate(self, why: str) -> TokenChunk | None:
+        """Continue the request on another replica from the tokens the client already has.
+
+        Returns an error chunk when it cannot (limit reached, nowhere to go), else None and
+        the stream continues with the next sequence number from the new worker.
+        """
+        g = self.gateway
+        old = self.worker_id
+        assert self.generate is not None
+        if self.migrations >= g.config.max_migrations:
+            return self._error_chunk(ErrorCode.WORKER_LOST, f"{why}; not migrated again (limit {g.config.max_migrations})")
+        log.warning("request %s: %s; migrating (%d tokens so far)", self.request_id, why, self.completion_tokens)
+        cutoff = self.stream.next_seq
+        self.stream.retire(old, cutoff)
+        g.spawn(g.path.cancel(old, self.request_id, "migrated away"))  # a stalled worker frees its blocks
+        await g.publish_lost_segment(self, old)
+        self._prior_tokens = self.received_tokens
+        self.migrations += 1
+        self.segment_tokens = []
+        if self.record is not None:
+            self.record.retired[old] = cutoff
+            with contextlib.suppress(Exception):
+                await g.requests_kv.put(self.request_id, encode(self.record))
+        generate = msgspec.structs.replace(
+            self.generate, prior_output=pack_tokens(self.received_tokens), first_seq=cutoff, migrations=self.migrations,
+        )
+        try:
+            placement = await g.path.place(RouteRequest(request=generate, exclude_workers=list(self.stream.retired)))
+        except MeshError as exc:
+            return self._error_chunk(ErrorCode.WORKER_LOST, f"{why}; no replica could take the request over: {exc.message}")
+        g.metrics.migrations.inc()
+        self.span.add_event("migrated", {"from": old, "to": placement.worker_id, "at_token": len(self.received_tokens)})
+        self.worker_id = placement.worker_id
+        self.stream.last_chunk_at = time.monotonic()
+        if self.record is not None:
+            self.record.worker_id = placement.worker_id
+            with contextlib.suppress(Exception):
+                await g.requests_kv.put(self.request_id, encode(self.record))
+        return None
+
+    @property
+    def received_tokens(self) -> list[int]:
+        return self._prior_tokens + self.segment_tokens
 
     def _error_chunk(self, code: ErrorCode, message: str) -> TokenChunk:
         from proto import ErrorInfo
@@ -416,7 +477,24 @@ class GatewayService(Service):
             await self.requests_kv.put(request_id, encode(record))
         execution = Execution(self, request, request_id, stream, placement.worker_id, started, span)
         execution.record = record
+        execution.generate = generate
         return execution
+
+    async def publish_lost_segment(self, execution: Execution, worker_id: str) -> None:
+        """Bill the segment a lost worker streamed: it will never report it (or it is void)."""
+        generate = execution.generate
+        assert generate is not None
+        first = execution.migrations == 0
+        event = UsageEvent(
+            request_id=execution.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
+            worker_id=worker_id, tier=generate.tier, prompt_tokens=execution.request.prompt_tokens if first else 0,
+            completion_tokens=len(execution.segment_tokens), status="migrated", arrival_time=generate.arrival_time,
+            finish_time=time.time(), reserved_tokens=generate.reserved_tokens if first else 0,
+            migrations=execution.migrations, error="worker lost; request migrated",
+        )
+        with contextlib.suppress(MeshError):
+            await self.bus.js_publish(self.bus.subjects.usage(generate.org), event,
+                                      msg_id=usage_dedup_id(execution.request_id, execution.migrations))
 
     async def _publish_rejected_usage(self, generate: Any, error: str) -> None:
         event = UsageEvent(request_id=generate.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
@@ -552,7 +630,7 @@ class GatewayService(Service):
         builder = EventBuilder(record.kind, request_id, record.model, record.created, record.include_usage)
         chunks = self.dispatcher.replay(self.bus.subjects.tokens_of_request(request_id), idle_timeout_s=self.config.stall_timeout_s)
         try:
-            await self._relay_sse(response, _dedup_by_seq(chunks), builder, after=after, first_seq=0)
+            await self._relay_sse(response, self._replayed(request_id, record, chunks), builder, after=after, first_seq=0)
         except (ConnectionResetError, asyncio.CancelledError):
             if record.resumable:
                 self._start_timer(self._cancel_unless_resumed(request_id, record.resumes))
@@ -560,6 +638,24 @@ class GatewayService(Service):
                 await asyncio.shield(self.path.cancel(record.worker_id, request_id, "client disconnected"))
             raise
         return response
+
+    async def _replayed(self, request_id: str, record: RequestRecord, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+        """Stored chunks in order, once each, without those of workers that lost the request."""
+        stream = RequestStream(request_id, "", 0)
+        stream.retired = dict(record.retired)
+        async for chunk in chunks:
+            if chunk.worker_id and chunk.worker_id not in stream.retired and chunk.worker_id != record.worker_id:
+                # A worker we did not know of: a migration happened during this replay.
+                fresh = await self._load_record(request_id)
+                if fresh is not None:
+                    record = fresh
+                    for worker, cutoff in fresh.retired.items():
+                        stream.retire(worker, cutoff)
+            stream.deliver(chunk)
+            while (ready := stream.get_nowait()) is not None:
+                yield ready
+                if ready.finish_reason is not None:
+                    return
 
     async def http_models(self, http: web.Request) -> web.Response:
         key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
@@ -733,16 +829,6 @@ def _forget(running: dict[str, asyncio.Task[None]], request_id: str, _task: asyn
     running.pop(request_id, None)
 
 
-def _dedup_by_seq(chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
-    async def gen() -> AsyncIterator[TokenChunk]:
-        seen: set[int] = set()
-        async for chunk in chunks:
-            if chunk.seq in seen:
-                continue
-            seen.add(chunk.seq)
-            yield chunk
-
-    return gen()
 
 
 def _error_response(exc: ApiError) -> web.Response:

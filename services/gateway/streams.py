@@ -25,6 +25,12 @@ from proto import DecodeError, TokenChunk, decode
 log = logging.getLogger(__name__)
 
 
+def is_void(chunk: TokenChunk, retired: dict[str, int]) -> bool:
+    """A chunk from a worker that lost the request, at or past the point another took over."""
+    cutoff = retired.get(chunk.worker_id)
+    return cutoff is not None and chunk.seq >= cutoff
+
+
 class RequestStream:
     """The ordered chunks of one request, starting at ``next_seq``."""
 
@@ -40,8 +46,20 @@ class RequestStream:
         self.duplicates = 0
         self.last_chunk_at = time.monotonic()
         self.overflowed = False
+        # Workers that lost this request → the seq from which their chunks are void.
+        self.retired: dict[str, int] = {}
+
+    def retire(self, worker_id: str, from_seq: int) -> None:
+        """Void ``worker_id``'s chunks from ``from_seq`` on (it lost the request; another continues)."""
+        self.retired[worker_id] = from_seq
+        for seq in [s for s, c in self._out_of_order.items() if is_void(c, self.retired)]:
+            del self._out_of_order[seq]
+        self.gap_since = time.monotonic() if self._out_of_order else None
 
     def deliver(self, chunk: TokenChunk) -> None:
+        if is_void(chunk, self.retired):
+            self.duplicates += 1
+            return
         if chunk.seq < self.next_seq or chunk.seq in self._out_of_order:
             self.duplicates += 1
             return
@@ -138,7 +156,7 @@ class TokenDispatcher:
     async def _fill(self, stream: RequestStream) -> None:
         """Re-read the request's subject from TOKENS and deliver what was missed."""
         with contextlib.suppress(Exception):
-            async for chunk in self.replay(stream.subject, stop_at_final=True, idle_timeout_s=0.5):
+            async for chunk in self.replay(stream.subject, stop_at_final=False, idle_timeout_s=0.5):
                 stream.deliver(chunk)
 
     async def replay(

@@ -216,7 +216,7 @@ class WorkerService(Service):
             self._state_changed.set()
 
     async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
-        prior = len(unpack_tokens(request.prior_output)) if request.prior_output else 0
+        prior = len(request.prior_output) // 4
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=prompt,
@@ -254,10 +254,12 @@ class WorkerService(Service):
         token_ids, text = coalescer.take(time.monotonic())
         # Bill what was streamed: an aborted engine may have computed a token nobody received.
         streamed = coalescer.emitted
+        # The client sees the whole request's usage, also after a migration (prior output
+        # was produced by an earlier worker and is part of this engine's prompt).
         usage = Usage(
-            prompt_tokens=last.prompt_tokens if last else len(prompt),
-            completion_tokens=streamed,
-            cached_tokens=last.cached_tokens if last else 0,
+            prompt_tokens=len(prompt) - prior,
+            completion_tokens=prior + streamed,
+            cached_tokens=min(last.cached_tokens, len(prompt) - prior) if last else 0,
         )
         timings = last.timings if last is not None else None
         error = ErrorInfo(code=ErrorCode.INTERNAL.value if finish == "error" else "", message=error_text) if finish == "error" else None
@@ -273,7 +275,12 @@ class WorkerService(Service):
             "meshserve.finish_reason": finish,
         })
         _phase_spans(timings)
-        await self._publish_usage(request, usage, finish, timings, error_text)
+        # Billing counts each token once: this segment's own output, and the prompt only
+        # on the first segment (a migrated request's prompt was billed already).
+        first = request.migrations == 0
+        billed = Usage(prompt_tokens=usage.prompt_tokens if first else 0, completion_tokens=streamed,
+                       cached_tokens=usage.cached_tokens if first else 0)
+        await self._publish_usage(request, billed, finish, timings, error_text)
 
     async def _publish_chunk(self, request: GenerateRequest, chunk: TokenChunk, *, ack: bool = False) -> None:
         headers = {MSG_ID_HEADER: f"{request.request_id}:{chunk.seq}"}
@@ -286,7 +293,6 @@ class WorkerService(Service):
         self.tokens_published += len(chunk.token_ids)
 
     async def _publish_usage(self, request: GenerateRequest, usage: Usage, finish: str, timings: Timings | None, error: str) -> None:
-        prior = len(unpack_tokens(request.prior_output)) if request.prior_output else 0
         event = UsageEvent(
             request_id=request.request_id,
             org=request.org,
@@ -294,9 +300,8 @@ class WorkerService(Service):
             model=request.model,
             worker_id=self.worker_id,
             tier=request.tier,
-            # A migrated segment bills only what it added: its prompt was billed by the first segment.
-            prompt_tokens=usage.prompt_tokens - prior if request.migrations == 0 else 0,
-            cached_tokens=usage.cached_tokens if request.migrations == 0 else 0,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
             status=_USAGE_STATUS.get(finish, "failed"),  # type: ignore[arg-type]
             arrival_time=request.arrival_time or (timings.arrival if timings else 0.0),

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from bus import Bus
 from ops.natsserver import free_port
 from ops.up import Mesh, MeshConfig
+from tests.sse import read_sse, sse_text
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-llama-8b"
@@ -157,50 +158,22 @@ async def test_gateway_returns_to_baseline_after_fuzz(mesh: Mesh) -> None:
     assert float(line.split()[1]) == 0
 
 
-async def _read_sse(response: aiohttp.ClientResponse, limit: int | None = None) -> list[tuple[str, str]]:
-    """(id, data) of each SSE event; stops after ``limit`` events."""
-    events: list[tuple[str, str]] = []
-    event_id, data = "", ""
-    async for raw in response.content:
-        line = raw.decode().rstrip("\n")
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            data = line[6:]
-        elif line == "" and data:
-            events.append((event_id, data))
-            event_id, data = "", ""
-            if limit is not None and len(events) >= limit:
-                break
-    return events
-
-
-def _text(events: list[tuple[str, str]]) -> str:
-    out = []
-    for _, data in events:
-        if data == "[DONE]":
-            continue
-        for choice in json.loads(data).get("choices", []):
-            out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
-    return "".join(out)
-
-
 async def test_kill_and_resume_joins_to_the_uninterrupted_text(mesh: Mesh) -> None:
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     body = {"model": MODEL, "prompt": "resume me", "max_tokens": 400, "seed": 99, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession(mesh.gateway_url) as http:
         async with http.post("/v1/completions", json=body, headers=headers) as r:
-            uninterrupted = await _read_sse(r)
+            uninterrupted = await read_sse(r)
         # second run, resumable: cut after a few events
         async with http.post("/v1/completions", json=body, headers={**headers, "X-Meshserve-Resumable": "true"}) as r:
             request_id = r.headers["X-Request-Id"]
-            first = await _read_sse(r, limit=3)
+            first = await read_sse(r, limit=3)
         # the connection is closed: the worker keeps generating, tokens wait in JetStream
         await asyncio.sleep(0.3)
         async with http.get(f"/v1/requests/{request_id}/stream", headers={**headers, "Last-Event-ID": first[-1][0]}) as r:
             assert r.status == 200
-            rest = await _read_sse(r)
+            rest = await read_sse(r)
         # another key may not read it
         async with http.get(f"/v1/requests/{request_id}/stream", headers={"Authorization": "Bearer msk-000000000000-" + "y" * 43}) as r:
             assert r.status == 401
@@ -210,7 +183,7 @@ async def test_kill_and_resume_joins_to_the_uninterrupted_text(mesh: Mesh) -> No
     joined = first + rest
     ids = [e for e, _ in joined]
     assert len(ids) == len(set(ids)), "an event was repeated"
-    assert _text(joined) == _text(uninterrupted) and len(_text(joined)) == 400
+    assert sse_text(joined) == sse_text(uninterrupted) and len(sse_text(joined)) == 400
     assert joined[-1][1] == "[DONE]" and json.loads(joined[-2][1])["usage"]["completion_tokens"] == 400
 
 
@@ -234,7 +207,7 @@ async def test_client_disconnect_cancels_the_worker(mesh: Mesh) -> None:
         async with aiohttp.ClientSession(mesh.gateway_url) as http:
             async with http.post("/v1/completions", json=body, headers=headers) as r:
                 request_id = r.headers["X-Request-Id"]
-                await _read_sse(r, limit=2)
+                await read_sse(r, limit=2)
         # the final chunk of that request says it was aborted, long before 3000 tokens
         from services.gateway.streams import TokenDispatcher
 

@@ -1,0 +1,43 @@
+"""A minimal SSE reader for tests (independent of the gateway's own code)."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+
+async def read_sse(response: aiohttp.ClientResponse, limit: int | None = None) -> list[tuple[str, str]]:
+    """(id, data) of each SSE event; stops after ``limit`` events."""
+    events: list[tuple[str, str]] = []
+    event_id, data = "", ""
+    async for raw in response.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif line == "" and data:
+            events.append((event_id, data))
+            event_id, data = "", ""
+            if limit is not None and len(events) >= limit:
+                break
+    return events
+
+
+def sse_text(events: list[tuple[str, str]]) -> str:
+    """The generated text of an OpenAI stream (chat deltas or completion texts)."""
+    out = []
+    for _, data in events:
+        if data == "[DONE]":
+            continue
+        for choice in json.loads(data).get("choices", []):
+            out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+def sse_usage(events: list[tuple[str, str]]) -> dict | None:
+    for _, data in reversed(events):
+        if data != "[DONE]" and json.loads(data).get("usage"):
+            return json.loads(data)["usage"]
+    return None
