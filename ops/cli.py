@@ -11,28 +11,38 @@ import argparse
 import importlib
 import sys
 
-# Modules that contribute sub-commands, in help order.
-COMMAND_MODULES: tuple[str, ...] = (
-    "ops.up",
-    "ops.serve",
-    "ops.keys",
-    "ops.status",
-    "ops.usage",
-    "ops.bench.cli",
-    "ops.plan.cli",
-)
+# Sub-command → the module that contributes it, in help order.
+COMMANDS: dict[str, str] = {
+    "up": "ops.up",
+    "serve": "ops.serve",
+    "keys": "ops.keys",
+    "status": "ops.status",
+    "usage": "ops.usage",
+    "bench": "ops.bench.cli",
+    "plan": "ops.plan.cli",
+    "make-tiny-model": "ops.tiny_model",
+    "calibrate": "ops.calibrate",
+}
+COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMANDS.values()))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or with ``only`` the parser of that one sub-command.
+
+    Running a command imports just its module: a service process started with
+    ``meshserve serve worker`` does not pay for the bench's plotting stack.
+    """
     parser = argparse.ArgumentParser(prog="meshserve", description="meshserve: an LLM serving mesh over NATS")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    modules = [COMMANDS[only]] if only in COMMANDS else COMMAND_MODULES
+    for name in modules:
         importlib.import_module(name).add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     result = args.func(args)
     return int(result or 0)
 
