@@ -1,0 +1,262 @@
+"""Routing policies on a mesh of 8 sim workers: the same arrivals, one policy per run.
+
+Each run starts a fresh local mesh (``ops.up.Mesh``: nats-server, 8 sim workers, a
+gateway and a router with the policy under test, each its own process; caches start
+cold) and drives it with ``ops.bench`` over HTTP, open loop, Poisson arrivals, the same
+seed for every policy. Admission is not running (the gateway is told to fail open), so
+nothing is shed: the policies alone decide the latencies.
+
+Scenarios:
+
+- ``shared-prefix``: G system prompts of P tokens (tenants' prompts, RAG documents), each
+  request one of them plus a distinct suffix. KV is sized so that one worker holds only
+  a few of the G prefixes: placement decides whether a prefix is found in cache.
+  Offered at ~80 % of what the fleet sustains *without* prefix reuse (computed from the
+  sim profile's step-time formula, printed with the results).
+- ``hot-spot``: one system prompt shared by every request (G = 1). A cache-affine policy
+  must not herd the whole load onto its holder: the figure is the busiest worker's
+  mean outstanding tokens (queued prefill + running, from the workers' gauges sampled
+  every 50 ms) over the least busy one's.
+
+Prefix hit rate is the engines' own: Σ cached prompt tokens / Σ prompt tokens over the
+run's usage events (USAGE stream). Goodput counts requests meeting both SLO bounds.
+
+    .venv/bin/python benchmarks/routing.py                       # both scenarios, 3 policies
+    .venv/bin/python benchmarks/routing.py --scenario hot-spot --policies prefix,least_load
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nats.js import api
+
+from bus import Bus
+from ops.bench import BenchConfig, EndpointConfig, RunResult, SLOSpec, WorkloadConfig, run_bench
+from ops.natsserver import free_port
+from ops.up import Mesh, MeshConfig, ServiceProcess
+from proto import UsageEvent, WorkerGauge, decode
+from services.worker.engines.sim_profile import DEFAULT_PROFILE, load_profile
+
+MODEL = "sim-llama-8b"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    groups: int
+    prefix_tokens: int
+    suffix_tokens: int
+    output_tokens: int
+    kv_blocks: int  # per worker (16-token blocks)
+    load: float  # fraction of the no-reuse fleet capacity
+
+
+SCENARIOS = {
+    # 24 prompts of 4096 tokens = 98k tokens; a worker holds 2048 blocks = 32k tokens,
+    # i.e. ~6 prompts beside its running requests: 8 workers hold all 24 only if each
+    # prompt lives on one or two of them.
+    "shared-prefix": Scenario("shared-prefix", 24, 4096, 512, 64, 2048, 0.8),
+    "hot-spot": Scenario("hot-spot", 1, 4096, 512, 64, 2048, 0.8),
+}
+
+
+class BenchMesh(Mesh):
+    """``Mesh`` with arguments for the router and admission processes."""
+
+    def __init__(self, config: MeshConfig, extra_args: dict[str, list[str]]) -> None:
+        super().__init__(config)
+        self.extra_args = extra_args
+
+    def plan(self) -> list[ServiceProcess]:
+        plan = super().plan()
+        for p in plan:
+            p.argv = [*p.argv, *self.extra_args.get(p.name, [])]
+        return plan
+
+
+def capacity_per_worker(prompt_tokens: int, output_tokens: int, batch: int = 32) -> float:
+    """Requests/s one sim worker sustains with no prefix reuse (simulated seconds).
+
+    Prefill costs ``per_prefill_token_s`` per token; each output token costs one decode
+    slot in a step shared by ``batch`` sequences (base, per-sequence and KV-read terms).
+    """
+    step = load_profile(DEFAULT_PROFILE).costs
+    context = prompt_tokens + output_tokens / 2
+    decode_step = step.base_s + batch * (step.per_decode_seq_s + context * step.per_kv_token_s)
+    per_request = prompt_tokens * step.per_prefill_token_s + output_tokens * decode_step / batch
+    return 1.0 / per_request
+
+
+class GaugeSampler:
+    """Each worker's outstanding tokens (queued prefill + running), sampled periodically."""
+
+    def __init__(self, bus: Bus, period_s: float = 0.05) -> None:
+        self.bus = bus
+        self.period_s = period_s
+        self.latest: dict[str, WorkerGauge] = {}
+        self.samples: dict[str, list[int]] = defaultdict(list)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        async def on_gauge(g: WorkerGauge, _msg: Any) -> None:
+            self.latest[g.worker_id] = g
+
+        await self.bus.subscribe(self.bus.subjects.gauges_all, WorkerGauge, on_gauge)
+        self._task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            for wid, g in self.latest.items():
+                self.samples[wid].append(g.queued_prefill_tokens + g.running_tokens)
+
+    async def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+        return {wid: statistics.fmean(v) for wid, v in self.samples.items() if v}
+
+
+async def usage_events(bus: Bus) -> list[UsageEvent]:
+    s = bus.subjects
+    n = (await bus.js.stream_info(s.usage_stream)).state.messages
+    if not n:
+        return []
+    # No acks: a pull consumer stops delivering at max_ack_pending unacked messages.
+    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL, ack_policy=api.AckPolicy.NONE)
+    sub = await bus.js.pull_subscribe(s.usage_all, durable=None, stream=s.usage_stream, config=config)
+    out: list[UsageEvent] = []
+    while len(out) < n:
+        out.extend(decode(m.data, UsageEvent) for m in await sub.fetch(min(n - len(out), 500), timeout=10))
+    await sub.unsubscribe()
+    return out
+
+
+async def service_stats(bus: Bus, service: str) -> dict[str, Any]:
+    msg = await bus.nc.request(f"$SRV.STATS.meshserve-{service}", b"", timeout=3)
+    data: dict[str, Any] = json.loads(msg.data)["endpoints"][0]["data"]
+    return data
+
+
+async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    state = Path(tempfile.mkdtemp(prefix=f"meshserve-bench-{policy}-"))
+    worker_args = ["--num-kv-blocks", str(sc.kv_blocks), "--max-model-len", "16384", "--gauge-interval", "0.1"]
+    mesh = BenchMesh(
+        MeshConfig(state_dir=state, nats_port=0, http_port=free_port(), model=MODEL, workers=args.workers,
+                   speed=args.speed, worker_args=worker_args, services=("worker", "gateway", "router"),
+                   gateway_args=["--admission-unreachable", "open"]),
+        {"router": ["--policy", policy]},
+    )
+    await mesh.start(timeout=120)
+    bus = await Bus.open(mesh.settings, "bench-routing", initial_attempts=20)
+    sampler = GaugeSampler(bus)
+    try:
+        await sampler.start()
+        prompt = sc.prefix_tokens + sc.suffix_tokens
+        fleet = capacity_per_worker(prompt, sc.output_tokens) * args.workers * args.speed
+        rate = (args.load or sc.load) * fleet
+        config = BenchConfig(
+            endpoints=[EndpointConfig(mesh.gateway_url + "/v1", label=policy, api="completions", model=MODEL,
+                                      api_key=mesh.dev_key)],
+            workload=WorkloadConfig(kind="shared-prefix", prefix_groups=sc.groups, prefix_tokens=sc.prefix_tokens,
+                                    input_tokens=str(sc.suffix_tokens), output_tokens=str(sc.output_tokens)),
+            rates=[rate], num_requests=max(50, int(rate * args.duration)), seed=args.seed,
+            slo=SLOSpec(ttft_s=args.slo_ttft / args.speed, tpot_s=args.slo_tpot / args.speed),
+            request_timeout=120.0, label=f"{sc.name}-{policy}",
+        )
+        t0 = time.monotonic()
+        result = await run_bench(config)
+        wall = time.monotonic() - t0
+        outstanding = await sampler.stop()
+        events = await usage_events(bus)
+        router = await service_stats(bus, "router")
+    finally:
+        await bus.close()
+        mesh.stop(timeout=30)
+    run: RunResult = result.runs[0]
+    prompt_tokens = sum(e.prompt_tokens for e in events)
+    busiest = max(outstanding.values(), default=0.0)
+    idlest = min(outstanding.values(), default=0.0)
+    return {
+        "scenario": sc.name, "policy": policy, "rate": rate, "fleet_capacity": fleet, "wall_s": wall,
+        "summary": run.summary, "client": run.client,
+        "hit_rate": sum(e.cached_tokens for e in events) / prompt_tokens if prompt_tokens else 0.0,
+        "router_hit_rate": router.get("prefix_hit_rate", 0.0),
+        "placements": router.get("placements_by_worker", {}),
+        "outstanding": outstanding,
+        "imbalance": busiest / idlest if idlest > 0 else math.inf,
+        "busiest": busiest, "idlest": idlest,
+    }
+
+
+def _ms(v: float | None, speed: float) -> str:
+    """Client-measured milliseconds, reported in simulated time (× speed)."""
+    return "-" if v is None else f"{v * speed:,.0f}"
+
+
+def table(rows: list[dict[str, Any]], speed: float) -> str:
+    head = ("| policy | req/s | TTFT p50 | p90 | p99 ms | TPOT p50 | p90 | p99 ms | prefix hit | goodput req/s "
+            "| SLO met | busiest/idlest outstanding | errors |")
+    lines = [head, "|" + " --- |" * 13]
+    for r in rows:
+        s = r["summary"]
+        lines.append(
+            f"| {r['policy']} | {r['rate'] / speed:.1f} | {_ms(s.ttft_ms.p50, speed)} | {_ms(s.ttft_ms.p90, speed)} "
+            f"| {_ms(s.ttft_ms.p99, speed)} | {_ms(s.tpot_ms.p50, speed)} | {_ms(s.tpot_ms.p90, speed)} "
+            f"| {_ms(s.tpot_ms.p99, speed)} | {r['hit_rate']:.0%} | {(s.goodput or 0) / speed:.1f} "
+            f"| {s.slo_attainment or 0:.0%} | {r['busiest']:,.0f} / {r['idlest']:,.0f} "
+            f"({r['imbalance']:.1f}×) | {sum(s.errors.values())} |"
+        )
+    return "\n".join(lines)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    parser.add_argument("--policies", default="round_robin,least_load,prefix")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--speed", type=float, default=1.0, help="sim speed factor (1.0 = real time)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    parser.add_argument("--load", type=float, default=None,
+                        help="offered load as a fraction of the no-reuse capacity (default: the scenario's, 0.8)")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT bound of goodput, simulated seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT bound of goodput, simulated seconds")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default=None, help="write every row as JSON here")
+    args = parser.parse_args()
+    scenarios = list(SCENARIOS.values()) if args.scenario == "all" else [SCENARIOS[args.scenario]]
+    all_rows: list[dict[str, Any]] = []
+    for sc in scenarios:
+        rows = []
+        for policy in args.policies.split(","):
+            row = await run_policy(sc, policy, args)
+            rows.append(row)
+            c = row["client"]
+            flag = " CLIENT LAGGED: " + "; ".join(c.reasons) if c.lagged else ""
+            print(f"{sc.name} {policy}: done in {row['wall_s']:.0f} s, client lag p99 {c.lag_ms.p99:.1f} ms, "
+                  f"cpu {c.cpu_util:.0%}{flag}", flush=True)
+        fleet = rows[0]["fleet_capacity"] / args.speed
+        print(f"\n{sc.name}: {sc.groups} prompt(s) of {sc.prefix_tokens} tokens + {sc.suffix_tokens}-token suffix, "
+              f"{sc.output_tokens} output tokens; {args.workers} workers × {sc.kv_blocks} KV blocks; "
+              f"offered {args.load or sc.load:.0%} of {fleet:.1f} req/s (no-reuse capacity, simulated time); "
+              f"speed {args.speed}; SLO TTFT ≤ {args.slo_ttft} s, TPOT ≤ {args.slo_tpot * 1000:.0f} ms\n")
+        print(table(rows, args.speed), flush=True)
+        all_rows.extend(rows)
+    if args.out:
+        import msgspec
+
+        await asyncio.to_thread(Path(args.out).write_bytes, msgspec.json.encode(all_rows))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
