@@ -233,7 +233,8 @@ class Service:
         log.info("%s ready (%s)", self.name, self.instance_id)
 
     def _stats_handler(self, endpoint: EndpointStats) -> Any:
-        return {"ready": self.ready, "draining": self.draining, "in_flight": self.in_flight, **self.stats()}
+        bad = self._bus.decode_errors if self._bus is not None else 0
+        return {"ready": self.ready, "draining": self.draining, "in_flight": self.in_flight, "decode_errors": bad, **self.stats()}
 
     async def drain_and_close(self) -> bool:
         """Stop new work, wait for in-flight work up to the drain timeout, close."""

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=4096, help="streams beyond this are shed with 429")
     parser.add_argument("--stall-timeout", type=float, default=30.0,
                         help="seconds without a chunk before the worker counts as lost and the request migrates")
+    parser.add_argument("--stream-buffer", type=int, default=4096,
+                        help="chunks buffered for one slow client before it is cut")
     parser.add_argument("--max-migrations", type=int, default=2, help="times one request may move to another replica")
     parser.add_argument("--resume-window", type=float, default=60.0,
                         help="seconds a resumable request (X-Meshserve-Resumable) outlives its lost client")
@@ -51,7 +53,7 @@ def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return GatewayConfig(
         host=args.host, port=args.port, gateway_id=args.gateway_id, tls_cert=args.tls_cert, tls_key=args.tls_key,
         trusted_proxies=tuple(args.trusted_proxy), max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
-        stall_timeout_s=args.stall_timeout, max_migrations=args.max_migrations, resume_window_s=args.resume_window, model_limits=limits, aliases=aliases,
+        stall_timeout_s=args.stall_timeout, max_migrations=args.max_migrations, stream_buffer_chunks=args.stream_buffer, resume_window_s=args.resume_window, model_limits=limits, aliases=aliases,
         path=PathConfig(admission_unreachable=args.admission_unreachable, admission_grace_s=args.admission_grace),
     )
 

@@ -112,6 +112,7 @@ class GatewayConfig:
     stall_timeout_s: float = 30.0  # no chunk for this long: the worker is considered lost
     liveness_check_s: float = 1.0  # how often a silent stream checks on its worker
     max_migrations: int = 2  # a request moves to another replica at most this often
+    stream_buffer_chunks: int = 4096  # chunks held for one slow client before it is cut
     keepalive_s: float = 15.0
     # A resumable request (header X-Meshserve-Resumable: true) whose client vanished keeps
     # generating this long, waiting for a resume, before its worker is told to stop.
@@ -282,7 +283,7 @@ class GatewayService(Service):
         self.keys = await KeyStore(self.bus).open()
         await self.keys.watch()
         self.requests_kv: KeyValue = await requests_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
-        self.dispatcher = TokenDispatcher(self.bus, self.gateway_id)
+        self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks)
         await self.dispatcher.start()
         self.path = RequestPath(self.bus, self.registry, self.config.path)
         s = self.bus.subjects
@@ -571,6 +572,7 @@ class GatewayService(Service):
         })
         await response.prepare(http)
         builder = EventBuilder(request.kind, execution.request_id, request.requested_model, int(time.time()), request.include_usage)
+        execution.stream.on_overflow = functools.partial(self._cut_slow_client, http, execution)
         try:
             await self._relay_sse(response, execution.chunks(), builder, after=None, first_seq=0)
         except (ConnectionResetError, asyncio.CancelledError):
@@ -588,6 +590,15 @@ class GatewayService(Service):
         task = asyncio.create_task(coro)
         self._timers.add(task)
         task.add_done_callback(self._timers.discard)
+
+    def _cut_slow_client(self, http: web.Request, execution: Execution) -> None:
+        log.warning("request %s: client too slow (%d chunks buffered); cutting it", execution.request_id,
+                    execution.stream.buffered)
+        self.metrics.errors.labels(code="slow_client").inc()
+        if execution.record is not None:
+            execution.record.resumable = False  # a client that cannot keep up does not get to resume
+        if http.transport is not None:
+            http.transport.abort()  # the blocked write fails; the handler cancels the worker
 
     async def _cancel_unless_resumed(self, request_id: str, resumes_at_disconnect: int) -> None:
         await asyncio.sleep(self.config.resume_window_s)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from nats.aio.msg import Msg
 from nats.js import api
@@ -46,6 +46,7 @@ class RequestStream:
         self.duplicates = 0
         self.last_chunk_at = time.monotonic()
         self.overflowed = False
+        self.on_overflow: Callable[[], None] | None = None  # cut the slow client at once
         # Workers that lost this request → the seq from which their chunks are void.
         self.retired: dict[str, int] = {}
 
@@ -76,8 +77,12 @@ class RequestStream:
 
     def _push(self, chunk: TokenChunk) -> None:
         if self._ready.qsize() >= self.max_buffered:
-            # The reader is not keeping up: it is cut with an error rather than holding memory forever.
-            self.overflowed = True
+            # The reader is not keeping up: it is cut rather than holding memory forever
+            # (and it cannot slow the worker or anyone else: delivery never waits for it).
+            if not self.overflowed:
+                self.overflowed = True
+                if self.on_overflow is not None:
+                    self.on_overflow()
             return
         self._ready.put_nowait(chunk)
         self.next_seq = chunk.seq + 1
@@ -99,8 +104,9 @@ class RequestStream:
 
 
 class TokenDispatcher:
-    def __init__(self, bus: Bus, gateway_id: str, *, gap_fill_after_s: float = 0.5) -> None:
+    def __init__(self, bus: Bus, gateway_id: str, *, gap_fill_after_s: float = 0.5, max_buffered: int = 4096) -> None:
         self.bus = bus
+        self.max_buffered = max_buffered
         self.gateway_id = gateway_id
         self.gap_fill_after_s = gap_fill_after_s
         self.streams: dict[str, RequestStream] = {}
@@ -121,7 +127,7 @@ class TokenDispatcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def open(self, request_id: str, next_seq: int = 0) -> RequestStream:
-        stream = RequestStream(request_id, self.subject_for(request_id), next_seq)
+        stream = RequestStream(request_id, self.subject_for(request_id), next_seq, self.max_buffered)
         self.streams[request_id] = stream
         return stream
 
