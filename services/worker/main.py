@@ -7,6 +7,8 @@ engine's options. Engine options left unset keep the engine's own defaults.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from bus import run_service
@@ -26,7 +28,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from the memory budget)")
-    engine.add_argument("--lora-adapters", default="", help="comma-separated adapter names to serve")
+    engine.add_argument("--lora-adapters", default="",
+                        help="comma-separated adapters to serve: names (sim), name=path (vllm)")
+    vllm = parser.add_argument_group("vLLM engine (--engine vllm; vLLM's names and meaning, unset keeps vLLM's default)")
+    vllm.add_argument("--model-dir", default=None, help="model directory; --model is then the routed name (default: --model is the directory)")
+    vllm.add_argument("--served-model-name", default=None, help="routed name when --model is the directory (default: its name)")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None)
+    vllm.add_argument("--kv-cache-dtype", default=None, help="auto, fp8, fp8_e4m3, fp8_e5m2, ...")
+    vllm.add_argument("--tensor-parallel-size", type=int, default=None)
+    vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    vllm.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    vllm.add_argument("--dtype", default=None, help="auto, bfloat16, float16, float32")
+    vllm.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
+    vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
+    vllm.add_argument("--max-loras", type=int, default=None)
+    vllm.add_argument("--max-lora-rank", type=int, default=None)
+    vllm.add_argument("--kv-events", choices=["auto", "engine", "predicted"], default=None,
+                      help="engine: vLLM's KV-event publisher; predicted: model the cache from served requests")
+    vllm.add_argument("--cpu-kvcache-space", type=float, default=None, help="GiB of KV cache on vLLM's CPU build")
+    vllm.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                      help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")
+    vllm.add_argument("--engine-config", default=None, metavar="FILE",
+                      help="JSON or TOML file of engine arguments by vLLM name; flags override it")
     stream = parser.add_argument_group("streaming")
     stream.add_argument("--coalesce-ms", type=float, default=20.0, help="longest a generated token waits before its chunk is sent")
     stream.add_argument("--coalesce-tokens", type=int, default=16, help="a chunk goes out once this many tokens wait")
@@ -35,11 +58,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "engine", "sim") == "vllm":
+        return vllm_engine_options(args)
     names = ("profile", "speed", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks")
     options: dict[str, Any] = {"model": args.model}
     options.update({name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
     if args.lora_adapters:
-        options["lora_adapters"] = [a.strip() for a in args.lora_adapters.split(",") if a.strip()]
+        options["lora_adapters"] = [a.split("=", 1)[0].strip() for a in args.lora_adapters.split(",") if a.strip()]
+    return options
+
+
+# VllmEngine's own keyword options; any other engine argument goes to vLLM as is (engine_args).
+_VLLM_OPTIONS = (
+    "model_dir", "served_model_name", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
+    "kv_cache_dtype", "tensor_parallel_size", "enable_prefix_caching", "block_size", "enforce_eager", "dtype", "seed",
+    "scheduling_policy", "enable_lora", "max_loras", "max_lora_rank", "kv_events",
+)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _load_engine_config(path: str) -> dict[str, Any]:
+    text = Path(path).read_text()
+    if path.endswith(".toml"):
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: engine config must be a table/object of engine arguments")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def vllm_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """VllmEngine keyword options: config file, then flags (unset flags keep vLLM's defaults)."""
+    merged: dict[str, Any] = _load_engine_config(args.engine_config) if getattr(args, "engine_config", None) else {}
+    for item in getattr(args, "engine_arg", []) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--engine-arg wants KEY=VALUE, got {item!r}")
+        merged[key.strip().replace("-", "_")] = _parse_value(value.strip())
+    for name in (*_VLLM_OPTIONS, "cpu_kvcache_space"):
+        value = getattr(args, name, None)
+        if value is not None:
+            merged[name] = value
+    if "model" in merged:  # vLLM's ``model`` is the weights: our model_dir
+        merged.setdefault("model_dir", merged.pop("model"))
+    options: dict[str, Any] = {"model": args.model}
+    if "cpu_kvcache_space" in merged:
+        options["cpu_kvcache_space_gib"] = float(merged.pop("cpu_kvcache_space"))
+    lora = merged.pop("lora_adapters", None) or merged.pop("lora_modules", None) or args.lora_adapters
+    if lora:
+        options["lora_adapters"] = lora
+    for name in _VLLM_OPTIONS:
+        if name in merged:
+            options[name] = merged.pop(name)
+    if merged:
+        options["engine_args"] = merged
     return options
 
 

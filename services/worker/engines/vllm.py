@@ -1,0 +1,626 @@
+"""``VllmEngine``: the ``vllm`` engine, vLLM's v1 ``AsyncLLM`` in the worker's process.
+
+Requests arrive tokenized (the gateway applied the chat template and encoded once), so
+they enter vLLM as ``TokensPrompt``; sampling parameters map one to one onto vLLM's
+``SamplingParams`` with ``n=1`` and ``RequestOutputKind.DELTA``, so each engine step
+yields only its new tokens and text. ``abort`` (or leaving the stream) aborts the
+request inside vLLM, which frees its KV blocks at once.
+
+What the rest of the mesh sees of the engine:
+
+- gauges: a stat logger passed to ``AsyncLLM.from_engine_args(stat_loggers=...)``
+  receives vLLM's ``SchedulerStats`` and ``IterationStats`` after every step, on this
+  event loop; ``vllm_stats.VllmStatsTracker`` turns them into ``EngineStats``;
+- KV events: vLLM's ZMQ KV-event publisher connects to a SUB socket this engine binds
+  on 127.0.0.1 (an endpoint without ``*`` makes vLLM connect); each message is
+  (topic, sequence, msgpack ``KVEventBatch``) and ``vllm_kv.KvEventBridge`` re-hashes
+  the stored blocks' token ids into ``proto.hashing``'s space. A vLLM that cannot
+  publish events (or ``kv_events="predicted"``) gets ``vllm_kv.KvPredictor`` instead,
+  and the gauges say ``kv_events_mode="predicted"``.
+
+vLLM starts its engine core (and, for tensor parallelism, its GPU workers) as child
+processes. The worker's entry points (``meshserve`` and ``python -m ops.cli``) have a
+``__main__`` guard, so both fork and spawn work; the engine is built in a thread so the
+worker's event loop (and its NATS connection) stays responsive during a start that
+takes seconds on CPU and minutes for a large model on a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proto.messages import AllCleared, BlockStored, KvEvent, Timings
+
+from .base import Engine, EngineOutput, EngineRequest, EngineStats, FinishReason
+from .vllm_kv import KvEventBridge, KvPredictor
+from .vllm_stats import VllmStatsTracker
+
+log = logging.getLogger(__name__)
+
+KV_EVENT_MODES = ("auto", "engine", "predicted")
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
+                                    "repetition": "stop"}
+
+
+def parse_lora_adapters(spec: Mapping[str, str] | Iterable[str] | str | None) -> dict[str, str]:
+    """``name=path`` entries (a mapping, a list, or one comma-separated string) → {name: path}.
+
+    A bare ``name`` means an adapter directory of that name.
+    """
+    if not spec:
+        return {}
+    if isinstance(spec, Mapping):
+        return {str(k): str(v) for k, v in spec.items()}
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: dict[str, str] = {}
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        out[name.strip()] = path.strip() if sep else name.strip()
+    return out
+
+
+def resolve_model(model: str, model_dir: str | None, served_model_name: str | None) -> tuple[str, str]:
+    """(served name, model directory): ``--model`` is the directory unless ``--model-dir`` is given."""
+    directory = model_dir or model
+    name = served_model_name or (model if model_dir else Path(directory.rstrip("/")).name or directory)
+    return name, directory
+
+
+def engine_arguments(
+    *,
+    model_dir: str,
+    served_model_name: str,
+    options: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+    enable_lora: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of vLLM's ``AsyncEngineArgs``: ours where set, then ``extra`` as is.
+
+    Every option keeps vLLM's name and meaning; ``None`` leaves vLLM's default.
+    """
+    args: dict[str, Any] = {
+        "model": model_dir,
+        "tokenizer": model_dir,
+        "served_model_name": served_model_name,
+        "disable_log_stats": True,  # our stat logger still gets every step's stats
+    }
+    for name, value in options.items():
+        if value is not None:
+            args[name] = value
+    if enable_lora:
+        args["enable_lora"] = True
+    args.update(dict(extra or {}))
+    return args
+
+
+@dataclass(slots=True)
+class _Flight:
+    request_id: str
+    prompt_tokens: int
+    aborted: bool = False
+
+
+class VllmEngine(Engine):
+    """vLLM behind the ``Engine`` interface.
+
+    Options (keyword; ``None`` keeps vLLM's default):
+
+    - ``model``: the model directory, or (with ``model_dir``) the name requests are routed by;
+      ``served_model_name`` overrides the routed name (default: the directory's name).
+    - vLLM engine arguments, same names and meaning: ``max_num_seqs``,
+      ``max_num_batched_tokens``, ``max_model_len``, ``gpu_memory_utilization``,
+      ``kv_cache_dtype``, ``tensor_parallel_size``, ``enable_prefix_caching`` (default
+      True), ``block_size``, ``enforce_eager``, ``dtype``, ``seed``,
+      ``scheduling_policy``, ``enable_lora``, ``max_loras``, ``max_lora_rank``;
+      anything else through ``engine_args`` (a mapping of ``AsyncEngineArgs`` fields).
+    - ``lora_adapters``: named adapters ``{name: path}`` (or ``"name=path,..."``); a request
+      naming one runs with it (``LoRARequest``); ``enable_lora`` follows.
+    - ``kv_events``: ``auto`` (vLLM's publisher when it has one, else predicted),
+      ``engine`` (required) or ``predicted``.
+    - ``cpu_kvcache_space_gib``: the CPU build's KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
+    - ``rate_window_s``, ``kv_event_buffer``: as for the sim engine.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        model_dir: str | None = None,
+        served_model_name: str | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_dtype: str | None = None,
+        tensor_parallel_size: int | None = None,
+        enable_prefix_caching: bool | None = True,
+        block_size: int | None = None,
+        enforce_eager: bool | None = None,
+        dtype: str | None = None,
+        seed: int | None = None,
+        scheduling_policy: str | None = None,
+        enable_lora: bool | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        lora_adapters: Mapping[str, str] | Iterable[str] | str | None = None,
+        kv_events: str = "auto",
+        cpu_kvcache_space_gib: float | None = None,
+        engine_args: Mapping[str, Any] | None = None,
+        rate_window_s: float = 5.0,
+        kv_event_buffer: int = 10_000,
+    ) -> None:
+        if kv_events not in KV_EVENT_MODES:
+            raise ValueError(f"kv_events must be one of {', '.join(KV_EVENT_MODES)}, not {kv_events!r}")
+        self._model, directory = resolve_model(model, model_dir, served_model_name)
+        path = Path(directory).expanduser()
+        # A local directory is passed absolute (the gateway loads the tokenizer from it too).
+        self.model_dir = str(path.resolve()) if path.exists() else directory
+        self.lora_adapters = parse_lora_adapters(lora_adapters)
+        self._lora_ids = {name: i for i, name in enumerate(self.lora_adapters, start=1)}
+        options = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "kv_cache_dtype": kv_cache_dtype,
+            "tensor_parallel_size": tensor_parallel_size,
+            "enable_prefix_caching": enable_prefix_caching,
+            "block_size": block_size,
+            "enforce_eager": enforce_eager,
+            "dtype": dtype,
+            "seed": seed,
+            "scheduling_policy": scheduling_policy,
+            "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank,
+        }
+        if enable_lora is False and self.lora_adapters:
+            raise ValueError("LoRA adapters given but enable_lora is False")
+        self.engine_args = engine_arguments(
+            model_dir=self.model_dir, served_model_name=self._model, options=options, extra=engine_args,
+            enable_lora=bool(enable_lora or self.lora_adapters),
+        )
+        self.kv_events_requested = kv_events
+        self.kv_events_mode = "predicted" if kv_events == "predicted" else "engine"
+        self.cpu_kvcache_space_gib = cpu_kvcache_space_gib
+        self.rate_window_s = rate_window_s
+        self._kv_buffer = kv_event_buffer
+        self._llm: Any = None
+        self._closed = False
+        self._flights: dict[str, _Flight] = {}
+        self._kv: asyncio.Queue[list[KvEvent] | None] = asyncio.Queue()
+        self._bridge: KvEventBridge | None = None
+        self._predictor: KvPredictor | None = None
+        self._zmq_socket: Any = None
+        self._zmq_task: asyncio.Task[None] | None = None
+        self._kv_seq = -1
+        self.kv_event_gaps = 0
+        self._stats = VllmStatsTracker(kv_blocks_total=0, rate_window_s=rate_window_s,
+                                       lora_adapters=list(self.lora_adapters))
+        self._limits = {"block_size": block_size or 16, "kv_blocks_total": 0, "max_model_len": max_model_len or 0,
+                        "max_num_seqs": max_num_seqs or 0, "max_num_batched_tokens": max_num_batched_tokens or 0}
+        self.prefix_caching = enable_prefix_caching is not False
+        self.start_seconds = 0.0
+
+    # --------------------------------------------------------------- properties
+
+    @property
+    def engine_name(self) -> str:
+        return "vllm"
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @property
+    def block_size(self) -> int:
+        return self._limits["block_size"]
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self._limits["kv_blocks_total"]
+
+    @property
+    def max_model_len(self) -> int:
+        return self._limits["max_model_len"]
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._limits["max_num_seqs"]
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self._limits["max_num_batched_tokens"]
+
+    @property
+    def tokenizer_spec(self) -> str:
+        return self.model_dir
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's ``AsyncLLM`` (None before ``start``)."""
+        return self._llm
+
+    # --------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine was shut down")
+        if self._llm is not None:
+            return
+        t0 = time.monotonic()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self.cpu_kvcache_space_gib is not None:
+            # Read by the CPU build's worker process, which inherits the environment.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.cpu_kvcache_space_gib:g}"
+        kwargs = dict(self.engine_args)
+        if self.kv_events_mode == "engine" and self.prefix_caching:
+            endpoint = self._open_kv_socket()
+            if endpoint is None and self.kv_events_requested == "engine":
+                raise RuntimeError("kv_events='engine' but this vLLM cannot publish KV events (no KVEventsConfig/zmq)")
+            if endpoint is None:
+                self.kv_events_mode = "predicted"
+            else:
+                from vllm.config import KVEventsConfig
+
+                kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                            endpoint=endpoint)
+        try:
+            engine_args = AsyncEngineArgs(**kwargs)
+        except TypeError as exc:
+            raise ValueError(f"bad vLLM engine argument: {exc}") from exc
+        logger_factory = _stat_logger_factory(self)
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[logger_factory])
+        config = self._llm.vllm_config
+        blocks = int(config.cache_config.num_gpu_blocks or 0)
+        self._limits = {
+            "block_size": int(config.cache_config.block_size),
+            "kv_blocks_total": max(0, blocks - 1),  # vLLM keeps one null block out of use
+            "max_model_len": int(config.model_config.max_model_len),
+            "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+            "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
+        }
+        self._stats.kv_blocks_total = self._limits["kv_blocks_total"]
+        self._stats.kv_events_mode = self.kv_events_mode
+        if self.kv_events_mode == "engine" and self._zmq_socket is not None:
+            self._bridge = KvEventBridge(self.block_size)
+            self._zmq_task = asyncio.create_task(self._read_kv_events(), name="vllm-kv-events")
+        elif self.prefix_caching:
+            self._predictor = KvPredictor(self.block_size, max(1, self.kv_blocks_total))
+        self.start_seconds = time.monotonic() - t0
+        log.info("vLLM engine for %s up in %.1fs: block size %d, %d KV blocks, max_model_len %d, KV events %s",
+                 self._model, self.start_seconds, self.block_size, self.kv_blocks_total, self.max_model_len,
+                 self.kv_events_mode)
+
+    def _open_kv_socket(self) -> str | None:
+        try:
+            import zmq
+            import zmq.asyncio
+            from vllm.config import KVEventsConfig  # noqa: F401  (present from vLLM 0.9 on)
+        except ImportError as exc:
+            log.warning("vLLM KV events unavailable (%s): predicting the cache from served requests", exc)
+            return None
+        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.RCVHWM, 0)  # never drop: a lost event costs a router resync
+        socket.bind("tcp://127.0.0.1:0")
+        self._zmq_socket = socket
+        return str(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in list(self._flights):
+            await self.abort(request_id)
+        await asyncio.sleep(0)  # let aborted streams take their final outputs
+        if self._llm is not None:
+            with contextlib.suppress(Exception):
+                self._llm.shutdown()
+        if self._zmq_task is not None:
+            self._zmq_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._zmq_task
+        if self._zmq_socket is not None:
+            self._zmq_socket.close(linger=0)
+        self._kv.put_nowait(None)
+
+    # ---------------------------------------------------------------- requests
+
+    def sampling_params(self, req: EngineRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = req.sampling
+        max_tokens = max(1, s.max_tokens - req.output_offset)
+        return SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            min_tokens=min(max(0, s.min_tokens - req.output_offset), max_tokens),
+            max_tokens=max_tokens,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True,
+        )
+
+    def _check(self, req: EngineRequest) -> str | None:
+        prompt = len(req.prompt_token_ids)
+        if prompt == 0:
+            return "empty prompt"
+        remaining = max(1, req.sampling.max_tokens - req.output_offset)
+        if self.max_model_len and prompt + remaining > self.max_model_len:
+            return f"prompt of {prompt} tokens plus {remaining} to generate exceeds max_model_len {self.max_model_len}"
+        if req.lora and req.lora not in self.lora_adapters:
+            return f"unknown LoRA adapter {req.lora!r}"
+        return None
+
+    def _lora_request(self, name: str | None) -> Any:
+        if not name:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=name, lora_int_id=self._lora_ids[name], lora_path=self.lora_adapters[name])
+
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        # The request enters the engine at the first iteration (async generator).
+        if self._llm is None or self._closed:
+            raise RuntimeError("engine is not running (call start(), not after shutdown())")
+        rid = req.request_id
+        if rid in self._flights:
+            raise ValueError(f"request {rid!r} is already in flight")
+        prompt_ids = list(req.prompt_token_ids)
+        problem = self._check(req)
+        if problem is not None:
+            yield EngineOutput(request_id=rid, finish_reason="error", error=problem, prompt_tokens=len(prompt_ids),
+                               timings=Timings(arrival=req.arrival_time, finished=time.time()))
+            return
+        from vllm.inputs import TokensPrompt
+
+        flight = _Flight(rid, len(prompt_ids))
+        self._flights[rid] = flight
+        self._stats.add(rid, len(prompt_ids))
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), self.sampling_params(req), rid,
+            lora_request=self._lora_request(req.lora), priority=-req.priority,  # vLLM: lower runs first
+        )
+        output_ids: list[int] = []
+        cached = 0
+        scheduled = first_token = 0.0
+        finished = False  # a final output was yielded
+        engine_done = False  # vLLM finished the request itself
+        error: str | None = None
+        try:
+            async for out in stream:
+                now = time.time()
+                completion = out.outputs[0] if out.outputs else None
+                new_ids = list(completion.token_ids) if completion is not None else []
+                if out.num_cached_tokens is not None:
+                    cached = int(out.num_cached_tokens)
+                if new_ids and not first_token:
+                    first_token = now
+                    scheduled = _scheduled_epoch(out, req.arrival_time, now)
+                    if self._predictor is not None:
+                        self._push_kv(self._predictor.observe(prompt_ids, req.lora))
+                output_ids += new_ids
+                self._stats.progress(rid, len(new_ids))
+                finish: FinishReason | None = None
+                if out.finished:
+                    engine_done = True
+                    reason = str(completion.finish_reason) if completion is not None else "abort"
+                    finish = _FINISH.get(reason, "stop")
+                elif flight.aborted:
+                    finish = "abort"  # asked before vLLM knew the request: end it here
+                text = completion.text if completion is not None else ""
+                if finish is None and not new_ids and not text:
+                    continue
+                yield EngineOutput(
+                    request_id=rid, new_token_ids=new_ids, text=text, finish_reason=finish,
+                    prompt_tokens=len(prompt_ids), cached_tokens=cached, completion_tokens=len(output_ids),
+                    timings=Timings(arrival=req.arrival_time, scheduled=scheduled, first_token=first_token,
+                                    finished=now if finish else 0.0),
+                    error="vLLM ended the request with an error" if finish == "error" else None,
+                )
+                if finish is not None:
+                    finished = True
+                    break
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # engine dead, bad request, ...: the worker needs a final output
+            log.warning("vLLM failed request %s: %r", rid, exc)
+            error = f"vLLM: {type(exc).__name__}: {exc}"
+        finally:
+            self._flights.pop(rid, None)
+            self._stats.finish(rid)
+            if not engine_done:
+                # Left early (consumer closed, or an exception): vLLM's generator aborts the
+                # request on close, freeing its KV blocks now.
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+            if self._predictor is not None and output_ids:
+                # The last sampled token was never fed back: its K/V are not in the cache.
+                self._push_kv(self._predictor.observe(prompt_ids + output_ids[:-1], req.lora))
+        if not finished:
+            now = time.time()
+            yield EngineOutput(
+                request_id=rid, finish_reason="error", error=error or "vLLM ended the request without a finish",
+                prompt_tokens=len(prompt_ids), cached_tokens=cached, completion_tokens=len(output_ids),
+                timings=Timings(arrival=req.arrival_time, scheduled=scheduled, first_token=first_token, finished=now),
+            )
+
+    async def abort(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is None or self._llm is None:
+            return
+        flight.aborted = True
+        await self._llm.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM refuses while requests run); ``AllCleared`` follows."""
+        if self._llm is None:
+            return False
+        done = bool(await self._llm.reset_prefix_cache())
+        if done and self._predictor is not None:
+            self._push_kv(self._predictor.clear())
+        return done
+
+    # ----------------------------------------------------------- observability
+
+    def stats(self) -> EngineStats:
+        return self._stats.snapshot(time.monotonic())
+
+    @property
+    def tracker(self) -> VllmStatsTracker:
+        return self._stats
+
+    async def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
+        while True:
+            batch = await self._kv.get()
+            if batch is None:
+                self._kv.put_nowait(None)  # later callers end too
+                return
+            yield batch
+
+    def kv_snapshot(self) -> list[int]:
+        if self._bridge is not None:
+            return self._bridge.snapshot()
+        if self._predictor is not None:
+            return self._predictor.snapshot()
+        return []
+
+    # --------------------------------------------------------------- internals
+
+    def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        """vLLM's stats of one step (called by the stat logger, on this event loop)."""
+        elapsed: float | None = None
+        if scheduler_stats is not None:
+            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+            self._stats.on_scheduler(
+                running=int(scheduler_stats.num_running_reqs),
+                waiting=int(scheduler_stats.num_waiting_reqs) + int(getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)),
+                kv_usage=float(scheduler_stats.kv_cache_usage),
+                prefix_requests=int(getattr(prefix, "requests", 0) or 0),
+                prefix_queries=int(getattr(prefix, "queries", 0) or 0),
+                prefix_hits=int(getattr(prefix, "hits", 0) or 0),
+                prefix_reset=bool(getattr(prefix, "reset", False)),
+            )
+            details = getattr(scheduler_stats, "iteration_details", None)
+            elapsed_ms = float(getattr(details, "elapsed_ms", 0.0) or 0.0)
+            if elapsed_ms > 0:
+                elapsed = elapsed_ms / 1000.0
+        if iteration_stats is not None:
+            token_stats = getattr(iteration_stats, "prompt_token_stats", None)
+            computed = getattr(token_stats, "computed", None)
+            prompt = int(computed if computed is not None else getattr(iteration_stats, "num_prompt_tokens", 0))
+            self._stats.on_iteration(
+                time.monotonic(), prompt_tokens=prompt, generation_tokens=int(iteration_stats.num_generation_tokens),
+                preempted=int(getattr(iteration_stats, "num_preempted_reqs", 0)), elapsed_s=elapsed,
+            )
+
+    async def _read_kv_events(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        assert self._zmq_socket is not None and self._bridge is not None
+        while True:
+            try:
+                frames = await self._zmq_socket.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if self._closed:
+                    return
+                log.exception("KV event socket failed")
+                await asyncio.sleep(0.1)
+                continue
+            if len(frames) < 3:
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq >= 0 and self._kv_seq >= 0 and seq != self._kv_seq + 1:
+                # Lost events: the bridge may miss blocks (their children then go unresolved
+                # and the router learns them from the next snapshot resync).
+                self.kv_event_gaps += 1
+                log.warning("vLLM KV events %d..%d lost", self._kv_seq + 1, seq - 1)
+            self._kv_seq = max(self._kv_seq, seq)
+            try:
+                batch = decoder.decode(frames[2])
+            except msgspec.DecodeError:
+                log.exception("undecodable vLLM KV event batch")
+                continue
+            self._push_kv(self._bridge.translate(batch.events))
+
+    def _push_kv(self, events: list[KvEvent]) -> None:
+        if not events:
+            return
+        if self._kv.qsize() >= self._kv_buffer:
+            # Nobody is draining: replace the backlog by one batch that rebuilds the state.
+            while not self._kv.empty():
+                self._kv.get_nowait()
+            resync: list[KvEvent] = [AllCleared()]
+            snapshot = self.kv_snapshot()
+            if snapshot:
+                resync.append(BlockStored(block_hashes=snapshot, block_size=self.block_size))
+            self._kv.put_nowait(resync)
+            return
+        self._kv.put_nowait(events)
+
+    def describe(self) -> dict[str, Any]:
+        """What runs, for logs and reports (JSON-safe)."""
+        shown = {k: v for k, v in self.engine_args.items() if k != "kv_events_config"}
+        return json.loads(json.dumps({"model": self._model, "model_dir": self.model_dir, "engine_args": shown,
+                                      "kv_events_mode": self.kv_events_mode, "block_size": self.block_size,
+                                      "kv_blocks_total": self.kv_blocks_total, "start_seconds": self.start_seconds},
+                                     default=str))
+
+
+def _scheduled_epoch(out: Any, arrival: float, first_token: float) -> float:
+    """When vLLM first scheduled the request, in epoch seconds (its stats use the monotonic
+    clock, which is system-wide on Linux, so the engine core's stamps convert here)."""
+    metrics = getattr(out, "metrics", None)
+    ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
+    if ts <= 0:
+        return first_token
+    epoch = time.time() - time.monotonic() + ts
+    return min(max(epoch, arrival), first_token)
+
+
+def _stat_logger_factory(engine: VllmEngine) -> Any:
+    """A per-engine ``StatLoggerBase`` factory feeding ``engine._record``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class MeshStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            try:
+                engine._record(scheduler_stats, iteration_stats)
+            except Exception:  # stats must never break vLLM's output loop
+                log.exception("recording vLLM stats failed")
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return MeshStatLogger

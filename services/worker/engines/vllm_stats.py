@@ -1,0 +1,168 @@
+"""The vLLM engine's gauges, from its own scheduler statistics and the requests it serves.
+
+vLLM calls a stat logger after every engine step with ``SchedulerStats`` (running and
+waiting requests, KV cache usage, the step's prefix-cache queries and hits) and
+``IterationStats`` (tokens prefilled and generated, preemptions). ``VllmStatsTracker``
+folds those into ``EngineStats``; what the scheduler does not report it keeps itself
+from the requests it hands to the engine:
+
+- ``queued_prefill_tokens``: prompt tokens of requests that have not produced their
+  first token yet (queued or mid-prefill; the engine reports no per-request progress);
+- ``running_tokens``: context tokens (prompt + output so far) of requests past their
+  first token;
+- requests that arrived after the last engine step count as waiting until the next
+  step reports them (the gauge goes out as they arrive), and with nothing in flight
+  the engine is idle whatever its last report said.
+
+Plain synchronous code with the clock passed in; no vLLM import (the shell unpacks
+vLLM's stats objects by attribute), so it is unit-tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .base import EngineStats
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt_tokens: int
+    generated: int = 0
+    started: bool = False  # produced its first token
+
+
+class VllmStatsTracker:
+    def __init__(self, *, kv_blocks_total: int, rate_window_s: float = 5.0, hit_window_requests: int = 1000,
+                 kv_events_mode: str = "engine", lora_adapters: list[str] | None = None) -> None:
+        self.kv_blocks_total = kv_blocks_total
+        self.rate_window_s = rate_window_s
+        self.hit_window_requests = hit_window_requests
+        self.kv_events_mode = kv_events_mode
+        self.lora_adapters = list(lora_adapters or [])
+        self._requests: dict[str, _Request] = {}
+        # From the engine's last report.
+        self.sched_running = 0
+        self.sched_waiting = 0
+        self.kv_usage = 0.0
+        self.preemptions = 0
+        self.step_time_s = 0.0
+        self._last_step_ts: float | None = None
+        # Prefix cache: (requests, queried tokens, hit tokens) per step, recent requests only.
+        self._hits: deque[tuple[int, int, int]] = deque()
+        self._hit_requests = 0
+        self._hit_queries = 0
+        self._hit_hits = 0
+        self.prefix_queries_total = 0
+        self.prefix_hits_total = 0
+        # Throughput samples: (ts, prefill tokens, decode tokens).
+        self._samples: deque[tuple[float, int, int]] = deque()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.steps = 0
+
+    # ---- requests (from the engine shell) -------------------------------------------
+    def add(self, request_id: str, prompt_tokens: int) -> None:
+        self._requests[request_id] = _Request(prompt_tokens)
+
+    def progress(self, request_id: str, new_tokens: int) -> None:
+        r = self._requests.get(request_id)
+        if r is None:
+            return
+        r.started = r.started or new_tokens > 0
+        r.generated += new_tokens
+
+    def finish(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    # ---- the engine's reports (stat-logger hook) --------------------------------------
+    def on_scheduler(self, *, running: int, waiting: int, kv_usage: float, prefix_requests: int = 0,
+                     prefix_queries: int = 0, prefix_hits: int = 0, prefix_reset: bool = False) -> None:
+        self.sched_running = running
+        self.sched_waiting = waiting
+        self.kv_usage = max(0.0, min(1.0, kv_usage))
+        if prefix_reset:
+            self._hits.clear()
+            self._hit_requests = self._hit_queries = self._hit_hits = 0
+        if prefix_requests or prefix_queries:
+            self._hits.append((prefix_requests, prefix_queries, prefix_hits))
+            self._hit_requests += prefix_requests
+            self._hit_queries += prefix_queries
+            self._hit_hits += prefix_hits
+            self.prefix_queries_total += prefix_queries
+            self.prefix_hits_total += prefix_hits
+            while len(self._hits) > 1 and self._hit_requests > self.hit_window_requests:
+                r, q, h = self._hits.popleft()
+                self._hit_requests -= r
+                self._hit_queries -= q
+                self._hit_hits -= h
+
+    def on_iteration(self, now: float, *, prompt_tokens: int, generation_tokens: int, preempted: int = 0,
+                     elapsed_s: float | None = None) -> None:
+        """One engine step's token counts (``prompt_tokens``: computed, not cache hits)."""
+        self.steps += 1
+        self.preemptions += preempted
+        self.prompt_tokens_total += prompt_tokens
+        self.generation_tokens_total += generation_tokens
+        self._samples.append((now, prompt_tokens, generation_tokens))
+        if elapsed_s is not None and elapsed_s > 0:
+            self.step_time_s = elapsed_s
+        elif self._last_step_ts is not None and 0 < now - self._last_step_ts < 1.0:
+            # Between two back-to-back steps: a smoothed step time (the engine is busy).
+            dt = now - self._last_step_ts
+            self.step_time_s = dt if self.step_time_s == 0 else 0.8 * self.step_time_s + 0.2 * dt
+        self._last_step_ts = now
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.rate_window_s:
+            self._samples.popleft()
+
+    # ---- the gauge --------------------------------------------------------------------
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self._hit_hits / self._hit_queries if self._hit_queries else 0.0
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """Prefill and decode tokens per second over the last ``rate_window_s``."""
+        self._trim(now)
+        if not self._samples:
+            return 0.0, 0.0
+        span = max(now - self._samples[0][0], min(self.rate_window_s, 1.0))
+        prefill = sum(s[1] for s in self._samples)
+        decode = sum(s[2] for s in self._samples)
+        return prefill / span, decode / span
+
+    def snapshot(self, now: float) -> EngineStats:
+        prefill_rate, decode_rate = self.rates(now)
+        in_flight = len(self._requests)
+        # Requests in the engine are ours alone: running is the scheduler's count (never
+        # above what is in flight), and every other request in flight waits, including
+        # arrivals since the engine's last step (the scheduler reports them next step).
+        running = min(self.sched_running, in_flight)
+        waiting = in_flight - running
+        kv_usage = self.kv_usage  # the engine's own figure (it reports after every step)
+        queued = sum(r.prompt_tokens for r in self._requests.values() if not r.started)
+        running_tokens = sum(r.prompt_tokens + r.generated for r in self._requests.values() if r.started)
+        used = round(kv_usage * self.kv_blocks_total)
+        return EngineStats(
+            waiting=waiting,
+            running=running,
+            queued_prefill_tokens=queued,
+            running_tokens=running_tokens,
+            kv_blocks_total=self.kv_blocks_total,
+            kv_blocks_used=used,
+            kv_usage=kv_usage,
+            prefix_hit_rate=self.prefix_hit_rate,
+            prefill_tokens_per_s=prefill_rate,
+            decode_tokens_per_s=decode_rate,
+            step_time_s=self.step_time_s,
+            preemptions=self.preemptions,
+            lora_adapters=list(self.lora_adapters),
+            kv_events_mode=self.kv_events_mode,
+        )
