@@ -53,6 +53,8 @@ def strategy_for(info: mi.Type) -> st.SearchStrategy[Any]:
             return st.sampled_from(values)
         case mi.ListType(item_type=item):
             return st.lists(strategy_for(item), max_size=4)
+        case mi.DictType(key_type=key, value_type=value):
+            return st.dictionaries(strategy_for(key), strategy_for(value), max_size=4)
         case mi.UnionType(types=types):
             return st.one_of([strategy_for(t) for t in types])
         case mi.StructType(cls=cls, fields=fields):
