@@ -80,7 +80,7 @@ class MeshConfig:
     speed: float = 1.0
     profile: str | None = None
     worker_args: list[str] = field(default_factory=list)
-    services: tuple[str, ...] = ("worker", "gateway", "metering")
+    services: tuple[str, ...] = ("worker", "router", "admission", "gateway", "metering")
     gateway_args: list[str] = field(default_factory=list)
     dev_key: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
