@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "usage": "ops.usage",
     "bench": "ops.bench.cli",
     "plan": "ops.plan.cli",
+    "make-tiny-model": "ops.tiny_model",
+    "calibrate": "ops.calibrate",
 }
 COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMANDS.values()))
 

@@ -329,16 +329,9 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
     return replace(shape, **overrides)
 
 
-def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "make-tiny-model",
-        help="build a random-weight Llama model directory locally (no download)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("directory", help="where to write the model (created if missing)")
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The model-shape flags (shared with ``meshserve calibrate``)."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="shapes to start from (default tiny)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--intermediate-size", type=int, default=None)
@@ -348,6 +341,18 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-position-embeddings", "--max-len", dest="max_position_embeddings", type=int, default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--tie-word-embeddings", action="store_true")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "make-tiny-model",
+        help="build a random-weight Llama model directory locally (no download)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("directory", help="where to write the model (created if missing)")
+    p.add_argument("--seed", type=int, default=0)
+    add_shape_arguments(p)
     p.set_defaults(func=run)
 
 

@@ -1,0 +1,455 @@
+"""``meshserve calibrate``: measure a GPU's step times and write a sim profile for them.
+
+The sim engine models one engine step as
+
+    step_s = base_s + per_prefill_token_s · prefill_tokens + per_decode_seq_s · decode_seqs
+             + per_kv_token_s · kv_tokens
+
+(see ``services/worker/engines/sim_profile.py``). This command measures real forward
+steps of a Llama-shaped model with random weights, with PyTorch alone (a GPU node may
+have PyTorch but not vLLM yet): prefill chunks of several sizes over several cached
+contexts, and decode batches of several sizes over several context lengths, each step
+reading a real per-layer KV cache. It fits the four coefficients by non-negative least
+squares on relative error (a 2 ms decode and a 200 ms prefill weigh the same), and
+writes a profile JSON with the memory budget of the device, the engine limits given,
+the fitted figures at a reference workload (``intended``), and every measurement.
+
+The model is a plain PyTorch Llama (RMSNorm, GQA attention with RoPE through
+``scaled_dot_product_attention``, SiLU MLP, logits for the last token of each sequence),
+not vLLM's fused kernels: the profile is what a straightforward engine does on this
+device, a floor for vLLM's speed. Shapes come from ``--model-dir`` (a config.json) or the
+shape flags of ``meshserve make-tiny-model``. The grid is sized to the device's free
+memory and ``--time-budget`` (default 420 s: under eight minutes with start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .tiny_model import PRESETS, ModelShape, add_shape_arguments, shape_from_args
+
+COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One measured step."""
+
+    kind: str  # "prefill" or "decode"
+    prefill_tokens: int
+    decode_seqs: int
+    kv_tokens: int  # context attended, summed over the step's sequences (as the sim counts it)
+    seconds: float  # median step time
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.kv_tokens))
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (tiny dense systems)."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            raise ValueError("singular system")
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _lstsq(rows: Sequence[Sequence[float]], y: Sequence[float], active: Sequence[int]) -> list[float]:
+    """Least squares on the ``active`` columns (normal equations, columns scaled)."""
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in active]
+    x = [[r[j] / s for j, s in zip(active, scale, strict=True)] for r in rows]
+    k = len(active)
+    ata = [[sum(row[i] * row[j] for row in x) for j in range(k)] for i in range(k)]
+    aty = [sum(row[i] * yi for row, yi in zip(x, y, strict=True)) for i in range(k)]
+    for i in range(k):
+        ata[i][i] += 1e-12  # keeps a rank-deficient grid solvable
+    sol = _solve(ata, aty)
+    return [v / s for v, s in zip(sol, scale, strict=True)]
+
+
+def fit(points: Sequence[Point], relative: bool = True) -> dict[str, float]:
+    """Non-negative least-squares coefficients of the step-time formula.
+
+    Active-set NNLS: solve, drop the most negative coefficient (fix it at 0), repeat.
+    With ``relative`` each point is weighted by 1/seconds, so the fit minimises relative
+    error and small decode steps count as much as large prefills.
+    """
+    if len(points) < 4:
+        raise ValueError("need at least 4 measurements to fit 4 coefficients")
+    rows = [list(p.features()) for p in points]
+    y = [p.seconds for p in points]
+    if relative:
+        rows = [[v / p.seconds for v in r] for r, p in zip(rows, points, strict=True)]
+        y = [1.0] * len(points)
+    active = [0, 1, 2, 3]
+    while True:
+        sol = _lstsq(rows, y, active)
+        negative = [(v, j) for v, j in zip(sol, active, strict=True) if v < 0]
+        if not negative:
+            break
+        active.remove(min(negative)[1])
+        if not active:
+            sol = []
+            break
+    coef = dict.fromkeys(COEFFICIENTS, 0.0)
+    for v, j in zip(sol, active, strict=True):
+        coef[COEFFICIENTS[j]] = v
+    return coef
+
+
+def predict(coef: dict[str, float], p: Point) -> float:
+    return sum(coef[name] * f for name, f in zip(COEFFICIENTS, p.features(), strict=True))
+
+
+# ----------------------------------------------------------------------- measurement
+
+
+class RandomLlama:
+    """A Llama forward pass in plain PyTorch with random weights and per-layer KV caches."""
+
+    def __init__(self, shape: ModelShape, device: str, dtype: Any, seed: int = 0) -> None:
+        import torch
+
+        self.torch = torch
+        self.shape = shape
+        self.device = device
+        self.dtype = dtype
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        h, i = shape.hidden_size, shape.intermediate_size
+        self.heads, self.kv_heads, self.head_dim = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
+        kv = self.kv_heads * self.head_dim
+
+        def w(*dims: int) -> Any:
+            # Drawn on the CPU in chunks would be slow for 8B shapes: fill on the device.
+            t = torch.empty(*dims, device=device, dtype=dtype)
+            return t.normal_(0.0, 0.02, generator=None if device != "cpu" else g)
+
+        self.embed = w(shape.vocab_size, h)
+        self.layers = [
+            {"qkv": w(h + 2 * kv, h), "o": w(h, h), "gate_up": w(2 * i, h), "down": w(h, i),
+             "n1": torch.ones(h, device=device, dtype=dtype), "n2": torch.ones(h, device=device, dtype=dtype)}
+            for _ in range(shape.num_hidden_layers)
+        ]
+        self.norm = torch.ones(h, device=device, dtype=dtype)
+        self.lm_head = self.embed if shape.tie_word_embeddings else w(shape.vocab_size, h)
+        inv = 1.0 / (shape.rope_theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim))
+        self.inv_freq = inv
+        self._gqa: bool | None = None  # SDPA's enable_gqa works here (None: not tried yet)
+
+    def kv_cache(self, batch: int, length: int) -> list[tuple[Any, Any]]:
+        t = self.torch
+        return [
+            (t.randn(batch, self.kv_heads, length, self.head_dim, device=self.device, dtype=self.dtype),
+             t.randn(batch, self.kv_heads, length, self.head_dim, device=self.device, dtype=self.dtype))
+            for _ in self.layers
+        ]
+
+    def _rope(self, x: Any, positions: Any) -> Any:
+        t = self.torch
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, d/2]
+        cos, sin = freqs.cos().to(x.dtype)[:, None, :], freqs.sin().to(x.dtype)[:, None, :]  # over heads
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return t.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+    def _rms(self, x: Any, weight: Any) -> Any:
+        t = self.torch
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * t.rsqrt(v + self.shape.rms_norm_eps)).to(x.dtype) * weight
+
+    def _attention(self, q: Any, keys: Any, values: Any, mask: Any, causal: bool) -> Any:
+        f = self.torch.nn.functional
+        if self.kv_heads != self.heads and self._gqa is not False:
+            try:  # grouped-query attention without copying K/V (PyTorch >= 2.5)
+                out = f.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+                self._gqa = True
+                return out
+            except TypeError:
+                self._gqa = False
+        if self.kv_heads != self.heads:
+            keys = keys.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            values = values.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        return f.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
+
+    def step(self, tokens: Any, start: int, cache: list[tuple[Any, Any]]) -> Any:
+        """``tokens`` [B, T] at positions start..start+T-1; the cache holds ≥ start+T positions."""
+        t = self.torch
+        f = t.nn.functional
+        b, n = tokens.shape
+        positions = t.arange(start, start + n, device=self.device)
+        x = self.embed[tokens]
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        mask = None
+        if n > 1 and start > 0:
+            q_pos = positions[:, None]
+            k_pos = t.arange(start + n, device=self.device)[None, :]
+            mask = k_pos <= q_pos  # causal over the cached context and the chunk
+        for layer, (kc, vc) in zip(self.layers, cache, strict=True):
+            y = self._rms(x, layer["n1"])
+            qkv = f.linear(y, layer["qkv"])
+            q, k, v = qkv.split((hq * d, hk * d, hk * d), dim=-1)
+            q = self._rope(q.view(b, n, hq, d), positions).transpose(1, 2)
+            k = self._rope(k.view(b, n, hk, d), positions).transpose(1, 2)
+            kc[:, :, start:start + n] = k
+            vc[:, :, start:start + n] = v.view(b, n, hk, d).transpose(1, 2)
+            attn = self._attention(q, kc[:, :, :start + n], vc[:, :, :start + n], mask, n > 1 and start == 0)
+            x = x + f.linear(attn.transpose(1, 2).reshape(b, n, hq * d), layer["o"])
+            y = self._rms(x, layer["n2"])
+            gate, up = f.linear(y, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + f.linear(f.silu(gate) * up, layer["down"])
+        last = self._rms(x[:, -1], self.norm)  # logits of each sequence's last position only
+        return f.linear(last, self.lm_head).argmax(-1)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(model: RandomLlama, *, batch: int, tokens: int, context: int, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of a step of ``batch`` sequences × ``tokens`` new tokens over ``context`` cached."""
+    t = model.torch
+    cache = model.kv_cache(batch, context + tokens)
+    ids = t.randint(0, model.shape.vocab_size, (batch, tokens), device=model.device)
+    times = []
+    with t.inference_mode():
+        for i in range(warmup + repeats):
+            _sync(model.device)
+            t0 = time.perf_counter()
+            model.step(ids, context, cache)
+            _sync(model.device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    del cache
+    return statistics.median(times)
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    prefill_chunks: tuple[int, ...] = (128, 512, 2048, 8192)
+    prefill_contexts: tuple[int, ...] = (0, 4096)
+    decode_batches: tuple[int, ...] = (1, 8, 32, 128, 256)
+    decode_contexts: tuple[int, ...] = (256, 1024, 4096)
+
+
+DEFAULT_GRID = Grid()
+
+
+def run_grid(model: RandomLlama, grid: Grid, *, repeats: int, time_budget_s: float, max_kv_tokens: int,
+             max_len: int, log: Any = print) -> list[Point]:
+    """Measure the grid, smallest steps first, within the memory and time budgets."""
+    plan: list[tuple[str, int, int, int]] = []  # kind, batch, tokens, context
+    for context in grid.prefill_contexts:
+        for chunk in grid.prefill_chunks:
+            if context + chunk <= max_len and context + chunk <= max_kv_tokens:
+                plan.append(("prefill", 1, chunk, context))
+    for context in grid.decode_contexts:
+        for batch in grid.decode_batches:
+            if context + 1 <= max_len and batch * (context + 1) <= max_kv_tokens:
+                plan.append(("decode", batch, 1, context))
+    plan.sort(key=lambda p: p[1] * (p[2] + p[3]))
+    deadline = time.monotonic() + time_budget_s
+    points: list[Point] = []
+    for kind, batch, tokens, context in plan:
+        if time.monotonic() > deadline:
+            log(f"time budget spent: {len(points)} of {len(plan)} points measured")
+            break
+        seconds = measure(model, batch=batch, tokens=tokens, context=context, repeats=repeats)
+        point = Point(kind=kind, prefill_tokens=tokens if kind == "prefill" else 0,
+                      decode_seqs=batch if kind == "decode" else 0, kv_tokens=batch * (context + tokens), seconds=seconds)
+        points.append(point)
+        log(f"  {kind:7s} batch {batch:4d} tokens {tokens:5d} context {context:5d}: {seconds * 1000:9.3f} ms")
+    return points
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_itemsize: int) -> int:
+    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * kv_itemsize
+
+
+def intended_points(coef: dict[str, float], input_len: int, output_len: int,
+                    batches: Sequence[int] = (1, 8, 32, 128)) -> list[dict[str, float]]:
+    context = input_len + math.ceil(output_len / 2)
+    out = []
+    for b in batches:
+        step = coef["base_s"] + coef["per_decode_seq_s"] * b + coef["per_kv_token_s"] * b * context
+        out.append({"batch": b, "output_tokens_per_s": round(b / step, 1), "tpot_ms": round(step * 1000, 3)})
+    return out
+
+
+def build_profile(*, name: str, model: str, coef: dict[str, float], points: Sequence[Point], shape: ModelShape,
+                  device_name: str, hbm_bytes: int, weight_itemsize: int, kv_itemsize: int,
+                  gpu_memory_utilization: float, activation_reserve_bytes: int, block_size: int, max_num_seqs: int,
+                  max_num_batched_tokens: int, max_model_len: int, input_len: int, output_len: int,
+                  seconds: float) -> dict[str, Any]:
+    weights = shape.num_parameters() * weight_itemsize
+    errors = [abs(predict(coef, p) - p.seconds) / p.seconds for p in points]
+    return {
+        "name": name,
+        "model": model,
+        "comment": (f"Measured by meshserve calibrate on {device_name}: a plain PyTorch Llama forward with random "
+                    f"weights ({shape.num_parameters() / 1e9:.2f}B parameters, {shape.dtype}) over a grid of "
+                    f"{len(points)} prefill chunks and decode batches with real KV caches, fitted by non-negative "
+                    f"least squares on relative error (median error {statistics.median(errors) * 100:.1f}%, worst "
+                    f"{max(errors) * 100:.1f}%). Not vLLM's fused kernels: a floor for vLLM on this device. "
+                    f"Memory: device total, weights of these shapes, reserve = (1 - gpu_memory_utilization "
+                    f"{gpu_memory_utilization}) of it plus activations."),
+        "step": {k: float(f"{v:.6g}") for k, v in coef.items()},
+        "memory": {
+            "hbm_bytes": int(hbm_bytes),
+            "weights_bytes": int(weights),
+            "reserve_bytes": int(hbm_bytes * (1 - gpu_memory_utilization) + activation_reserve_bytes),
+            "kv_bytes_per_token": kv_bytes_per_token(shape, kv_itemsize),
+        },
+        "engine_defaults": {
+            "block_size": block_size,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max_model_len,
+        },
+        "intended": {"input_len": input_len, "output_len": output_len,
+                     "points": intended_points(coef, input_len, output_len)},
+        "calibration": {
+            "device": device_name,
+            "shape": asdict(shape),
+            "seconds": round(seconds, 1),
+            "points": [{**asdict(p), "predicted": predict(coef, p)} for p in points],
+        },
+    }
+
+
+def shape_from_config(path: Path) -> ModelShape:
+    config = json.loads((path / "config.json").read_text())
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return ModelShape(
+        vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]), num_hidden_layers=int(config["num_hidden_layers"]),
+        num_attention_heads=int(config["num_attention_heads"]),
+        num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        rope_theta=float(config.get("rope_theta", 10000.0)), rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        dtype=dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16",
+    )
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure step times of a model's shapes with PyTorch and write a sim profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default="calibrated-profile.json", help="profile file to write")
+    p.add_argument("--name", default=None, help="profile name (default: from the shapes and device)")
+    p.add_argument("--model", default=None, help="model name for the profile (default: the model directory or preset)")
+    p.add_argument("--model-dir", default=None, help="take the shapes from this directory's config.json")
+    add_shape_arguments(p)
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cuda, cuda:1, cpu")
+    p.add_argument("--kv-cache-dtype", default=None, help="KV cache element type (default: the model dtype)")
+    p.add_argument("--prefill-chunks", type=_ints, default=DEFAULT_GRID.prefill_chunks, help="comma-separated chunk sizes")
+    p.add_argument("--prefill-contexts", type=_ints, default=DEFAULT_GRID.prefill_contexts, help="cached tokens before a chunk")
+    p.add_argument("--decode-batches", type=_ints, default=DEFAULT_GRID.decode_batches, help="comma-separated batch sizes")
+    p.add_argument("--decode-contexts", type=_ints, default=DEFAULT_GRID.decode_contexts, help="context lengths while decoding")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
+    p.add_argument("--time-budget", type=float, default=420.0, help="seconds of measuring at most")
+    p.add_argument("--max-kv-tokens", type=int, default=None, help="largest KV cache a point may use (default: from free memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--activation-reserve-gib", type=float, default=2.0)
+    p.add_argument("--block-size", type=int, default=None, help="engine default (16 on GPU, 128 on CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--input-len", type=int, default=512, help="reference workload of the intended figures")
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    t_start = time.monotonic()
+    shape = shape_from_config(Path(args.model_dir)) if args.model_dir else shape_from_args(args)
+    shape.validate()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, shape.dtype)
+    kv_dtype = getattr(torch, args.kv_cache_dtype) if args.kv_cache_dtype else dtype
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    kv_itemsize = torch.tensor([], dtype=kv_dtype).element_size()
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(index)
+        device_name, hbm = props.name, int(props.total_memory)
+    else:
+        import os
+
+        device_name = f"CPU ({os.cpu_count()} cores)"
+        hbm = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    torch.manual_seed(args.seed)
+    print(f"calibrating {shape.num_parameters() / 1e6:,.1f}M-parameter Llama shapes ({shape.num_hidden_layers} layers, "
+          f"hidden {shape.hidden_size}, {shape.num_attention_heads}/{shape.num_key_value_heads} heads) on {device_name}")
+    model = RandomLlama(shape, device, dtype, seed=args.seed)
+    per_token = kv_bytes_per_token(shape, itemsize)
+    max_kv = args.max_kv_tokens
+    if max_kv is None:
+        if device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            max_kv = int(free * 0.6) // per_token  # room for activations of the largest step
+        else:
+            max_kv = 32768
+    max_len = args.max_model_len or shape.max_position_embeddings
+    grid = Grid(args.prefill_chunks, args.prefill_contexts, args.decode_batches, args.decode_contexts)
+    points = run_grid(model, grid, repeats=args.repeats, time_budget_s=args.time_budget, max_kv_tokens=max_kv,
+                      max_len=max_len)
+    coef = fit(points)
+    model_name = args.model or (Path(args.model_dir).name if args.model_dir else f"random-llama-{args.preset}")
+    name = args.name or f"{model_name}-{device_name.lower().replace(' ', '-')}"
+    profile = build_profile(
+        name=name, model=model_name, coef=coef, points=points, shape=shape, device_name=device_name, hbm_bytes=hbm,
+        weight_itemsize=itemsize, kv_itemsize=kv_itemsize, gpu_memory_utilization=args.gpu_memory_utilization,
+        activation_reserve_bytes=int(args.activation_reserve_gib * (1 << 30)),
+        block_size=args.block_size or (16 if device.startswith("cuda") else 128), max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len, input_len=args.input_len,
+        output_len=args.output_len, seconds=time.monotonic() - t_start,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in coef.items()))
+    for p in profile["intended"]["points"]:
+        print(f"  batch {p['batch']:4d}: {p['output_tokens_per_s']:9.1f} output tokens/s, TPOT {p['tpot_ms']:.2f} ms")
+    print(f"wrote {out} in {time.monotonic() - t_start:.0f}s (use it with: meshserve serve worker --engine sim "
+          f"--profile {out})")
+    return 0
+
+
+__all__ = ["PRESETS", "Grid", "Point", "RandomLlama", "build_profile", "fit", "run_grid"]
