@@ -1,0 +1,74 @@
+"""One trace per request across gateway, admission, router and worker (real processes).
+
+Every service process writes its spans to one JSON-lines file (MESHSERVE_TRACE_FILE, the
+runner's file exporter); the test reads them back and checks they form one tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from ops.natsserver import free_port
+from ops.up import Mesh, MeshConfig
+
+MODEL = "sim-llama-8b"
+
+
+@pytest.fixture
+def traced_mesh(tmp_path: Path) -> Iterator[tuple[Mesh, Path]]:
+    trace_file = tmp_path / "spans.jsonl"
+    m = Mesh(MeshConfig(state_dir=tmp_path / "mesh", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=20.0,
+                        extra_env={"MESHSERVE_TRACE_FILE": str(trace_file)}))
+    try:
+        asyncio.run(m.start(timeout=90))
+    except BaseException:
+        m.stop(timeout=10)
+        raise
+    yield m, trace_file
+    m.stop(timeout=30)
+
+
+def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
+    mesh, trace_file = traced_mesh
+    client = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key=mesh.dev_key, max_retries=0)
+    response = client.completions.with_raw_response.create(model=MODEL, prompt="trace me", max_tokens=6)
+    request_id = response.headers["X-Request-Id"]
+
+    expected = {"gateway.request", "gateway.admission", "gateway.route", "router.route", "worker.generate",
+                "worker.queue", "worker.prefill", "worker.decode"}
+    spans: list[dict] = []
+    roots: list[dict] = []
+    for _ in range(100):  # exporters in other processes write as spans end
+        spans = [json.loads(line) for line in trace_file.read_text().splitlines()] if trace_file.exists() else []
+        roots = [s for s in spans if s["name"] == "gateway.request" and s["attributes"].get("meshserve.request_id") == request_id]
+        if roots and expected <= {s["name"] for s in spans if s["trace_id"] == roots[0]["trace_id"]}:
+            break
+        time.sleep(0.1)
+    root = roots[0]
+    tree = [s for s in spans if s["trace_id"] == root["trace_id"]]
+    by_id = {s["span_id"]: s for s in tree}
+    # one root, every other span's parent inside the same trace
+    assert [s for s in tree if s["parent_span_id"] is None] == [root]
+    assert all(s["parent_span_id"] in by_id for s in tree if s is not root)
+
+    def parent(span: dict) -> dict:
+        return by_id[span["parent_span_id"]]
+
+    names = {s["name"]: s for s in tree}
+    assert expected <= set(names), sorted(names)
+    assert parent(names["gateway.admission"]) is root and parent(names["gateway.route"]) is root
+    assert parent(names["router.route"])["name"] == "gateway.route"
+    assert parent(names["worker.generate"]) is names["router.route"]
+    for phase in ("worker.queue", "worker.prefill", "worker.decode"):
+        assert parent(names[phase]) is names["worker.generate"]
+    services = {s["service"] for s in tree}
+    assert {"gateway", "router", "worker"} <= services, services
+    worker_span = names["worker.generate"]
+    assert worker_span["attributes"]["gen_ai.usage.output_tokens"] == 6
