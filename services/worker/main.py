@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--coalesce-ms", type=float, default=20.0, help="longest a generated token waits before its chunk is sent")
     stream.add_argument("--coalesce-tokens", type=int, default=16, help="a chunk goes out once this many tokens wait")
     stream.add_argument("--gauge-interval", type=float, default=0.25, help="seconds between gauge publishes")
+    stream.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics with vLLM's names on this port (0: any free port)")
+    stream.add_argument("--metrics-host", default="127.0.0.1")
     stream.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
 
 
@@ -134,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         coalesce_max_tokens=args.coalesce_tokens,
         gauge_interval_s=args.gauge_interval,
         drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     return run_service(lambda: WorkerService(create_engine(args.engine, **engine_options(args)), config))
 

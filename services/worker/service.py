@@ -26,6 +26,7 @@ from opentelemetry import trace
 
 from bus import BusSettings, Service
 from bus.client import MSG_ID_HEADER
+from bus.metrics import MetricsServer
 from bus.provision import StreamLimits, workers_bucket
 from bus.runner import MESHSERVE_VERSION
 from proto import (
@@ -51,6 +52,7 @@ from proto import (
 
 from .coalesce import Coalescer
 from .engines.base import Engine, EngineOutput, EngineRequest
+from .metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.worker")
@@ -66,6 +68,8 @@ class WorkerConfig:
     gauge_interval_s: float = 0.25
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 60.0
+    metrics_port: int | None = None  # serve vLLM-named Prometheus metrics here (0: any free port)
+    metrics_host: str = "127.0.0.1"
 
 
 def default_worker_id(model: str) -> str:
@@ -93,6 +97,8 @@ class WorkerService(Service):
         self._info: WorkerInfo | None = None
         self.chunks_published = 0
         self.tokens_published = 0
+        self.metrics = WorkerMetrics(engine.model, engine.engine_name)
+        self._metrics_server: MetricsServer | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -123,6 +129,10 @@ class WorkerService(Service):
         await self.add_endpoint(
             "kv_snapshot", s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self.handle_kv_snapshot, concurrent=False
         )
+        if self.config.metrics_port is not None:
+            self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host, port=self.config.metrics_port,
+                                                 before_scrape=lambda: self.metrics.observe_stats(self.engine.stats()))
+            await self._metrics_server.start()
         self.state = "ready"
         await self._heartbeat()
         # Background loops are not in-flight work: they run until on_stop.
@@ -155,6 +165,8 @@ class WorkerService(Service):
             with contextlib.suppress(Exception):
                 await self._kv.delete(self.worker_id)
         await self.engine.shutdown()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -275,6 +287,7 @@ class WorkerService(Service):
             "meshserve.finish_reason": finish,
         })
         _phase_spans(timings)
+        self.metrics.observe_request(finish, usage.prompt_tokens, usage.cached_tokens, streamed, timings)
         # Billing counts each token once: this segment's own output, and the prompt only
         # on the first segment (a migrated request's prompt was billed already).
         first = request.migrations == 0

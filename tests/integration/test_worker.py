@@ -254,3 +254,28 @@ async def test_sigterm_during_load_lets_every_request_finish(bus: Bus, nats_url:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_prometheus_metrics_use_vllm_names(bus: Bus, bus_settings: BusSettings, collector: ChunkCollector) -> None:
+    import aiohttp
+
+    engine = SimEngine(model=MODEL, speed=50.0)
+    service = WorkerService(engine, WorkerConfig(worker_id="w-metrics", metrics_port=0), bus_settings)
+    await service.start()
+    try:
+        for i in range(3):
+            r = make_request(bus, f"m{i}", list(range(40)), max_tokens=10)
+            await bus.request(bus.subjects.worker_generate("w-metrics"), r, ControlReply)
+            await collector.wait(f"m{i}")
+        port = service._metrics_server.port  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as response:
+            text = await response.text()
+        labels = f'engine="sim",model_name="{MODEL}"'
+        assert f"vllm:num_requests_running{{{labels}}} 0.0" in text
+        assert f"vllm:num_requests_waiting{{{labels}}} 0.0" in text
+        assert f"vllm:generation_tokens_total{{{labels}}} 30.0" in text
+        assert f"vllm:prompt_tokens_total{{{labels}}} 120.0" in text
+        assert f"vllm:time_to_first_token_seconds_count{{{labels}}} 3.0" in text
+        assert "vllm:kv_cache_usage_perc" in text and "vllm:inter_token_latency_seconds_bucket" in text
+    finally:
+        await service.drain_and_close()
