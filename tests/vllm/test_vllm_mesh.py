@@ -189,15 +189,12 @@ async def watch(mesh: Mesh) -> AsyncIterator[Watch]:
         await bus.close()
 
 
-async def _new_request(watch: Watch, before: set[str], timeout: float = 10.0) -> str:
-    """The request id of the one request that finished since ``before``."""
-
-    def new() -> str | None:
-        fresh = set(watch.finished()) - before
-        assert len(fresh) <= 1, fresh
-        return fresh.pop() if fresh else None
-
-    return await watch.until(new, timeout, "the worker's final chunk")
+async def _finished(watch: Watch, response_id: str, timeout: float = 10.0) -> str:
+    """The request id behind an OpenAI response id (``chatcmpl-<id>``/``cmpl-<id>``), once
+    the worker's final chunk for it has arrived."""
+    rid = response_id.split("-", 1)[1]
+    await watch.until(lambda: rid if rid in watch.finished() else None, timeout, f"final chunk of {rid}")
+    return rid
 
 
 def _chat_prompt(tokenizer: HFTokenizer, content: str) -> list[int]:
@@ -210,31 +207,30 @@ def _chat_prompt(tokenizer: HFTokenizer, content: str) -> list[int]:
 async def test_chat_and_completions_through_the_mesh(client: openai.AsyncOpenAI, watch: Watch,
                                                      tokenizer: HFTokenizer) -> None:
     # Non-streaming chat: the gateway tokenized with the model's own tokenizer and template.
-    before = set(watch.finished())
     chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
                                                 max_tokens=12, extra_body={"ignore_eos": True})
     assert chat.choices[0].finish_reason == "length" and chat.usage is not None
     assert chat.usage.prompt_tokens == len(_chat_prompt(tokenizer, "hello there"))
     assert chat.usage.completion_tokens == 12
-    rid = await _new_request(watch, before)
+    rid = await _finished(watch, chat.id)
     assert len(watch.streamed(rid)) == 12 and watch.finished()[rid].usage.completion_tokens == 12  # type: ignore[union-attr]
     assert chat.choices[0].message.content == watch.text(rid)
 
     # Streaming chat with usage: the deltas are exactly the worker's chunks.
-    before = set(watch.finished())
     stream = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "tell me a story"}], max_tokens=40, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "seed": 7},
     )
-    pieces, usage, finish = [], None, None
+    pieces, usage, finish, response_id = [], None, None, ""
     async for chunk in stream:
+        response_id = chunk.id
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
     assert finish == "length" and usage is not None and usage.completion_tokens == 40
-    rid = await _new_request(watch, before)
+    rid = await _finished(watch, response_id)
     assert len(watch.streamed(rid)) == usage.completion_tokens
     assert "".join(pieces) == watch.text(rid)
 
@@ -244,18 +240,18 @@ async def test_chat_and_completions_through_the_mesh(client: openai.AsyncOpenAI,
     assert completion.usage is not None and completion.usage.prompt_tokens == len(tokenizer.encode(text))
     assert completion.usage.completion_tokens == 8
 
-    before = set(watch.finished())
     t0 = time.monotonic()
     streamed = await client.completions.create(model=MODEL, prompt=[5, 6, 7, 8, 9], max_tokens=256, stream=True,
                                                extra_body={"ignore_eos": True})
     first: float | None = None
     parts = []
     async for c in streamed:
+        response_id = c.id
         if c.choices and c.choices[0].text:
             first = first or time.monotonic()
             parts.append(c.choices[0].text)
     elapsed = time.monotonic() - (first or t0)
-    rid = await _new_request(watch, before)
+    rid = await _finished(watch, response_id)
     final = watch.finished()[rid]
     assert final.usage is not None and final.usage.completion_tokens == len(watch.streamed(rid)) == 256
     assert "".join(parts) == watch.text(rid)
@@ -278,11 +274,11 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
     idle = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0)
     baseline = idle.kv_usage
     assert idle.kv_blocks_total > 0 and idle.kv_events_mode == "engine"
-    before = set(watch.finished())
     stream = await client.completions.create(model=MODEL, prompt=list(range(100, 400)), max_tokens=1500,
                                              stream=True, extra_body={"ignore_eos": True})
-    received = 0
+    received, response_id = 0, ""
     async for c in stream:
+        response_id = c.id
         received += sum(1 for ch in c.choices if ch.text)
         if received >= 5:
             break
@@ -292,7 +288,7 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
     t_cancel = time.monotonic()
     freed = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0 and g.kv_usage <= baseline, timeout=20)
     assert freed.kv_blocks_used == idle.kv_blocks_used
-    rid = await _new_request(watch, before, timeout=20)
+    rid = await _finished(watch, response_id, timeout=20)
     final = watch.finished()[rid]
     assert final.finish_reason == "abort"
     # Billed what was streamed, far short of max_tokens.
