@@ -14,6 +14,17 @@ served first, so the real queue holds less of them than the admitted mix. Withou
 history, or with ``priority_queues=False`` (FIFO workers), ``share_x = 1``. Workers with no
 measured rate yet (cold start) use ``default_prefill_tokens_per_s`` / ``default_step_time_s``.
 
+Overtaking. The queue ahead is not all a request waits for: higher-priority work
+arriving while it waits runs first too. Of the pool's prefill rate, the part that such
+arrivals take is ``overtake_x = r_above(x) / Σ_w prefill_tokens_per_s(w)`` (capped at
+``max_overtake``), ``r_above(x)`` being the uncached prompt tokens per second admitted
+recently at a higher priority (the decayed mix: a steady rate r leaves a weight of
+r · half_life / ln 2). So the queue term drains at ``rate · (1 − overtake_x)``:
+
+    ttft_x(w) = queued_prefill(w) · share_x / (rate(w) · (1 − overtake_x)) + uncached(w) / rate(w) + step(w)
+
+The top tier and FIFO workers have no overtaking.
+
 Ordering guarantee: a higher tier is never shed while a lower one is admitted.
 A tier-``t`` request is admitted on a replica only if it meets its own SLO there *and* a
 request of the same shape from every higher tier would still be admitted there with a
@@ -75,6 +86,7 @@ class SloConfig:
     default_step_time_s: float = 0.05
     min_retry_after_s: float = 0.25
     no_capacity_retry_after_s: float = 5.0
+    max_overtake: float = 0.9  # cap: a queue is taken to drain at ≥ 10 % of the rate, however busy
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -82,6 +94,8 @@ class SloConfig:
             raise ValueError(f"tiers must be unique and include the default tier {self.default_tier!r}")
         if not 0 < self.headroom <= 1:
             raise ValueError("headroom must be in (0, 1]")
+        if not 0 <= self.max_overtake < 1:
+            raise ValueError("max_overtake must be in [0, 1)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +154,12 @@ class TierMix:
         self._decay(now)
         self.weights[priority] = self.weights.get(priority, 0.0) + tokens
 
+    def rate_above(self, priority: int, now: float) -> float:
+        """Tokens per second recently admitted at a priority strictly above ``priority``."""
+        self._decay(now)
+        weight = sum(w for p, w in self.weights.items() if p > priority)
+        return weight * math.log(2) / self.half_life_s
+
     def share_at_or_above(self, priority: int, now: float) -> float:
         """Fraction of the queued work that runs before a request of ``priority``."""
         self._decay(now)
@@ -173,18 +193,30 @@ class SloAdmitter:
                 out.append((x, lt - self._level[x.priority]))
         return out
 
-    def predict(self, replica: ReplicaLoad, prompt_tokens: int, tier: str, now: float) -> float:
-        """Predicted TTFT of a ``tier`` request of ``prompt_tokens`` on ``replica``."""
+    def predict(
+        self, replica: ReplicaLoad, prompt_tokens: int, tier: str, now: float, pool_rate: float | None = None
+    ) -> float:
+        """Predicted TTFT of a ``tier`` request of ``prompt_tokens`` on ``replica``;
+        ``pool_rate``: the pool's prefill tokens/s (default: this replica alone)."""
         rate, step = self._rate_step(replica)
-        share = self._share(self.tier(tier), now)
+        t = self.tier(tier)
+        drain = self._drain(t, pool_rate if pool_rate is not None else rate, now)
         uncached = max(prompt_tokens - replica.cached_tokens, 0)
-        return (replica.queued_prefill_tokens * share + uncached) / rate + step
+        return replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step
 
     def _rate_step(self, r: ReplicaLoad) -> tuple[float, float]:
         cfg = self.config
         rate = r.prefill_tokens_per_s if r.prefill_tokens_per_s > 0 else cfg.default_prefill_tokens_per_s
         step = r.step_time_s if r.step_time_s > 0 else cfg.default_step_time_s
         return rate, step
+
+    def _drain(self, t: TierSLO, pool_rate: float, now: float) -> float:
+        """The fraction of the prefill rate left to a tier-``t`` request's queue once
+        higher-priority arrivals have overtaken it (1.0 on FIFO workers)."""
+        if not self.config.priority_queues or pool_rate <= 0:
+            return 1.0
+        overtake = min(self.mix.rate_above(t.priority, now) / pool_rate, self.config.max_overtake)
+        return 1.0 - overtake
 
     def _share(self, t: TierSLO, now: float) -> float:
         if not self.config.priority_queues:
@@ -205,7 +237,10 @@ class SloAdmitter:
                 retry_after=cfg.no_capacity_retry_after_s,
                 message="no replica is serving this model",
             )
-        guards = [(x, k, self._share(x, now), cfg.headroom**k) for x, k in self._guards(t)]
+        pool_rate = sum(self._rate_step(r)[0] for r in live)
+        guards = [
+            (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now)) for x, k in self._guards(t)
+        ]
         best_ok: tuple[float, ReplicaLoad] | None = None
         best_any: tuple[float, ReplicaLoad] | None = None
         least_excess = math.inf
@@ -217,8 +252,8 @@ class SloAdmitter:
             excess = 0.0
             why = ""
             own_pred = 0.0
-            for x, k, share, margin in guards:
-                pred = (r.queued_prefill_tokens * share + uncached) / rate + step
+            for x, k, share, margin, drain in guards:
+                pred = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
                 if k == 0:
                     own_pred = pred
                 limit = max(margin * x.ttft_slo_s, own * (1 + cfg.long_prompt_slack * margin))

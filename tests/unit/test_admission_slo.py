@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -190,3 +191,27 @@ def test_a_higher_tier_is_never_shed_while_a_lower_one_is_admitted(
     admitted = [slo.check(t, prompt, replicas, 0.0).admitted for t in TIERS]
     # premium rejected ⇒ standard rejected ⇒ batch rejected
     assert admitted == sorted(admitted, reverse=True)
+
+
+def test_higher_priority_arrivals_overtake_a_waiting_request() -> None:
+    """Premium arriving at 3k tokens/s on a 10k tokens/s pool leaves standard's queue 70 %."""
+    slo = SloAdmitter(SloConfig(mix_half_life_s=30.0))
+    r = 3_000.0
+    slo.record_admitted("premium", int(r * 30.0 / math.log(2)), 0.0)  # the steady-state weight of r
+    slo.record_admitted("standard", 50_000, 0.0)
+    replica = rep(5_000)
+    share = slo.mix.share_at_or_above(1, 0.0)
+    expected = 5_000 * share / (10_000 * 0.7) + 500 / 10_000 + 0.05
+    assert slo.predict(replica, 500, "standard", 0.0) == pytest.approx(expected, rel=1e-3)
+    # premium is overtaken by nobody; on a pool twice as large the same arrivals take half as much
+    assert slo.predict(replica, 500, "premium", 0.0) == pytest.approx(
+        5_000 * slo.mix.share_at_or_above(2, 0.0) / 10_000 + 0.1
+    )
+    assert slo.predict(replica, 500, "standard", 0.0, pool_rate=20_000) < expected
+    # the overtaking is capped: a queue always drains a little
+    slo.record_admitted("premium", 10**9, 0.0)
+    assert slo.predict(replica, 500, "standard", 0.0) < math.inf
+    # FIFO workers: nobody overtakes
+    fifo = SloAdmitter(FIFO)
+    fifo.record_admitted("premium", 10**6, 0.0)
+    assert fifo.predict(replica, 500, "standard", 0.0) == pytest.approx(5_000 / 10_000 + 500 / 10_000 + 0.05)

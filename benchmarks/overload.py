@@ -1,0 +1,183 @@
+"""Admission under overload: 2× the fleet's capacity, premium and standard, with and
+without the admission service.
+
+Each run starts a fresh local mesh (``ops.up.Mesh``: nats-server, 8 sim workers, a
+gateway, a router, and in one of the two runs the admission service; each its own
+process) and drives it with two ``ops.bench`` clients at once over HTTP, open loop,
+Poisson: premium traffic at 0.5× and standard traffic at 1.5× the fleet's capacity, so
+2× in all. Prompts are distinct (no prefix reuse), so capacity is what the sim
+profile's step-time formula gives (printed with the results). Without admission every
+request is accepted and queues (the workers still run premium first, by priority);
+with it, requests whose predicted TTFT breaks their tier's SLO are refused at once with
+429 + Retry-After.
+
+Latencies are the clients' own, converted to simulated time (× speed) so they read as
+an H100 fleet would see them; the admission tiers are scaled the other way (premium
+TTFT SLO 1 s, standard 2 s, simulated). Goodput counts requests meeting their tier's
+TTFT bound and TPOT ≤ 100 ms; SLO met is that count over all requests sent (refusals
+count as misses: they are the price of keeping the rest inside the SLO) and over the
+requests served. The workers' step budget is 2048 tokens (``--max-num-batched-tokens``,
+vLLM's knob): at saturation every step carries a prefill chunk, so TPOT is about one
+step, ~150 ms simulated; vLLM's 8192 default would make it ~0.6 s.
+
+    .venv/bin/python benchmarks/overload.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bus import Bus
+from ops.bench import BenchConfig, EndpointConfig, RunResult, SLOSpec, WorkloadConfig, run_bench
+from ops.keys import create_key
+from ops.natsserver import free_port
+from ops.up import Mesh, MeshConfig, ServiceProcess
+from services.worker.engines.sim_profile import DEFAULT_PROFILE, load_profile
+
+MODEL = "sim-llama-8b"
+TIERS = {"premium": (1.0, 2), "standard": (2.0, 1)}  # TTFT SLO (simulated s), priority
+
+
+class BenchMesh(Mesh):
+    """``Mesh`` with extra arguments per service kind."""
+
+    def __init__(self, config: MeshConfig, extra_args: dict[str, list[str]]) -> None:
+        super().__init__(config)
+        self.extra_args = extra_args
+
+    def plan(self) -> list[ServiceProcess]:
+        plan = super().plan()
+        for p in plan:
+            p.argv = [*p.argv, *self.extra_args.get(p.name, [])]
+        return plan
+
+
+def capacity_per_worker(prompt_tokens: int, output_tokens: int, batch: int = 32) -> float:
+    """Requests/s one sim worker sustains (simulated seconds), as in benchmarks/routing.py."""
+    step = load_profile(DEFAULT_PROFILE).costs
+    context = prompt_tokens + output_tokens / 2
+    decode_step = step.base_s + batch * (step.per_decode_seq_s + context * step.per_kv_token_s)
+    return 1.0 / (prompt_tokens * step.per_prefill_token_s + output_tokens * decode_step / batch)
+
+
+async def run_case(with_admission: bool, args: argparse.Namespace) -> dict[str, Any]:
+    state = Path(tempfile.mkdtemp(prefix="meshserve-bench-overload-"))
+    extra: dict[str, list[str]] = {"worker": ["--max-model-len", "16384", "--gauge-interval", "0.1",
+                                              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]}
+    services: tuple[str, ...] = ("worker", "gateway", "router")
+    if with_admission:
+        tiers = {name: {"ttft_slo_s": slo / args.speed, "priority": prio} for name, (slo, prio) in TIERS.items()}
+        tiers["batch"] = {"ttft_slo_s": 10.0 / args.speed, "priority": 0}
+        config_file = state / "admission.json"
+        config_file.write_text(json.dumps({"tiers": tiers, "default_tier": "standard"}))
+        extra["admission"] = ["--config", str(config_file)]
+        services = (*services, "admission")
+    else:
+        extra["gateway"] = ["--admission-unreachable", "open"]
+    mesh = BenchMesh(
+        MeshConfig(state_dir=state, nats_port=0, http_port=free_port(), model=MODEL, workers=args.workers,
+                   speed=args.speed, services=services, dev_key=True),
+        extra,
+    )
+    await mesh.start(timeout=120)
+    bus = await Bus.open(mesh.settings, "bench-overload", initial_attempts=20)
+    try:
+        keys = {tier: (await create_key(bus, org="bench", tier=tier, name=f"bench {tier}"))[0] for tier in TIERS}
+        await asyncio.sleep(1.0)  # the gateway's key watcher sees them
+        fleet = capacity_per_worker(args.input_tokens, args.output_tokens) * args.workers * args.speed
+        shares = {"premium": args.premium_share * args.overload, "standard": (1 - args.premium_share) * args.overload}
+
+        def config(tier: str) -> BenchConfig:
+            rate = shares[tier] * fleet
+            slo = TIERS[tier][0]
+            return BenchConfig(
+                endpoints=[EndpointConfig(mesh.gateway_url + "/v1", label=tier, api="completions", model=MODEL,
+                                          api_key=keys[tier])],
+                workload=WorkloadConfig(kind="random", input_tokens=str(args.input_tokens),
+                                        output_tokens=str(args.output_tokens)),
+                rates=[rate], num_requests=max(20, int(rate * args.duration)),
+                seed=args.seed + (0 if tier == "premium" else 1000),
+                slo=SLOSpec(ttft_s=slo / args.speed, tpot_s=args.slo_tpot / args.speed),
+                request_timeout=args.timeout / args.speed, label=tier,
+            )
+
+        results = await asyncio.gather(*(run_bench(config(t)) for t in TIERS))
+        admission: dict[str, Any] = {}
+        if with_admission:
+            msg = await bus.nc.request("$SRV.STATS.meshserve-admission", b"", timeout=3)
+            admission = json.loads(msg.data)["endpoints"][0]["data"]
+    finally:
+        await bus.close()
+        mesh.stop(timeout=60)
+    runs: dict[str, RunResult] = {t: r.runs[0] for t, r in zip(TIERS, results, strict=True)}
+    return {"admission": with_admission, "fleet_capacity": fleet, "shares": shares, "runs": runs,
+            "admission_stats": admission}
+
+
+def _ms(v: float | None, speed: float) -> str:
+    return "-" if v is None else f"{v * speed:,.0f}"
+
+
+def table(cases: list[dict[str, Any]], speed: float) -> str:
+    lines = [
+        "| admission | tier | offered req/s | served | refused 429 | other errors | TTFT p50 | p90 | p99 ms "
+        "| TPOT p50 | p99 ms | goodput req/s | SLO met (of sent) | SLO met (of served) |",
+        "|" + " --- |" * 14,
+    ]
+    for case in cases:
+        for tier, run in case["runs"].items():
+            s = run.summary
+            refused = s.errors.get("429", 0)
+            other = ", ".join(f"{k} {v}" for k, v in sorted(s.errors.items()) if k != "429") or "0"
+            lines.append(
+                f"| {'on' if case['admission'] else 'off'} | {tier} | {(run.rate or 0) / speed:.1f} "
+                f"| {s.ok / max(s.requests, 1):.0%} | {refused / max(s.requests, 1):.0%} | {other} "
+                f"| {_ms(s.ttft_ms.p50, speed)} | {_ms(s.ttft_ms.p90, speed)} | {_ms(s.ttft_ms.p99, speed)} "
+                f"| {_ms(s.tpot_ms.p50, speed)} | {_ms(s.tpot_ms.p99, speed)} | {(s.goodput or 0) / speed:.1f} "
+                f"| {s.slo_attainment or 0:.0%} | {(s.slo_met or 0) / max(s.ok, 1):.0%} |"
+            )
+    return "\n".join(lines)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--speed", type=float, default=0.25, help="sim speed factor (1.0 = real time)")
+    parser.add_argument("--overload", type=float, default=2.0, help="offered load over capacity")
+    parser.add_argument("--premium-share", type=float, default=0.25, help="premium part of the offered load")
+    parser.add_argument("--input-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the workers' step budget (vLLM's; 2048 keeps steps, hence TPOT, short)")
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run (wall)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="request timeout, simulated seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT bound of goodput, simulated seconds")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--cases", default="off,on", help="admission off, on, or both")
+    args = parser.parse_args()
+    cases = []
+    for name in args.cases.split(","):
+        case = await run_case(name == "on", args)
+        for tier, run in case["runs"].items():
+            c = run.client
+            flag = " CLIENT LAGGED: " + "; ".join(c.reasons) if c.lagged else ""
+            print(f"admission {name} {tier}: client lag p99 {c.lag_ms.p99:.1f} ms, cpu {c.cpu_util:.0%}{flag}", flush=True)
+        if case["admission_stats"]:
+            print(f"admission stats: {case['admission_stats']}", flush=True)
+        cases.append(case)
+    fleet = cases[0]["fleet_capacity"] / args.speed
+    print(f"\n{args.workers} workers, {args.input_tokens} prompt / {args.output_tokens} output tokens (distinct prompts); "
+          f"capacity {fleet:.1f} req/s (simulated time); offered {args.overload:g}× = "
+          f"{args.premium_share:.0%} premium + {1 - args.premium_share:.0%} standard; speed {args.speed}; "
+          f"SLO TTFT premium ≤ {TIERS['premium'][0]} s, standard ≤ {TIERS['standard'][0]} s, "
+          f"TPOT ≤ {args.slo_tpot * 1000:.0f} ms\n")
+    print(table(cases, args.speed), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
