@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--max-lora-rank", type=int, default=None)
     vllm.add_argument("--kv-events", choices=["auto", "engine", "predicted"], default=None,
                       help="engine: vLLM's KV-event publisher; predicted: model the cache from served requests")
-    vllm.add_argument("--cpu-kvcache-space", type=float, default=None, help="GiB of KV cache on vLLM's CPU build")
+    vllm.add_argument("--cpu-kvcache-space", type=int, default=None, help="GiB of KV cache on vLLM's CPU build")
     vllm.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                       help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")
     vllm.add_argument("--engine-config", default=None, metavar="FILE",
@@ -115,7 +115,7 @@ def vllm_engine_options(args: argparse.Namespace) -> dict[str, Any]:
         merged.setdefault("model_dir", merged.pop("model"))
     options: dict[str, Any] = {"model": args.model}
     if "cpu_kvcache_space" in merged:
-        options["cpu_kvcache_space_gib"] = float(merged.pop("cpu_kvcache_space"))
+        options["cpu_kvcache_space_gib"] = int(merged.pop("cpu_kvcache_space"))
     lora = merged.pop("lora_adapters", None) or merged.pop("lora_modules", None) or args.lora_adapters
     if lora:
         options["lora_adapters"] = lora

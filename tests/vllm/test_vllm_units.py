@@ -217,7 +217,7 @@ def test_worker_cli_passes_vllm_engine_arguments(tmp_path: Any) -> None:
         "model": "llama", "model_dir": "/models/llama", "max_num_seqs": 128, "max_num_batched_tokens": 4096,
         "max_model_len": 8192, "gpu_memory_utilization": 0.85, "kv_cache_dtype": "fp8", "tensor_parallel_size": 2,
         "enable_prefix_caching": False, "block_size": 32, "enforce_eager": True, "max_loras": 2, "max_lora_rank": 32,
-        "lora_adapters": "sql=/a/sql,chat=/a/chat", "kv_events": "predicted", "cpu_kvcache_space_gib": 2.0,
+        "lora_adapters": "sql=/a/sql,chat=/a/chat", "kv_events": "predicted", "cpu_kvcache_space_gib": 2,
         "engine_args": {"swap_space": 4, "disable_cascade_attn": True},
     }
     # The sim engine still gets only its own options (names of name=path adapters).

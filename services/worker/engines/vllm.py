@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
@@ -130,7 +131,7 @@ class VllmEngine(Engine):
       naming one runs with it (``LoRARequest``); ``enable_lora`` follows.
     - ``kv_events``: ``auto`` (vLLM's publisher when it has one, else predicted),
       ``engine`` (required) or ``predicted``.
-    - ``cpu_kvcache_space_gib``: the CPU build's KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
+    - ``cpu_kvcache_space_gib``: the CPU build's KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
     - ``rate_window_s``, ``kv_event_buffer``: as for the sim engine.
     """
 
@@ -265,8 +266,8 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self.cpu_kvcache_space_gib is not None:
-            # Read by the CPU build's worker process, which inherits the environment.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.cpu_kvcache_space_gib:g}"
+            # Read (as whole GiB) by the CPU build's worker process, which inherits the environment.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.cpu_kvcache_space_gib)))
         kwargs = dict(self.engine_args)
         if self.kv_events_mode == "engine" and self.prefix_caching:
             endpoint = self._open_kv_socket()
