@@ -42,11 +42,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from aiohttp import web
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bus import BusSettings, Service
+from bus.metrics import MetricsServer
 from bus.registry import WorkerRegistry
 from proto.autoscaler import (
     AutoscalerStatus,
@@ -316,7 +316,7 @@ class AutoscalerService(Service):
         self.registry: WorkerRegistry | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._listening_since: float | None = None
-        self._metrics_runner: web.AppRunner | None = None
+        self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
         driver.pools = tuple(self.pools)
         driver.on_error(lambda name, reason, _msg: self.metrics.driver_errors.labels(driver=name, reason=reason).inc())
@@ -330,7 +330,8 @@ class AutoscalerService(Service):
         self._listening_since = self.clock()
         await self.add_endpoint("status", self.bus.subjects.autoscaler_status, AutoscalerStatusRequest, self.handle_status)
         if self.config.metrics_port is not None:
-            await self._serve_metrics()
+            self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host, port=self.config.metrics_port)
+            self.metrics_port = await self._metrics_server.start()
         self._tick_task = asyncio.create_task(self._tick_loop(), name="autoscaler-tick")
 
     async def on_drain(self) -> None:
@@ -345,8 +346,8 @@ class AutoscalerService(Service):
         await self.driver.close()
         if self.registry is not None:
             await self.registry.stop()
-        if self._metrics_runner is not None:
-            await self._metrics_runner.cleanup()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
 
     def stats(self) -> dict[str, object]:
         return {
@@ -354,23 +355,6 @@ class AutoscalerService(Service):
             "driver": self.driver.name,
             "driver_ok": self.driver.status().ok,
         }
-
-    async def _serve_metrics(self) -> None:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port)
-        await site.start()
-        self._metrics_runner = runner
-        sockets = getattr(site._server, "sockets", None) or []
-        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.config.metrics_port
-        log.info("autoscaler metrics on http://%s:%s/metrics", self.config.metrics_host, self.metrics_port)
 
     # ---- inputs -----------------------------------------------------------------------
     async def _on_gauge(self, gauge: WorkerGauge, _msg: Msg) -> None:
