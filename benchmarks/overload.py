@@ -13,7 +13,8 @@ with it, requests whose predicted TTFT breaks their tier's SLO are refused at on
 
 Latencies are the clients' own, converted to simulated time (× speed) so they read as
 an H100 fleet would see them; the admission tiers are scaled the other way (premium
-TTFT SLO 1 s, standard 2 s, simulated). Goodput counts requests meeting their tier's
+TTFT SLO 1 s, standard 2 s, simulated; admission aims at 75 % of them, ``--target``).
+Goodput counts requests meeting their tier's
 TTFT bound and TPOT ≤ 100 ms; SLO met is that count over all requests sent (refusals
 count as misses: they are the price of keeping the rest inside the SLO) and over the
 requests served. The workers' step budget is 2048 tokens (``--max-num-batched-tokens``,
@@ -74,7 +75,7 @@ async def run_case(with_admission: bool, args: argparse.Namespace) -> dict[str, 
         tiers = {name: {"ttft_slo_s": slo / args.speed, "priority": prio} for name, (slo, prio) in TIERS.items()}
         tiers["batch"] = {"ttft_slo_s": 10.0 / args.speed, "priority": 0}
         config_file = state / "admission.json"
-        config_file.write_text(json.dumps({"tiers": tiers, "default_tier": "standard"}))
+        config_file.write_text(json.dumps({"tiers": tiers, "default_tier": "standard", "slo": {"target": args.target}}))
         extra["admission"] = ["--config", str(config_file)]
         services = (*services, "admission")
     else:
@@ -154,7 +155,9 @@ async def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="the workers' step budget (vLLM's; 2048 keeps steps, hence TPOT, short)")
     parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run (wall)")
+    parser.add_argument("--duration", type=float, default=80.0, help="seconds of arrivals per run (wall)")
+    parser.add_argument("--target", type=float, default=0.75,
+                        help="admission admits predictions within this fraction of the SLO (SloConfig.target)")
     parser.add_argument("--timeout", type=float, default=30.0, help="request timeout, simulated seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--seed", type=int, default=1)
@@ -175,7 +178,7 @@ async def main() -> None:
           f"capacity {fleet:.1f} req/s (simulated time); offered {args.overload:g}× = "
           f"{args.premium_share:.0%} premium + {1 - args.premium_share:.0%} standard; speed {args.speed}; "
           f"SLO TTFT premium ≤ {TIERS['premium'][0]} s, standard ≤ {TIERS['standard'][0]} s, "
-          f"TPOT ≤ {args.slo_tpot * 1000:.0f} ms\n")
+          f"TPOT ≤ {args.slo_tpot * 1000:.0f} ms; admission target {args.target:g}\n")
     print(table(cases, args.speed), flush=True)
 
 

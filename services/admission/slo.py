@@ -30,7 +30,9 @@ A tier-``t`` request is admitted on a replica only if it meets its own SLO there
 request of the same shape from every higher tier would still be admitted there with a
 margin: for a tier ``x`` that is ``k`` priority levels above ``t``
 
-    ttft_x(w) ≤ headroom^k · slo_x          (k = 0: the request's own check)
+    ttft_x(w) ≤ target · headroom^k · slo_x          (k = 0: the request's own check)
+
+(``target`` = 1 by default; below 1 it keeps a margin for prediction error, see SloConfig.)
 
 So when the premium-visible queue of every replica grows past 0.8 · 1 s, standard
 requests are refused, past 0.64 s batch ones, and premium ones only past 1 s. The proof
@@ -87,6 +89,10 @@ class SloConfig:
     min_retry_after_s: float = 0.25
     no_capacity_retry_after_s: float = 5.0
     max_overtake: float = 0.9  # cap: a queue is taken to drain at ≥ 10 % of the rate, however busy
+    # Admit when the prediction is within this fraction of the SLO. Under sustained
+    # overload every admitted request is a marginal one, predicted right at its limit,
+    # so about half would miss a target of 1.0: below 1 buys a margin for prediction error.
+    target: float = 1.0
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -96,6 +102,8 @@ class SloConfig:
             raise ValueError("headroom must be in (0, 1]")
         if not 0 <= self.max_overtake < 1:
             raise ValueError("max_overtake must be in [0, 1)")
+        if not 0 < self.target <= 1:
+            raise ValueError("target must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +143,13 @@ class SloVerdict:
 class TierMix:
     """Exponentially decayed prompt tokens admitted per priority."""
 
-    __slots__ = ("half_life_s", "updated", "weights")
+    __slots__ = ("half_life_s", "started", "updated", "weights")
 
     def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
         self.weights: dict[int, float] = {}
         self.updated = -math.inf
+        self.started = math.inf  # first addition: how much history the weights hold
 
     def _decay(self, now: float) -> None:
         if now > self.updated:
@@ -152,13 +161,20 @@ class TierMix:
 
     def add(self, priority: int, tokens: float, now: float) -> None:
         self._decay(now)
+        self.started = min(self.started, now)
         self.weights[priority] = self.weights.get(priority, 0.0) + tokens
 
     def rate_above(self, priority: int, now: float) -> float:
         """Tokens per second recently admitted at a priority strictly above ``priority``."""
         self._decay(now)
         weight = sum(w for p, w in self.weights.items() if p > priority)
-        return weight * math.log(2) / self.half_life_s
+        if not weight:
+            return 0.0
+        # A steady rate r fills the weights up to r · half_life / ln 2 only after several
+        # half-lives: early on, scale up by the part filled so far (at most 4×, so the
+        # first few requests do not extrapolate wildly).
+        filled = max(1.0 - 0.5 ** ((now - self.started) / self.half_life_s), 0.25)
+        return weight * math.log(2) / self.half_life_s / filled
 
     def share_at_or_above(self, priority: int, now: float) -> float:
         """Fraction of the queued work that runs before a request of ``priority``."""
@@ -256,7 +272,7 @@ class SloAdmitter:
                 pred = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
                 if k == 0:
                     own_pred = pred
-                limit = max(margin * x.ttft_slo_s, own * (1 + cfg.long_prompt_slack * margin))
+                limit = max(cfg.target * margin * x.ttft_slo_s, own * (1 + cfg.long_prompt_slack * margin))
                 if pred - limit > excess:
                     excess = pred - limit
                     why = (
@@ -290,4 +306,5 @@ class SloAdmitter:
         """The limits a ``tier`` request is held to (tier name, seconds), before any
         long-prompt allowance; for docs and metrics."""
         t = self.tier(tier)
-        return [(x.name, self.config.headroom**k * x.ttft_slo_s) for x, k in self._guards(t)]
+        cfg = self.config
+        return [(x.name, cfg.target * cfg.headroom**k * x.ttft_slo_s) for x, k in self._guards(t)]

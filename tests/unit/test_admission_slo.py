@@ -196,6 +196,7 @@ def test_a_higher_tier_is_never_shed_while_a_lower_one_is_admitted(
 def test_higher_priority_arrivals_overtake_a_waiting_request() -> None:
     """Premium arriving at 3k tokens/s on a 10k tokens/s pool leaves standard's queue 70 %."""
     slo = SloAdmitter(SloConfig(mix_half_life_s=30.0))
+    slo.record_admitted("batch", 0, -1e6)  # a long history: the weights are at steady state
     r = 3_000.0
     slo.record_admitted("premium", int(r * 30.0 / math.log(2)), 0.0)  # the steady-state weight of r
     slo.record_admitted("standard", 50_000, 0.0)
@@ -215,3 +216,20 @@ def test_higher_priority_arrivals_overtake_a_waiting_request() -> None:
     fifo = SloAdmitter(FIFO)
     fifo.record_admitted("premium", 10**6, 0.0)
     assert fifo.predict(replica, 500, "standard", 0.0) == pytest.approx(5_000 / 10_000 + 500 / 10_000 + 0.05)
+
+
+def test_young_mix_rates_are_scaled_up_to_what_the_weights_will_hold() -> None:
+    slo = SloAdmitter(SloConfig(mix_half_life_s=30.0))
+    for t in range(30):  # premium at 1000 tokens/s for 30 s: one half-life, the weight half full
+        slo.record_admitted("premium", 1000, float(t))
+    assert slo.mix.rate_above(1, 30.0) == pytest.approx(1000, rel=0.05)
+    young = SloAdmitter(SloConfig(mix_half_life_s=30.0))
+    young.record_admitted("premium", 1000, 0.0)
+    assert young.mix.rate_above(1, 0.5) <= 4 * 1000 * math.log(2) / 30  # capped extrapolation
+
+
+def test_target_below_one_scales_every_threshold() -> None:
+    slo = SloAdmitter(SloConfig(target=0.75))
+    names, limits = zip(*slo.thresholds("standard"), strict=True)
+    assert names == ("standard", "premium") and limits == pytest.approx((1.5, 0.6))
+    assert first_rejection(slo, "premium") < first_rejection(SloAdmitter(), "premium")
