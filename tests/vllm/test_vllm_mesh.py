@@ -250,12 +250,14 @@ async def test_chat_and_completions_through_the_mesh(client: openai.AsyncOpenAI,
         if c.choices and c.choices[0].text:
             first = first or time.monotonic()
             parts.append(c.choices[0].text)
-    elapsed = time.monotonic() - (first or t0)
     rid = await _finished(watch, response_id)
     final = watch.finished()[rid]
     assert final.usage is not None and final.usage.completion_tokens == len(watch.streamed(rid)) == 256
     assert "".join(parts) == watch.text(rid)
-    print(f"\ntiny model through the mesh: 256 tokens streamed at {255 / elapsed:.0f} tokens/s after the first, "
+    t = final.timings
+    assert t is not None and t.first_token and t.finished > t.first_token
+    print(f"\ntiny model through the mesh: 256 tokens, {255 / (t.finished - t.first_token):.0f} tokens/s decoding "
+          f"(worker timings), {256 / (time.monotonic() - t0):.0f} tokens/s end to end at the client, "
           f"TTFT {(first or t0) - t0:.3f}s")
 
     # Same seed, same text (vLLM's per-request seeded sampling).

@@ -285,7 +285,13 @@ class VllmEngine(Engine):
         except TypeError as exc:
             raise ValueError(f"bad vLLM engine argument: {exc}") from exc
         logger_factory = _stat_logger_factory(self)
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[logger_factory])
+        try:
+            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[logger_factory])
+        except BaseException:
+            if self._zmq_socket is not None:
+                self._zmq_socket.close(linger=0)
+                self._zmq_socket = None
+            raise
         config = self._llm.vllm_config
         blocks = int(config.cache_config.num_gpu_blocks or 0)
         self._limits = {
@@ -330,8 +336,9 @@ class VllmEngine(Engine):
             await self.abort(request_id)
         await asyncio.sleep(0)  # let aborted streams take their final outputs
         if self._llm is not None:
+            # Stops the engine core (and its workers): seconds, so off the event loop.
             with contextlib.suppress(Exception):
-                self._llm.shutdown()
+                await asyncio.to_thread(self._llm.shutdown)
         if self._zmq_task is not None:
             self._zmq_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
