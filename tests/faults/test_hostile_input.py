@@ -16,23 +16,17 @@ import msgspec
 import nats
 import pytest
 
-from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig
+from ops.up import Mesh
 from proto import SCHEMA_VERSION, Subjects
+from tests.conftest import running_mesh
 
 MODEL = "sim-llama-8b"
 
 
 @pytest.fixture
 def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    m = Mesh(MeshConfig(state_dir=tmp_path / "mesh", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=20.0))
-    try:
-        asyncio.run(m.start(timeout=90))
-    except BaseException:
-        m.stop(timeout=10)
-        raise
-    yield m
-    m.stop(timeout=30)
+    with running_mesh(tmp_path / "mesh", workers=1, speed=20.0) as m:
+        yield m
 
 
 def payloads() -> list[tuple[bytes, bool]]:

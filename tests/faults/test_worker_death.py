@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 
 from bus import Bus
-from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig
+from ops.up import Mesh
 from proto import WorkerGauge, decode
 from proto.metering import UsageQuery, UsageReport
+from tests.conftest import running_mesh
 from tests.sse import read_sse, sse_text, sse_usage
 
 MODEL = "sim-llama-8b"
@@ -31,15 +31,8 @@ REQUESTS = 12
 
 @pytest.fixture
 def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    m = Mesh(MeshConfig(state_dir=tmp_path / "mesh", nats_port=0, http_port=free_port(), model=MODEL, workers=2, speed=2.0,
-                        gateway_args=["--stall-timeout", "2"]))
-    try:
-        asyncio.run(m.start(timeout=90))
-    except BaseException:
-        m.stop(timeout=10)
-        raise
-    yield m
-    m.stop(timeout=30)
+    with running_mesh(tmp_path / "mesh", workers=2, speed=2.0, gateway_args=["--stall-timeout", "2"]) as m:
+        yield m
 
 
 def test_killed_worker_requests_migrate_and_finish_identically(mesh: Mesh) -> None:

@@ -5,30 +5,25 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Iterator
+from pathlib import Path
 
 import nats
 import pytest
 
 from bus import Bus
-from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig, ServiceProcess
+from ops.up import Mesh, ServiceProcess
 from proto.metering import UsageQuery, UsageReport
+from tests.conftest import running_mesh
 
 MODEL = "sim-llama-8b"
 REQUESTS = 2000
 
 
 @pytest.fixture
-def mesh(tmp_path):  # type: ignore[no-untyped-def]
-    m = Mesh(MeshConfig(state_dir=tmp_path / "mesh", nats_port=0, http_port=free_port(), model=MODEL, workers=2, speed=50.0,
-                        worker_args=["--max-num-seqs", "256"]))
-    try:
-        asyncio.run(m.start(timeout=90))
-    except BaseException:
-        m.stop(timeout=10)
-        raise
-    yield m
-    m.stop(timeout=30)
+def mesh(tmp_path: Path) -> Iterator[Mesh]:
+    with running_mesh(tmp_path / "mesh", workers=2, speed=50.0, worker_args=["--max-num-seqs", "256"]) as m:
+        yield m
 
 
 def test_ledger_totals_are_exact_across_two_metering_crashes(mesh: Mesh) -> None:

@@ -6,7 +6,6 @@ runner's file exporter); the test reads them back and checks they form one tree.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -15,8 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig
+from ops.up import Mesh
+from tests.conftest import running_mesh
 
 MODEL = "sim-llama-8b"
 
@@ -24,15 +23,8 @@ MODEL = "sim-llama-8b"
 @pytest.fixture
 def traced_mesh(tmp_path: Path) -> Iterator[tuple[Mesh, Path]]:
     trace_file = tmp_path / "spans.jsonl"
-    m = Mesh(MeshConfig(state_dir=tmp_path / "mesh", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=20.0,
-                        extra_env={"MESHSERVE_TRACE_FILE": str(trace_file)}))
-    try:
-        asyncio.run(m.start(timeout=90))
-    except BaseException:
-        m.stop(timeout=10)
-        raise
-    yield m, trace_file
-    m.stop(timeout=30)
+    with running_mesh(tmp_path / "mesh", workers=1, speed=20.0, extra_env={"MESHSERVE_TRACE_FILE": str(trace_file)}) as m:
+        yield m, trace_file
 
 
 def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
