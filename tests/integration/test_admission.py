@@ -311,3 +311,17 @@ async def test_two_instances_share_one_budget_and_the_standby_takes_over(bus: Bu
     # 40 left + 50 refunded once = 90: three checks of 25 fit, a fourth does not
     refund = [await ask(bus, check(200 + i, tokens=25)) for i in range(4)]
     assert [d.admitted for d in refund] == [True, True, True, False]
+
+
+async def test_prometheus_metrics(bus: Bus, mesh: dict[str, Factory]) -> None:
+    await mesh["worker"]("w1")
+    admission: AdmissionService = await mesh["admission"](AdmissionConfig(metrics_port=0))  # type: ignore[assignment]
+    await eventually(lambda: bool(admission.book.replicas), what="the worker in the replica book")
+    assert (await ask(bus, check(1))).admitted
+    assert not (await ask(bus, check(2, tokens=5000))).admitted  # more than the 1000-token budget holds
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{admission.metrics_port}/metrics") as r:
+        text = await r.text()
+    assert 'meshserve:admission_decisions_total{outcome="admitted",tier="standard"} 1.0' in text
+    assert 'meshserve:admission_decisions_total{outcome="quota_tokens",tier="standard"} 1.0' in text
+    assert "meshserve:admission_leader 1.0" in text
+    assert "meshserve:admission_reservations_open 1.0" in text

@@ -310,3 +310,22 @@ async def test_stats_over_nats_micro(bus: Bus, start_router: RouterFactory) -> N
     assert data["name"] == "meshserve-router"
     figures = data["endpoints"][0]["data"]
     assert figures["placements"] == 0 and figures["workers"] == 0 and "prefix_hit_rate" in figures
+
+
+async def test_prometheus_metrics(bus: Bus, bus_settings: BusSettings, start_worker: WorkerFactory) -> None:
+    await start_worker("w1")
+    router = RouterService(RouterServiceConfig(metrics_port=0, maintenance_interval_s=0.1), bus_settings)
+    await router.start()
+    try:
+        await placeable(router, 1)
+        chunks = await Chunks(bus).start()
+        placement = await route(bus, generate(bus, "m1", long_prompt(3, 64)))
+        await chunks.final(placement.request_id)
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{router.metrics_port}/metrics") as r:
+            text = await r.text()
+        assert 'meshserve:router_placements_total{model="sim-llama-8b",policy="prefix",worker="w1"} 1.0' in text
+        assert 'meshserve:router_prompt_tokens_total{model="sim-llama-8b"} 64.0' in text
+        assert "meshserve:router_decision_seconds_count 1.0" in text
+        assert 'meshserve:router_workers{state="placeable"} 1.0' in text
+    finally:
+        await router.drain_and_close()
