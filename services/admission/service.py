@@ -449,6 +449,10 @@ class AdmissionService(Service):
         )
         await self.add_endpoint("check", s.admission_check, AdmissionRequest, self.handle_check,
                                 queue_group="admission", concurrent=False)
+        # The server routes checks to us once this returns. Twice: nats-py writes flush's
+        # PING ahead of a SUB still queued for its flusher task.
+        await self.bus.nc.flush()
+        await self.bus.nc.flush()
         self.leading = True
         self.takeovers += 1
         self.metrics.leader.set(1)

@@ -267,6 +267,11 @@ class RouterService(Service):
         self._loop_task = asyncio.create_task(self._maintenance(), name="router-maintenance")
         if self.config.metrics_port is not None:
             await self._serve_metrics()
+        # Ready means routable: the server has our subscriptions before start() returns.
+        # Twice: nats-py writes flush's PING straight to the socket, ahead of a SUB still
+        # queued for its flusher task; the first round trip lets that task write the SUB.
+        await self.bus.nc.flush()
+        await self.bus.nc.flush()
 
     async def on_stop(self) -> None:
         tasks = [t for t in (self._loop_task, *self._background) if t is not None]
