@@ -28,6 +28,8 @@ availability, which standbys give. So:
   A leader that drains deletes the lease, and a standby takes over at once.
 - Only the leader has the check endpoint and consumes USAGE. Standbys keep their replica
   book warm (registry, gauges, KV events) so they predict well from the first request.
+  A standby answers ``$SRV.PING``/``INFO`` but, with no endpoint, reports no figures in
+  ``$SRV.STATS`` (NATS micro attaches them to endpoints).
 - The leader checkpoints the limiter every ``checkpoint_interval_s`` into the bucket
   ``<root>_admission_state`` (no TTL): buckets not full, open reservations, and the
   USAGE stream sequence reconciled so far. The successor restores it and consumes USAGE
