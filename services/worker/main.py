@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--lora-adapters", default="",
                         help="comma-separated adapters to serve: names (sim), name=path (vllm)")
     vllm = parser.add_argument_group("vLLM engine (--engine vllm; vLLM's names and meaning, unset keeps vLLM's default)")
-    vllm.add_argument("--model-dir", default=None, help="model directory; --model is then the routed name (default: --model is the directory)")
-    vllm.add_argument("--served-model-name", default=None, help="routed name when --model is the directory (default: its name)")
+    vllm.add_argument("--model-dir", default=None, help="weights directory (or hub id); --model is then only the routed name")
+    vllm.add_argument("--served-model-name", default=None, help="routed name (default: --model, as vLLM)")
     vllm.add_argument("--gpu-memory-utilization", type=float, default=None)
     vllm.add_argument("--kv-cache-dtype", default=None, help="auto, fp8, fp8_e4m3, fp8_e5m2, ...")
     vllm.add_argument("--tensor-parallel-size", type=int, default=None)

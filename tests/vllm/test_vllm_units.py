@@ -228,7 +228,8 @@ def test_worker_cli_passes_vllm_engine_arguments(tmp_path: Any) -> None:
 def test_engine_arguments_keep_vllm_names() -> None:
     from services.worker.engines.vllm import engine_arguments, parse_lora_adapters, resolve_model
 
-    assert resolve_model("/models/tiny-llama/", None, None) == ("tiny-llama", "/models/tiny-llama/")
+    assert resolve_model("/models/tiny-llama", None, None) == ("/models/tiny-llama", "/models/tiny-llama")
+    assert resolve_model("meta-llama/Llama-3.1-8B-Instruct", None, None) == ("meta-llama/Llama-3.1-8B-Instruct",) * 2
     assert resolve_model("tiny", "/models/x", None) == ("tiny", "/models/x")
     assert resolve_model("/models/x", None, "served") == ("served", "/models/x")
     assert parse_lora_adapters("a=/p/a, b") == {"a": "/p/a", "b": "b"}

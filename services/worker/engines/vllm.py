@@ -74,10 +74,23 @@ def parse_lora_adapters(spec: Mapping[str, str] | Iterable[str] | str | None) ->
 
 
 def resolve_model(model: str, model_dir: str | None, served_model_name: str | None) -> tuple[str, str]:
-    """(served name, model directory): ``--model`` is the directory unless ``--model-dir`` is given."""
-    directory = model_dir or model
-    name = served_model_name or (model if model_dir else Path(directory.rstrip("/")).name or directory)
-    return name, directory
+    """(served name, weights): ``model`` names both, as in vLLM (a directory or a hub id),
+    unless ``model_dir`` gives the weights; ``served_model_name`` overrides the name."""
+    return served_model_name or model, model_dir or model
+
+
+def local_model_dir(model: str) -> str | None:
+    """The local directory of ``model``: itself, or vLLM's download of a hub id in the
+    Hugging Face cache (what the gateway loads the tokenizer and chat template from)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(model, local_files_only=True))
+    except Exception:  # not a hub id, or not downloaded: nothing local to point at
+        return None
 
 
 def engine_arguments(
@@ -119,8 +132,10 @@ class VllmEngine(Engine):
 
     Options (keyword; ``None`` keeps vLLM's default):
 
-    - ``model``: the model directory, or (with ``model_dir``) the name requests are routed by;
-      ``served_model_name`` overrides the routed name (default: the directory's name).
+    - ``model``: the name requests are routed by and, without ``model_dir``, the weights
+      (a directory or a hub id, as vLLM's ``--model``); ``served_model_name`` overrides the
+      routed name. ``model_dir`` (after start: the local directory, for a hub id vLLM's
+      download) is what the worker registers for the gateway's tokenizer.
     - vLLM engine arguments, same names and meaning: ``max_num_seqs``,
       ``max_num_batched_tokens``, ``max_model_len``, ``gpu_memory_utilization``,
       ``kv_cache_dtype``, ``tensor_parallel_size``, ``enable_prefix_caching`` (default
@@ -167,8 +182,9 @@ class VllmEngine(Engine):
             raise ValueError(f"kv_events must be one of {', '.join(KV_EVENT_MODES)}, not {kv_events!r}")
         self._model, directory = resolve_model(model, model_dir, served_model_name)
         path = Path(directory).expanduser()
-        # A local directory is passed absolute (the gateway loads the tokenizer from it too).
-        self.model_dir = str(path.resolve()) if path.exists() else directory
+        # A local directory is passed absolute (the gateway loads the tokenizer from it too);
+        # a hub id becomes vLLM's local download once the engine has started.
+        self.model_dir = str(path.resolve()) if path.is_dir() else directory
         self.lora_adapters = parse_lora_adapters(lora_adapters)
         self._lora_ids = {name: i for i, name in enumerate(self.lora_adapters, start=1)}
         options = {
@@ -302,6 +318,9 @@ class VllmEngine(Engine):
             "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
         }
         self._stats.kv_blocks_total = self._limits["kv_blocks_total"]
+        local = await asyncio.to_thread(local_model_dir, self.model_dir)
+        if local is not None:
+            self.model_dir = local
         self._stats.kv_events_mode = self.kv_events_mode
         if self.kv_events_mode == "engine" and self._zmq_socket is not None:
             self._bridge = KvEventBridge(self.block_size)
