@@ -228,6 +228,10 @@ class Service:
             stats_handler=self._stats_handler,
         )
         await self.on_start()
+        # nats-py's flush() can send its PING ahead of a SUB still in the write buffer; the
+        # second round trip guarantees the server knows every endpoint before we say ready.
+        await self.bus.nc.flush()
+        await self.bus.nc.flush()
         self.started_at = time.time()
         self.ready = True
         log.info("%s ready (%s)", self.name, self.instance_id)

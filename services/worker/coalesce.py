@@ -26,12 +26,14 @@ class Coalescer:
     def pending(self) -> int:
         return len(self._token_ids)
 
-    def should_flush(self, now: float) -> bool:
+    def should_flush(self, now: float, interval_s: float | None = None) -> bool:
+        """``interval_s`` overrides the configured interval (the worker widens it at large batches)."""
         if not self._token_ids:
             return False
         if self._last_flush is None:
             return True
-        return len(self._token_ids) >= self.max_tokens or now - self._last_flush >= self.interval_s
+        interval = self.interval_s if interval_s is None else interval_s
+        return len(self._token_ids) >= self.max_tokens or now - self._last_flush >= interval
 
     def take(self, now: float) -> tuple[list[int], str]:
         token_ids, text = self._token_ids, "".join(self._text)

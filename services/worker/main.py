@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream = parser.add_argument_group("streaming")
     stream.add_argument("--coalesce-ms", type=float, default=20.0, help="longest a generated token waits before its chunk is sent")
     stream.add_argument("--coalesce-tokens", type=int, default=16, help="a chunk goes out once this many tokens wait")
+    stream.add_argument("--max-messages-per-s", type=float, default=1000.0,
+                        help="chunk messages per second the whole worker may send; the interval widens at large batches")
     stream.add_argument("--gauge-interval", type=float, default=0.25, help="seconds between gauge publishes")
     stream.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics with vLLM's names on this port (0: any free port)")
@@ -135,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         coalesce_interval_s=args.coalesce_ms / 1000.0,
         coalesce_max_tokens=args.coalesce_tokens,
+        max_messages_per_s=args.max_messages_per_s,
         gauge_interval_s=args.gauge_interval,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,

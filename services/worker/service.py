@@ -65,6 +65,7 @@ class WorkerConfig:
     worker_id: str = ""
     coalesce_interval_s: float = 0.02  # a chunk at most every 20 ms ...
     coalesce_max_tokens: int = 16  # ... or every 16 tokens, whichever first
+    max_messages_per_s: float = 1000.0  # chunk rate budget of the whole worker (widens the interval)
     gauge_interval_s: float = 0.25
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 60.0
@@ -250,7 +251,7 @@ class WorkerService(Service):
                     coalescer.add(output.new_token_ids, output.text, now)
                     if output.finish_reason is not None:
                         break
-                    if coalescer.should_flush(now):
+                    if coalescer.should_flush(now, self.coalesce_interval()):
                         token_ids, text = coalescer.take(now)
                         chunk = TokenChunk(request_id=request.request_id, seq=seq, token_ids=token_ids, text=text, worker_id=self.worker_id)
                         await self._publish_chunk(request, chunk)
@@ -361,6 +362,12 @@ class WorkerService(Service):
             KvSnapshot(worker_id=self.worker_id, model=self.engine.model, seq=self._kv_seq,
                        block_size=self.engine.block_size, block_hashes=self.engine.kv_snapshot()),
         )
+
+    def coalesce_interval(self) -> float:
+        """The chunk interval: the configured one, widened so the whole worker stays under
+        ``max_messages_per_s`` however many requests run (one chunk per request per step
+        would otherwise make the message rate equal the token rate at large batches)."""
+        return max(self.config.coalesce_interval_s, len(self._requests) / self.config.max_messages_per_s)
 
     # ---- telemetry loops --------------------------------------------------------------
     def gauge(self) -> WorkerGauge:
