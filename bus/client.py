@@ -10,6 +10,7 @@ instead of surfacing later as a timeout or a dropped connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -62,7 +63,10 @@ def _ssl_context(settings: BusSettings) -> ssl.SSLContext | None:
     return ctx
 
 
-async def connect(settings: BusSettings, name: str, *, initial_attempts: int = 0) -> NATS:
+async def connect(
+    settings: BusSettings, name: str, *, initial_attempts: int = 0,
+    on_reconnected: list[Callable[[], None]] | None = None,
+) -> NATS:
     """Connect with infinite reconnect; retry the first connection with backoff.
 
     ``initial_attempts`` = 0 retries forever (a service waits for its NATS server);
@@ -77,6 +81,11 @@ async def connect(settings: BusSettings, name: str, *, initial_attempts: int = 0
 
     async def on_reconnect() -> None:
         log.info("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else "?")
+        for listener in on_reconnected or ():
+            try:
+                listener()
+            except Exception:
+                log.exception("reconnect listener failed")
 
     async def on_error(exc: Exception) -> None:
         log.debug("NATS error: %r", exc)
@@ -106,9 +115,12 @@ async def connect(settings: BusSettings, name: str, *, initial_attempts: int = 0
         if settings.nkey_seed_file:
             options["nkeys_seed"] = settings.nkey_seed_file
         try:
-            await nc.connect(**options)
+            # nats-py keeps retrying inside connect() when reconnect is on; bound each try.
+            await asyncio.wait_for(nc.connect(**options), timeout=settings.connect_timeout_s * max(1, len(settings.servers)) + 1)
             return nc
         except (TimeoutError, OSError, nats.errors.NoServersError, nats.errors.Error) as exc:
+            with contextlib.suppress(Exception):
+                await nc.close()
             if initial_attempts and attempt >= initial_attempts:
                 raise MeshError(f"cannot connect to NATS at {', '.join(settings.servers)}: {exc!r}") from exc
             log.warning("NATS not reachable at %s (%r); retrying in %.1fs", ",".join(settings.servers), exc, delay)
@@ -129,10 +141,15 @@ class Bus:
         self.subjects: Subjects = settings.subjects
         self.js: JetStreamContext = nc.jetstream()
         self.decode_errors = 0  # bad messages received and dropped (counted, logged)
+        # Called after every reconnect: state that may have missed messages re-checks itself.
+        self.reconnect_listeners: list[Callable[[], None]] = []
 
     @classmethod
     async def open(cls, settings: BusSettings, name: str, *, initial_attempts: int = 0) -> Bus:
-        return cls(await connect(settings, name, initial_attempts=initial_attempts), settings)
+        listeners: list[Callable[[], None]] = []
+        bus = cls(await connect(settings, name, initial_attempts=initial_attempts, on_reconnected=listeners), settings)
+        bus.reconnect_listeners = listeners
+        return bus
 
     @property
     def max_payload(self) -> int:

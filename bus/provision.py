@@ -83,10 +83,19 @@ async def ensure_stream(js: JetStreamContext, config: api.StreamConfig) -> api.S
 
 async def ensure_kv(js: JetStreamContext, config: api.KeyValueConfig) -> KeyValue:
     try:
-        return await js.key_value(config.bucket)
+        kv = await js.key_value(config.bucket)
     except BucketNotFoundError:
         log.info("creating KV bucket %s", config.bucket)
         return await js.create_key_value(config)
+    # A bucket made earlier at another replication factor (e.g. by a tool run without
+    # MESHSERVE_JS_REPLICAS) is brought to the configured one, data kept.
+    stream = f"KV_{config.bucket}"
+    info = await js.stream_info(stream)
+    if info.config.num_replicas != config.replicas:
+        log.info("updating KV bucket %s to %d replicas", config.bucket, config.replicas)
+        info.config.num_replicas = config.replicas
+        await js.update_stream(info.config)
+    return kv
 
 
 async def provision(

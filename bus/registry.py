@@ -39,6 +39,7 @@ class WorkerRegistry:
         self._reaper: asyncio.Task[None] | None = None
         self._kv: KeyValue | None = None
         self._synced = asyncio.Event()
+        self._last_entry_at = time.monotonic()  # any watch update; workers heartbeat every ttl/4
 
     def on_change(self, listener: Listener) -> None:
         """``listener(worker_id, info)``; ``info`` is None when the worker is gone."""
@@ -48,6 +49,7 @@ class WorkerRegistry:
         self._kv = await workers_bucket(self.bus.js, self.bus.subjects, replicas=self.bus.settings.js_replicas)
         self._task = asyncio.create_task(self._watch(), name="registry-watch")
         self._reaper = asyncio.create_task(self._reap(), name="registry-reaper")
+        self.bus.reconnect_listeners.append(self.restart_watch)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._synced.wait(), 5.0)
 
@@ -85,6 +87,7 @@ class WorkerRegistry:
             try:
                 watcher = await self._kv.watchall()
                 async for entry in watcher:
+                    self._last_entry_at = time.monotonic()
                     if entry is None:  # initial values delivered
                         self._synced.set()
                         continue
@@ -101,9 +104,22 @@ class WorkerRegistry:
                 log.warning("registry watch restarting: %r", exc)
                 await asyncio.sleep(0.5)
 
+    def restart_watch(self) -> None:
+        """Start a fresh watch (after a reconnect, or when the current one went quiet)."""
+        if self._task is not None:
+            self._task.cancel()
+        self._last_entry_at = time.monotonic()
+        self._task = asyncio.create_task(self._watch(), name="registry-watch")
+
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(max(0.5, self.ttl_s / 4))
+            if self.workers and time.monotonic() - self._last_entry_at > self.ttl_s / 2:
+                # Live workers heartbeat every ttl/4: silence means our watch is stuck (a NATS
+                # failover can leave nats-py's ordered consumer dead), not that every worker died.
+                log.warning("worker registry watch silent for %.0fs; restarting it", time.monotonic() - self._last_entry_at)
+                self.restart_watch()
+                continue
             self.reap()
 
     def reap(self) -> None:

@@ -111,6 +111,7 @@ class GatewayConfig:
     max_in_flight: int = 4096  # beyond this the gateway sheds with 429
     stall_timeout_s: float = 30.0  # no chunk for this long: the worker is considered lost
     liveness_check_s: float = 1.0  # how often a silent stream checks on its worker
+    silence_fill_s: float = 2.0  # a stream this quiet re-reads TOKENS for chunks it missed
     max_migrations: int = 2  # a request moves to another replica at most this often
     stream_buffer_chunks: int = 4096  # chunks held for one slow client before it is cut
     keepalive_s: float = 15.0
@@ -151,6 +152,11 @@ class Execution:
             try:
                 chunk = await self.stream.get(timeout=cfg.liveness_check_s)
             except TimeoutError:
+                silent = time.monotonic() - self.stream.last_chunk_at
+                if silent >= cfg.silence_fill_s and silent - cfg.liveness_check_s < cfg.silence_fill_s:
+                    # A quiet stream may have lost its tail (a chunk never delivered live):
+                    # look in TOKENS once before suspecting the worker.
+                    self.gateway.dispatcher.fill(self.stream)
                 lost = self._worker_lost()
                 if lost is None:
                     continue
@@ -459,7 +465,7 @@ class GatewayService(Service):
                                token_subject=stream.subject, kind=request.kind, model=request.requested_model,
                                created=int(time.time()), include_usage=request.include_usage, resumable=resumable)
         try:
-            await self.requests_kv.put(request_id, encode(record))
+            await self._record(record)
             with tracer.start_as_current_span("gateway.route"):
                 placement = await self.path.place(RouteRequest(request=generate))
         except BaseException as exc:
@@ -480,6 +486,16 @@ class GatewayService(Service):
         execution.record = record
         execution.generate = generate
         return execution
+
+    async def _record(self, record: RequestRecord) -> None:
+        """Store the resume record. Best effort for ordinary requests; a resumable one needs it,
+        so a KV outage (e.g. a NATS node failing over) makes it a retryable 503, not a 500."""
+        try:
+            await self.requests_kv.put(record.request_id, encode(record))
+        except Exception as exc:
+            if record.resumable:
+                raise MeshError(f"cannot record a resumable request right now: {exc!r}", code=ErrorCode.NO_CAPACITY) from exc
+            log.warning("request %s: resume record not stored (%r)", record.request_id, exc)
 
     async def publish_lost_segment(self, execution: Execution, worker_id: str) -> None:
         """Bill the segment a lost worker streamed: it will never report it (or it is void)."""

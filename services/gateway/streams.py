@@ -119,6 +119,8 @@ class TokenDispatcher:
 
     async def start(self) -> None:
         await self.bus.nc.subscribe(self.bus.subjects.tokens_of_gateway(self.gateway_id), cb=self._on_message)
+        # Chunks published while we were disconnected reached TOKENS, not us: re-read them.
+        self.bus.reconnect_listeners.append(self.fill_all)
         self._tasks.add(asyncio.create_task(self._gap_watch(), name="gap-watch"))
 
     async def stop(self) -> None:
@@ -154,10 +156,18 @@ class TokenDispatcher:
             for stream in list(self.streams.values()):
                 if stream.gap_since is not None and now - stream.gap_since >= self.gap_fill_after_s:
                     stream.gap_since = now  # one fill at a time per stream
-                    self.gap_fills += 1
-                    task = asyncio.create_task(self._fill(stream))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self.fill(stream)
+
+    def fill_all(self) -> None:
+        for stream in list(self.streams.values()):
+            self.fill(stream)
+
+    def fill(self, stream: RequestStream) -> None:
+        """Deliver whatever TOKENS holds for ``stream`` that it has not seen (missed tails too)."""
+        self.gap_fills += 1
+        task = asyncio.create_task(self._fill(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _fill(self, stream: RequestStream) -> None:
         """Re-read the request's subject from TOKENS and deliver what was missed."""

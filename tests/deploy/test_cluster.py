@@ -86,8 +86,6 @@ async def test_every_stream_bucket_and_consumer_is_r3(nats_cluster: list[NatsSer
             await service.drain_and_close()
 
 
-@pytest.mark.xfail(strict=True, reason="bus.provision.ensure_kv leaves an existing bucket's replicas as they are "
-                   "(ensure_stream updates num_replicas; a bucket made R1 earlier stays R1)")
 async def test_buckets_made_r1_earlier_become_r3(nats_cluster: list[NatsServer]) -> None:
     r1 = await Bus.open(BusSettings(servers=tuple(n.url for n in nats_cluster)), "r1-tool", initial_attempts=20)
     try:
@@ -188,13 +186,7 @@ async def leader_of(nodes: list[NatsServer], bus: Bus, stream: str) -> NatsServe
     return next(n for n in nodes if n.server_name == info.cluster.leader)
 
 
-KNOWN_GATEWAY_NODE_LOSS = pytest.mark.xfail(strict=False, reason=(
-    "intermittent: when the gateway's own NATS node dies, its worker-registry watch (an ordered consumer) stalls "
-    "past the registry TTL, the reaper drops live workers, streams migrate while the old worker still streams, and "
-    "now and then a stream ends without its final chunk (see the report of issue 9)"))
-
-
-@pytest.mark.parametrize("victim", [pytest.param("gateway_node", marks=KNOWN_GATEWAY_NODE_LOSS), "tokens_leader", "worker_node"])
+@pytest.mark.parametrize("victim", ["gateway_node", "tokens_leader", "worker_node"])
 async def test_streams_survive_a_killed_nats_node(mesh: dict[str, Any], victim: str) -> None:
     gateway: GatewayService = mesh["gateway"]
     nodes: list[NatsServer] = mesh["nodes"]
