@@ -65,15 +65,14 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from opentelemetry import trace
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
 
 from bus import BusSettings, Service
+from bus.metrics import MetricsServer
 from bus.provision import ensure_kv
 from bus.registry import WorkerRegistry
 from proto import (
@@ -314,7 +313,7 @@ class AdmissionService(Service):
         self._loops: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._role_lock = asyncio.Lock()
-        self._metrics_runner: Any = None
+        self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
         self.admitted = 0
         self.rejected: dict[str, int] = {}
@@ -339,7 +338,10 @@ class AdmissionService(Service):
             asyncio.create_task(self._maintenance_loop(), name="admission-maintenance"),
         ]
         if self.config.metrics_port is not None:
-            await self._serve_metrics()
+            self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host,
+                                                 port=self.config.metrics_port,
+                                                 before_scrape=lambda: self.metrics.open.set(len(self.policy.limiter)))
+            self.metrics_port = await self._metrics_server.start()
 
     async def on_drain(self) -> None:
         # Hand over at once: final checkpoint, then delete the lease so a standby's next
@@ -363,8 +365,8 @@ class AdmissionService(Service):
         await asyncio.gather(*self._loops, *self._background, return_exceptions=True)
         if self.registry is not None:
             await self.registry.stop()
-        if self._metrics_runner is not None:
-            await self._metrics_runner.cleanup()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -597,25 +599,6 @@ class AdmissionService(Service):
         return decision
 
     # ---- metrics endpoint -------------------------------------------------------------
-    async def _serve_metrics(self) -> None:
-        from aiohttp import web
-
-        async def metrics(_: web.Request) -> web.Response:
-            self.metrics.open.set(len(self.policy.limiter))
-            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port)
-        await site.start()
-        self._metrics_runner = runner
-        sockets = getattr(site._server, "sockets", None) or []
-        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.config.metrics_port
-        log.info("admission metrics on http://%s:%s/metrics", self.config.metrics_host, self.metrics_port)
-
-
 __all__ = [
     "AdmissionConfig",
     "AdmissionMetrics",

@@ -39,15 +39,14 @@ import msgspec
 from nats.aio.msg import Msg
 from opentelemetry import trace
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
 
 from bus import BusSettings, Service
+from bus.metrics import MetricsServer
 from bus.registry import WorkerRegistry
 from proto import (
     CancelRequest,
@@ -241,7 +240,7 @@ class RouterService(Service):
         self.registry: WorkerRegistry | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
-        self._metrics_runner: Any = None
+        self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
         self._cascade_keywords_done: set[str] = set()
         # plain counters for stats() (Prometheus children are per label set)
@@ -266,7 +265,9 @@ class RouterService(Service):
         await self.add_endpoint("route", s.router_route, RouteRequest, self.handle_route, queue_group="router")
         self._loop_task = asyncio.create_task(self._maintenance(), name="router-maintenance")
         if self.config.metrics_port is not None:
-            await self._serve_metrics()
+            self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host,
+                                                 port=self.config.metrics_port, before_scrape=lambda: self._update_worker_gauges())
+            self.metrics_port = await self._metrics_server.start()
         # Ready means routable: the server has our subscriptions before start() returns.
         # Twice: nats-py writes flush's PING straight to the socket, ahead of a SUB still
         # queued for its flusher task; the first round trip lets that task write the SUB.
@@ -280,8 +281,8 @@ class RouterService(Service):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.registry is not None:
             await self.registry.stop()
-        if self._metrics_runner is not None:
-            await self._metrics_runner.cleanup()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
 
     def stats(self) -> dict[str, Any]:
         placeable = 0
@@ -489,23 +490,4 @@ class RouterService(Service):
         self.metrics.prefix_hit_tokens.labels(model=d.model).inc(d.cached_tokens)
 
     # ---- metrics endpoint -------------------------------------------------------------
-    async def _serve_metrics(self) -> None:
-        from aiohttp import web
-
-        async def metrics(_: web.Request) -> web.Response:
-            self._update_worker_gauges()
-            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port)
-        await site.start()
-        self._metrics_runner = runner
-        sockets = getattr(site._server, "sockets", None) or []
-        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.config.metrics_port
-        log.info("router metrics on http://%s:%s/metrics", self.config.metrics_host, self.metrics_port)
-
-
 __all__ = ["POLICIES", "RouterMetrics", "RouterService", "RouterServiceConfig", "load_config", "parse_config"]
