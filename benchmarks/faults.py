@@ -5,6 +5,7 @@ against the same requests without the fault).
 Faults, each on a fresh mesh of real processes (``ops.up.Mesh``), struck with kill -9:
 - worker: the worker serving half the streams dies; its requests migrate.
 - gateway: the gateway serving resumable streams dies; clients resume on a second one.
+- nats: one node of a 3-node JetStream cluster (every stream and bucket R3) dies.
 - metering: the ledger writer dies twice under load; it catches up from USAGE.
 
 Run: ``.venv/bin/python benchmarks/faults.py`` (about two minutes). Prints a Markdown table.
@@ -146,6 +147,25 @@ async def gateway_fault(tmp: Path, n: int = 8, tokens: int = 500) -> Outcome:
     return out
 
 
+async def nats_node_fault(tmp: Path, n: int = 8, tokens: int = 600) -> Outcome:
+    mesh = _mesh(tmp, "nats", nats_nodes=3, workers=2, speed=1.0)
+    await mesh.start()
+    out = Outcome("NATS node killed (3-node cluster, R3)")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+            base = await asyncio.gather(*(_stream(http, mesh.gateway_url, mesh.dev_key, i, tokens) for i in range(n)))
+            out.baseline_e2e = [e2e for _, _, e2e in base]
+            tasks = [asyncio.create_task(_stream(http, mesh.gateway_url, mesh.dev_key, i, tokens)) for i in range(n)]
+            await asyncio.sleep(1.0)
+            out.in_flight = sum(not t.done() for t in tasks)
+            mesh.nats_nodes[1].kill()
+            results = await asyncio.gather(*tasks)
+        _tally(out, [(ev, e2e) for _, ev, e2e in results], tokens)
+    finally:
+        mesh.stop()
+    return out
+
+
 async def metering_fault(tmp: Path, n: int = 1500, tokens: int = 40) -> Outcome:
     mesh = _mesh(tmp, "metering", workers=2, speed=5.0)
     await mesh.start()
@@ -190,7 +210,8 @@ def _tally(out: Outcome, results: list[tuple[list[tuple[str, str]], float]], tok
 
 async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        outcomes = [await worker_fault(Path(tmp)), await gateway_fault(Path(tmp)), await metering_fault(Path(tmp))]
+        outcomes = [await worker_fault(Path(tmp)), await gateway_fault(Path(tmp)), await nats_node_fault(Path(tmp)),
+                    await metering_fault(Path(tmp))]
     print("| fault | in flight when struck | completed | explicit error | lost | extra E2E p50 ms | extra E2E p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for o in outcomes:

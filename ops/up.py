@@ -24,7 +24,7 @@ from typing import Any
 
 from bus import Bus, BusSettings, provision
 
-from .natsserver import NatsServer, free_port
+from .natsserver import NatsServer, cluster, free_port
 
 
 @dataclass
@@ -73,6 +73,7 @@ class ServiceProcess:
 class MeshConfig:
     state_dir: Path = Path(".meshserve")
     nats_port: int = 4222
+    nats_nodes: int = 1  # 3: a local JetStream cluster, every stream and bucket R3
     http_port: int = 8080
     root: str = "mesh"
     model: str = "sim-llama-8b"
@@ -87,30 +88,41 @@ class MeshConfig:
 
 
 class Mesh:
-    """A local mesh of real processes on one nats-server."""
+    """A local mesh of real processes on one nats-server (or a JetStream cluster of them)."""
 
     def __init__(self, config: MeshConfig) -> None:
         self.config = config
         self.state_dir = Path(config.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
-        self.nats = NatsServer(
-            store_dir=self.state_dir / "nats", port=config.nats_port or free_port(), log_file=self.log_dir / "nats.log"
-        )
+        if config.nats_nodes > 1:
+            self.nats_nodes = cluster(self.state_dir / "nats", config.nats_nodes)
+            for i, node in enumerate(self.nats_nodes):
+                node.log_file = self.log_dir / f"nats-{i}.log"
+        else:
+            self.nats_nodes = [NatsServer(store_dir=self.state_dir / "nats", port=config.nats_port or free_port(),
+                                          log_file=self.log_dir / "nats.log")]
+        self.nats = self.nats_nodes[0]
         self.processes: list[ServiceProcess] = []
         self.dev_key = ""
 
     @property
     def nats_url(self) -> str:
+        """The first node's URL (a single URL, what plain NATS clients take)."""
         return self.nats.url
 
     @property
+    def replicas(self) -> int:
+        return 3 if len(self.nats_nodes) >= 3 else 1
+
+    @property
     def settings(self) -> BusSettings:
-        return BusSettings(servers=(self.nats_url,), root=self.config.root)
+        return BusSettings(servers=tuple(n.url for n in self.nats_nodes), root=self.config.root, js_replicas=self.replicas)
 
     def env(self) -> dict[str, str]:
         env = {
             **os.environ,
-            "MESHSERVE_NATS_URL": self.nats_url,
+            "MESHSERVE_NATS_URL": ",".join(n.url for n in self.nats_nodes),
+            "MESHSERVE_JS_REPLICAS": str(self.replicas),
             "MESHSERVE_ROOT": self.config.root,
             "PYTHONUNBUFFERED": "1",
             **self.config.extra_env,
@@ -162,10 +174,11 @@ class Mesh:
 
     async def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.nats.start()
+        for node in self.nats_nodes:
+            node.start()
         bus = await Bus.open(self.settings, "meshserve-up", initial_attempts=50)
         try:
-            await provision(bus.js, bus.subjects)
+            await self._provision(bus, timeout)
             env = self.env()
             self.processes = self.plan()
             for process in self.processes:
@@ -179,6 +192,18 @@ class Mesh:
                 await self.wait_gateway_ready(timeout)
         finally:
             await bus.close()
+
+    async def _provision(self, bus: Bus, timeout: float) -> None:
+        """Provision streams and buckets; a fresh cluster first needs a JetStream meta leader."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await provision(bus.js, bus.subjects, replicas=self.replicas)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.3)
 
     async def wait_gateway_ready(self, timeout: float) -> None:
         """Until the gateway's /readyz says a worker serves some model."""
@@ -236,11 +261,13 @@ class Mesh:
                 p.terminate()
             for p in group:
                 codes[p.label] = p.wait(timeout)
-        self.nats.stop()
+        for node in self.nats_nodes:
+            node.stop()
         return codes
 
     def summary(self) -> list[tuple[str, str, str]]:
-        rows = [("nats-server", self.nats_url, str(self.nats.log_file))]
+        rows = [(f"nats-server-{i}" if len(self.nats_nodes) > 1 else "nats-server", n.url, str(n.log_file))
+                for i, n in enumerate(self.nats_nodes)]
         for p in self.processes:
             pid = str(p.proc.pid) if p.proc else "-"
             rows.append((p.label, f"pid {pid}", str(p.log_file)))
