@@ -126,7 +126,7 @@ async def main(messages: int, requests: int) -> None:
             typed = await _request_rate(a, requests * 4, typed=True, concurrency=64)
             rows.append(("request-reply, 64 in flight (req/s)", raw, typed))
 
-            print(f"| operation | raw nats-py | meshserve bus | bus / raw |\n|---|---:|---:|---:|")
+            print("| operation | raw nats-py | meshserve bus | bus / raw |\n|---|---:|---:|---:|")
             for name, r, t in rows:
                 print(f"| {name} | {r:,.0f} | {t:,.0f} | {t / r:.2f} |")
             await a.close()
