@@ -155,7 +155,7 @@ async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace) -> dic
         MeshConfig(state_dir=state, nats_port=0, http_port=free_port(), model=MODEL, workers=args.workers,
                    speed=args.speed, worker_args=worker_args, services=("worker", "gateway", "router"),
                    gateway_args=["--admission-unreachable", "open"]),
-        {"router": ["--policy", policy]},
+        {"router": ["--policy", policy, *(["--config", args.router_config] if args.router_config else [])]},
     )
     await mesh.start(timeout=120)
     bus = await Bus.open(mesh.settings, "bench-routing", initial_attempts=20)
@@ -232,6 +232,7 @@ async def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT bound of goodput, simulated seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--router-config", default=None, help="router config file (e.g. the prefix policy's beta)")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     args = parser.parse_args()
     scenarios = list(SCENARIOS.values()) if args.scenario == "all" else [SCENARIOS[args.scenario]]
