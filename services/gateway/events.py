@@ -47,7 +47,8 @@ class EventBuilder:
         rid = response_id("chat" if kind == "chat" else "completion", request_id)
         self.kind = kind
         self.chat = ChatStream(rid, model, created, include_usage) if kind == "chat" else None
-        self.completion = CompletionStream(rid, model, created, include_usage) if kind != "chat" else None
+        # Both builders share content/finish/usage; only chat has a role delta.
+        self.stream: ChatStream | CompletionStream = self.chat or CompletionStream(rid, model, created, include_usage)
         self.include_usage = include_usage
 
     def events(self, chunk: TokenChunk, first: bool) -> list[StreamEvent]:
@@ -56,29 +57,17 @@ class EventBuilder:
         if chunk.error is not None:
             error = from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
             if chunk.text:
-                datas.append(self._content(chunk.text))
+                datas.append(self.stream.content(chunk.text))
             datas.append(error_json(error.message, error.type, error.param, error.code))
             datas.append(DONE)
         else:
             if first and self.chat is not None:
                 datas.append(self.chat.role())
             if chunk.text:
-                datas.append(self._content(chunk.text))
+                datas.append(self.stream.content(chunk.text))
             if chunk.finish_reason is not None:
-                datas.append(self._finish(chunk.finish_reason))
+                datas.append(self.stream.finish(chunk.finish_reason))
                 if self.include_usage and chunk.usage is not None:
-                    datas.append(self._usage(chunk))
+                    datas.append(self.stream.usage(usage_from_proto(chunk.usage)))
                 datas.append(DONE)
         return [StreamEvent(chunk.seq, i, d) for i, d in enumerate(datas)]
-
-    def _content(self, text: str) -> bytes:
-        return self.chat.content(text) if self.chat is not None else self.completion.content(text)  # type: ignore[union-attr]
-
-    def _finish(self, reason: str) -> bytes:
-        return self.chat.finish(reason) if self.chat is not None else self.completion.finish(reason)  # type: ignore[union-attr]
-
-    def _usage(self, chunk: TokenChunk) -> bytes:
-        assert chunk.usage is not None
-        u = usage_from_proto(chunk.usage)
-        return self.chat.usage(u) if self.chat is not None else self.completion.usage(u)  # type: ignore[union-attr]
-

@@ -37,6 +37,7 @@ from proto import (
     AdmissionRequest,
     ApiKeyRecord,
     ErrorCode,
+    ErrorInfo,
     GenerateRequest,
     MeshError,
     RemoteError,
@@ -230,8 +231,6 @@ class Execution:
         return self._prior_tokens + self.segment_tokens
 
     def _error_chunk(self, code: ErrorCode, message: str) -> TokenChunk:
-        from proto import ErrorInfo
-
         return TokenChunk(request_id=self.request_id, seq=self.stream.next_seq, finish_reason="error",
                           error=ErrorInfo(code=code.value, message=message))
 
@@ -566,20 +565,22 @@ class GatewayService(Service):
             self.finish(execution)
 
     async def _unary(self, execution: Execution, request: NormalizedRequest) -> web.Response:
+        body = await self._collect(execution, request)
+        return web.Response(body=body, content_type="application/json", headers={"X-Request-Id": execution.request_id})
+
+    async def _collect(self, execution: Execution, request: NormalizedRequest) -> bytes:
+        """The whole non-streamed response body (any API); an error chunk raises ApiError."""
         text: list[str] = []
         async for chunk in execution.chunks():
             if chunk.error is not None:
-                err = from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
-                return _error_response(err)
+                raise from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
             text.append(chunk.text)
         final = execution.final
         assert final is not None
         usage = usage_from_proto(final.usage) if final.usage else None
         rid = response_id(request.kind, execution.request_id)
         build = chat_completion if request.kind == "chat" else text_completion
-        body = build(rid, request.requested_model, int(time.time()), "".join(text), final.finish_reason, usage)
-        return web.Response(body=encode_json(body), content_type="application/json",
-                            headers={"X-Request-Id": execution.request_id})
+        return encode_json(build(rid, request.requested_model, int(time.time()), "".join(text), final.finish_reason, usage))
 
     async def _sse(self, http: web.Request, execution: Execution, request: NormalizedRequest) -> web.StreamResponse:
         response = web.StreamResponse(headers={
@@ -823,12 +824,10 @@ class GatewayService(Service):
             return
         try:
             if not request.stream:
-                response = await self._unary(execution, request)
-                if response.status >= 400:
-                    await nc.publish(msg.reply, response.body, headers={  # type: ignore[arg-type]
-                        "Nats-Service-Error": "request failed", "Nats-Service-Error-Code": str(response.status)})
-                else:
-                    await nc.publish(msg.reply, response.body)  # type: ignore[arg-type]
+                try:
+                    await nc.publish(msg.reply, await self._collect(execution, request))
+                except ApiError as exc:
+                    await nc.publish(msg.reply, exc.to_json(), headers=_nats_error_headers(exc))
                 return
             builder = EventBuilder(request.kind, execution.request_id, request.requested_model, int(time.time()), request.include_usage)
             async for chunk in execution.chunks():
