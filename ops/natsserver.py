@@ -100,13 +100,13 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.store_dir / f"{self.server_name}.conf"
         config.write_text(self.config_text())
-        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
-        self._proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT if self.log_file else subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C in a terminal reaches meshserve, which stops us in order
-        )
+        with open(self.log_file or os.devnull, "ab") as out:  # the child keeps its own descriptor
+            self._proc = subprocess.Popen(
+                [nats_server_binary(), "-c", str(config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal reaches meshserve, which stops us in order
+            )
         if wait:
             wait_for_port(self.host, self.port)
         return self

@@ -46,6 +46,7 @@ from proto import (
     UsageEvent,
     WorkerGauge,
     WorkerInfo,
+    encode,
     unpack_tokens,
     usage_dedup_id,
 )
@@ -390,8 +391,6 @@ class WorkerService(Service):
     async def _heartbeat(self) -> None:
         if self._kv is None or self._info is None:
             return
-        from proto import encode
-
         self._info.state = self.state  # type: ignore[assignment]
         self._info.heartbeat_at = time.time()
         with contextlib.suppress(Exception):
