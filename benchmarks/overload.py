@@ -70,6 +70,8 @@ async def run_case(with_admission: bool, args: argparse.Namespace) -> dict[str, 
     state = Path(tempfile.mkdtemp(prefix="meshserve-bench-overload-"))
     extra: dict[str, list[str]] = {"worker": ["--max-model-len", "16384", "--gauge-interval", "0.1",
                                               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]}
+    if args.router_config:
+        extra["router"] = ["--config", args.router_config]
     services: tuple[str, ...] = ("worker", "gateway", "router")
     if with_admission:
         tiers = {name: {"ttft_slo_s": slo / args.speed, "priority": prio} for name, (slo, prio) in TIERS.items()}
@@ -162,6 +164,7 @@ async def main() -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cases", default="off,on", help="admission off, on, or both")
+    parser.add_argument("--router-config", default=None, help="router config file (e.g. the prefix policy's beta)")
     args = parser.parse_args()
     cases = []
     for name in args.cases.split(","):

@@ -259,8 +259,9 @@ class Mesh:
             group = [p for p in self.processes if order.get(p.name, 9) == rank]
             for p in group:
                 p.terminate()
+            deadline = time.monotonic() + timeout  # one deadline for the group: they drain in parallel
             for p in group:
-                codes[p.label] = p.wait(timeout)
+                codes[p.label] = p.wait(max(deadline - time.monotonic(), 0.1))
         for node in self.nats_nodes:
             node.stop()
         return codes

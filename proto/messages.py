@@ -241,6 +241,9 @@ class AdmissionDecision(Struct, kw_only=True, omit_defaults=True):
     predicted_ttft: float | None = None
     reserved_tokens: int = 0
     message: str = ""
+    # The replica the SLO prediction was made for (admitted requests): admission counts
+    # the request on it until its gauges do, and the gateway passes it to the router.
+    worker_id: str = ""
 
 
 class RouteRequest(Struct, kw_only=True, omit_defaults=True):
@@ -249,6 +252,9 @@ class RouteRequest(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
     request: GenerateRequest
     exclude_workers: list[str] = []  # e.g. a worker that died under this request
+    # Admission's replica (AdmissionDecision.worker_id): the TTFT it promised holds there.
+    # The prefix policy keeps it unless it costs clearly more than the best (a hint).
+    prefer_worker: str = ""
 
 
 class Placement(Struct, kw_only=True, omit_defaults=True):

@@ -87,8 +87,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="prompt tokens (shared-prefix: the distinct suffix; multi-turn: each user message)")
     g.add_argument("--output-tokens", default="128", metavar="DIST", help="max_tokens (with ignore_eos)")
     g.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: number of system prompts")
-    g.add_argument("--prefix-tokens", type=int, default=0,
-                   help="shared-prefix: tokens per shared prompt; multi-turn: system prompt tokens")
+    g.add_argument("--prefix-tokens", default="0", metavar="DIST",
+                   help="shared-prefix: tokens per shared prompt (a distribution, one draw per prompt, "
+                        "e.g. uniform:1024:2048); multi-turn: system prompt tokens")
     g.add_argument("--turns", default="4", metavar="DIST", help="multi-turn: turns per session")
     g.add_argument("--think-time", default="0", metavar="DIST", help="multi-turn: s between turns")
     g.add_argument("--history", choices=("synthetic", "actual"), default="synthetic",

@@ -66,7 +66,9 @@ class WorkloadConfig:
     input_tokens: str = "512"       # distribution spec (the suffix for shared-prefix,
     output_tokens: str = "128"      # each user message for multi-turn)
     prefix_groups: int = 4
-    prefix_tokens: int = 0          # shared-prefix: P; multi-turn: system prompt tokens
+    # shared-prefix: P, a distribution (each group draws one length); multi-turn: the
+    # system prompt's tokens (a fixed number)
+    prefix_tokens: int | str = 0
     turns: str = "4"
     think_time: str = "0"
     history: str = "synthetic"      # multi-turn history: synthetic | actual (real replies)
@@ -85,12 +87,16 @@ class WorkloadConfig:
         if self.kind == "random":
             return RandomWorkload(text, inp, out, seed)
         if self.kind == "shared-prefix":
-            if self.prefix_tokens <= 0:
+            prefix = LengthDist.parse(self.prefix_tokens)
+            if prefix.mean <= 0:
                 raise ValueError("shared-prefix needs --prefix-tokens > 0")
-            return SharedPrefixWorkload(text, self.prefix_groups, self.prefix_tokens, inp, out, seed)
+            return SharedPrefixWorkload(text, self.prefix_groups, prefix, inp, out, seed)
         if self.kind == "multi-turn":
+            system = LengthDist.parse(self.prefix_tokens)
+            if system.kind != "fixed":
+                raise ValueError("multi-turn takes a fixed --prefix-tokens (the system prompt's length)")
             return MultiTurnWorkload(text, LengthDist.parse(self.turns), inp, out,
-                                     LengthDist.parse(self.think_time), self.prefix_tokens, seed)
+                                     LengthDist.parse(self.think_time), round(system.a), seed)
         if not self.trace:
             raise ValueError("the trace workload needs a trace file (--trace)")
         return TraceWorkload(load_trace(self.trace, self.trace_time_unit), text, seed,

@@ -258,11 +258,15 @@ class RandomWorkload:
 
 @dataclass
 class SharedPrefixWorkload:
-    """G system prompts of P tokens, each shared by many requests with distinct suffixes."""
+    """G system prompts of P tokens, each shared by many requests with distinct suffixes.
+
+    P is a distribution: each group draws its prompt's length once (from its own seed),
+    so ``uniform:1024:2048`` gives G prompts of different lengths in that range.
+    """
 
     text: TextFactory
     groups: int
-    prefix_tokens: int
+    prefix_tokens: LengthDist
     input_tokens: LengthDist  # the distinct suffix
     output_tokens: LengthDist
     seed: int = 0
@@ -279,7 +283,8 @@ class SharedPrefixWorkload:
 
     def prefix(self, g: int) -> tuple[str, int]:
         if g not in self._prefixes:
-            text = self.text.text(self.prefix_tokens, _rng(self.seed, _TAG_PREFIX, g))
+            rng = _rng(self.seed, _TAG_PREFIX, g)
+            text = self.text.text(self.prefix_tokens.sample_int(rng), rng)
             self._prefixes[g] = (text, self.text.count(text))
         return self._prefixes[g]
 
@@ -295,7 +300,7 @@ class SharedPrefixWorkload:
                        system_tokens=system_tokens, group=g)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "groups": self.groups, "prefix_tokens": self.prefix_tokens,
+        return {"kind": self.kind, "groups": self.groups, "prefix_tokens": str(self.prefix_tokens),
                 "suffix_tokens": str(self.input_tokens), "output_tokens": str(self.output_tokens),
                 "tokenizer": self.text.name}
 

@@ -64,6 +64,7 @@ class AdmissionPolicy:
             admitted=True,
             predicted_ttft=verdict.predicted_ttft,
             reserved_tokens=quota.reserved_tokens,
+            worker_id=verdict.worker_id or "",
         ), verdict
 
     def on_usage(self, ev: UsageEvent, now: float) -> int | None:

@@ -466,7 +466,7 @@ class GatewayService(Service):
         try:
             await self._record(record)
             with tracer.start_as_current_span("gateway.route"):
-                placement = await self.path.place(RouteRequest(request=generate))
+                placement = await self.path.place(RouteRequest(request=generate, prefer_worker=decision.worker_id))
         except BaseException as exc:
             self.dispatcher.close(request_id)
             self._in_flight -= 1

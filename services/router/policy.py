@@ -19,6 +19,9 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   Hot spots: a replica holding a shared system prompt wins only while its extra load
   (queued prefill + β·running) is smaller than the prompt's cached part, so once its
   load grows by that much others win, prefill the prompt once, and become holders too.
+  Below that point cost alone would leave a cold replica idle beside busy holders for
+  good; a worker whose load average stays under the pool's (``balance_factor``) takes
+  the next request whatever it costs, and becomes a holder.
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
   the session key; falls back to ``prefix`` without a key or when the target is
   overloaded (outstanding tokens above ``session_overload_factor`` × the pool mean and
@@ -59,9 +62,17 @@ NoCapacityReason = Literal["unknown_model", "empty_pool", "no_eligible_worker"]
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     policy: PolicyName = "prefix"
-    beta: float = 0.5  # weight of running tokens: they cost decode steps, not prefill
+    # Weight of running tokens, in prefill tokens. A running token slows each decode step
+    # of a request placed beside it by the KV read of one token (~0.06 µs on an H100 for
+    # an 8B model, vs ~70 µs of compute per prefill token), and a running sequence adds
+    # its own per-step cost: over a few hundred output steps that is ~0.1 prefill token
+    # per running token. 0.5 (DESIGN.md's first guess) made a holder with two more
+    # running sequences lose to a replica that must prefill a 4k-token prompt again.
+    beta: float = 0.1
     d: int = 2
-    full_scan_max: int = 4
+    # Pools this small are scanned whole: a few µs per worker, and a placement that
+    # matches admission's prediction (the best replica, not the best of a sample).
+    full_scan_max: int = 16
     max_prefix_candidates: int = 8
     max_alternates: int = 2
     session_vnodes: int = 64
@@ -73,12 +84,29 @@ class PolicyConfig:
     # (in tokens, comparable to the adapter's load time in prefill tokens).
     lora_dynamic: bool = False
     lora_load_penalty_tokens: int = 2048
+    # Anti-herding (prefix policy): a worker whose load average (``WorkerView.load_avg``)
+    # is below the eligible pool's mean / ``balance_factor`` while its current load is
+    # at most the pool's current mean is underused, and takes the request even if a
+    # cache holder costs less. Cost alone never sends a hot prompt to a cold replica
+    # while its holders are only moderately busy (the prefill looks expensive), so a
+    # replica can sit idle beside busy ones; this warms it. Off below a pool mean of
+    # ``balance_min_tokens`` (an idle pool needs no balancing) and with factor 0.
+    balance_factor: float = 1.3
+    balance_min_tokens: int = 2048
+    # Admission predicted the request's TTFT on one replica, counted it there, and
+    # admitted it because that prediction met the SLO (``RouteQuery.prefer_worker``).
+    # The prefix policy keeps that replica while its cost is within this many tokens of
+    # the best one's: the two differ mainly by the β·running term, which admission does
+    # not weigh, and placing elsewhere can break the TTFT admission promised. 0: ignore.
+    prefer_slack_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; expected one of {POLICIES}")
         if self.d < 1 or self.beta < 0 or self.session_vnodes < 1:
             raise ValueError("d and session_vnodes must be ≥ 1 and beta ≥ 0")
+        if self.balance_factor != 0 and self.balance_factor < 1:
+            raise ValueError("balance_factor must be 0 (off) or ≥ 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +155,8 @@ class RouteQuery:
     text: str | None = None  # the request text, if the caller has it (cascade keywords)
     # Output tokens to account for on the chosen worker; max_tokens when unknown.
     expected_output_tokens: int | None = None
+    # Admission's replica (RouteRequest.prefer_worker): see PolicyConfig.prefer_slack_tokens.
+    prefer_worker: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -142,7 +172,7 @@ class RouteQuery:
         return cls(request_id=request_id, model=model, prompt=pack_prompt(prompt), **kw)  # type: ignore[arg-type]
 
     @classmethod
-    def from_generate(cls, req: GenerateRequest) -> RouteQuery:
+    def from_generate(cls, req: GenerateRequest, prefer_worker: str | None = None) -> RouteQuery:
         # A migrated request resumes with the output so far appended to its prompt.
         prompt = req.prompt + req.prior_output if req.prior_output else req.prompt
         return cls(
@@ -152,6 +182,7 @@ class RouteQuery:
             max_tokens=req.sampling.max_tokens,
             lora=req.lora,
             session_key=req.session_key,
+            prefer_worker=prefer_worker,
         )
 
 
@@ -432,9 +463,50 @@ class Router:
                 others = eligible
             pick.extend(self.rng.sample(others, min(cfg.d, len(others))))
         (cost, best), rest = self._pick([(ctx.prefix_cost(w), w) for w in pick], cfg.max_alternates)
+        preferred = self._preferred(eligible, ctx, cost, best)
+        under = [] if preferred is not None else self._underused(eligible, cfg)
+        if preferred is not None:
+            alternates = [(cost, best), *(cw for cw in rest if cw[1] is not preferred)][: cfg.max_alternates]
+            best, cost, rest = preferred, ctx.prefix_cost(preferred), alternates
+            note = _join(note, "admission's replica")
+        elif under and best not in under:
+            ctx.ensure(under)
+            alternates = [(cost, best), *rest][: cfg.max_alternates]
+            (cost, best), _ = self._pick([(ctx.prefix_cost(w), w) for w in under], 0)
+            note = _join(note, f"{best.worker_id} underused")
+            rest = alternates
         return ctx.decision(
             model, policy, ctx.candidate(best, cost), [ctx.candidate(w, c) for c, w in rest], note
         )
+
+    @staticmethod
+    def _preferred(eligible: Sequence[WorkerView], ctx: _Ctx, best_cost: float, best: WorkerView) -> WorkerView | None:
+        """Admission's replica, when it is eligible and within the slack of the best."""
+        wid, slack = ctx.q.prefer_worker, ctx.cfg.prefer_slack_tokens
+        if not wid or slack <= 0 or wid == best.worker_id:
+            return None
+        w = next((w for w in eligible if w.worker_id == wid), None)
+        if w is None:
+            return None
+        ctx.ensure([w])
+        return w if ctx.prefix_cost(w) <= best_cost + slack else None
+
+    @staticmethod
+    def _underused(eligible: Sequence[WorkerView], cfg: PolicyConfig) -> list[WorkerView]:
+        """Workers left underused by cache affinity (see ``PolicyConfig.balance_factor``)."""
+        if not cfg.balance_factor or len(eligible) < 2:
+            return []
+        avgs = [w.load_avg for w in eligible]
+        mean_avg = sum(a or 0.0 for a in avgs) / len(eligible)
+        if mean_avg < cfg.balance_min_tokens:
+            return []
+        mean_now = sum(w.outstanding_tokens for w in eligible) / len(eligible)
+        floor = mean_avg / cfg.balance_factor
+        return [
+            w
+            for w, a in zip(eligible, avgs, strict=True)
+            if a is not None and a < floor and w.outstanding_tokens <= mean_now
+        ]
 
     def _session(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
         key = ctx.q.session_key

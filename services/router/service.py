@@ -435,7 +435,7 @@ class RouterService(Service):
 
     async def _place(self, route: RouteRequest) -> Decision:
         request = route.request
-        query = RouteQuery.from_generate(request)
+        query = RouteQuery.from_generate(request, prefer_worker=route.prefer_worker or None)
         exclude = list(route.exclude_workers)
         decision = self._decide(query, exclude)
         try:

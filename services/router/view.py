@@ -16,6 +16,7 @@ asks it for a ``KvSnapshot`` and hands it to ``apply_snapshot``.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -50,6 +51,10 @@ class ViewConfig:
     # Blocks hashed per step of the lazy prefix walk; doubles each step up to the max.
     hash_chunk_blocks: int = 16
     hash_chunk_max: int = 1024
+    # Time constant of each worker's load average (outstanding tokens, from its gauges):
+    # long enough to smooth one request's arrival and departure, short enough to see a
+    # worker that a cache-affine policy has left idle within a few seconds.
+    load_avg_window_s: float = 10.0
 
     @property
     def kv_config(self) -> KvIndexConfig:
@@ -86,6 +91,8 @@ class WorkerView:
     placements: dict[str, _Placement] = field(default_factory=dict)
     opt_prefill_tokens: int = 0
     opt_running_tokens: int = 0
+    # exponentially weighted mean of the gauges' outstanding tokens (None: no gauge yet)
+    load_avg: float | None = None
 
     # ---- KV cache mirror (held by the pool's KvIndex) ----
     @property
@@ -315,6 +322,7 @@ class RouterView:
     def _reset_worker(self, pool: Pool, w: WorkerView) -> None:
         pool.kv.reset(w.kv)
         w.gauge = None
+        w.load_avg = None
         self._drop_placements(w, len(w.placements))
 
     # ---- gauges and optimistic accounting ----
@@ -324,6 +332,12 @@ class RouterView:
         w.last_seen = max(w.last_seen, now)
         if w.gauge is not None and gauge.ts < w.gauge.ts:
             return False  # reordered delivery: the newer gauge stays
+        x = float(gauge.queued_prefill_tokens + gauge.running_tokens)
+        if w.load_avg is None or w.gauge is None:
+            w.load_avg = x
+        else:
+            dt = max(now - w.gauge_received_at, 0.0)
+            w.load_avg += (1.0 - math.exp(-dt / self.config.load_avg_window_s)) * (x - w.load_avg)
         w.gauge = gauge
         w.gauge_received_at = now
         # The gauge now carries every placement made long enough before it arrived.

@@ -65,7 +65,7 @@ def test_random_workload_exact_and_deterministic() -> None:
 
 
 def test_shared_prefix_workload() -> None:
-    wl = SharedPrefixWorkload(BYTE, groups=3, prefix_tokens=100, input_tokens=LengthDist.parse("20"),
+    wl = SharedPrefixWorkload(BYTE, groups=3, prefix_tokens=LengthDist.parse("100"), input_tokens=LengthDist.parse("20"),
                               output_tokens=LengthDist.parse("8"), seed=1)
     sessions = [wl.session(i) for i in range(40)]
     prefixes = {s.system for s in sessions}
@@ -77,6 +77,20 @@ def test_shared_prefix_workload() -> None:
     assert len({s.turns[0].user for s in sessions}) == 40  # distinct suffixes
     body = build_body("completions", "m", sessions[0], 0)
     assert len(body["prompt"].encode()) == 120 and body["prompt"].startswith(sessions[0].system)
+
+
+def test_shared_prefix_lengths_drawn_once_per_group() -> None:
+    wl = WorkloadConfig(kind="shared-prefix", prefix_groups=6, prefix_tokens="uniform:50:150",
+                        input_tokens="10", output_tokens="4").build(seed=3)
+    assert isinstance(wl, SharedPrefixWorkload)
+    lengths = {s.group: s.system_tokens for s in (wl.session(i) for i in range(80))}
+    assert len(lengths) == 6 and all(50 <= n <= 150 for n in lengths.values())
+    assert len(set(lengths.values())) > 1  # the groups differ
+    again = WorkloadConfig(kind="shared-prefix", prefix_groups=6, prefix_tokens="uniform:50:150",
+                           input_tokens="10", output_tokens="4").build(seed=3)
+    assert {g: again.prefix(g)[1] for g in lengths} == lengths  # reproducible per seed
+    with pytest.raises(ValueError, match="fixed"):
+        WorkloadConfig(kind="multi-turn", prefix_tokens="uniform:1:9").build(seed=0)
 
 
 def test_multi_turn_sessions_and_bodies() -> None:

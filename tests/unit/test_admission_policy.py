@@ -57,6 +57,7 @@ def test_admitted_request_reserves_its_pessimistic_estimate() -> None:
     assert d.reason is None
     assert d.reserved_tokens == 1500
     assert d.predicted_ttft == pytest.approx(0.15)
+    assert d.worker_id == IDLE[0].worker_id  # the replica of the prediction: the router's hint
     assert p.limiter.bucket("key:k1:tpm").available(0.0) == 18_500  # type: ignore[union-attr]
 
 

@@ -172,5 +172,14 @@ def test_control_pure_affinity_herds(monkeypatch: pytest.MonkeyPatch) -> None:
     import services.router.policy as policy
 
     monkeypatch.setattr(policy._Ctx, "prefix_cost", lambda self, w: self.prompt_tokens - self.cached(w))
-    samples, _ = simulate(PolicyConfig(policy="prefix"), 2, rate=30.0)
+    samples, _ = simulate(PolicyConfig(policy="prefix", balance_factor=0), 2, rate=30.0)
     assert imbalance(samples) > 1.5
+
+
+@pytest.mark.parametrize(("rate", "seed"), [(10.0, 1), (10.0, 3), (15.0, 3)])
+def test_balance_rule_warms_replicas_cost_alone_leaves_cold(rate: float, seed: int) -> None:
+    """At moderate load the cost alone keeps a cold replica cold (its prefill looks too
+    expensive while the holders are only moderately busy); the underuse rule warms it."""
+    cold, _ = simulate(PolicyConfig(policy="prefix", balance_factor=0), seed, rate=rate)
+    warm, _ = simulate(PolicyConfig(policy="prefix"), seed, rate=rate)
+    assert imbalance(warm) <= 1.5 < imbalance(cold)

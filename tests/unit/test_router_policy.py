@@ -173,6 +173,68 @@ def test_prefix_running_tokens_weigh_beta() -> None:
     assert decided(router(v, "prefix", beta=1.0).decide(q(), 0.5)).worker_id == "llama-1"
 
 
+def _hold_loads(v: RouterView, loads: dict[str, int], seconds: float = 30.0) -> None:
+    """Gauges every second for ``seconds``: each worker's load average settles at its load."""
+    for t in range(1, int(seconds) + 1):
+        for wid, running in loads.items():
+            set_load(v, wid, running=running, ts=float(t), now=float(t))
+
+
+def test_prefix_sends_to_an_underused_worker_despite_the_cache() -> None:
+    v = make_view(4)
+    for i in range(3):
+        cache(v, f"llama-{i}", SYSTEM)
+    _hold_loads(v, {"llama-0": 6000, "llama-1": 6000, "llama-2": 6000, "llama-3": 0})
+    prompt = [*SYSTEM, *range(100)]
+    # cost alone: a holder (100 + 0.1·6000 = 700) beats the cold one (2148)
+    assert decided(router(v, balance_factor=0).decide(q(prompt=prompt), 31.0)).worker_id != "llama-3"
+    d = decided(router(v).decide(q(prompt=prompt), 31.0))
+    assert (d.worker_id, d.cached_tokens) == ("llama-3", 0)
+    assert "llama-3 underused" in d.note
+    assert {a.worker_id for a in d.alternates} <= {"llama-0", "llama-1", "llama-2"}
+    assert d.alternates  # a refusal retries on the best holder
+
+
+def test_underused_needs_a_low_average_and_a_low_current_load() -> None:
+    v = make_view(4)
+    for i in range(3):
+        cache(v, f"llama-{i}", SYSTEM)
+    prompt = [*SYSTEM, *range(100)]
+    # an idle pool needs no balancing: the mean load average is under balance_min_tokens
+    _hold_loads(v, {"llama-0": 1500, "llama-1": 1500, "llama-2": 1500, "llama-3": 0})
+    assert decided(router(v).decide(q(prompt=prompt), 31.0)).worker_id != "llama-3"
+    # a low average but a burst placed on it right now: not underused any more
+    v = make_view(4)
+    for i in range(3):
+        cache(v, f"llama-{i}", SYSTEM)
+    _hold_loads(v, {"llama-0": 6000, "llama-1": 6000, "llama-2": 6000, "llama-3": 0})
+    r = router(v)
+    first = decided(r.place(q("a", prompt=prompt), 31.0))
+    assert first.worker_id == "llama-3"
+    # after the second one its current load (2 × 4312 tokens) is above the pool's mean
+    assert decided(r.place(q("b", prompt=prompt), 31.0)).worker_id == "llama-3"
+    later = [decided(r.place(q(f"c{i}", prompt=prompt), 31.0)).worker_id for i in range(3)]
+    assert "llama-3" not in later
+
+
+def test_prefix_keeps_admissions_replica_within_the_slack() -> None:
+    v = make_view(3)
+    set_load(v, "llama-0", running=20_000)  # cost 64 + 2000
+    set_load(v, "llama-1", queued=500)  # cost 564: the best
+    set_load(v, "llama-2", queued=9000)  # cost 9064
+    r = router(v)
+    d = decided(r.decide(q(prefer_worker="llama-0"), 0.5))
+    assert d.worker_id == "llama-0" and "admission's replica" in d.note
+    assert d.alternates[0].worker_id == "llama-1"  # a refusal falls back to the best
+    # beyond the slack (4096 tokens by default), the router's own best wins
+    assert decided(r.decide(q(prefer_worker="llama-2"), 0.5)).worker_id == "llama-1"
+    # a hint is only a hint: ignored when off, unknown, or not eligible
+    assert decided(router(v, prefer_slack_tokens=0).decide(q(prefer_worker="llama-0"), 0.5)).worker_id == "llama-1"
+    assert decided(r.decide(q(prefer_worker="nope"), 0.5)).worker_id == "llama-1"
+    set_load(v, "llama-0", running=20_000, ts=2.0, draining=True)
+    assert decided(r.decide(q(prefer_worker="llama-0"), 0.5)).worker_id == "llama-1"
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_prefix_holder_is_always_a_candidate_in_a_large_pool(seed: int) -> None:
     v = make_view(64)
