@@ -15,13 +15,17 @@ Latencies are the clients' own, converted to simulated time (× speed) so they r
 an H100 fleet would see them; the admission tiers are scaled the other way (premium
 TTFT SLO 1 s, standard 2 s, simulated; admission aims at 75 % of them, ``--target``).
 Goodput counts requests meeting their tier's
-TTFT bound and TPOT ≤ 100 ms; SLO met is that count over all requests sent (refusals
+TTFT bound and TPOT ≤ 200 ms (``--slo-tpot``); SLO met is that count over all requests sent (refusals
 count as misses: they are the price of keeping the rest inside the SLO) and over the
 requests served. The workers' step budget is 2048 tokens (``--max-num-batched-tokens``,
 vLLM's knob): at saturation every step carries a prefill chunk, so TPOT is about one
 step, ~150 ms simulated; vLLM's 8192 default would make it ~0.6 s.
 
-    .venv/bin/python benchmarks/overload.py
+A third run, ``capacity``, offers 1× capacity with admission off: its goodput is the
+reference that the goodput under overload is compared with.
+
+    .venv/bin/python benchmarks/overload.py                       # capacity, off, on: ~12 min
+    .venv/bin/python benchmarks/overload.py --cases on            # admission alone
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def capacity_per_worker(prompt_tokens: int, output_tokens: int, batch: int = 32)
     return 1.0 / (prompt_tokens * step.per_prefill_token_s + output_tokens * decode_step / batch)
 
 
-async def run_case(with_admission: bool, args: argparse.Namespace) -> dict[str, Any]:
+async def run_case(with_admission: bool, load: float, args: argparse.Namespace) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="meshserve-bench-overload-"))
     extra: dict[str, list[str]] = {"worker": ["--max-model-len", "16384", "--gauge-interval", "0.1",
                                               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]}
@@ -93,7 +97,7 @@ async def run_case(with_admission: bool, args: argparse.Namespace) -> dict[str, 
         keys = {tier: (await create_key(bus, org="bench", tier=tier, name=f"bench {tier}"))[0] for tier in TIERS}
         await asyncio.sleep(1.0)  # the gateway's key watcher sees them
         fleet = capacity_per_worker(args.input_tokens, args.output_tokens) * args.workers * args.speed
-        shares = {"premium": args.premium_share * args.overload, "standard": (1 - args.premium_share) * args.overload}
+        shares = {"premium": args.premium_share * load, "standard": (1 - args.premium_share) * load}
 
         def config(tier: str) -> BenchConfig:
             rate = shares[tier] * fleet
@@ -118,7 +122,7 @@ async def run_case(with_admission: bool, args: argparse.Namespace) -> dict[str, 
         await bus.close()
         mesh.stop(timeout=60)
     runs: dict[str, RunResult] = {t: r.runs[0] for t, r in zip(TIERS, results, strict=True)}
-    return {"admission": with_admission, "fleet_capacity": fleet, "shares": shares, "runs": runs,
+    return {"admission": with_admission, "load": load, "fleet_capacity": fleet, "shares": shares, "runs": runs,
             "admission_stats": admission}
 
 
@@ -128,9 +132,9 @@ def _ms(v: float | None, speed: float) -> str:
 
 def table(cases: list[dict[str, Any]], speed: float) -> str:
     lines = [
-        "| admission | tier | offered req/s | served | refused 429 | other errors | TTFT p50 | p90 | p99 ms "
+        "| load | admission | tier | offered req/s | served | refused 429 | other errors | TTFT p50 | p90 | p99 ms "
         "| TPOT p50 | p99 ms | goodput req/s | SLO met (of sent) | SLO met (of served) |",
-        "|" + " --- |" * 14,
+        "|" + " --- |" * 15,
     ]
     for case in cases:
         for tier, run in case["runs"].items():
@@ -138,7 +142,7 @@ def table(cases: list[dict[str, Any]], speed: float) -> str:
             refused = s.errors.get("429", 0)
             other = ", ".join(f"{k} {v}" for k, v in sorted(s.errors.items()) if k != "429") or "0"
             lines.append(
-                f"| {'on' if case['admission'] else 'off'} | {tier} | {(run.rate or 0) / speed:.1f} "
+                f"| {case['load']:g}× | {'on' if case['admission'] else 'off'} | {tier} | {(run.rate or 0) / speed:.1f} "
                 f"| {s.ok / max(s.requests, 1):.0%} | {refused / max(s.requests, 1):.0%} | {other} "
                 f"| {_ms(s.ttft_ms.p50, speed)} | {_ms(s.ttft_ms.p90, speed)} | {_ms(s.ttft_ms.p99, speed)} "
                 f"| {_ms(s.tpot_ms.p50, speed)} | {_ms(s.tpot_ms.p99, speed)} | {(s.goodput or 0) / speed:.1f} "
@@ -163,12 +167,13 @@ async def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="request timeout, simulated seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--cases", default="off,on", help="admission off, on, or both")
+    parser.add_argument("--cases", default="capacity,off,on",
+                        help="capacity (1× load, admission off: the reference goodput), off, on (both at --overload)")
     parser.add_argument("--router-config", default=None, help="router config file (e.g. the prefix policy's beta)")
     args = parser.parse_args()
     cases = []
     for name in args.cases.split(","):
-        case = await run_case(name == "on", args)
+        case = await run_case(name == "on", 1.0 if name == "capacity" else args.overload, args)
         for tier, run in case["runs"].items():
             c = run.client
             flag = " CLIENT LAGGED: " + "; ".join(c.reasons) if c.lagged else ""
@@ -183,6 +188,12 @@ async def main() -> None:
           f"SLO TTFT premium ≤ {TIERS['premium'][0]} s, standard ≤ {TIERS['standard'][0]} s, "
           f"TPOT ≤ {args.slo_tpot * 1000:.0f} ms; admission target {args.target:g}\n")
     print(table(cases, args.speed), flush=True)
+    totals = [sum((r.summary.goodput or 0) for r in c["runs"].values()) / args.speed for c in cases]
+    reference = next((t for c, t in zip(cases, totals, strict=True) if c["load"] == 1.0 and not c["admission"]), None)
+    print()
+    for c, total in zip(cases, totals, strict=True):
+        ratio = f" = {total / reference:.0%} of the goodput at capacity" if reference else ""
+        print(f"{c['load']:g}× load, admission {'on' if c['admission'] else 'off'}: goodput {total:.1f} req/s{ratio}")
 
 
 if __name__ == "__main__":

@@ -83,9 +83,9 @@ SCENARIOS = {
     # 32 system prompts of 1-2k tokens (49k tokens in all) and short distinct suffixes. A
     # worker holds 1024 blocks = 16k tokens, about 8 prompts beside its running requests:
     # the fleet holds all 32 (2.7 times over) only if each lives on one or two workers.
-    "shared-prefix": Scenario("shared-prefix", 64, "uniform:1024:2048", "uniform:32:128", 64, 2048, 0.8, 160.0),
+    "shared-prefix": Scenario("shared-prefix", 64, "uniform:1024:2048", "uniform:32:128", 64, 2048, 0.8, 120.0),
     # One 2048-token system prompt shared by every request.
-    "hot-spot": Scenario("hot-spot", 1, "2048", "uniform:32:128", 64, 2048, 0.8, 160.0),
+    "hot-spot": Scenario("hot-spot", 1, "2048", "uniform:32:128", 64, 2048, 0.8, 120.0),
 }
 
 

@@ -206,6 +206,9 @@ class Decision:
     alternates: tuple[Candidate, ...] = ()  # next best, for one retry
     requested_model: str = ""
     note: str = ""  # why a fallback happened (cascade class, session overload, ...)
+    # admission's replica (RouteQuery.prefer_worker): "kept", "overridden", or "" (none)
+    hint: str = ""
+    rebalanced: bool = False  # sent to an underused worker (PolicyConfig.balance_factor)
 
     @property
     def prefill_tokens(self) -> int:
@@ -475,9 +478,13 @@ class Router:
             (cost, best), _ = self._pick([(ctx.prefix_cost(w), w) for w in under], 0)
             note = _join(note, f"{best.worker_id} underused")
             rest = alternates
-        return ctx.decision(
+        decision = ctx.decision(
             model, policy, ctx.candidate(best, cost), [ctx.candidate(w, c) for c, w in rest], note
         )
+        hint = ""
+        if ctx.q.prefer_worker and ctx.cfg.prefer_slack_tokens > 0:
+            hint = "kept" if best.worker_id == ctx.q.prefer_worker else "overridden"
+        return replace(decision, hint=hint, rebalanced=bool(under) and best in under)
 
     @staticmethod
     def _preferred(eligible: Sequence[WorkerView], ctx: _Ctx, best_cost: float, best: WorkerView) -> WorkerView | None:

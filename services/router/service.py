@@ -210,6 +210,14 @@ class RouterMetrics:
             "meshserve:router_decision_seconds", "Time of one placement decision", buckets=DECISION_BUCKETS, registry=r
         )
         self.retries = Counter("meshserve:router_retries_total", "Placements moved after a refusal", ["reason"], registry=r)
+        self.admission_hints = Counter(
+            "meshserve:router_admission_hints_total", "Admission's replica kept or overridden by the policy", ["outcome"],
+            registry=r,
+        )
+        self.rebalanced = Counter(
+            "meshserve:router_rebalanced_total", "Placements sent to an underused worker over the cost's choice", ["model"],
+            registry=r,
+        )
         self.errors = Counter("meshserve:router_errors_total", "Route requests answered with an error", ["code"], registry=r)
         self.resyncs = Counter("meshserve:router_kv_resyncs_total", "KV snapshot requests by outcome", ["outcome"], registry=r)
         self.workers = Gauge("meshserve:router_workers", "Workers in the view, by placeability", ["state"], registry=r)
@@ -249,6 +257,8 @@ class RouterService(Service):
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
         self.retried = 0
+        self.hints: dict[str, int] = {}  # admission hint outcome → placements
+        self.rebalanced = 0
         self.failed = 0
         self.resyncs_requested = 0
         self.resyncs_applied = 0
@@ -301,6 +311,8 @@ class RouterService(Service):
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "retries": self.retried,
+            "admission_hints": dict(self.hints),
+            "rebalanced": self.rebalanced,
             "errors": self.failed,
             "resyncs_requested": self.resyncs_requested,
             "resyncs_applied": self.resyncs_applied,
@@ -488,6 +500,12 @@ class RouterService(Service):
         self.metrics.placements.labels(model=d.model, worker=d.worker_id, policy=d.policy).inc()
         self.metrics.prompt_tokens.labels(model=d.model).inc(d.prompt_tokens)
         self.metrics.prefix_hit_tokens.labels(model=d.model).inc(d.cached_tokens)
+        if d.hint:
+            self.hints[d.hint] = self.hints.get(d.hint, 0) + 1
+            self.metrics.admission_hints.labels(outcome=d.hint).inc()
+        if d.rebalanced:
+            self.rebalanced += 1
+            self.metrics.rebalanced.labels(model=d.model).inc()
 
     # ---- metrics endpoint -------------------------------------------------------------
 __all__ = ["POLICIES", "RouterMetrics", "RouterService", "RouterServiceConfig", "load_config", "parse_config"]

@@ -74,6 +74,8 @@ async def _run(mesh: Mesh) -> None:
         assert (second.usage.prompt_tokens_details.cached_tokens or 0) > 0
         (router,) = await stats(bus, "router")
         assert router["placements"] == 2 and router["prefix_hit_tokens"] > 0
+        # admission named its replica for each request and the router kept it
+        assert router["admission_hints"] == {"kept": 2}
 
         async def reconciled() -> bool:
             (adm,) = await stats(bus, "admission")
