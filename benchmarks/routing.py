@@ -73,6 +73,7 @@ class Scenario:
     # default policy (``prefix``), i.e. the highest offered rate at which 90 % of
     # requests meet the SLO, measured with ``--find-capacity`` (BENCHMARKS.md).
     capacity: float
+    capacity_is: str = "the fleet's measured capacity"
 
     @property
     def prompt_tokens(self) -> float:
@@ -86,7 +87,13 @@ SCENARIOS = {
     "shared-prefix": Scenario("shared-prefix", 64, "uniform:1024:2048", "uniform:32:128", 64, 2048, 0.8, 120.0),
     # One 2048-token system prompt shared by every request.
     "hot-spot": Scenario("hot-spot", 1, "2048", "uniform:32:128", 64, 2048, 0.8, 120.0),
+    # The first scenario (24 prompts of 4096 tokens, 512-token suffixes), offered at 80 %
+    # of its no-reuse capacity (21.5 req/s, profile formula): a light load, where no
+    # policy queues and only cache hits tell them apart; and its hot spot. Not in "all".
+    "long-prefix": Scenario("long-prefix", 24, "4096", "512", 64, 2048, 0.8, 21.5, "the no-reuse capacity"),
+    "long-hot-spot": Scenario("long-hot-spot", 1, "4096", "512", 64, 2048, 0.8, 21.5, "the no-reuse capacity"),
 }
+DEFAULT_SCENARIOS = ("shared-prefix", "hot-spot")
 
 
 class BenchMesh(Mesh):
@@ -283,7 +290,8 @@ async def main() -> None:
     parser.add_argument("--router-config", default=None, help="router config file (e.g. the prefix policy's beta)")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     args = parser.parse_args()
-    scenarios = list(SCENARIOS.values()) if args.scenario == "all" else [SCENARIOS[args.scenario]]
+    names = DEFAULT_SCENARIOS if args.scenario == "all" else (args.scenario,)
+    scenarios = [SCENARIOS[n] for n in names]
     if args.find_capacity:
         for sc in scenarios:
             await find_capacity(sc, args.policies.split(",")[0], args)
@@ -301,7 +309,7 @@ async def main() -> None:
         fleet = rows[0]["fleet_capacity"] / args.speed
         print(f"\n{sc.name}: {sc.groups} prompt(s) of {sc.prefix_tokens} tokens + {sc.suffix_tokens}-token suffix, "
               f"{sc.output_tokens} output tokens; {args.workers} workers × {sc.kv_blocks} KV blocks; "
-              f"offered {args.load or sc.load:.0%} of {fleet:.1f} req/s (the fleet's measured capacity; no-reuse "
+              f"offered {args.load or sc.load:.0%} of {fleet:.1f} req/s ({sc.capacity_is}; no-reuse "
               f"capacity {rows[0]['no_reuse'] / args.speed:.1f} req/s), simulated time; speed {args.speed}; "
               f"SLO TTFT ≤ {args.slo_ttft} s, TPOT ≤ {args.slo_tpot * 1000:.0f} ms\n")
         print(table(rows, args.speed), flush=True)

@@ -468,7 +468,7 @@ class Router:
         (cost, best), rest = self._pick([(ctx.prefix_cost(w), w) for w in pick], cfg.max_alternates)
         preferred = self._preferred(eligible, ctx, cost, best)
         under = [] if preferred is not None else self._underused(eligible, cfg)
-        if preferred is not None:
+        if preferred is not None and preferred is not best:
             alternates = [(cost, best), *(cw for cw in rest if cw[1] is not preferred)][: cfg.max_alternates]
             best, cost, rest = preferred, ctx.prefix_cost(preferred), alternates
             note = _join(note, "admission's replica")
@@ -488,10 +488,13 @@ class Router:
 
     @staticmethod
     def _preferred(eligible: Sequence[WorkerView], ctx: _Ctx, best_cost: float, best: WorkerView) -> WorkerView | None:
-        """Admission's replica, when it is eligible and within the slack of the best."""
+        """Admission's replica, when it is eligible and within the slack of the best (which
+        it may be: then the underused rule does not move the request either)."""
         wid, slack = ctx.q.prefer_worker, ctx.cfg.prefer_slack_tokens
-        if not wid or slack <= 0 or wid == best.worker_id:
+        if not wid or slack <= 0:
             return None
+        if wid == best.worker_id:
+            return best
         w = next((w for w in eligible if w.worker_id == wid), None)
         if w is None:
             return None

@@ -193,6 +193,10 @@ def test_prefix_sends_to_an_underused_worker_despite_the_cache() -> None:
     assert "llama-3 underused" in d.note
     assert {a.worker_id for a in d.alternates} <= {"llama-0", "llama-1", "llama-2"}
     assert d.alternates  # a refusal retries on the best holder
+    assert d.rebalanced and not d.hint
+    # admission's replica outranks the rule: its TTFT is what admission promised
+    kept = decided(router(v).decide(q(prompt=prompt, prefer_worker="llama-1"), 31.0))
+    assert (kept.worker_id, kept.hint, kept.rebalanced) == ("llama-1", "kept", False)
 
 
 def test_underused_needs_a_low_average_and_a_low_current_load() -> None:
