@@ -118,6 +118,9 @@ async def run_case(with_admission: bool, load: float, args: argparse.Namespace) 
         if with_admission:
             msg = await bus.nc.request("$SRV.STATS.meshserve-admission", b"", timeout=3)
             admission = json.loads(msg.data)["endpoints"][0]["data"]
+            msg = await bus.nc.request("$SRV.STATS.meshserve-router", b"", timeout=3)
+            router = json.loads(msg.data)["endpoints"][0]["data"]
+            admission["router_admission_hints"] = router.get("admission_hints", {})
     finally:
         await bus.close()
         mesh.stop(timeout=60)

@@ -242,8 +242,10 @@ class AdmissionDecision(Struct, kw_only=True, omit_defaults=True):
     reserved_tokens: int = 0
     message: str = ""
     # The replica the SLO prediction was made for (admitted requests): admission counts
-    # the request on it until its gauges do, and the gateway passes it to the router.
+    # the request on it until its gauges do, and the gateway passes it to the router,
+    # with the prefill tokens the request could wait for on top and still meet its SLO.
     worker_id: str = ""
+    slack_tokens: int = 0
 
 
 class RouteRequest(Struct, kw_only=True, omit_defaults=True):
@@ -252,9 +254,11 @@ class RouteRequest(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
     request: GenerateRequest
     exclude_workers: list[str] = []  # e.g. a worker that died under this request
-    # Admission's replica (AdmissionDecision.worker_id): the TTFT it promised holds there.
-    # The prefix policy keeps it unless it costs clearly more than the best (a hint).
+    # Admission's replica (AdmissionDecision.worker_id), where the TTFT it promised holds,
+    # and its slack: the prefix policy places only where the prefill work ahead of the
+    # request (uncached prompt + queue) exceeds that replica's by at most the slack.
     prefer_worker: str = ""
+    prefer_slack_tokens: int = 0
 
 
 class Placement(Struct, kw_only=True, omit_defaults=True):

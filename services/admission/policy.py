@@ -65,6 +65,7 @@ class AdmissionPolicy:
             predicted_ttft=verdict.predicted_ttft,
             reserved_tokens=quota.reserved_tokens,
             worker_id=verdict.worker_id or "",
+            slack_tokens=verdict.slack_tokens,
         ), verdict
 
     def on_usage(self, ev: UsageEvent, now: float) -> int | None:

@@ -138,6 +138,10 @@ class SloVerdict:
     reason: SloReason | None = None
     retry_after: float = 0.0
     message: str = ""
+    # Admitted: how many more prefill tokens (queue ahead or uncached prompt) the request
+    # could meet on top of the prediction and still pass every check. The router may
+    # place it elsewhere only within that budget (RouteRequest.prefer_slack_tokens).
+    slack_tokens: int = 0
 
 
 class TierMix:
@@ -257,7 +261,7 @@ class SloAdmitter:
         guards = [
             (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now)) for x, k in self._guards(t)
         ]
-        best_ok: tuple[float, ReplicaLoad] | None = None
+        best_ok: tuple[float, ReplicaLoad, float] | None = None
         best_any: tuple[float, ReplicaLoad] | None = None
         least_excess = math.inf
         binding = ""
@@ -268,11 +272,14 @@ class SloAdmitter:
             excess = 0.0
             why = ""
             own_pred = 0.0
+            room = math.inf  # tokens of extra prefill work every check still passes with
             for x, k, share, margin, drain in guards:
                 pred = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
                 if k == 0:
                     own_pred = pred
                 limit = max(cfg.target * margin * x.ttft_slo_s, own * (1 + cfg.long_prompt_slack * margin))
+                # Δ tokens ahead add at most Δ / (rate · drain) seconds (share ≤ 1, drain ≤ 1).
+                room = min(room, (limit - pred) * rate * drain)
                 if pred - limit > excess:
                     excess = pred - limit
                     why = (
@@ -284,12 +291,16 @@ class SloAdmitter:
                 best_any = (own_pred, r)
             if excess <= 0:
                 if best_ok is None or own_pred < best_ok[0]:
-                    best_ok = (own_pred, r)
+                    best_ok = (own_pred, r, room)
             elif excess < least_excess:
                 least_excess, binding = excess, why
         if best_ok is not None:
             return SloVerdict(
-                admitted=True, tier=t.name, predicted_ttft=best_ok[0], worker_id=best_ok[1].worker_id
+                admitted=True,
+                tier=t.name,
+                predicted_ttft=best_ok[0],
+                worker_id=best_ok[1].worker_id,
+                slack_tokens=max(int(best_ok[2]), 0),
             )
         assert best_any is not None
         return SloVerdict(

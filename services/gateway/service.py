@@ -466,7 +466,9 @@ class GatewayService(Service):
         try:
             await self._record(record)
             with tracer.start_as_current_span("gateway.route"):
-                placement = await self.path.place(RouteRequest(request=generate, prefer_worker=decision.worker_id))
+                placement = await self.path.place(RouteRequest(
+                    request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
+                ))
         except BaseException as exc:
             self.dispatcher.close(request_id)
             self._in_flight -= 1

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import random
 import re
 from collections.abc import Collection, Iterable, Sequence
@@ -93,12 +94,13 @@ class PolicyConfig:
     # ``balance_min_tokens`` (an idle pool needs no balancing) and with factor 0.
     balance_factor: float = 1.3
     balance_min_tokens: int = 2048
-    # Admission predicted the request's TTFT on one replica, counted it there, and
-    # admitted it because that prediction met the SLO (``RouteQuery.prefer_worker``).
-    # The prefix policy keeps that replica while its cost is within this many tokens of
-    # the best one's: the two differ mainly by the β·running term, which admission does
-    # not weigh, and placing elsewhere can break the TTFT admission promised. 0: ignore.
-    prefer_slack_tokens: int = 4096
+    # Admission predicted the request's TTFT on one replica and admitted it because that
+    # prediction met the SLO with some slack (``RouteQuery.prefer_worker`` and
+    # ``prefer_slack_tokens``). The prefix policy then chooses only among replicas whose
+    # prefill work ahead of the request (uncached prompt + queue) exceeds that replica's
+    # by at most the slack, so the TTFT admission promised holds wherever it lands; a
+    # lightly loaded fleet leaves a large slack and the cost decides as usual.
+    admission_hints: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -155,8 +157,9 @@ class RouteQuery:
     text: str | None = None  # the request text, if the caller has it (cascade keywords)
     # Output tokens to account for on the chosen worker; max_tokens when unknown.
     expected_output_tokens: int | None = None
-    # Admission's replica (RouteRequest.prefer_worker): see PolicyConfig.prefer_slack_tokens.
+    # Admission's replica and slack (RouteRequest): see PolicyConfig.admission_hints.
     prefer_worker: str | None = None
+    prefer_slack_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -172,7 +175,9 @@ class RouteQuery:
         return cls(request_id=request_id, model=model, prompt=pack_prompt(prompt), **kw)  # type: ignore[arg-type]
 
     @classmethod
-    def from_generate(cls, req: GenerateRequest, prefer_worker: str | None = None) -> RouteQuery:
+    def from_generate(
+        cls, req: GenerateRequest, prefer_worker: str | None = None, prefer_slack_tokens: int = 0
+    ) -> RouteQuery:
         # A migrated request resumes with the output so far appended to its prompt.
         prompt = req.prompt + req.prior_output if req.prior_output else req.prompt
         return cls(
@@ -183,6 +188,7 @@ class RouteQuery:
             lora=req.lora,
             session_key=req.session_key,
             prefer_worker=prefer_worker,
+            prefer_slack_tokens=prefer_slack_tokens,
         )
 
 
@@ -206,7 +212,8 @@ class Decision:
     alternates: tuple[Candidate, ...] = ()  # next best, for one retry
     requested_model: str = ""
     note: str = ""  # why a fallback happened (cascade class, session overload, ...)
-    # admission's replica (RouteQuery.prefer_worker): "kept", "overridden", or "" (none)
+    # admission's replica (RouteQuery.prefer_worker): "kept" (placed there), "moved"
+    # (elsewhere, within its slack), "unavailable" (not eligible now), "" (no hint)
     hint: str = ""
     rebalanced: bool = False  # sent to an underused worker (PolicyConfig.balance_factor)
 
@@ -465,14 +472,15 @@ class Router:
             else:
                 others = eligible
             pick.extend(self.rng.sample(others, min(cfg.d, len(others))))
-        (cost, best), rest = self._pick([(ctx.prefix_cost(w), w) for w in pick], cfg.max_alternates)
-        preferred = self._preferred(eligible, ctx, cost, best)
-        under = [] if preferred is not None else self._underused(eligible, cfg)
-        if preferred is not None and preferred is not best:
-            alternates = [(cost, best), *(cw for cw in rest if cw[1] is not preferred)][: cfg.max_alternates]
-            best, cost, rest = preferred, ctx.prefix_cost(preferred), alternates
-            note = _join(note, "admission's replica")
-        elif under and best not in under:
+        scored = [(ctx.prefix_cost(w), w) for w in pick]
+        hinted, budget = self._hinted(eligible, ctx)
+        if hinted is not None:
+            if all(w is not hinted for _, w in scored):
+                scored.append((ctx.prefix_cost(hinted), hinted))
+            scored = [(c, w) for c, w in scored if ctx.prefill_cost(w) <= budget]  # keeps hinted
+        (cost, best), rest = self._pick(scored, cfg.max_alternates)
+        under = [w for w in self._underused(eligible, cfg) if ctx.prefill_cost(w) <= budget]
+        if under and best not in under:
             ctx.ensure(under)
             alternates = [(cost, best), *rest][: cfg.max_alternates]
             (cost, best), _ = self._pick([(ctx.prefix_cost(w), w) for w in under], 0)
@@ -482,24 +490,21 @@ class Router:
             model, policy, ctx.candidate(best, cost), [ctx.candidate(w, c) for c, w in rest], note
         )
         hint = ""
-        if ctx.q.prefer_worker and ctx.cfg.prefer_slack_tokens > 0:
-            hint = "kept" if best.worker_id == ctx.q.prefer_worker else "overridden"
-        return replace(decision, hint=hint, rebalanced=bool(under) and best in under)
+        if ctx.q.prefer_worker and cfg.admission_hints:
+            hint = "unavailable" if hinted is None else "kept" if best is hinted else "moved"
+        return replace(decision, hint=hint, rebalanced=best in under)
 
     @staticmethod
-    def _preferred(eligible: Sequence[WorkerView], ctx: _Ctx, best_cost: float, best: WorkerView) -> WorkerView | None:
-        """Admission's replica, when it is eligible and within the slack of the best (which
-        it may be: then the underused rule does not move the request either)."""
-        wid, slack = ctx.q.prefer_worker, ctx.cfg.prefer_slack_tokens
-        if not wid or slack <= 0:
-            return None
-        if wid == best.worker_id:
-            return best
+    def _hinted(eligible: Sequence[WorkerView], ctx: _Ctx) -> tuple[WorkerView | None, float]:
+        """Admission's replica if it is eligible, and the prefill work (tokens) a
+        placement may put ahead of the request: its own plus admission's slack."""
+        wid = ctx.q.prefer_worker
+        if not wid or not ctx.cfg.admission_hints:
+            return None, math.inf
         w = next((w for w in eligible if w.worker_id == wid), None)
         if w is None:
-            return None
-        ctx.ensure([w])
-        return w if ctx.prefix_cost(w) <= best_cost + slack else None
+            return None, math.inf
+        return w, ctx.prefill_cost(w) + max(ctx.q.prefer_slack_tokens, 0)
 
     @staticmethod
     def _underused(eligible: Sequence[WorkerView], cfg: PolicyConfig) -> list[WorkerView]:
@@ -592,14 +597,12 @@ class _Ctx:
     def lora_penalty(self, w: WorkerView) -> int:
         return self.cfg.lora_load_penalty_tokens if w.worker_id in self.lora_missing else 0
 
+    def prefill_cost(self, w: WorkerView) -> int:
+        """Prefill tokens ahead of the request's first token on ``w``: what its TTFT grows with."""
+        return self.prompt_tokens - self.cached(w) + w.queued_prefill_tokens
+
     def prefix_cost(self, w: WorkerView) -> float:
-        return (
-            self.prompt_tokens
-            - self.cached(w)
-            + w.queued_prefill_tokens
-            + self.cfg.beta * w.running_tokens
-            + self.lora_penalty(w)
-        )
+        return self.prefill_cost(w) + self.cfg.beta * w.running_tokens + self.lora_penalty(w)
 
     def candidate(self, w: WorkerView, cost: float) -> Candidate:
         return Candidate(w.worker_id, cost, self.cached(w))

@@ -447,7 +447,9 @@ class RouterService(Service):
 
     async def _place(self, route: RouteRequest) -> Decision:
         request = route.request
-        query = RouteQuery.from_generate(request, prefer_worker=route.prefer_worker or None)
+        query = RouteQuery.from_generate(
+            request, prefer_worker=route.prefer_worker or None, prefer_slack_tokens=route.prefer_slack_tokens
+        )
         exclude = list(route.exclude_workers)
         decision = self._decide(query, exclude)
         try:

@@ -74,8 +74,10 @@ async def _run(mesh: Mesh) -> None:
         assert (second.usage.prompt_tokens_details.cached_tokens or 0) > 0
         (router,) = await stats(bus, "router")
         assert router["placements"] == 2 and router["prefix_hit_tokens"] > 0
-        # admission named its replica for each request and the router kept it
-        assert router["admission_hints"] == {"kept": 2}
+        # admission named its replica (and its slack) for each request; the router placed
+        # there or within the slack, never ignoring it
+        hints = router["admission_hints"]
+        assert sum(hints.values()) == 2 and set(hints) <= {"kept", "moved"}, hints
 
         async def reconciled() -> bool:
             (adm,) = await stats(bus, "admission")

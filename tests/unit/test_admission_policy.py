@@ -58,6 +58,10 @@ def test_admitted_request_reserves_its_pessimistic_estimate() -> None:
     assert d.reserved_tokens == 1500
     assert d.predicted_ttft == pytest.approx(0.15)
     assert d.worker_id == IDLE[0].worker_id  # the replica of the prediction: the router's hint
+    # its slack: the binding check is premium's, 0.8 × 1 s, against 0.15 s predicted, at
+    # 10k tokens/s: 6,500 more prefill tokens ahead would still pass
+    assert d.slack_tokens == 6500
+    assert p.check(req("r2"), BUSY, 0.0).slack_tokens == 0  # refused: no slack to give
     assert p.limiter.bucket("key:k1:tpm").available(0.0) == 18_500  # type: ignore[union-attr]
 
 

@@ -194,9 +194,11 @@ def test_prefix_sends_to_an_underused_worker_despite_the_cache() -> None:
     assert {a.worker_id for a in d.alternates} <= {"llama-0", "llama-1", "llama-2"}
     assert d.alternates  # a refusal retries on the best holder
     assert d.rebalanced and not d.hint
-    # admission's replica outranks the rule: its TTFT is what admission promised
-    kept = decided(router(v).decide(q(prompt=prompt, prefer_worker="llama-1"), 31.0))
-    assert (kept.worker_id, kept.hint, kept.rebalanced) == ("llama-1", "kept", False)
+    # the rule stays within admission's slack: the cold replica's prefill breaks a tight one
+    tight = decided(router(v).decide(q(prompt=prompt, prefer_worker="llama-1"), 31.0))
+    assert tight.worker_id != "llama-3" and not tight.rebalanced
+    loose = decided(router(v).decide(q(prompt=prompt, prefer_worker="llama-1", prefer_slack_tokens=4096), 31.0))
+    assert (loose.worker_id, loose.hint, loose.rebalanced) == ("llama-3", "moved", True)
 
 
 def test_underused_needs_a_low_average_and_a_low_current_load() -> None:
@@ -221,22 +223,28 @@ def test_underused_needs_a_low_average_and_a_low_current_load() -> None:
     assert "llama-3" not in later
 
 
-def test_prefix_keeps_admissions_replica_within_the_slack() -> None:
+def test_prefix_places_within_admissions_slack() -> None:
     v = make_view(3)
-    set_load(v, "llama-0", running=20_000)  # cost 64 + 2000
-    set_load(v, "llama-1", queued=500)  # cost 564: the best
-    set_load(v, "llama-2", queued=9000)  # cost 9064
+    set_load(v, "llama-0", running=20_000)  # prefill work 64, cost 64 + 2000
+    set_load(v, "llama-1", queued=500)  # prefill work 564, cost 564: the cost's best
+    set_load(v, "llama-2", queued=9000)  # prefill work 9064
     r = router(v)
+    # no slack: only replicas with no more prefill work than admission's replica qualify
     d = decided(r.decide(q(prefer_worker="llama-0"), 0.5))
-    assert d.worker_id == "llama-0" and "admission's replica" in d.note
-    assert d.alternates[0].worker_id == "llama-1"  # a refusal falls back to the best
-    # beyond the slack (4096 tokens by default), the router's own best wins
-    assert decided(r.decide(q(prefer_worker="llama-2"), 0.5)).worker_id == "llama-1"
-    # a hint is only a hint: ignored when off, unknown, or not eligible
-    assert decided(router(v, prefer_slack_tokens=0).decide(q(prefer_worker="llama-0"), 0.5)).worker_id == "llama-1"
-    assert decided(r.decide(q(prefer_worker="nope"), 0.5)).worker_id == "llama-1"
+    assert (d.worker_id, d.hint) == ("llama-0", "kept")
+    # slack enough for llama-1's queue: the cost decides among the two
+    d = decided(r.decide(q(prefer_worker="llama-0", prefer_slack_tokens=1000), 0.5))
+    assert (d.worker_id, d.hint) == ("llama-1", "moved")
+    # a hint never makes a placement worse than admission's replica
+    d = decided(r.decide(q(prefer_worker="llama-2"), 0.5))
+    assert (d.worker_id, d.hint) == ("llama-1", "moved")
+    # hints off, unknown, or not eligible: the cost alone
+    d = decided(router(v, admission_hints=False).decide(q(prefer_worker="llama-0"), 0.5))
+    assert (d.worker_id, d.hint) == ("llama-1", "")
+    assert decided(r.decide(q(prefer_worker="nope"), 0.5)).hint == "unavailable"
     set_load(v, "llama-0", running=20_000, ts=2.0, draining=True)
-    assert decided(r.decide(q(prefer_worker="llama-0"), 0.5)).worker_id == "llama-1"
+    d = decided(r.decide(q(prefer_worker="llama-0"), 0.5))
+    assert (d.worker_id, d.hint) == ("llama-1", "unavailable")
 
 
 @pytest.mark.parametrize("seed", range(20))
