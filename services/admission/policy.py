@@ -22,9 +22,15 @@ def limits_of(req: AdmissionRequest) -> Limits:
 
 
 class AdmissionPolicy:
+    # Predictions kept for calibration until the request's usage event: one that has not
+    # come by then (a lost event, a request still queued) is dropped, not waited for.
+    prediction_max_age_s = 600.0
+
     def __init__(self, limiter: Limiter | None = None, slo: SloAdmitter | None = None) -> None:
         self.limiter = limiter or Limiter()
         self.slo = slo or SloAdmitter()
+        # request id → (tier, raw predicted TTFT, admitted at): the calibration's inputs
+        self.predictions: dict[str, tuple[str, float, float]] = {}
 
     def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
         """``replicas``: the request's pool, with ``cached_tokens`` set when known."""
@@ -59,6 +65,8 @@ class AdmissionPolicy:
             ), verdict
         cached = next((r.cached_tokens for r in pool if r.worker_id == verdict.worker_id), 0)
         self.slo.record_admitted(req.tier, max(req.prompt_tokens - cached, 0), now)
+        if verdict.raw_predicted_ttft is not None:
+            self.predictions[req.request_id] = (verdict.tier, verdict.raw_predicted_ttft, now)
         return AdmissionDecision(
             request_id=req.request_id,
             admitted=True,
@@ -75,9 +83,16 @@ class AdmissionPolicy:
         Anything else (finished, cut at max_tokens, stopped, cancelled, failed) is charged
         what it really consumed: the prompt it prefilled and the tokens it streamed.
         """
+        predicted = self.predictions.pop(ev.request_id, None)
+        if predicted is not None and ev.migrations == 0 and ev.first_token_time > 0 and ev.arrival_time > 0:
+            tier, raw, _ = predicted
+            self.slo.observe(tier, raw, ev.first_token_time - ev.arrival_time)
         if ev.status == "rejected":
             return 0 if self.limiter.release(ev.request_id, now) else None
         return self.limiter.reconcile(ev.request_id, ev.prompt_tokens + ev.completion_tokens, now)
 
     def expire(self, now: float) -> list[str]:
+        cutoff = now - self.prediction_max_age_s
+        for rid in [rid for rid, (_, _, at) in self.predictions.items() if at < cutoff]:
+            del self.predictions[rid]
         return self.limiter.expire(now)

@@ -277,6 +277,10 @@ class AdmissionMetrics:
         self.open = Gauge("meshserve:admission_reservations_open", "Reservations awaiting their usage event", registry=r)
         self.leader = Gauge("meshserve:admission_leader", "1 while this instance holds the lease", registry=r)
         self.takeovers = Counter("meshserve:admission_takeovers_total", "Times this instance became the leader", registry=r)
+        self.calibration = Gauge(
+            "meshserve:admission_ttft_calibration", "Factor on predicted TTFT learned from outcomes, per tier", ["tier"],
+            registry=r,
+        )
 
 
 # ============================================================================ the shell
@@ -379,6 +383,7 @@ class AdmissionService(Service):
             "takeovers": self.takeovers,
             "checkpoints": self.checkpoints,
             "replicas": len(self.book.replicas),
+            "ttft_calibration": {t.name: self.policy.slo.calibration.factor(t.name) for t in self.policy.slo.config.tiers},
         }
 
     # ---- leadership -------------------------------------------------------------------
@@ -564,6 +569,8 @@ class AdmissionService(Service):
             log.warning("ignoring a bad usage event at USAGE %d: %s", seq, exc)
             return
         delta = self.policy.on_usage(event, self.clock())
+        tier = self.policy.slo.tier(event.tier).name
+        self.metrics.calibration.labels(tier=tier).set(self.policy.slo.calibration.factor(tier))
         if delta is None:
             outcome = "no_reservation"  # repeat, expired, or reserved by a failed predecessor
         elif event.status == "rejected":

@@ -48,11 +48,24 @@ its own prefill time. The margin shrinks with ``k`` like the others, so ordering
 
 ``retry_after`` for an SLO refusal is the smallest excess over all replicas: the predicted
 seconds of queue that must drain before the request would pass.
+
+Calibration. The formula predicts a mean; what the SLO is about is the tail. Under
+sustained overload every admitted request is a marginal one, predicted right at its
+limit, and what it then meets varies around the prediction (Poisson bursts of
+higher-priority arrivals overtaking it, gauge staleness, a replica's rate drifting).
+So admission learns from the outcome: for each admitted request it keeps the raw
+prediction, and when the request's usage event arrives (arrival and first-token times)
+it records actual / predicted per tier. A tier's predictions are multiplied by the
+``calibration_quantile`` (0.95) of the last ``calibration_window`` ratios, once it has
+``calibration_min_samples`` (clamped to ``calibration_bounds``): a request is admitted
+when that share of requests predicted like it met the limit. An engine whose real
+TTFT runs below the formula gets a factor under 1 and admits more.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -89,10 +102,14 @@ class SloConfig:
     min_retry_after_s: float = 0.25
     no_capacity_retry_after_s: float = 5.0
     max_overtake: float = 0.9  # cap: a queue is taken to drain at ≥ 10 % of the rate, however busy
-    # Admit when the prediction is within this fraction of the SLO. Under sustained
-    # overload every admitted request is a marginal one, predicted right at its limit,
-    # so about half would miss a target of 1.0: below 1 buys a margin for prediction error.
+    # Admit when the (calibrated) prediction is within this fraction of the SLO: below 1
+    # keeps a fixed margin on top of the calibration's.
     target: float = 1.0
+    calibration: bool = True
+    calibration_quantile: float = 0.95
+    calibration_window: int = 500
+    calibration_min_samples: int = 50
+    calibration_bounds: tuple[float, float] = (0.5, 4.0)
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -104,6 +121,11 @@ class SloConfig:
             raise ValueError("max_overtake must be in [0, 1)")
         if not 0 < self.target <= 1:
             raise ValueError("target must be in (0, 1]")
+        if not 0 < self.calibration_quantile < 1 or self.calibration_window < 1:
+            raise ValueError("calibration_quantile must be in (0, 1) and calibration_window ≥ 1")
+        lo, hi = self.calibration_bounds
+        if not 0 < lo <= 1 <= hi:
+            raise ValueError("calibration_bounds must be (lo, hi) with 0 < lo ≤ 1 ≤ hi")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +164,7 @@ class SloVerdict:
     # could meet on top of the prediction and still pass every check. The router may
     # place it elsewhere only within that budget (RouteRequest.prefer_slack_tokens).
     slack_tokens: int = 0
+    raw_predicted_ttft: float | None = None  # before calibration: what outcomes are compared with
 
 
 class TierMix:
@@ -189,6 +212,32 @@ class TierMix:
         return sum(w for p, w in self.weights.items() if p >= priority) / total
 
 
+class Calibration:
+    """Per tier, the recent ratios of actual to predicted TTFT and their quantile."""
+
+    __slots__ = ("_factor", "bounds", "min_samples", "quantile", "ratios")
+
+    def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float]) -> None:
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.bounds = bounds
+        self.ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self._factor: dict[str, float] = {}
+
+    def observe(self, tier: str, predicted_s: float, actual_s: float) -> None:
+        if predicted_s <= 0 or actual_s < 0 or not math.isfinite(actual_s):
+            return
+        window = self.ratios[tier]
+        window.append(actual_s / predicted_s)
+        if len(window) >= self.min_samples:
+            ranked = sorted(window)
+            q = ranked[min(int(self.quantile * len(ranked)), len(ranked) - 1)]
+            self._factor[tier] = min(max(q, self.bounds[0]), self.bounds[1])
+
+    def factor(self, tier: str) -> float:
+        return self._factor.get(tier, 1.0)
+
+
 class SloAdmitter:
     def __init__(self, config: SloConfig | None = None) -> None:
         self.config = config or SloConfig()
@@ -196,6 +245,17 @@ class SloAdmitter:
         levels = sorted({t.priority for t in self.config.tiers}, reverse=True)
         self._level = {p: i for i, p in enumerate(levels)}  # 0 = highest priority
         self.mix = TierMix(self.config.mix_half_life_s)
+        cfg = self.config
+        self.calibration = Calibration(
+            cfg.calibration_quantile, cfg.calibration_window, cfg.calibration_min_samples, cfg.calibration_bounds
+        )
+
+    def _factor(self, t: TierSLO) -> float:
+        return self.calibration.factor(t.name) if self.config.calibration else 1.0
+
+    def observe(self, tier: str, predicted_s: float, actual_s: float) -> None:
+        """The TTFT a request admitted with raw prediction ``predicted_s`` really had."""
+        self.calibration.observe(self.tier(tier).name, predicted_s, actual_s)
 
     def tier(self, name: str) -> TierSLO:
         return self._tiers.get(name) or self._tiers[self.config.default_tier]
@@ -222,7 +282,8 @@ class SloAdmitter:
         t = self.tier(tier)
         drain = self._drain(t, pool_rate if pool_rate is not None else rate, now)
         uncached = max(prompt_tokens - replica.cached_tokens, 0)
-        return replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step
+        raw = replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step
+        return raw * self._factor(t)
 
     def _rate_step(self, r: ReplicaLoad) -> tuple[float, float]:
         cfg = self.config
@@ -259,9 +320,10 @@ class SloAdmitter:
             )
         pool_rate = sum(self._rate_step(r)[0] for r in live)
         guards = [
-            (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now)) for x, k in self._guards(t)
+            (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now), self._factor(x))
+            for x, k in self._guards(t)
         ]
-        best_ok: tuple[float, ReplicaLoad, float] | None = None
+        best_ok: tuple[float, ReplicaLoad, float, float] | None = None
         best_any: tuple[float, ReplicaLoad] | None = None
         least_excess = math.inf
         binding = ""
@@ -271,15 +333,16 @@ class SloAdmitter:
             own = uncached / rate + step  # TTFT on an empty queue
             excess = 0.0
             why = ""
-            own_pred = 0.0
+            own_pred = raw_pred = 0.0
             room = math.inf  # tokens of extra prefill work every check still passes with
-            for x, k, share, margin, drain in guards:
-                pred = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
+            for x, k, share, margin, drain, factor in guards:
+                raw = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
+                pred = raw * factor
                 if k == 0:
-                    own_pred = pred
-                limit = max(cfg.target * margin * x.ttft_slo_s, own * (1 + cfg.long_prompt_slack * margin))
-                # Δ tokens ahead add at most Δ / (rate · drain) seconds (share ≤ 1, drain ≤ 1).
-                room = min(room, (limit - pred) * rate * drain)
+                    own_pred, raw_pred = pred, raw
+                limit = max(cfg.target * margin * x.ttft_slo_s, own * factor * (1 + cfg.long_prompt_slack * margin))
+                # Δ tokens ahead add at most factor · Δ / (rate · drain) seconds (share, drain ≤ 1).
+                room = min(room, (limit - pred) * rate * drain / factor)
                 if pred - limit > excess:
                     excess = pred - limit
                     why = (
@@ -291,7 +354,7 @@ class SloAdmitter:
                 best_any = (own_pred, r)
             if excess <= 0:
                 if best_ok is None or own_pred < best_ok[0]:
-                    best_ok = (own_pred, r, room)
+                    best_ok = (own_pred, r, room, raw_pred)
             elif excess < least_excess:
                 least_excess, binding = excess, why
         if best_ok is not None:
@@ -301,6 +364,7 @@ class SloAdmitter:
                 predicted_ttft=best_ok[0],
                 worker_id=best_ok[1].worker_id,
                 slack_tokens=max(int(best_ok[2]), 0),
+                raw_predicted_ttft=best_ok[3],
             )
         assert best_any is not None
         return SloVerdict(

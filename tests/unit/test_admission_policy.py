@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from proto.messages import AdmissionRequest, UsageEvent, UsageStatus
@@ -129,3 +130,25 @@ def test_expired_reservations_are_settled() -> None:
     p.check(req("r1"), IDLE, 0.0)
     assert p.expire(10_000.0) == ["r1"]
     assert p.on_usage(usage("r1", 10, 10), 10_001.0) is None
+
+
+def test_usage_timings_calibrate_the_tier() -> None:
+    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False, calibration_min_samples=3)))
+    for i in range(4):
+        assert p.check(req(f"r{i}", rpm_limit=100, tpm_limit=10**6), IDLE, 0.0).admitted  # raw 0.15 s
+    assert set(p.predictions) == {"r0", "r1", "r2", "r3"}
+
+    def timed(rid: str, ttft: float, **kw: Any) -> UsageEvent:
+        return msgspec.structs.replace(usage(rid, 1000, 10), arrival_time=1000.0, first_token_time=1000.0 + ttft, **kw)
+
+    p.on_usage(timed("r0", 0.3), 1.0)
+    p.on_usage(timed("r1", 0.3), 1.0)
+    p.on_usage(timed("r2", 3.0, migrations=1), 1.0)  # a migrated segment's times say nothing of the prediction
+    assert p.slo.calibration.factor("standard") == 1.0  # two outcomes: not yet
+    p.on_usage(timed("r3", 0.3), 1.0)
+    assert p.slo.calibration.factor("standard") == pytest.approx(2.0)  # 0.3 s for 0.15 predicted
+    assert not p.predictions  # every prediction settled once
+    # a prediction whose usage never comes is dropped, not kept forever
+    p.check(req("r9", rpm_limit=100, tpm_limit=10**6), IDLE, 0.0)
+    p.expire(AdmissionPolicy.prediction_max_age_s + 1)
+    assert not p.predictions

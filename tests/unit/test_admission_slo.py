@@ -233,3 +233,54 @@ def test_target_below_one_scales_every_threshold() -> None:
     names, limits = zip(*slo.thresholds("standard"), strict=True)
     assert names == ("standard", "premium") and limits == pytest.approx((1.5, 0.6))
     assert first_rejection(slo, "premium") < first_rejection(SloAdmitter(), "premium")
+
+
+# ---- calibration: predictions scaled by the tail of actual / predicted ----
+
+
+def test_calibration_scales_predictions_by_the_observed_tail() -> None:
+    one_tier = (TierSLO("standard", 2.0, 1),)
+    cfg = SloConfig(tiers=one_tier, priority_queues=False, calibration_min_samples=20, calibration_window=100)
+    adm = SloAdmitter(cfg)
+    replica = [ReplicaLoad("w", queued_prefill_tokens=10_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    # raw prediction 1 + 0.1 + 0.05 = 1.15 s: inside standard's 2 s
+    first = adm.check("standard", 1000, replica, 0.0)
+    assert first.admitted and first.predicted_ttft == pytest.approx(1.15)
+    assert first.raw_predicted_ttft == pytest.approx(1.15)
+    # too few outcomes yet: no factor
+    for _ in range(19):
+        adm.observe("standard", 1.0, 2.0)
+    assert adm.check("standard", 1000, replica, 0.0).predicted_ttft == pytest.approx(1.15)
+    # 20 outcomes, 95 % of them at most 2× their prediction: predictions double
+    adm.observe("standard", 1.0, 2.0)
+    refused = adm.check("standard", 1000, replica, 0.0)
+    assert not refused.admitted and refused.predicted_ttft == pytest.approx(2.3)
+    assert SloAdmitter(SloConfig()).calibration.factor("premium") == 1.0  # per tier
+    # an engine faster than the formula earns a factor under 1 (bounded)
+    fast = SloAdmitter(cfg)
+    for _ in range(40):
+        fast.observe("standard", 1.0, 0.1)
+    assert fast.calibration.factor("standard") == cfg.calibration_bounds[0]
+    # and off means off
+    off = SloAdmitter(SloConfig(tiers=one_tier, priority_queues=False, calibration=False, calibration_min_samples=1))
+    off.observe("standard", 1.0, 3.0)
+    assert off.check("standard", 1000, replica, 0.0).predicted_ttft == pytest.approx(1.15)
+
+
+def test_calibration_quantile_ignores_the_rare_outlier() -> None:
+    adm = SloAdmitter(SloConfig(calibration_min_samples=50, calibration_window=100))
+    for i in range(100):
+        adm.observe("standard", 1.0, 9.0 if i == 50 else 1.2)
+    assert adm.calibration.factor("standard") == pytest.approx(1.2)
+
+
+def test_slack_shrinks_with_the_factor() -> None:
+    cfg = SloConfig(priority_queues=False, calibration_min_samples=1)
+    replica = [ReplicaLoad("w", queued_prefill_tokens=0, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    plain = SloAdmitter(cfg).check("premium", 1000, replica, 0.0)
+    scaled = SloAdmitter(cfg)
+    scaled.observe("premium", 1.0, 2.0)
+    doubled = scaled.check("premium", 1000, replica, 0.0)
+    # premium's 1 s against 0.15 s raw: 8,500 tokens of room; at 2× every token counts twice
+    assert plain.slack_tokens == 8500
+    assert doubled.slack_tokens == (1.0 - 0.3) * 10_000 / 2
