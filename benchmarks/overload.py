@@ -81,7 +81,9 @@ async def run_case(with_admission: bool, load: float, args: argparse.Namespace) 
         tiers = {name: {"ttft_slo_s": slo / args.speed, "priority": prio} for name, (slo, prio) in TIERS.items()}
         tiers["batch"] = {"ttft_slo_s": 10.0 / args.speed, "priority": 0}
         config_file = state / "admission.json"
-        config_file.write_text(json.dumps({"tiers": tiers, "default_tier": "standard", "slo": {"target": args.target}}))
+        config_file.write_text(json.dumps({"tiers": tiers, "default_tier": "standard",
+                                           "slo": {"target": args.target,
+                                                   "calibration_quantile": args.calibration_quantile}}))
         extra["admission"] = ["--config", str(config_file)]
         services = (*services, "admission")
     else:
@@ -165,8 +167,10 @@ async def main() -> None:
                         help="the workers' step budget (vLLM's; 2048 keeps steps, hence TPOT, short)")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--duration", type=float, default=80.0, help="seconds of arrivals per run (wall)")
-    parser.add_argument("--target", type=float, default=0.75,
+    parser.add_argument("--target", type=float, default=1.0,
                         help="admission admits predictions within this fraction of the SLO (SloConfig.target)")
+    parser.add_argument("--calibration-quantile", type=float, default=0.95,
+                        help="admission scales predictions by this quantile of actual/predicted TTFT")
     parser.add_argument("--timeout", type=float, default=30.0, help="request timeout, simulated seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--seed", type=int, default=1)
@@ -189,7 +193,8 @@ async def main() -> None:
           f"capacity {fleet:.1f} req/s (simulated time); offered {args.overload:g}× = "
           f"{args.premium_share:.0%} premium + {1 - args.premium_share:.0%} standard; speed {args.speed}; "
           f"SLO TTFT premium ≤ {TIERS['premium'][0]} s, standard ≤ {TIERS['standard'][0]} s, "
-          f"TPOT ≤ {args.slo_tpot * 1000:.0f} ms; admission target {args.target:g}\n")
+          f"TPOT ≤ {args.slo_tpot * 1000:.0f} ms; admission target {args.target:g}, calibration quantile "
+          f"{args.calibration_quantile:g}\n")
     print(table(cases, args.speed), flush=True)
     totals = [sum((r.summary.goodput or 0) for r in c["runs"].values()) / args.speed for c in cases]
     reference = next((t for c, t in zip(cases, totals, strict=True) if c["load"] == 1.0 and not c["admission"]), None)

@@ -248,6 +248,17 @@ class AdmissionDecision(Struct, kw_only=True, omit_defaults=True):
     slack_tokens: int = 0
 
 
+class TtftObservation(Struct, kw_only=True, omit_defaults=True):
+    """gateway → admission (core NATS, best effort): the TTFT an admitted request had, as
+    soon as its first token reached the gateway, for the calibration of predictions
+    (a usage event says the same, but only once the whole request has finished)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    tier: str
+    ttft_s: float
+
+
 class RouteRequest(Struct, kw_only=True, omit_defaults=True):
     """gateway → router: place this request and forward it to the chosen worker."""
 
@@ -371,6 +382,7 @@ MESSAGE_TYPES: tuple[type[Struct], ...] = (
     KvSnapshot,
     AdmissionRequest,
     AdmissionDecision,
+    TtftObservation,
     RouteRequest,
     Placement,
     UsageEvent,

@@ -59,6 +59,10 @@ class Subjects:
         return f"{self.root}.admission.check"
 
     @property
+    def admission_ttft(self) -> str:
+        return f"{self.root}.admission.ttft"
+
+    @property
     def router_route(self) -> str:
         return f"{self.root}.router.route"
 

@@ -83,13 +83,24 @@ class AdmissionPolicy:
         Anything else (finished, cut at max_tokens, stopped, cancelled, failed) is charged
         what it really consumed: the prompt it prefilled and the tokens it streamed.
         """
-        predicted = self.predictions.pop(ev.request_id, None)
-        if predicted is not None and ev.migrations == 0 and ev.first_token_time > 0 and ev.arrival_time > 0:
-            tier, raw, _ = predicted
-            self.slo.observe(tier, raw, ev.first_token_time - ev.arrival_time)
+        # The gateway reports the TTFT at the first token (``on_ttft``); the usage event,
+        # which comes only when the request ends, covers a lost report.
+        if ev.migrations == 0 and ev.first_token_time > 0 and ev.arrival_time > 0:
+            self.on_ttft(ev.request_id, ev.first_token_time - ev.arrival_time)
+        else:
+            self.predictions.pop(ev.request_id, None)
         if ev.status == "rejected":
             return 0 if self.limiter.release(ev.request_id, now) else None
         return self.limiter.reconcile(ev.request_id, ev.prompt_tokens + ev.completion_tokens, now)
+
+    def on_ttft(self, request_id: str, ttft_s: float) -> bool:
+        """The TTFT an admitted request had: calibrates its tier's predictions (once)."""
+        predicted = self.predictions.pop(request_id, None)
+        if predicted is None:
+            return False
+        tier, raw, _ = predicted
+        self.slo.observe(tier, raw, ttft_s)
+        return True
 
     def expire(self, now: float) -> list[str]:
         cutoff = now - self.prediction_max_age_s

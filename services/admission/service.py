@@ -83,6 +83,7 @@ from proto import (
     KvSnapshot,
     KvSnapshotRequest,
     MeshError,
+    TtftObservation,
     UsageEvent,
     WorkerGauge,
     WorkerInfo,
@@ -154,6 +155,7 @@ def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
         burst_s = 60
         [slo]                      # SloConfig: headroom, long_prompt_slack, priority_queues, ...
         headroom = 0.8
+        calibration_quantile = 0.95  # the share of admitted requests meant to meet the SLO
         [replicas]                 # BookConfig: gauge_stale_s, settle_s, pending_max_age_s
         [service]                  # lease_ttl_s, lease_renew_s, checkpoint_interval_s, ...
 
@@ -333,6 +335,7 @@ class AdmissionService(Service):
         await self.registry.start()
         await self.subscribe(s.gauges_all, WorkerGauge, self._on_gauge)
         await self.subscribe(s.kv_events_all, KvEventBatch, self._on_kv_events)
+        await self.subscribe(s.admission_ttft, TtftObservation, self._on_ttft)
         self._lease, self._state = await admission_buckets(
             self.bus.js, s, lease_ttl_s=self.config.lease_ttl_s, replicas=self.settings.js_replicas
         )
@@ -557,6 +560,11 @@ class AdmissionService(Service):
             log.info("KV snapshot of %s failed: %s (asked again later)", worker_id, exc)
             return
         self.book.apply_snapshot(snap)
+
+    async def _on_ttft(self, obs: TtftObservation, msg: Msg) -> None:
+        if self.policy.on_ttft(obs.request_id, obs.ttft_s):
+            tier = self.policy.slo.tier(obs.tier).name
+            self.metrics.calibration.labels(tier=tier).set(self.policy.slo.calibration.factor(tier))
 
     async def _on_usage(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream

@@ -44,6 +44,7 @@ from proto import (
     RequestRecord,
     RouteRequest,
     TokenChunk,
+    TtftObservation,
     UsageEvent,
     WorkerInfo,
     block_hashes,
@@ -138,6 +139,7 @@ class Execution:
         self.started = started
         self.span = span
         self.first_token_at: float | None = None
+        self.tier = ""  # set when admission predicted this request's TTFT: report it back
         self.completion_tokens = 0
         self.finished = False
         self.final: TokenChunk | None = None
@@ -170,12 +172,19 @@ class Execution:
                 await self.cancel("slow_client")
             if chunk.token_ids and self.first_token_at is None:
                 self.first_token_at = time.monotonic()
+                if self.tier:
+                    self._report_ttft(self.first_token_at - self.started)
             self.completion_tokens += len(chunk.token_ids)
             self.segment_tokens.extend(chunk.token_ids)
             if chunk.finish_reason is not None:
                 self.finished = True
                 self.final = chunk
             yield chunk
+
+    def _report_ttft(self, ttft_s: float) -> None:
+        g = self.gateway
+        observation = TtftObservation(request_id=self.request_id, tier=self.tier, ttft_s=ttft_s)
+        g.spawn(g.bus.publish(g.bus.subjects.admission_ttft, observation, trace=False), name=f"ttft-{self.request_id}")
 
     def _worker_lost(self) -> str | None:
         """Why the serving worker is considered lost, or None while it is fine."""
@@ -484,6 +493,8 @@ class GatewayService(Service):
         with contextlib.suppress(Exception):  # resume and its disconnect timer need the worker
             await self.requests_kv.put(request_id, encode(record))
         execution = Execution(self, request, request_id, stream, placement.worker_id, started, span)
+        if decision.worker_id:  # admission made a prediction to calibrate
+            execution.tier = key.tier
         execution.record = record
         execution.generate = generate
         return execution

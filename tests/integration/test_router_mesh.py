@@ -16,6 +16,7 @@ import pytest
 
 from bus import Bus
 from ops.up import Mesh, ServiceProcess
+from proto import TtftObservation
 from tests.conftest import running_mesh
 
 MODEL = "sim-llama-8b"
@@ -64,6 +65,12 @@ async def _run(mesh: Mesh) -> None:
     client = openai.AsyncOpenAI(base_url=mesh.gateway_url + "/v1", api_key=mesh.dev_key, max_retries=0)
     bus = await Bus.open(mesh.settings, "test", initial_attempts=20)
     try:
+        observed: list[TtftObservation] = []
+
+        async def on_ttft(obs: TtftObservation, _msg: Any) -> None:
+            observed.append(obs)
+
+        await bus.subscribe(bus.subjects.admission_ttft, TtftObservation, on_ttft)
         prompt = "A long shared document about routing. " * 60
         first = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
         assert first.usage is not None
@@ -78,6 +85,13 @@ async def _run(mesh: Mesh) -> None:
         # there or within the slack, never ignoring it
         hints = router["admission_hints"]
         assert sum(hints.values()) == 2 and set(hints) <= {"kept", "moved"}, hints
+        # the gateway reported each admitted request's TTFT to admission at its first token
+        async def both_reported() -> bool:
+            return len(observed) == 2
+
+        await until(both_reported)
+        assert {f"cmpl-{o.request_id}" for o in observed} == {first.id, second.id}
+        assert all(o.tier == "standard" and 0 < o.ttft_s < 30 for o in observed)
 
         async def reconciled() -> bool:
             (adm,) = await stats(bus, "admission")

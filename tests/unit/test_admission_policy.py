@@ -152,3 +152,16 @@ def test_usage_timings_calibrate_the_tier() -> None:
     p.check(req("r9", rpm_limit=100, tpm_limit=10**6), IDLE, 0.0)
     p.expire(AdmissionPolicy.prediction_max_age_s + 1)
     assert not p.predictions
+
+
+def test_gateway_ttft_reports_calibrate_before_the_usage_event() -> None:
+    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False, calibration_min_samples=2)))
+    for rid in ("a", "b"):
+        p.check(req(rid, rpm_limit=100, tpm_limit=10**6), IDLE, 0.0)
+    assert p.on_ttft("a", 0.45) and p.on_ttft("b", 0.45)
+    assert p.slo.calibration.factor("standard") == pytest.approx(3.0)  # 0.45 s for 0.15 predicted
+    assert not p.on_ttft("a", 9.0)  # once per request; an unknown id is ignored
+    assert not p.on_ttft("zzz", 9.0)
+    # the usage event that follows settles the budget and leaves the calibration alone
+    p.on_usage(msgspec.structs.replace(usage("a", 1000, 10), arrival_time=1.0, first_token_time=99.0), 1.0)
+    assert p.slo.calibration.factor("standard") == pytest.approx(3.0)
