@@ -53,7 +53,7 @@ from bus import Bus
 from ops.bench import BenchConfig, EndpointConfig, RunResult, SLOSpec, WorkloadConfig, run_bench
 from ops.bench.workload import LengthDist
 from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig, ServiceProcess
+from ops.up import Mesh, MeshConfig
 from proto import UsageEvent, WorkerGauge, decode
 from services.worker.engines.sim_profile import DEFAULT_PROFILE, load_profile
 
@@ -94,33 +94,6 @@ SCENARIOS = {
     "long-hot-spot": Scenario("long-hot-spot", 1, "4096", "512", 64, 2048, 0.8, 21.5, "the no-reuse capacity"),
 }
 DEFAULT_SCENARIOS = ("shared-prefix", "hot-spot")
-
-
-class BenchMesh(Mesh):
-    """``Mesh`` with arguments for the router and admission processes."""
-
-    def __init__(self, config: MeshConfig, extra_args: dict[str, list[str]]) -> None:
-        super().__init__(config)
-        self.extra_args = extra_args
-
-    def plan(self) -> list[ServiceProcess]:
-        plan = super().plan()
-        for p in plan:
-            p.argv = [*p.argv, *self.extra_args.get(p.name, [])]
-        return plan
-
-
-def capacity_per_worker(prompt_tokens: int, output_tokens: int, batch: int = 32) -> float:
-    """Requests/s one sim worker sustains with no prefix reuse (simulated seconds).
-
-    Prefill costs ``per_prefill_token_s`` per token; each output token costs one decode
-    slot in a step shared by ``batch`` sequences (base, per-sequence and KV-read terms).
-    """
-    step = load_profile(DEFAULT_PROFILE).costs
-    context = prompt_tokens + output_tokens / 2
-    decode_step = step.base_s + batch * (step.per_decode_seq_s + context * step.per_kv_token_s)
-    per_request = prompt_tokens * step.per_prefill_token_s + output_tokens * decode_step / batch
-    return 1.0 / per_request
 
 
 class GaugeSampler:
@@ -179,18 +152,17 @@ async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
     on it (a capacity search), else the scenario's load."""
     state = Path(tempfile.mkdtemp(prefix=f"meshserve-bench-{policy}-"))
     worker_args = ["--num-kv-blocks", str(sc.kv_blocks), "--max-model-len", "16384", "--gauge-interval", "0.1"]
-    mesh = BenchMesh(
-        MeshConfig(state_dir=state, nats_port=0, http_port=free_port(), model=MODEL, workers=args.workers,
-                   speed=args.speed, worker_args=worker_args, services=("worker", "gateway", "router"),
-                   gateway_args=["--admission-unreachable", "open"]),
-        {"router": ["--policy", policy, *(["--config", args.router_config] if args.router_config else [])]},
-    )
+    # no admission: the gateway fails open (Mesh sets it), nothing is shed
+    router_args = ["--policy", policy, *(["--config", args.router_config] if args.router_config else [])]
+    mesh = Mesh(MeshConfig(state_dir=state, nats_port=0, http_port=free_port(), model=MODEL, workers=args.workers,
+                           speed=args.speed, worker_args=worker_args, services=("worker", "gateway", "router"),
+                           service_args={"router": router_args}))
     await mesh.start(timeout=120)
     bus = await Bus.open(mesh.settings, "bench-routing", initial_attempts=20)
     sampler = GaugeSampler(bus)
     try:
         await sampler.start()
-        no_reuse = capacity_per_worker(sc.prompt_tokens, sc.output_tokens) * args.workers * args.speed
+        no_reuse = load_profile(DEFAULT_PROFILE).costs.requests_per_s(sc.prompt_tokens, sc.output_tokens) * args.workers * args.speed
         fleet = (args.capacity or sc.capacity) * args.speed
         sim_rates = rates or [(args.load or sc.load) * fleet / args.speed]
         rate = sim_rates[0] * args.speed

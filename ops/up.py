@@ -83,6 +83,8 @@ class MeshConfig:
     worker_args: list[str] = field(default_factory=list)
     services: tuple[str, ...] = ("worker", "router", "admission", "gateway", "metering")
     gateway_args: list[str] = field(default_factory=list)
+    # extra arguments per service kind (e.g. {"router": ["--policy", "least_load"]})
+    service_args: dict[str, list[str]] = field(default_factory=dict)
     dev_key: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -153,6 +155,8 @@ class Mesh:
                 plan.append(ServiceProcess(name, name, argv, self.log_dir / "metering.log"))
             else:
                 plan.append(ServiceProcess(name, name, [], self.log_dir / f"{name}.log"))
+        for p in plan:
+            p.argv = [*p.argv, *self.config.service_args.get(p.name, [])]
         return plan
 
     def autoscaler_process(self) -> ServiceProcess:

@@ -56,7 +56,7 @@ higher-priority arrivals overtaking it, gauge staleness, a replica's rate drifti
 So admission learns from the outcome: for each admitted request it keeps the raw
 prediction, and when the request's usage event arrives (arrival and first-token times)
 it records actual / predicted per tier. A tier's predictions are multiplied by the
-``calibration_quantile`` (0.95) of the last ``calibration_window`` ratios, once it has
+``calibration_quantile`` (0.99) of the last ``calibration_window`` ratios, once it has
 ``calibration_min_samples`` (clamped to ``calibration_bounds``): a request is admitted
 when that share of requests predicted like it met the limit. An engine whose real
 TTFT runs below the formula gets a factor under 1 and admits more.
@@ -106,7 +106,7 @@ class SloConfig:
     # keeps a fixed margin on top of the calibration's.
     target: float = 1.0
     calibration: bool = True
-    calibration_quantile: float = 0.95
+    calibration_quantile: float = 0.99
     calibration_window: int = 500
     calibration_min_samples: int = 50
     calibration_bounds: tuple[float, float] = (0.5, 4.0)

@@ -268,7 +268,7 @@ def test_calibration_scales_predictions_by_the_observed_tail() -> None:
 
 
 def test_calibration_quantile_ignores_the_rare_outlier() -> None:
-    adm = SloAdmitter(SloConfig(calibration_min_samples=50, calibration_window=100))
+    adm = SloAdmitter(SloConfig(calibration_quantile=0.95, calibration_min_samples=50, calibration_window=100))
     for i in range(100):
         adm.observe("standard", 1.0, 9.0 if i == 50 else 1.2)
     assert adm.calibration.factor("standard") == pytest.approx(1.2)

@@ -46,6 +46,14 @@ class StepCosts:
         """Steady-state seconds per output token of ``batch`` sequences of ``context`` tokens."""
         return self.step_time(0, batch, batch * context)
 
+    def requests_per_s(self, prefill_tokens: float, output_tokens: float, batch: int = 32) -> float:
+        """Requests per second one replica sustains when each prefills ``prefill_tokens``
+        and decodes ``output_tokens`` in a batch of ``batch`` (mean context: the prompt
+        plus half the output). A planning figure: the batch is fixed, not load-dependent."""
+        context = prefill_tokens + output_tokens / 2
+        per_request = prefill_tokens * self.per_prefill_token_s + output_tokens * self.decode_tpot(batch, round(context)) / batch
+        return 1.0 / per_request
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryBudget:
