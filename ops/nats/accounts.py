@@ -177,6 +177,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
         "gateway": (
             [
                 Rule(s.admission_check, "admission verdict for each request"),
+                Rule(s.admission_ttft, "TTFT of each admitted request, for admission's calibration"),
                 Rule(s.router_route, "placement by the router"),
                 Rule(generate, "direct placement while no router answers"),
                 Rule(cancel, "cancel on client disconnect"),
@@ -219,6 +220,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             ],
             [
                 Rule(s.admission_check, "check endpoint (queue group admission, leader only)"),
+                Rule(s.admission_ttft, "gateways' TTFT reports (calibration of predictions)"),
                 Rule(s.gauges_all, "worker load gauges"),
                 Rule(s.kv_events_all, "worker KV cache events"),
             ],
