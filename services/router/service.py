@@ -211,7 +211,7 @@ class RouterMetrics:
         )
         self.retries = Counter("meshserve:router_retries_total", "Placements moved after a refusal", ["reason"], registry=r)
         self.admission_hints = Counter(
-            "meshserve:router_admission_hints_total", "Admission's replica kept or overridden by the policy", ["outcome"],
+            "meshserve:router_admission_hints_total", "Placements with admission's replica: kept, moved (within its slack), unavailable", ["outcome"],
             registry=r,
         )
         self.rebalanced = Counter(
