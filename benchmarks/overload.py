@@ -95,10 +95,8 @@ async def run_case(with_admission: bool, load: float, args: argparse.Namespace) 
         results = await asyncio.gather(*(run_bench(config(t)) for t in TIERS))
         admission: dict[str, Any] = {}
         if with_admission:
-            msg = await bus.nc.request("$SRV.STATS.meshserve-admission", b"", timeout=3)
-            admission = json.loads(msg.data)["endpoints"][0]["data"]
-            msg = await bus.nc.request("$SRV.STATS.meshserve-router", b"", timeout=3)
-            router = json.loads(msg.data)["endpoints"][0]["data"]
+            admission = await bus.service_stats("admission")
+            router = await bus.service_stats("router")
             admission["router_admission_hints"] = router.get("admission_hints", {})
     finally:
         await bus.close()

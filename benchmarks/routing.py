@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import statistics
 import tempfile
@@ -140,12 +139,6 @@ async def usage_events(bus: Bus) -> list[UsageEvent]:
     return out
 
 
-async def service_stats(bus: Bus, service: str) -> dict[str, Any]:
-    msg = await bus.nc.request(f"$SRV.STATS.meshserve-{service}", b"", timeout=3)
-    data: dict[str, Any] = json.loads(msg.data)["endpoints"][0]["data"]
-    return data
-
-
 async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
                      rates: list[float] | None = None) -> dict[str, Any]:
     """One fresh mesh with ``policy``; ``rates`` (simulated req/s) run one after another
@@ -181,7 +174,7 @@ async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
         wall = time.monotonic() - t0
         outstanding = await sampler.stop()
         events = await usage_events(bus)
-        router = await service_stats(bus, "router")
+        router = await bus.service_stats("router")
     finally:
         await bus.close()
         mesh.stop(timeout=30)

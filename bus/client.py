@@ -295,6 +295,15 @@ class Bus:
         """The caller's trace context carried by ``msg`` (parent for the handler's span)."""
         return extract_context(msg.headers)
 
+    async def service_stats(self, service: str, timeout: float = 3.0) -> dict[str, Any]:
+        """The figures one instance of ``service`` reports through NATS micro
+        ``$SRV.STATS`` (the first to answer; {} from one with no endpoint, such as an
+        admission standby). Services register as ``meshserve-<service>`` (bus.runner)."""
+        msg = await self.nc.request(f"$SRV.STATS.meshserve-{service}", b"", timeout=timeout)
+        endpoints = msgspec.json.decode(msg.data).get("endpoints") or [{}]
+        data: dict[str, Any] = endpoints[0].get("data") or {}
+        return data
+
     async def close(self) -> None:
         if not self.nc.is_closed:
             try:

@@ -22,8 +22,8 @@ def limits_of(req: AdmissionRequest) -> Limits:
 
 
 class AdmissionPolicy:
-    # Predictions kept for calibration until the request's usage event: one that has not
-    # come by then (a lost event, a request still queued) is dropped, not waited for.
+    # Predictions kept for calibration until the request's TTFT report or usage event: one
+    # that has neither by then (both lost, a request still queued) is dropped.
     prediction_max_age_s = 600.0
 
     def __init__(self, limiter: Limiter | None = None, slo: SloAdmitter | None = None) -> None:

@@ -563,8 +563,11 @@ class AdmissionService(Service):
 
     async def _on_ttft(self, obs: TtftObservation, msg: Msg) -> None:
         if self.policy.on_ttft(obs.request_id, obs.ttft_s):
-            tier = self.policy.slo.tier(obs.tier).name
-            self.metrics.calibration.labels(tier=tier).set(self.policy.slo.calibration.factor(tier))
+            self._export_calibration(obs.tier)
+
+    def _export_calibration(self, tier_name: str) -> None:
+        tier = self.policy.slo.tier(tier_name).name
+        self.metrics.calibration.labels(tier=tier).set(self.policy.slo.calibration.factor(tier))
 
     async def _on_usage(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
@@ -577,8 +580,7 @@ class AdmissionService(Service):
             log.warning("ignoring a bad usage event at USAGE %d: %s", seq, exc)
             return
         delta = self.policy.on_usage(event, self.clock())
-        tier = self.policy.slo.tier(event.tier).name
-        self.metrics.calibration.labels(tier=tier).set(self.policy.slo.calibration.factor(tier))
+        self._export_calibration(event.tier)  # a usage event may stand in for a lost TTFT report
         if delta is None:
             outcome = "no_reservation"  # repeat, expired, or reserved by a failed predecessor
         elif event.status == "rejected":

@@ -54,8 +54,9 @@ sustained overload every admitted request is a marginal one, predicted right at 
 limit, and what it then meets varies around the prediction (Poisson bursts of
 higher-priority arrivals overtaking it, gauge staleness, a replica's rate drifting).
 So admission learns from the outcome: for each admitted request it keeps the raw
-prediction, and when the request's usage event arrives (arrival and first-token times)
-it records actual / predicted per tier. A tier's predictions are multiplied by the
+prediction, and when the gateway reports the request's TTFT (at its first token; the
+usage event, with arrival and first-token times, stands in for a lost report) it
+records actual / predicted per tier. A tier's predictions are multiplied by the
 ``calibration_quantile`` (0.99) of the last ``calibration_window`` ratios, once it has
 ``calibration_min_samples`` (clamped to ``calibration_bounds``): a request is admitted
 when that share of requests predicted like it met the limit. An engine whose real

@@ -60,6 +60,7 @@ from typing import Literal
 from zoneinfo import ZoneInfo
 
 from proto.messages import WorkerGauge
+from proto.smoothing import ewma
 
 Action = Literal["scale_up", "scale_down", "hold"]
 CapacitySource = Literal["initial", "saturated", "kv_extrapolated", "observed_floor"]
@@ -177,13 +178,6 @@ class CapacityEstimate:
         return base, source
 
 
-def _ewma(old: float | None, old_at: float | None, sample: float, now: float, tau: float) -> float:
-    if old is None or old_at is None:
-        return sample  # the first measurement replaces the configured guess outright
-    alpha = 1.0 - math.exp(-max(0.0, now - old_at) / tau)
-    return old + alpha * (sample - old)
-
-
 def is_saturated(g: WorkerGauge, max_num_seqs: int = 0, kv_full: float = 0.9) -> bool:
     """Requests wait while others run: the replica took all it could hold.
 
@@ -217,10 +211,10 @@ def update_capacity(
     tau = policy.capacity_time_constant_s
     if sat:
         s = sum(sat) / len(sat)
-        est = replace(est, saturated=_ewma(est.saturated, est.saturated_at, s, now, tau), saturated_at=now)
+        est = replace(est, saturated=ewma(est.saturated, est.saturated_at, s, now, tau), saturated_at=now)
     if kv:
         k = sum(kv) / len(kv)
-        est = replace(est, kv_full=_ewma(est.kv_full, est.kv_full_at, k, now, tau), kv_full_at=now)
+        est = replace(est, kv_full=ewma(est.kv_full, est.kv_full_at, k, now, tau), kv_full_at=now)
     if sat or kv:
         est = replace(est, samples=est.samples + 1)
     return est

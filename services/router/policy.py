@@ -481,7 +481,6 @@ class Router:
         (cost, best), rest = self._pick(scored, cfg.max_alternates)
         under = [w for w in self._underused(eligible, cfg) if ctx.prefill_cost(w) <= budget]
         if under and best not in under:
-            ctx.ensure(under)
             alternates = [(cost, best), *rest][: cfg.max_alternates]
             (cost, best), _ = self._pick([(ctx.prefix_cost(w), w) for w in under], 0)
             note = _join(note, f"{best.worker_id} underused")

@@ -16,13 +16,13 @@ asks it for a ``KvSnapshot`` and hands it to ``apply_snapshot``.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from proto.hashing import pack_tokens
 from proto.kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvIndexConfig
 from proto.messages import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
+from proto.smoothing import ewma
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "KvApply", "Pool", "RouterView", "ViewConfig", "WorkerView", "pack_prompt"]
 
@@ -332,12 +332,8 @@ class RouterView:
         w.last_seen = max(w.last_seen, now)
         if w.gauge is not None and gauge.ts < w.gauge.ts:
             return False  # reordered delivery: the newer gauge stays
-        x = float(gauge.queued_prefill_tokens + gauge.running_tokens)
-        if w.load_avg is None or w.gauge is None:
-            w.load_avg = x
-        else:
-            dt = max(now - w.gauge_received_at, 0.0)
-            w.load_avg += (1.0 - math.exp(-dt / self.config.load_avg_window_s)) * (x - w.load_avg)
+        w.load_avg = ewma(w.load_avg, w.gauge_received_at if w.gauge is not None else None,
+                          float(gauge.queued_prefill_tokens + gauge.running_tokens), now, self.config.load_avg_window_s)
         w.gauge = gauge
         w.gauge_received_at = now
         # The gauge now carries every placement made long enough before it arrived.

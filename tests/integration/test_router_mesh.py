@@ -81,6 +81,7 @@ async def _run(mesh: Mesh) -> None:
         assert (second.usage.prompt_tokens_details.cached_tokens or 0) > 0
         (router,) = await stats(bus, "router")
         assert router["placements"] == 2 and router["prefix_hit_tokens"] > 0
+        assert (await bus.service_stats("router"))["placements"] == 2  # Bus's one-instance view
         # admission named its replica (and its slack) for each request; the router placed
         # there or within the slack, never ignoring it
         hints = router["admission_hints"]
