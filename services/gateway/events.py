@@ -63,7 +63,10 @@ class EventBuilder:
         else:
             if first and self.chat is not None:
                 datas.append(self.chat.role())
-            if chunk.text:
+            # Tokens that render no text (special tokens, a UTF-8 sequence still incomplete)
+            # still get an empty delta, as vLLM sends: the client sees progress, and a write
+            # to a client that has gone is how its disconnect shows before the stream ends.
+            if chunk.text or (chunk.token_ids and chunk.finish_reason is None):
                 datas.append(self.stream.content(chunk.text))
             if chunk.finish_reason is not None:
                 datas.append(self.stream.finish(chunk.finish_reason))

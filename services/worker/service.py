@@ -393,13 +393,22 @@ class WorkerService(Service):
             return
         self._info.state = self.state  # type: ignore[assignment]
         self._info.heartbeat_at = time.time()
-        with contextlib.suppress(Exception):
+        started = time.monotonic()
+        try:
             await self._kv.put(self.worker_id, encode(self._info))
+        except Exception as exc:  # the next beat retries; say so, since missed beats end in expiry
+            log.warning("heartbeat not stored after %.1fs: %r", time.monotonic() - started, exc)
+        else:
+            if time.monotonic() - started > 1.0:
+                log.warning("heartbeat took %.1fs to store", time.monotonic() - started)
 
     async def _heartbeat_loop(self) -> None:
         interval = min(self.config.heartbeat_interval_s, StreamLimits().workers_ttl_s / 4)
         while True:
+            due = time.monotonic() + interval
             await asyncio.sleep(interval)
+            if (late := time.monotonic() - due) > interval:  # a blocked event loop, not NATS
+                log.warning("heartbeat %.1fs late: the worker's event loop was blocked", late)
             await self._heartbeat()
 
     async def _kv_event_loop(self) -> None:

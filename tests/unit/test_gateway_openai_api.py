@@ -177,3 +177,22 @@ def test_ws_server_messages() -> None:
         "error": {"message": "slow down", "type": "requests", "param": None, "code": None},
         "retry_after": 2.5,
     }
+
+
+def test_tokens_without_text_still_stream_an_empty_delta() -> None:
+    """As vLLM does: special tokens or an unfinished UTF-8 sequence render no text, but the
+    client still gets a delta per token chunk (and the gateway a write that shows a gone client)."""
+    from proto.messages import TokenChunk
+    from services.gateway.events import EventBuilder
+
+    for kind in ("chat", "completion"):
+        builder = EventBuilder(kind, "r1", "m", 0, include_usage=False)
+        first = builder.events(TokenChunk(request_id="r1", seq=0, token_ids=[7]), first=True)
+        silent = builder.events(TokenChunk(request_id="r1", seq=1, token_ids=[]), first=False)
+        last = builder.events(TokenChunk(request_id="r1", seq=2, token_ids=[9], finish_reason="length"), first=False)
+        assert len(first) == (2 if kind == "chat" else 1)  # chat's role delta comes first
+        choice = json.loads(first[-1].data)["choices"][0]
+        assert (choice["delta"]["content"] if kind == "chat" else choice["text"]) == ""
+        assert silent == []  # nothing generated, nothing sent
+        assert [e.data for e in last][-1] == b"[DONE]"
+        assert len(last) == 2  # the finish chunk carries it: no empty delta before it
