@@ -329,6 +329,24 @@ class CancelRequest(Struct, kw_only=True, omit_defaults=True):
     reason: str = "client disconnected"
 
 
+class RequestProbe(Struct, kw_only=True, omit_defaults=True):
+    """gateway → worker: how is this request doing? Asked before a silent stream is
+    declared stalled, so a request merely queued on a busy, live worker stays put."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+
+
+class RequestProbeReply(Struct, kw_only=True, omit_defaults=True):
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    request_id: str
+    # unknown: not in flight here; waiting: in flight, no output yet; running: has output.
+    state: Literal["unknown", "waiting", "running"]
+    since_output_s: float = 0.0  # since this request's last engine output (or its arrival)
+    engine_idle_s: float = 0.0  # since the engine last produced output for any request
+
+
 class ApiKeyRecord(Struct, kw_only=True, omit_defaults=True):
     """An API key as stored in ``mesh_keys``: never the key itself, only its SHA-256."""
 

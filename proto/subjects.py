@@ -84,6 +84,9 @@ class Subjects:
     def worker_control(self, worker_id: str) -> str:
         return f"{self.root}.worker.{subject_token(worker_id)}.control"
 
+    def worker_probe(self, worker_id: str) -> str:
+        return f"{self.root}.worker.{subject_token(worker_id)}.probe"
+
     def worker_kv_snapshot(self, worker_id: str) -> str:
         return f"{self.root}.worker.{subject_token(worker_id)}.kv_snapshot"
 

@@ -164,6 +164,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
     s = subjects
     generate = wildcard(s.worker_generate, 1)
     cancel = wildcard(s.worker_cancel, 1)
+    probe = wildcard(s.worker_probe, 1)
     control = wildcard(s.worker_control, 1)
     kv_snapshot = wildcard(s.worker_kv_snapshot, 1)
     tokens = wildcard(s.tokens, 2)
@@ -181,6 +182,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(s.router_route, "placement by the router"),
                 Rule(generate, "direct placement while no router answers"),
                 Rule(cancel, "cancel on client disconnect"),
+                Rule(probe, "ask a worker about a silent request before calling it stalled"),
                 Rule(usage, "usage event of a request that ended before a worker took it"),
                 Rule(s.metering_usage, "GET /v1/usage"),
                 *_read(s.tokens_stream, "gap fill and resume from TOKENS"),
@@ -256,6 +258,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             [
                 Rule(generate, "generate endpoint"),
                 Rule(cancel, "cancel endpoint"),
+                Rule(probe, "request probe endpoint"),
                 Rule(control, "drain and control endpoint"),
                 Rule(kv_snapshot, "KV snapshot endpoint"),
             ],

@@ -39,4 +39,8 @@ class GatewayMetrics:
         )
         self.cancels = Counter("meshserve:gateway_cancels_total", "Cancels sent to workers", ["reason"], registry=r)
         self.migrations = Counter("meshserve:gateway_migrations_total", "Requests moved off a lost worker", registry=r)
+        self.stall_probes = Counter(
+            "meshserve:gateway_stall_probes_total",
+            "Workers asked about a silent request: queued (left in place) or stalled (migrated)", ["outcome"], registry=r,
+        )
         self.resumes = Counter("meshserve:gateway_resumes_total", "Streams resumed with Last-Event-ID", registry=r)

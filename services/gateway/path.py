@@ -28,6 +28,8 @@ from proto import (
     NoResponders,
     Placement,
     RemoteError,
+    RequestProbe,
+    RequestProbeReply,
     RequestTimeout,
     RouteRequest,
 )
@@ -112,6 +114,15 @@ class RequestPath:
             self.direct_placements += 1
             return Placement(request_id=request.request_id, worker_id=worker.worker_id, model=request.model, policy="direct")
         raise MeshError(f"no worker accepted the request: {last}", code=ErrorCode.NO_CAPACITY)
+
+    async def probe(self, worker_id: str, request_id: str, timeout_s: float) -> RequestProbeReply | None:
+        """The worker's word on one request, or None when it does not answer in time."""
+        try:
+            return await self.bus.request(self.bus.subjects.worker_probe(worker_id), RequestProbe(request_id=request_id),
+                                          RequestProbeReply, timeout=timeout_s)
+        except MeshError as exc:
+            log.info("probe of %s on %s got no answer: %s", request_id, worker_id, exc)
+            return None
 
     async def cancel(self, worker_id: str, request_id: str, reason: str = "client disconnected") -> None:
         try:

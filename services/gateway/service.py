@@ -76,6 +76,7 @@ from .openai_api import (
 )
 from .openai_api import RequestKind as Kind
 from .path import PathConfig, RequestPath
+from .stall import queued_on_live_worker
 from .streams import RequestStream, TokenDispatcher
 from .validation import (
     ApiError,
@@ -146,6 +147,7 @@ class Execution:
         self.record: RequestRecord | None = None
         self.generate: GenerateRequest | None = None  # what was sent, for a migration
         self.migrations = 0
+        self.live_at = 0.0  # when its worker last said it is queued behind live work
         self.segment_tokens: list[int] = []  # tokens the current worker streamed
         self._prior_tokens: list[int] = []
 
@@ -161,7 +163,7 @@ class Execution:
                     # look in TOKENS once before suspecting the worker.
                     self.gateway.dispatcher.fill(self.stream)
                 lost = self._worker_lost()
-                if lost is None:
+                if lost is None or await self._queued_on_live_worker():
                     continue
                 failed = await self._migrate(lost)
                 if failed is None:
@@ -190,10 +192,25 @@ class Execution:
         """Why the serving worker is considered lost, or None while it is fine."""
         if self.worker_id not in self.gateway.registry.workers:
             return f"worker {self.worker_id} is gone (heartbeat expired)"
-        silent = time.monotonic() - self.stream.last_chunk_at
+        silent = time.monotonic() - max(self.stream.last_chunk_at, self.live_at)
         if silent >= self.gateway.config.stall_timeout_s:
             return f"worker {self.worker_id} stalled: no tokens for {silent:.0f}s"
         return None
+
+    async def _queued_on_live_worker(self) -> bool:
+        """Ask a silent request's (registered) worker before migrating: one merely queued
+        behind live work stays, checked again after another stall timeout."""
+        g = self.gateway
+        if self.worker_id not in g.registry.workers:
+            return False
+        probe = await g.path.probe(self.worker_id, self.request_id, timeout_s=min(2.0, g.config.stall_timeout_s))
+        queued = queued_on_live_worker(probe, g.config.stall_timeout_s)
+        g.metrics.stall_probes.labels("queued" if queued else "stalled").inc()
+        if queued:
+            assert probe is not None
+            self.live_at = time.monotonic()
+            self.span.add_event("queued_on_live_worker", {"worker": self.worker_id, "waited_s": probe.since_output_s})
+        return queued
 
     async def _migrate(self, why: str) -> TokenChunk | None:
         """Continue the request on another replica from the tokens the client already has.

@@ -1,6 +1,6 @@
 """The worker service: one engine, spoken for on the mesh.
 
-It registers in ``mesh_workers`` and heartbeats, serves generate / cancel / control /
+It registers in ``mesh_workers`` and heartbeats, serves generate / cancel / probe / control /
 KV-snapshot requests, streams coalesced token chunks into the TOKENS stream, publishes
 gauges and KV event batches, and publishes exactly one usage event per request however
 the request ends. SIGTERM or a drain command drains: the state becomes ``draining``,
@@ -18,7 +18,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -40,6 +40,8 @@ from proto import (
     KvSnapshot,
     KvSnapshotRequest,
     MeshError,
+    RequestProbe,
+    RequestProbeReply,
     Timings,
     TokenChunk,
     Usage,
@@ -92,6 +94,11 @@ class WorkerService(Service):
         self.worker_id = worker_id
         self.state = "starting"
         self._requests: dict[str, asyncio.Task[None]] = {}
+        # For probes: when each in-flight request (arrival, then last output) and the engine
+        # as a whole last made progress.
+        self._arrived_at: dict[str, float] = {}
+        self._output_at: dict[str, float] = {}
+        self._engine_output_at = time.monotonic()
         self._drain_errors: set[str] = set()  # requests ended by the drain timeout
         self._kv: KeyValue | None = None
         self._kv_seq = -1
@@ -127,6 +134,7 @@ class WorkerService(Service):
         )
         await self.add_endpoint("generate", s.worker_generate(self.worker_id), GenerateRequest, self.handle_generate)
         await self.add_endpoint("cancel", s.worker_cancel(self.worker_id), CancelRequest, self.handle_cancel, concurrent=False)
+        await self.add_endpoint("probe", s.worker_probe(self.worker_id), RequestProbe, self.handle_probe, concurrent=False)
         await self.add_endpoint("control", s.worker_control(self.worker_id), ControlCommand, self.handle_control, concurrent=False)
         await self.add_endpoint(
             "kv_snapshot", s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self.handle_kv_snapshot, concurrent=False
@@ -215,6 +223,7 @@ class WorkerService(Service):
         assert task is not None
         self._requests[request.request_id] = task
         self._state_changed.set()
+        self._arrived_at[request.request_id] = time.monotonic()
         try:
             with tracer.start_as_current_span(
                 "worker.generate",
@@ -226,6 +235,8 @@ class WorkerService(Service):
                 await self._stream(request, prompt, span)
         finally:
             self._requests.pop(request.request_id, None)
+            self._arrived_at.pop(request.request_id, None)
+            self._output_at.pop(request.request_id, None)
             self._drain_errors.discard(request.request_id)
             self._state_changed.set()
 
@@ -249,6 +260,8 @@ class WorkerService(Service):
                 async for output in stream:
                     last = output
                     now = time.monotonic()
+                    if output.new_token_ids:
+                        self._output_at[request.request_id] = self._engine_output_at = now
                     coalescer.add(output.new_token_ids, output.text, now)
                     if output.finish_reason is not None:
                         break
@@ -347,6 +360,23 @@ class WorkerService(Service):
         if known:
             await self.engine.abort(cancel.request_id)
         await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state, message="cancelled" if known else "unknown request"))  # type: ignore[arg-type]
+
+    async def handle_probe(self, probe: RequestProbe, msg: Msg) -> None:
+        now = time.monotonic()
+        state: Literal["unknown", "waiting", "running"] = "unknown"
+        since_output = engine_idle = 0.0
+        if probe.request_id in self._arrived_at:
+            output_at = self._output_at.get(probe.request_id)
+            state = "running" if output_at is not None else "waiting"
+            since_output = now - (output_at if output_at is not None else self._arrived_at[probe.request_id])
+        if self._arrived_at:
+            # Idle since its last output or since the oldest request it owes output arrived,
+            # whichever is later: a worker idle for an hour is not hung the moment work arrives.
+            engine_idle = now - max(self._engine_output_at, min(self._arrived_at.values()))
+        await self.bus.respond(msg, RequestProbeReply(
+            worker_id=self.worker_id, request_id=probe.request_id, state=state, since_output_s=since_output,
+            engine_idle_s=engine_idle,
+        ))
 
     async def handle_control(self, command: ControlCommand, msg: Msg) -> None:
         if command.command in ("drain", "stop"):

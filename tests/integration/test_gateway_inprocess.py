@@ -74,3 +74,50 @@ async def test_forwarded_for_only_from_trusted_proxies(bus_settings: BusSettings
         assert gateway2.client_address(trusted) == "127.0.0.1"
     finally:
         await gateway.drain_and_close()
+
+
+async def test_request_queued_past_the_stall_timeout_stays_on_its_live_worker(
+    bus_settings: BusSettings, bus: Bus
+) -> None:
+    """One sequence at a time: the second request waits longer than --stall-timeout behind the
+    first. The worker's probe says it is queued on a live engine, so it is not migrated (with
+    one worker, a migration would end it with worker_lost)."""
+    import asyncio
+
+    engine = SimEngine(model=MODEL, speed=1.0, max_num_seqs=1)
+    worker = WorkerService(engine, WorkerConfig(worker_id="w-one"), bus_settings)
+    await worker.start()
+    gateway = await _gateway(bus_settings, GatewayConfig(port=0, stall_timeout_s=1.0))
+    try:
+        key, _ = await create_key(bus, org="queue-org")
+        url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
+
+        async def complete(http: aiohttp.ClientSession, max_tokens: int) -> tuple[int, dict]:  # type: ignore[type-arg]
+            body = {"model": MODEL, "prompt": "queued", "max_tokens": max_tokens, "ignore_eos": True}
+            for _ in range(30):  # the key watcher sees the new key
+                async with http.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                    status, payload = r.status, await r.json()
+                if status != 401:
+                    break
+                await asyncio.sleep(0.1)
+            return status, payload
+
+        async with aiohttp.ClientSession() as http:
+            assert (await complete(http, 1))[0] == 200
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            first = asyncio.create_task(complete(http, 600))
+            await asyncio.sleep(0.2)
+            second = await complete(http, 5)
+            waited = loop.time() - started
+            assert second[0] == 200, second
+            assert second[1]["usage"]["completion_tokens"] == 5
+            assert (await first)[0] == 200
+        assert waited > 2 * gateway.config.stall_timeout_s, f"the second request waited only {waited:.1f}s: no stall to test"
+        probes = {s.labels["outcome"]: s.value for m in gateway.metrics.stall_probes.collect() for s in m.samples
+                  if s.name.endswith("_total")}
+        assert probes.get("queued", 0) >= 1 and probes.get("stalled", 0) == 0
+        assert gateway.metrics.migrations._value.get() == 0
+    finally:
+        await gateway.drain_and_close()
+        await worker.drain_and_close()

@@ -279,3 +279,39 @@ async def test_prometheus_metrics_use_vllm_names(bus: Bus, bus_settings: BusSett
         assert "vllm:kv_cache_usage_perc" in text and "vllm:inter_token_latency_seconds_bucket" in text
     finally:
         await service.drain_and_close()
+
+
+async def test_probe_tells_queued_from_running_and_unknown(bus: Bus, bus_settings: BusSettings,
+                                                          collector: ChunkCollector) -> None:
+    """What the gateway asks before it calls a silent request stalled."""
+    from proto import CancelRequest, RequestProbe, RequestProbeReply
+
+    engine = SimEngine(model=MODEL, speed=1.0, max_num_seqs=1, num_kv_blocks=2048, max_model_len=8192)
+    service = WorkerService(engine, WorkerConfig(worker_id="w-probe", gauge_interval_s=0.05), bus_settings)
+    await service.start()
+    subject = bus.subjects.worker_probe("w-probe")
+
+    async def probe(request_id: str) -> RequestProbeReply:
+        return await bus.request(subject, RequestProbe(request_id=request_id), RequestProbeReply)
+
+    try:
+        idle = await probe("nothing")
+        assert (idle.state, idle.engine_idle_s) == ("unknown", 0.0)  # an idle worker is not a hung one
+        for rid in ("first", "second"):  # one sequence at a time: second waits for first
+            await bus.request(bus.subjects.worker_generate("w-probe"), make_request(bus, rid, list(range(50)), 4000),
+                              ControlReply)
+        for _ in range(250):
+            if collector.chunks["first"]:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        first, second = await probe("first"), await probe("second")
+        assert first.state == "running" and first.since_output_s < 0.3
+        assert second.state == "waiting" and second.since_output_s >= 0.3  # waiting since it arrived
+        assert second.engine_idle_s < 0.3  # the engine serves first meanwhile
+        assert (await probe("nothing")).state == "unknown"
+    finally:
+        for rid in ("first", "second"):
+            await bus.request(bus.subjects.worker_cancel("w-probe"), CancelRequest(request_id=rid), ControlReply)
+        await service.drain_and_close()
+    assert not service._arrived_at and not service._output_at  # nothing kept for ended requests
