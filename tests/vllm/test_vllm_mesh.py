@@ -52,10 +52,11 @@ from proto.tokenizer import HFTokenizer  # noqa: E402
 
 MODEL = "tiny-llama"
 BLOCK = 128  # vLLM's CPU build caches prefixes with 128-token blocks
-# Room for a request that outlasts any hiccup of a shared machine: the cancel test's 12,000
-# tokens take ~20 s to decode on CPU, against the ~0.1 s a cancel takes to reach the engine.
-MAX_MODEL_LEN = 16384
-CANCELLED_MAX_TOKENS = 12000
+MAX_MODEL_LEN = 2048
+# As long as the context allows after the cancel test's 300-token prompt: ~3 s of decoding
+# on CPU, against the ~0.1 s a cancel takes to reach the engine. (A longer context made
+# this 2-core VM stall for seconds after the engine started, often enough to fail runs.)
+CANCELLED_MAX_TOKENS = MAX_MODEL_LEN - 300 - 8
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -75,23 +76,12 @@ def _cpu_supported() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def long_context_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model (same seed: the same weights and tokenizer) with room for MAX_MODEL_LEN."""
-    from dataclasses import replace
-
-    from ops.tiny_model import PRESETS, make_tiny_model
-
-    shape = replace(PRESETS["tiny"], max_position_embeddings=MAX_MODEL_LEN)
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-long"), shape)
-
-
-@pytest.fixture(scope="module")
-def mesh(long_context_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     reason = _cpu_supported()
     if reason:
         pytest.skip(reason)
     worker_args = [
-        "--engine", "vllm", "--model-dir", str(long_context_model), "--block-size", str(BLOCK), "--max-model-len",
+        "--engine", "vllm", "--model-dir", str(tiny_model), "--block-size", str(BLOCK), "--max-model-len",
         str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enforce-eager", "--cpu-kvcache-space", "1",
         "--kv-events", "engine", "--gauge-interval", "0.1",
     ]
@@ -291,8 +281,8 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
     idle = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0)
     baseline = idle.kv_usage
     assert idle.kv_blocks_total > 0 and idle.kv_events_mode == "engine"
-    stream = await client.completions.create(model=MODEL, prompt=list(range(100, 400)),
-                                             max_tokens=CANCELLED_MAX_TOKENS, stream=True,
+    prompt = list(range(100, 400))
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=CANCELLED_MAX_TOKENS, stream=True,
                                              extra_body={"ignore_eos": True})
     received, response_id, t_start = 0, "", time.monotonic()
     async for c in stream:
@@ -300,21 +290,21 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
         received += len(c.choices)  # tokens with no text (random weights sample special tokens) count too
         if received >= 5:
             break
-    t_fifth = time.monotonic() - t_start
-    busy = await watch.gauge(lambda g: g.running == 1)
-    t_busy, busy_age = time.monotonic() - t_start, time.time() - busy.ts
-    assert busy.kv_usage > baseline and busy.running_tokens > 300
+    # Leave at once: the engine decodes on regardless, so any wait here (for a gauge, say)
+    # races the request's end on a slow or stalled machine.
     await stream.close()  # the client goes away: the gateway cancels at the worker, vLLM aborts
     t_cancel = time.monotonic()
     freed = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0 and g.kv_usage <= baseline, timeout=20)
     assert freed.kv_blocks_used == idle.kv_blocks_used
+    # It held KV while it ran: the engine announced the prompt's blocks.
+    await watch.until(lambda: True if block_hashes(prompt, BLOCK)[0] in watch.stored_hashes() else None, 10,
+                      "KV events for the cancelled request's prompt")
     rid = await _finished(watch, response_id, timeout=20)
     final = watch.finished()[rid]
     assert final.finish_reason == "abort", (
         f"the request ran to {final.finish_reason!r} after {len(watch.streamed(rid))} tokens: the cancel did not "
-        f"reach the engine before it finished ({time.monotonic() - t_cancel:.2f}s after the client left; the client "
-        f"had its 5th chunk {t_fifth:.2f}s after the request, the busy gauge at {t_busy:.2f}s, published {busy_age:.2f}s "
-        f"before; the worker sent {len(watch.chunks[rid])} chunks)")
+        f"reach the engine before it finished (the client left {t_cancel - t_start:.2f}s after the request; the "
+        f"worker sent {len(watch.chunks[rid])} chunks)")
     # Billed what was streamed, far short of max_tokens.
     assert final.usage is not None
     assert final.usage.completion_tokens == len(watch.streamed(rid)) < CANCELLED_MAX_TOKENS
@@ -354,8 +344,8 @@ async def test_repeated_prompt_hits_the_prefix_cache(mesh: Mesh, client: openai.
     assert figures["prefix_hit_tokens"] >= 4 * BLOCK, figures
 
 
-async def test_worker_registers_the_model_directory(mesh: Mesh, long_context_model: Path) -> None:
-    model_dir = str(long_context_model)  # already absolute and resolved (pytest basetemp)
+async def test_worker_registers_the_model_directory(mesh: Mesh, tiny_model: Path) -> None:
+    model_dir = str(tiny_model)  # already absolute and resolved (pytest basetemp)
     from nats.js.kv import KeyValue
 
     from proto import WorkerInfo, decode
