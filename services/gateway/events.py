@@ -64,8 +64,7 @@ class EventBuilder:
             if first and self.chat is not None:
                 datas.append(self.chat.role())
             # Tokens that render no text (special tokens, a UTF-8 sequence still incomplete)
-            # still get an empty delta, as vLLM sends: the client sees progress, and a write
-            # to a client that has gone is how its disconnect shows before the stream ends.
+            # still get an empty delta, as vLLM's server sends: the client sees progress.
             if chunk.text or (chunk.token_ids and chunk.finish_reason is None):
                 datas.append(self.stream.content(chunk.text))
             if chunk.finish_reason is not None:

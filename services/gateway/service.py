@@ -162,8 +162,8 @@ class Execution:
                     # A quiet stream may have lost its tail (a chunk never delivered live):
                     # look in TOKENS once before suspecting the worker.
                     self.gateway.dispatcher.fill(self.stream)
-                lost = self._worker_lost()
-                if lost is None or await self._queued_on_live_worker():
+                lost = await self._worker_lost()
+                if lost is None:
                     continue
                 failed = await self._migrate(lost)
                 if failed is None:
@@ -188,29 +188,25 @@ class Execution:
         observation = TtftObservation(request_id=self.request_id, tier=self.tier, ttft_s=ttft_s)
         g.spawn(g.bus.publish(g.bus.subjects.admission_ttft, observation, trace=False), name=f"ttft-{self.request_id}")
 
-    def _worker_lost(self) -> str | None:
-        """Why the serving worker is considered lost, or None while it is fine."""
-        if self.worker_id not in self.gateway.registry.workers:
-            return f"worker {self.worker_id} is gone (heartbeat expired)"
-        silent = time.monotonic() - max(self.stream.last_chunk_at, self.live_at)
-        if silent >= self.gateway.config.stall_timeout_s:
-            return f"worker {self.worker_id} stalled: no tokens for {silent:.0f}s"
-        return None
-
-    async def _queued_on_live_worker(self) -> bool:
-        """Ask a silent request's (registered) worker before migrating: one merely queued
-        behind live work stays, checked again after another stall timeout."""
+    async def _worker_lost(self) -> str | None:
+        """Why the serving worker is considered lost, or None while it is fine. A stream
+        silent for the stall timeout asks its worker first: a request merely queued behind
+        live work stays, and is looked at again after another stall timeout."""
         g = self.gateway
         if self.worker_id not in g.registry.workers:
-            return False
+            return f"worker {self.worker_id} is gone (heartbeat expired)"
+        silent = time.monotonic() - max(self.stream.last_chunk_at, self.live_at)
+        if silent < g.config.stall_timeout_s:
+            return None
         probe = await g.path.probe(self.worker_id, self.request_id, timeout_s=min(2.0, g.config.stall_timeout_s))
         queued = queued_on_live_worker(probe, g.config.stall_timeout_s)
         g.metrics.stall_probes.labels("queued" if queued else "stalled").inc()
-        if queued:
-            assert probe is not None
-            self.live_at = time.monotonic()
-            self.span.add_event("queued_on_live_worker", {"worker": self.worker_id, "waited_s": probe.since_output_s})
-        return queued
+        if not queued:
+            return f"worker {self.worker_id} stalled: no tokens for {silent:.0f}s"
+        assert probe is not None
+        self.live_at = time.monotonic()
+        self.span.add_event("queued_on_live_worker", {"worker": self.worker_id, "waited_s": probe.since_output_s})
+        return None
 
     async def _migrate(self, why: str) -> TokenChunk | None:
         """Continue the request on another replica from the tokens the client already has.

@@ -428,9 +428,9 @@ class WorkerService(Service):
             await self._kv.put(self.worker_id, encode(self._info))
         except Exception as exc:  # the next beat retries; say so, since missed beats end in expiry
             log.warning("heartbeat not stored after %.1fs: %r", time.monotonic() - started, exc)
-        else:
-            if time.monotonic() - started > 1.0:
-                log.warning("heartbeat took %.1fs to store", time.monotonic() - started)
+            return
+        if (took := time.monotonic() - started) > 1.0:
+            log.warning("heartbeat took %.1fs to store", took)
 
     async def _heartbeat_loop(self) -> None:
         interval = min(self.config.heartbeat_interval_s, StreamLimits().workers_ttl_s / 4)
