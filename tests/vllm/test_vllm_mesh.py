@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import random
 import time
 from collections import defaultdict
@@ -105,10 +106,34 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             pytest.skip(f"vLLM's CPU build cannot run on this processor: {tail[-500:]}")
         raise RuntimeError(f"mesh with a vLLM worker did not start: {exc}\n--- worker log tail ---\n{tail}") from exc
     m.start_seconds = time.monotonic() - t0  # type: ignore[attr-defined]
+    asyncio.run(_settled(m))
     print(f"\nmesh with a vLLM worker ready in {m.start_seconds:.1f}s")  # type: ignore[attr-defined]
     yield m
     codes = m.stop(timeout=60)
     assert codes.get("worker-1") == 0, f"vLLM worker exited {codes.get('worker-1')} (logs in {m.log_dir})"
+
+
+async def _settled(mesh: Mesh, steady_s: float = 3.0, timeout_s: float = 60.0) -> None:
+    """Wait until the worker's 0.1 s gauges arrive steadily for ``steady_s``. On this 2-core
+    VM the seconds after vLLM's start can starve every other process of CPU (gauges,
+    heartbeats and clients stall for 5-20 s); the timing-sensitive tests start after."""
+    arrivals: list[float] = []
+
+    async def on_gauge(_gauge: WorkerGauge, _msg: object) -> None:
+        arrivals.append(time.monotonic())
+
+    bus = await Bus.open(mesh.settings, "test-vllm-settle", initial_attempts=10)
+    try:
+        await bus.subscribe(bus.subjects.gauges_all, WorkerGauge, on_gauge, answer_decode_errors=False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            recent = [t for t in arrivals if t >= time.monotonic() - steady_s]
+            gaps = [b - a for a, b in itertools.pairwise(recent)]
+            if recent and recent[0] - (time.monotonic() - steady_s) < 0.5 and gaps and max(gaps) < 0.5:
+                return
+    finally:
+        await bus.close()
 
 
 @pytest.fixture
