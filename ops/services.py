@@ -1,0 +1,74 @@
+"""``meshserve services``: every meshserve service on the mesh, by NATS micro discovery.
+
+The same answers as ``nats micro list`` / ``nats micro info NAME`` (``$SRV.PING`` and
+``$SRV.INFO``), for machines without the ``nats`` CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from bus import Bus, BusSettings
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "services", help="list the running services (NATS micro discovery, like `nats micro list`)",
+        description="List every service instance answering NATS micro discovery ($SRV.INFO), with its id, version "
+                    "and endpoints. --json prints the raw INFO replies.",
+    )
+    parser.add_argument("name", nargs="?", default="", help="only this service (e.g. meshserve-worker)")
+    parser.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
+    parser.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
+    parser.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
+    parser.add_argument("--json", action="store_true", help="print the INFO replies as JSON")
+    parser.set_defaults(func=run_services)
+
+
+async def discover_info(bus: Bus, name: str = "", wait: float = 0.5) -> list[dict[str, Any]]:
+    """Every ``$SRV.INFO`` reply (of service ``name``, or of all services) within ``wait`` seconds."""
+    inbox = bus.nc.new_inbox()
+    found: list[dict[str, Any]] = []
+
+    async def collect(msg: Any) -> None:
+        try:
+            found.append(json.loads(msg.data))
+        except ValueError:
+            pass  # not a micro reply: nothing to list
+
+    sub = await bus.nc.subscribe(inbox, cb=collect)
+    await bus.nc.publish("$SRV.INFO" + (f".{name}" if name else ""), b"", reply=inbox)
+    await asyncio.sleep(wait)
+    await sub.unsubscribe()
+    return sorted(found, key=lambda info: (info.get("name", ""), info.get("id", "")))
+
+
+def run_services(args: argparse.Namespace) -> int:
+    from .serve import apply_common_arguments
+
+    apply_common_arguments(args)
+
+    async def main() -> int:
+        bus = await Bus.open(BusSettings.from_env(), "meshserve-services", initial_attempts=3)
+        try:
+            infos = await discover_info(bus, args.name, args.wait)
+        finally:
+            await bus.close()
+        if args.json:
+            sys.stdout.write(json.dumps(infos, indent=2) + "\n")
+            return 0
+        if not infos:
+            print("no service answered" + (f" as {args.name}" if args.name else ""), file=sys.stderr)
+            return 1
+        # Plain lines, one per instance: readable piped and at any width.
+        for info in infos:
+            endpoints = ", ".join(e.get("subject", "") for e in info.get("endpoints") or [])
+            print(f"{info.get('name', '?')}  id={info.get('id', '?')}  version={info.get('version', '?')}"
+                  + (f"  endpoints: {endpoints}" if endpoints else ""))
+        return 0
+
+    return asyncio.run(main())

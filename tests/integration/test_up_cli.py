@@ -1,0 +1,194 @@
+"""``meshserve up`` as a newcomer runs it: a real process, its console, its exit code.
+
+Busy ports are named before anything starts, a child that dies at start-up is reported
+with its own last words, Ctrl-C during start-up stops what was started, one development
+key serves every start of a state folder, ``--workers 0`` waits for workers started by
+hand, and ``--nats-url`` never falls back to a NATS it was not given.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ops.natsserver import NatsServer, free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class UpProcess:
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.out = cwd / f"up-{time.monotonic_ns()}.out"
+        self._file = open(self.out, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "up", "--state-dir", str(cwd / ".meshserve"), *args],
+            stdout=self._file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_for(self, needle: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.text()
+            if needle in text:
+                return text
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} not printed (exit {self.proc.poll()}):\n{self.text()}")
+
+    def interrupt(self, timeout: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        code = self.proc.wait(timeout)
+        self._file.close()
+        return code
+
+    def finish(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        self._file.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._file.close()
+
+
+@pytest.fixture
+def up_runs(tmp_path: Path) -> Iterator[list[UpProcess]]:
+    runs: list[UpProcess] = []
+    yield runs
+    for run in runs:
+        run.kill()
+
+
+def start_up(runs: list[UpProcess], cwd: Path, *args: str) -> UpProcess:
+    run = UpProcess(list(args), cwd)
+    runs.append(run)
+    return run
+
+
+def listening_socket() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_busy_ports_are_named_before_anything_starts(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    held_nats, nats_port = listening_socket()
+    held_http, http_port = listening_socket()
+    with held_nats, held_http:
+        run = start_up(up_runs, tmp_path, "--nats-port", str(nats_port), "--http-port", str(http_port))
+        code = run.finish(timeout=30)
+    text = run.text()
+    assert code != 0
+    assert f"port {nats_port} for NATS" in text and "--nats-port" in text, text
+    assert f"port {http_port} for HTTP (gateway)" in text and "--http-port" in text, text
+    assert f"pid {os.getpid()}" in text, text  # the process holding the port is named
+    assert "make up ARGS=" in text, text
+    assert not (tmp_path / ".meshserve" / "logs").exists()  # nothing was started
+
+
+def test_a_child_that_dies_at_start_up_is_reported_with_its_last_words(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--no-autoscaler",
+                   "--workers", "1", "--worker-arg=--max-num-seqs=not-a-number")
+    code = run.finish(timeout=60)
+    text = run.text()
+    assert code == 1, text
+    assert "exited during start-up: worker-1 (exit 2)" in text, text
+    assert "invalid int value" in text, text  # the worker's own error line
+    assert "meshserve is up" not in text
+
+
+def test_ctrl_c_during_start_up_stops_everything_started(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()))
+    run.wait_for("", timeout=5)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / ".meshserve" / "logs" / "nats.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code = run.interrupt(timeout=30)
+    text = run.text()
+    assert code == 130, text
+    assert "interrupted during start-up" in text, text
+    assert "meshserve is up" not in text and "development API key" not in text, text
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], f"processes left running: {leftover}"
+
+
+def test_one_development_key_per_state_folder(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    keys = []
+    for _ in range(2):
+        run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--workers", "0")
+        run.wait_for("Ctrl-C stops everything")
+        keys.append((tmp_path / ".meshserve" / "dev-key").read_text().strip())
+        assert run.interrupt() == 0, run.text()
+    assert keys[0] == keys[1]
+    assert "reused from an earlier run" in run.text()
+
+
+def test_workers_zero_waits_for_a_worker_started_by_hand(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--workers", "0")
+    text = run.wait_for("Ctrl-C stops everything")
+    assert "no worker yet" in text, text
+    nats_url = next(line.split()[1] for line in text.splitlines() if line.startswith("NATS: "))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "serve", "worker", "--nats-url", nats_url, "--model", "sim-llama-8b",
+         "--worker-id", "by-hand"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        run.wait_for("worker ready: by-hand (sim, model sim-llama-8b)", timeout=60)
+        services = subprocess.run([sys.executable, "-m", "ops.cli", "services", "--nats-url", nats_url],
+                                  capture_output=True, text=True, timeout=30)
+        for name in ("meshserve-gateway", "meshserve-router", "meshserve-admission", "meshserve-worker"):
+            assert name in services.stdout, services.stdout + services.stderr
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    assert run.interrupt() == 0, run.text()
+
+
+def test_nats_url_without_jetstream_is_refused_with_the_reason(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    port = free_port()
+    plain = subprocess.Popen([str(Path(sys.executable).parent / "nats-server"), "-a", "127.0.0.1", "-p", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        run = start_up(up_runs, tmp_path, "--nats-url", f"nats://127.0.0.1:{port}", "--http-port", str(free_port()))
+        code = run.finish(timeout=60)
+    finally:
+        plain.terminate()
+        plain.wait(10)
+    text = run.text()
+    assert code == 1, text
+    assert "has no JetStream" in text, text
+
+
+def test_nats_url_is_used_instead_of_starting_one(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    theirs = NatsServer(store_dir=tmp_path / "theirs", log_file=tmp_path / "theirs.log").start()
+    try:
+        run = start_up(up_runs, tmp_path, "--nats-url", theirs.url, "--http-port", str(free_port()), "--workers", "0")
+        text = run.wait_for("Ctrl-C stops everything")
+        assert f"NATS: {theirs.url}" in text and "not started here" in text, text
+        assert not (tmp_path / ".meshserve" / "nats").exists()
+        assert run.interrupt() == 0, run.text()
+        assert theirs.running()  # left alone on the way out
+    finally:
+        theirs.stop()
