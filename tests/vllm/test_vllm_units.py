@@ -262,3 +262,12 @@ def test_sampling_parameters_map_one_to_one() -> None:
                                                    output_offset=20))
     assert (resumed.max_tokens, resumed.min_tokens) == (30, 0)
     assert engine.sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams())).top_k == 0
+
+
+def test_cpu_build_kv_cache_default_is_bounded_by_free_memory() -> None:
+    from services.worker.engines.vllm import default_cpu_kvcache_gib
+
+    gib = 1 << 30
+    assert default_cpu_kvcache_gib(2 * gib) == 1  # never below one GiB
+    assert default_cpu_kvcache_gib(13 * gib) == 3  # a quarter of what is free
+    assert default_cpu_kvcache_gib(200 * gib) == 4  # never more than 4 GiB on a laptop's CPU build

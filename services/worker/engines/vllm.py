@@ -120,6 +120,11 @@ def engine_arguments(
     return args
 
 
+def default_cpu_kvcache_gib(available_bytes: int) -> int:
+    """The CPU build's KV cache when none is asked for: a quarter of the free memory, 1-4 GiB."""
+    return max(1, min(4, int(available_bytes * 0.25) >> 30))
+
+
 @dataclass(slots=True)
 class _Flight:
     request_id: str
@@ -284,6 +289,18 @@ class VllmEngine(Engine):
         if self.cpu_kvcache_space_gib is not None:
             # Read (as whole GiB) by the CPU build's worker process, which inherits the environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.cpu_kvcache_space_gib)))
+        elif self.engine_args.get("gpu_memory_utilization") is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                # vLLM's CPU default reserves 92 % of the machine's memory and refuses to start
+                # on any laptop running something else: a KV cache of a bounded size instead.
+                import psutil
+
+                gib = default_cpu_kvcache_gib(psutil.virtual_memory().available)
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+                log.info("vLLM CPU build: %d GiB of KV cache (set --cpu-kvcache-space or "
+                         "--gpu-memory-utilization to choose)", gib)
         kwargs = dict(self.engine_args)
         if self.kv_events_mode == "engine" and self.prefix_caching:
             endpoint = self._open_kv_socket()
@@ -318,6 +335,7 @@ class VllmEngine(Engine):
             "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
         }
         self._stats.kv_blocks_total = self._limits["kv_blocks_total"]
+        self._stats.max_num_batched_tokens = self._limits["max_num_batched_tokens"]
         local = await asyncio.to_thread(local_model_dir, self.model_dir)
         if local is not None:
             self.model_dir = local
