@@ -5,6 +5,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.meshserve-installed
 PYTEST_ARGS ?=
+# Flags for `meshserve up`, e.g. make up ARGS="--http-port 8090 --nats-port 4223"
+ARGS ?=
 
 .PHONY: up test lint install clean vllm-cpu test-vllm
 
@@ -19,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 up: $(STAMP)
-	$(BIN)/meshserve up
+	$(BIN)/meshserve up $(ARGS)
 
 # pytest exits 5 when it ran no test: that is a failure here, never a green run.
 test: $(STAMP)
