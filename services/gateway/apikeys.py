@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from proto.messages import ApiKeyRecord
@@ -116,6 +116,43 @@ def parse_bearer(header: str | None) -> str | None:
         return None
     token = token.strip()
     return token or None
+
+
+class MalformedAuthorization(ValueError):
+    """An ``Authorization`` header that is present but not ``Bearer <token>``."""
+
+
+# Header names (lower case) other clients put the key in: Azure OpenAI's SDKs send
+# ``api-key``; Anthropic-style and many gateway clients send ``x-api-key``.
+API_KEY_HEADERS = ("api-key", "x-api-key")
+
+
+def key_from_headers(headers: Mapping[str, str]) -> str | None:
+    """The API key a request presents, or None when it presents none.
+
+    ``Authorization: Bearer <key>`` first, then ``api-key`` / ``x-api-key``. Raises
+    ``MalformedAuthorization`` when an Authorization header is there but is not Bearer
+    auth and no other header carries a key: a key pasted without ``Bearer`` deserves
+    a better answer than "you didn't provide an API key". Header names are matched
+    case-insensitively (NATS headers are a plain dict).
+    """
+    authorization: str | None = None
+    others: dict[str, str] = {}
+    for name, value in headers.items():
+        lowered = name.lower()
+        if lowered == "authorization":
+            authorization = value
+        elif lowered in API_KEY_HEADERS and value.strip():
+            others.setdefault(lowered, value.strip())
+    bearer = parse_bearer(authorization)
+    if bearer is not None:
+        return bearer
+    for name in API_KEY_HEADERS:
+        if name in others:
+            return others[name]
+    if authorization is not None and authorization.strip():
+        raise MalformedAuthorization(authorization)
+    return None
 
 
 def redact_key(key: str) -> str:

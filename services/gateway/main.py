@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from bus import run_service
+
+DEV_KEY_FILE_ENV = "MESHSERVE_DEV_KEY_FILE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission-unreachable", choices=["open", "closed", "grace"], default="grace",
                         help="what to do when no admission service answers (grace: open for --admission-grace s)")
     parser.add_argument("--admission-grace", type=float, default=30.0)
+    parser.add_argument("--dev-key-file", default=None, metavar="PATH",
+                        help=f"development key file: GET /dev-key hands it to browsers on this host only "
+                             f"(env {DEV_KEY_FILE_ENV}; meshserve up passes its own)")
 
 
 def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -55,6 +61,7 @@ def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         trusted_proxies=tuple(args.trusted_proxy), max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
         stall_timeout_s=args.stall_timeout, max_migrations=args.max_migrations, stream_buffer_chunks=args.stream_buffer, resume_window_s=args.resume_window, model_limits=limits, aliases=aliases,
         path=PathConfig(admission_unreachable=args.admission_unreachable, admission_grace_s=args.admission_grace),
+        dev_key_file=args.dev_key_file or os.environ.get(DEV_KEY_FILE_ENV) or None,
     )
 
 

@@ -34,6 +34,8 @@ from proto import (
     RouteRequest,
 )
 
+from .validation import from_mesh_error
+
 log = logging.getLogger(__name__)
 
 
@@ -68,6 +70,14 @@ class RequestPath:
             )
         except (NoResponders, RequestTimeout) as exc:
             return self._admission_unreachable(request, exc)
+        except RemoteError as exc:
+            # Admission answered with an error: one that is the client's (a key whose stored
+            # limits no bucket can hold is "forbidden") goes back as its 4xx, never a 500.
+            self._admission_seen_at = self.clock()
+            error = from_mesh_error(str(exc.code), exc.message, exc.retry_after)
+            if error.status >= 500:
+                raise  # our fault: the gateway's generic 500, no internals in the reply
+            raise error from exc
         self._admission_seen_at = self.clock()
         return decision
 

@@ -45,6 +45,7 @@ from proto import (
     RouteRequest,
     TokenChunk,
     TtftObservation,
+    Usage,
     UsageEvent,
     WorkerInfo,
     block_hashes,
@@ -56,8 +57,16 @@ from proto import (
 from proto.metering import UsageReport, org_usage_query, usage_report_json
 from proto.tokenizer import load_tokenizer
 
-from .apikeys import key_allows_model, parse_bearer, parse_key, redact_key, verify_key
+from .apikeys import (
+    MalformedAuthorization,
+    key_allows_model,
+    key_from_headers,
+    parse_key,
+    redact_key,
+    verify_key,
+)
 from .events import DONE, EventBuilder, parse_event_id
+from .local import is_local_request
 from .metrics import GatewayMetrics
 from .openai_api import (
     ModelCard,
@@ -86,12 +95,16 @@ from .validation import (
     from_admission,
     from_mesh_error,
     invalid_api_key,
+    malformed_authorization,
+    method_not_allowed,
     missing_api_key,
+    model_not_found,
     overloaded,
     parse_request,
     parse_ws_message,
     parse_ws_request,
     payload_too_large,
+    unknown_url,
 )
 
 log = logging.getLogger(__name__)
@@ -125,6 +138,12 @@ class GatewayConfig:
     aliases: Mapping[str, str] = field(default_factory=dict)
     path: PathConfig = field(default_factory=PathConfig)
     tier_priority: Mapping[str, int] = field(default_factory=lambda: {"premium": 2, "standard": 1, "batch": 0})
+    # A file holding the development key (``meshserve up`` writes one): ``GET /dev-key``
+    # hands it to browsers on this host only, so the chat page can offer it.
+    dev_key_file: str | None = None
+    # A request its client stopped waits this long for the worker's final chunk (the
+    # usage it billed) before the gateway ends it with its own count.
+    stop_grace_s: float = 5.0
 
 
 class Execution:
@@ -148,6 +167,7 @@ class Execution:
         self.generate: GenerateRequest | None = None  # what was sent, for a migration
         self.migrations = 0
         self.live_at = 0.0  # when its worker last said it is queued behind live work
+        self.stop_requested_at: float | None = None  # the client stopped it: relay until the worker's final chunk
         self.segment_tokens: list[int] = []  # tokens the current worker streamed
         self._prior_tokens: list[int] = []
 
@@ -157,6 +177,16 @@ class Execution:
             try:
                 chunk = await self.stream.get(timeout=cfg.liveness_check_s)
             except TimeoutError:
+                if self.stop_requested_at is not None:
+                    # Stopped by its client: no migration; wait a moment for the worker's
+                    # final chunk, then end it with what was relayed.
+                    if time.monotonic() - self.stop_requested_at < cfg.stop_grace_s:
+                        continue
+                    chunk = self._stopped_chunk()
+                    self.finished = True
+                    self.final = chunk
+                    yield chunk
+                    return
                 silent = time.monotonic() - self.stream.last_chunk_at
                 if silent >= cfg.silence_fill_s and silent - cfg.liveness_check_s < cfg.silence_fill_s:
                     # A quiet stream may have lost its tail (a chunk never delivered live):
@@ -256,7 +286,21 @@ class Execution:
         return TokenChunk(request_id=self.request_id, seq=self.stream.next_seq, finish_reason="error",
                           error=ErrorInfo(code=code.value, message=message))
 
+    def _stopped_chunk(self) -> TokenChunk:
+        return TokenChunk(request_id=self.request_id, seq=self.stream.next_seq, finish_reason="abort",
+                          usage=Usage(prompt_tokens=self.request.prompt_tokens, completion_tokens=self.completion_tokens))
+
+    async def stop(self, reason: str) -> None:
+        """Ask the worker to stop, but keep relaying: its final chunk (finish ``abort``)
+        carries the usage it billed, tokens streamed before the stop included."""
+        if self.finished or self.stop_requested_at is not None:
+            return
+        self.stop_requested_at = time.monotonic()
+        self.gateway.metrics.cancels.labels(reason=reason).inc()
+        await self.gateway.path.cancel(self.worker_id, self.request_id, reason)
+
     async def cancel(self, reason: str) -> None:
+        """Stop the worker and the relay at once (nobody is left to read the rest)."""
         if not self.finished:
             self.finished = True
             self.gateway.metrics.cancels.labels(reason=reason).inc()
@@ -349,12 +393,16 @@ class GatewayService(Service):
             web.post("/v1/completions", self.http_completions),
             web.get("/v1/requests/{request_id}/stream", self.http_resume),
             web.get("/v1/models", self.http_models),
+            web.get("/v1/models/{model_id:.+}", self.http_model),
             web.get("/v1/usage", self.http_usage),
             web.get("/v1/ws", self.http_ws),
             web.get("/healthz", self.http_health),
+            web.get("/health", self.http_health),  # vLLM's name: benchmark clients and routers probe it
             web.get("/readyz", self.http_ready),
             web.get("/metrics", self.http_metrics),
             web.get("/", self.http_index),
+            web.get("/favicon.ico", self.http_favicon),
+            web.get("/dev-key", self.http_dev_key),
         ])
         if STATIC_DIR.exists():
             app.router.add_static("/static/", STATIC_DIR)
@@ -406,6 +454,17 @@ class GatewayService(Service):
         """The KV block size of the model's pool (per engine: 16 on vLLM GPU, 128 on its CPU build)."""
         workers = self.registry.ready_workers(model)
         return workers[0].block_size if workers else 0
+
+    def authenticate_headers(self, headers: Mapping[str, str]) -> ApiKeyRecord:
+        """The key record of a request's Authorization / api-key / x-api-key header."""
+        return self.authenticate(self._presented_key(headers))
+
+    @staticmethod
+    def _presented_key(headers: Mapping[str, str]) -> str | None:
+        try:
+            return key_from_headers(headers)
+        except MalformedAuthorization:
+            raise malformed_authorization() from None
 
     def authenticate(self, presented: str | None) -> ApiKeyRecord:
         if not presented:
@@ -558,8 +617,17 @@ class GatewayService(Service):
             return _error_response(exc)
         except web.HTTPRequestEntityTooLarge as exc:
             return _error_response(payload_too_large(self.config.max_body_bytes, getattr(exc, "actual_size", None)))
-        except web.HTTPException:
-            raise
+        except web.HTTPMethodNotAllowed as exc:
+            response = _error_response(method_not_allowed(request.method, request.path, exc.allowed_methods))
+            response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            return response
+        except web.HTTPNotFound:
+            # Unknown paths (/v1/responses, /v1/embeddings, typos) answer like OpenAI, not with text/plain.
+            return _error_response(unknown_url(request.method, request.path))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error_response(ApiError(exc.status, exc.reason, "invalid_request_error" if exc.status < 500 else "server_error"))
         except Exception:
             log.exception("unhandled error on %s", request.path)
             return _error_response(ApiError(500, "internal error", "server_error", None, "internal"))
@@ -571,7 +639,7 @@ class GatewayService(Service):
         return await self._http_generate(request, "completion")
 
     async def _http_generate(self, http: web.Request, kind: Kind) -> web.StreamResponse:
-        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        key = self.authenticate_headers(http.headers)
         if http.content_length is not None and http.content_length > self.config.max_body_bytes:
             raise payload_too_large(self.config.max_body_bytes, http.content_length)
         body = await http.read()
@@ -667,7 +735,7 @@ class GatewayService(Service):
                 await response.write(b"".join(frames))
 
     async def http_resume(self, http: web.Request) -> web.StreamResponse:
-        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        key = self.authenticate_headers(http.headers)
         request_id = http.match_info["request_id"]
         record = await self._load_record(request_id)
         if record is None or record.key_id != key.key_id:
@@ -712,15 +780,25 @@ class GatewayService(Service):
                     return
 
     async def http_models(self, http: web.Request) -> web.Response:
-        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        key = self.authenticate_headers(http.headers)
         now = int(time.time())
-        cards = [ModelCard(id=name, created=now, owned_by="meshserve") for name in sorted(self.model_specs())
-                 if key_allows_model(key, name)]
+        cards = [ModelCard(id=name, created=now, owned_by="meshserve", max_model_len=spec.limits.max_model_len)
+                 for name, spec in sorted(self.model_specs().items()) if key_allows_model(key, name)]
         return web.Response(body=encode_json(ModelList(data=cards)), content_type="application/json")
+
+    async def http_model(self, http: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: one model object; unknown or not the key's is OpenAI's 404."""
+        key = self.authenticate_headers(http.headers)
+        name = http.match_info["model_id"]
+        spec = self.model_specs().get(name)
+        if spec is None or not (key_allows_model(key, name) or key_allows_model(key, spec.name)):
+            raise model_not_found(name)
+        card = ModelCard(id=name, created=int(time.time()), owned_by="meshserve", max_model_len=spec.limits.max_model_len)
+        return web.Response(body=encode_json(card), content_type="application/json")
 
     async def http_usage(self, http: web.Request) -> web.Response:
         """Usage and spend of the calling key's own org (from the metering ledger)."""
-        key = self.authenticate(parse_bearer(http.headers.get("Authorization")))
+        key = self.authenticate_headers(http.headers)
         try:
             query = org_usage_query(key.org, dict(http.query), time.time())
         except ValueError as exc:
@@ -752,20 +830,42 @@ class GatewayService(Service):
             raise web.HTTPNotFound()
         return web.FileResponse(index)
 
+    async def http_favicon(self, http: web.Request) -> web.StreamResponse:
+        # An SVG icon under the name browsers ask for; they go by the content type.
+        return web.FileResponse(STATIC_DIR / "favicon.svg", headers={"Content-Type": "image/svg+xml",
+                                                                     "Cache-Control": "max-age=86400"})
+
+    async def http_dev_key(self, http: web.Request) -> web.Response:
+        """The development key, for the chat page of a browser on this host; 404 to anyone else.
+
+        Served only with ``--dev-key-file`` (``meshserve up``). Read on every call: the
+        key is created after the gateway starts, and may be replaced.
+        """
+        path = self.config.dev_key_file
+        if not path or not is_local_request(http.remote, http.headers):
+            raise web.HTTPNotFound()
+        try:
+            key = (await asyncio.to_thread(Path(path).read_text)).strip()
+        except OSError:
+            key = ""
+        if not key:
+            raise web.HTTPNotFound()
+        return web.json_response({"api_key": key}, headers={"Cache-Control": "no-store"})
+
     # ---- WebSocket --------------------------------------------------------------------
     async def http_ws(self, http: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=self.config.max_body_bytes)
         await ws.prepare(http)
         key: ApiKeyRecord | None = None
-        presented = http.query.get("api_key") or parse_bearer(http.headers.get("Authorization"))
-        if presented:
-            try:
+        try:
+            presented = http.query.get("api_key") or self._presented_key(http.headers)
+            if presented:
                 key = self.authenticate(presented)
-            except ApiError as exc:
-                await ws.send_str(exc.to_ws(None).decode())
-                await ws.close()
-                return ws
-        running: dict[str, asyncio.Task[None]] = {}
+        except ApiError as exc:
+            await ws.send_str(exc.to_ws(None).decode())
+            await ws.close()
+            return ws
+        running: dict[str, _WsJob] = {}
         send_lock = asyncio.Lock()
 
         async def send(data: bytes) -> None:
@@ -784,9 +884,9 @@ class GatewayService(Service):
                         key = self.authenticate(parsed.api_key)
                         continue
                     if isinstance(parsed, WsCancel):
-                        task = running.get(parsed.id)
-                        if task is not None:
-                            task.cancel()
+                        job = running.get(parsed.id)
+                        if job is not None:
+                            job.stop()
                         continue
                     if key is None:
                         raise missing_api_key()
@@ -796,22 +896,27 @@ class GatewayService(Service):
                 except ApiError as exc:
                     await send(exc.to_ws(_message_id(message.data)))
                     continue
-                task = asyncio.create_task(self._ws_request(send, parsed.id, request, key))
-                running[parsed.id] = task
-                task.add_done_callback(functools.partial(_forget, running, parsed.id))
+                job = _WsJob(self)
+                job.task = asyncio.create_task(self._ws_request(send, parsed.id, request, key, job))
+                running[parsed.id] = job
+                job.task.add_done_callback(functools.partial(_forget, running, parsed.id))
         finally:
-            for task in running.values():
+            tasks = [job.task for job in running.values() if job.task is not None]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*running.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
         return ws
 
-    async def _ws_request(self, send: Any, client_id: str, request: NormalizedRequest, key: ApiKeyRecord) -> None:
+    async def _ws_request(self, send: Any, client_id: str, request: NormalizedRequest, key: ApiKeyRecord, job: _WsJob) -> None:
         try:
             execution = await self.execute(request, key)
         except ApiError as exc:
             await send(exc.to_ws(client_id))
             return
+        job.execution = execution
         try:
+            if job.stop_requested:  # the cancel came while the request was being admitted and placed
+                await execution.stop("client_cancelled")
             async for chunk in execution.chunks():
                 if chunk.error is not None:
                     err = from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
@@ -820,11 +925,12 @@ class GatewayService(Service):
                 if chunk.token_ids or chunk.text:
                     await send(ws_token(client_id, chunk.seq, chunk.text, chunk.token_ids))
                 if chunk.finish_reason is not None:
+                    # After a cancel this is the worker's "abort" chunk: its usage is what was billed.
                     await send(ws_done(client_id, chunk.finish_reason, usage_from_proto(chunk.usage) if chunk.usage else None))
         except (asyncio.CancelledError, ConnectionResetError):
-            await asyncio.shield(execution.cancel("client_cancelled"))
-            with contextlib.suppress(Exception):
-                await send(ws_done(client_id, "abort", None))
+            # The socket closed: nobody is left to tell, so stop the relay along with the worker.
+            await asyncio.shield(execution.cancel("client_disconnected"))
+            raise
         finally:
             self.finish(execution)
 
@@ -840,7 +946,7 @@ class GatewayService(Service):
         if not msg.reply:
             return
         try:
-            key = self.authenticate(parse_bearer((msg.headers or {}).get("Authorization")))
+            key = self.authenticate_headers(msg.headers or {})
             if len(msg.data) > self.config.max_body_bytes:
                 raise payload_too_large(self.config.max_body_bytes, len(msg.data))
             request = parse_request(kind, msg.data, self.model_specs(), allowed_models=key.models or None)
@@ -877,7 +983,25 @@ def _message_id(data: str) -> str | None:
     return request_id if isinstance(request_id, str) else None
 
 
-def _forget(running: dict[str, asyncio.Task[None]], request_id: str, _task: asyncio.Task[None]) -> None:
+class _WsJob:
+    """One request on a WebSocket: its relay task and, once placed, its execution."""
+
+    __slots__ = ("execution", "gateway", "stop_requested", "task")
+
+    def __init__(self, gateway: GatewayService) -> None:
+        self.gateway = gateway
+        self.task: asyncio.Task[None] | None = None
+        self.execution: Execution | None = None
+        self.stop_requested = False
+
+    def stop(self) -> None:
+        """The client's cancel: the worker stops, the relay runs on to its final usage."""
+        self.stop_requested = True
+        if self.execution is not None:
+            self.gateway.spawn(self.execution.stop("client_cancelled"), name=f"stop-{self.execution.request_id}")
+
+
+def _forget(running: dict[str, _WsJob], request_id: str, _task: asyncio.Task[None]) -> None:
     running.pop(request_id, None)
 
 

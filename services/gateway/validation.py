@@ -135,6 +135,32 @@ def model_not_found(model: str) -> ApiError:
     )
 
 
+# What the client should have called instead; shown in every unknown-URL error.
+SERVED_ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
+
+
+def unknown_url(method: str, path: str) -> ApiError:
+    """404 for a path the gateway does not serve, in OpenAI's words ("Invalid URL (POST /v1/x)")."""
+    return ApiError(
+        404,
+        f"Invalid URL ({_clip(method, 16)} {_clip(path)}): meshserve serves {SERVED_ENDPOINTS}.",
+        "invalid_request_error",
+        None,
+        "unknown_url",
+    )
+
+
+def method_not_allowed(method: str, path: str, allowed: Collection[str]) -> ApiError:
+    allow = ", ".join(sorted(allowed))
+    return ApiError(
+        405,
+        f"Method {_clip(method, 16)} is not allowed for {_clip(path)}; use {allow}.",
+        "invalid_request_error",
+        None,
+        "method_not_allowed",
+    )
+
+
 def payload_too_large(limit: int, size: int | None = None) -> ApiError:
     got = f" ({size} bytes)" if size is not None else ""
     return ApiError(
@@ -150,10 +176,22 @@ def missing_api_key() -> ApiError:
     return ApiError(
         401,
         "You didn't provide an API key. Provide it in an Authorization header using Bearer auth"
-        " (Authorization: Bearer msk-...), or as the first WebSocket message {\"type\": \"auth\"}.",
+        " (Authorization: Bearer msk-...), in an api-key header, or as the first WebSocket message"
+        " {\"type\": \"auth\"}.",
         "invalid_request_error",
         None,
         "missing_api_key",
+    )
+
+
+def malformed_authorization() -> ApiError:
+    return ApiError(
+        401,
+        "You sent a malformed Authorization header: expected 'Authorization: Bearer msk-...'"
+        " (an 'api-key' or 'x-api-key' header holding just the key works too).",
+        "invalid_request_error",
+        None,
+        "invalid_authorization_header",
     )
 
 

@@ -102,3 +102,28 @@ def test_redaction_never_shows_the_secret() -> None:
     assert secret[:4] not in shown
     foreign = "sk-proj-abcdefghijklmnopqrstuvwxyz"
     assert apikeys.redact_key(foreign) == f"*** ({len(foreign)} chars)"
+
+
+@pytest.mark.parametrize(
+    ("headers", "key"),
+    [
+        ({"Authorization": "Bearer msk-a"}, "msk-a"),
+        ({"authorization": "bearer msk-a"}, "msk-a"),  # NATS headers are a plain, case-sensitive dict
+        ({"api-key": "msk-a"}, "msk-a"),  # Azure OpenAI SDKs
+        ({"X-Api-Key": " msk-a "}, "msk-a"),
+        ({"Authorization": "Bearer msk-a", "api-key": "msk-b"}, "msk-a"),
+        ({"Authorization": "msk-a", "api-key": "msk-b"}, "msk-b"),
+        ({"api-key": "", "x-api-key": "msk-b"}, "msk-b"),
+        ({}, None),
+        ({"Authorization": ""}, None),
+        ({"api-key": "  "}, None),
+    ],
+)
+def test_key_from_headers(headers: dict[str, str], key: str | None) -> None:
+    assert apikeys.key_from_headers(headers) == key
+
+
+@pytest.mark.parametrize("authorization", ["msk-a", "Basic bXNrLWE=", "Bearer", "Token msk-a"])
+def test_authorization_without_bearer_is_malformed(authorization: str) -> None:
+    with pytest.raises(apikeys.MalformedAuthorization):
+        apikeys.key_from_headers({"Authorization": authorization})
