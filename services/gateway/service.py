@@ -434,8 +434,8 @@ class GatewayService(Service):
         return specs
 
     def _spec(self, model: str, workers: list[WorkerInfo]) -> ModelSpec | None:
-        tokenizer = workers[0].model_dir or workers[0].tokenizer or "byte"
-        max_len = min(w.max_model_len for w in workers if w.max_model_len) if any(w.max_model_len for w in workers) else 4096
+        tokenizer = tokenizer_source(workers)
+        max_len = model_max_len(workers) or 4096
         cache_key = (model, tokenizer, max_len)
         spec = self._specs.get(cache_key)
         if spec is None:
@@ -971,6 +971,17 @@ class GatewayService(Service):
                     await nc.publish(msg.reply, event.data, headers=headers)
         finally:
             self.finish(execution)
+
+
+def tokenizer_source(workers: list[WorkerInfo]) -> str:
+    """What a model's requests are tokenized with (a ``load_tokenizer`` spec: ``byte`` or a
+    directory); ``meshserve tokenizer export`` hands clients the same."""
+    return workers[0].model_dir or workers[0].tokenizer or "byte"
+
+
+def model_max_len(workers: list[WorkerInfo]) -> int:
+    """The context every replica of a model can take (0: none of them says)."""
+    return min((w.max_model_len for w in workers if w.max_model_len), default=0)
 
 
 def _message_id(data: str) -> str | None:

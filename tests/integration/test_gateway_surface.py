@@ -6,6 +6,7 @@ request. A sim worker and the gateway run as tasks in this process, on a real na
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -216,3 +217,23 @@ async def test_favicon(gateway: GatewayService) -> None:
     async with aiohttp.ClientSession() as http, http.get(f"{gateway.http_url}/favicon.ico") as r:
         assert r.status == 200 and r.content_type == "image/svg+xml"
         assert (await r.read()).startswith(b"<svg")
+
+
+async def test_tokenizer_export_asks_the_mesh_which_tokenizer_a_model_uses(
+    nats_url: str, worker: WorkerService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenizers import Tokenizer
+
+    from ops.cli import main
+    from proto.tokenizer import ByteTokenizer
+
+    monkeypatch.setenv("MESHSERVE_NATS_URL", nats_url)
+    out = tmp_path / "tok"
+    assert await asyncio.to_thread(main, ["tokenizer", "export", str(out), "--model", MODEL]) == 0
+    exported = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert exported.encode("grüß dich").ids == ByteTokenizer().encode("grüß dich")
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["model_max_length"] == 2048 and config["name_or_path"] == MODEL  # what the worker registered
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["tokenizer", "export", str(out), "--model", "nope"]) == 2
+    assert f"no worker serves 'nope' (served: {MODEL})" in capsys.readouterr().err
