@@ -9,6 +9,7 @@ call with no await in between, so no other request can see the buckets half-upda
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from proto.messages import AdmissionDecision, AdmissionRequest, UsageEvent
@@ -25,12 +26,17 @@ class AdmissionPolicy:
     # Predictions kept for calibration until the request's TTFT report or usage event: one
     # that has neither by then (both lost, a request still queued) is dropped.
     prediction_max_age_s = 600.0
+    # Outcomes kept for ``prediction_errors`` (operators and benchmarks, not decisions).
+    error_log_size = 10_000
 
     def __init__(self, limiter: Limiter | None = None, slo: SloAdmitter | None = None) -> None:
         self.limiter = limiter or Limiter()
         self.slo = slo or SloAdmitter()
-        # request id → (tier, raw predicted TTFT, admitted at): the calibration's inputs
-        self.predictions: dict[str, tuple[str, float, float]] = {}
+        # request id → (tier, raw predicted TTFT, calibrated prediction, admitted at): the
+        # calibration's inputs, and what the decision used
+        self.predictions: dict[str, tuple[str, float, float, float]] = {}
+        # (tier, calibrated prediction, actual TTFT) of recent admitted requests
+        self.outcomes: deque[tuple[str, float, float]] = deque(maxlen=self.error_log_size)
 
     def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
         """``replicas``: the request's pool, with ``cached_tokens`` set when known."""
@@ -66,7 +72,8 @@ class AdmissionPolicy:
         cached = next((r.cached_tokens for r in pool if r.worker_id == verdict.worker_id), 0)
         self.slo.record_admitted(req.tier, max(req.prompt_tokens - cached, 0), now)
         if verdict.raw_predicted_ttft is not None:
-            self.predictions[req.request_id] = (verdict.tier, verdict.raw_predicted_ttft, now)
+            predicted = verdict.predicted_ttft if verdict.predicted_ttft is not None else verdict.raw_predicted_ttft
+            self.predictions[req.request_id] = (verdict.tier, verdict.raw_predicted_ttft, predicted, now)
         return AdmissionDecision(
             request_id=req.request_id,
             admitted=True,
@@ -98,12 +105,29 @@ class AdmissionPolicy:
         predicted = self.predictions.pop(request_id, None)
         if predicted is None:
             return False
-        tier, raw, _ = predicted
+        tier, raw, calibrated, _ = predicted
         self.slo.observe(tier, raw, ttft_s)
+        self.outcomes.append((tier, calibrated, ttft_s))
         return True
+
+    def prediction_errors(self) -> dict[str, dict[str, float]]:
+        """Per tier, the recent admitted requests' predicted / actual TTFT: count and
+        p1/p10/p50/p90/p99 (nearest rank). Above 1: admission was pessimistic."""
+        by_tier: dict[str, list[float]] = {}
+        for tier, predicted, actual in self.outcomes:
+            if actual > 0:
+                by_tier.setdefault(tier, []).append(predicted / actual)
+        out: dict[str, dict[str, float]] = {}
+        for tier, ratios in by_tier.items():
+            ratios.sort()
+            row = {"n": float(len(ratios))}
+            for q in (1, 10, 50, 90, 99):
+                row[f"p{q}"] = ratios[min(int(q / 100 * len(ratios)), len(ratios) - 1)]
+            out[tier] = row
+        return out
 
     def expire(self, now: float) -> list[str]:
         cutoff = now - self.prediction_max_age_s
-        for rid in [rid for rid, (_, _, at) in self.predictions.items() if at < cutoff]:
+        for rid in [rid for rid, (*_, at) in self.predictions.items() if at < cutoff]:
             del self.predictions[rid]
         return self.limiter.expire(now)

@@ -17,10 +17,15 @@ monotonic one: it is only compared with itself), and asks ``loads`` for the
   admission adds its uncached prompt tokens to the queue of the replica its prediction
   used (the one the router's cost also favours) until a gauge taken after it arrives,
   so a burst cannot all be admitted against the same stale, empty queue.
+- The worker drains that queue meanwhile: the queue a request meets is the gauge's,
+  plus the admissions since, less what the replica's measured prefill rate has drained
+  since (FIFO, from when each was counted). Without this a prompt prefilled in 40 ms
+  counted for a whole gauge period, and on a light load doubled the next prediction.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -176,7 +181,7 @@ class ReplicaBook:
             out.append(
                 ReplicaLoad(
                     worker_id=r.worker_id,
-                    queued_prefill_tokens=(g.queued_prefill_tokens if g is not None else 0) + r.pending_tokens,
+                    queued_prefill_tokens=self._queue_now(r, now),
                     prefill_tokens_per_s=g.prefill_tokens_per_s if g is not None else 0.0,
                     step_time_s=g.step_time_s if g is not None else 0.0,
                     cached_tokens=min(cached.get(r.worker_id, 0), req.prompt_tokens),
@@ -184,6 +189,24 @@ class ReplicaBook:
                 )
             )
         return out
+
+
+    @staticmethod
+    def _queue_now(r: _Replica, now: float) -> int:
+        """The gauge's queue plus the admissions since, drained at the gauge's prefill
+        rate (none without a measured rate: the queue then only grows until a gauge)."""
+        g = r.gauge
+        backlog = float(g.queued_prefill_tokens) if g is not None else 0.0
+        rate = g.prefill_tokens_per_s if g is not None else 0.0
+        if rate <= 0:
+            return int(backlog) + r.pending_tokens
+        t = r.gauge_received_at
+        for at, tokens in r.pending:  # in admission order
+            if at > t:  # admitted before the gauge yet not in it: drains from the gauge on
+                backlog = max(backlog - rate * (at - t), 0.0)
+                t = at
+            backlog += tokens
+        return math.ceil(max(backlog - rate * max(now - t, 0.0), 0.0))
 
 
 def _adapters(r: _Replica) -> set[str]:

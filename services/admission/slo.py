@@ -61,6 +61,20 @@ records actual / predicted per tier. A tier's predictions are multiplied by the
 ``calibration_min_samples`` (clamped to ``calibration_bounds``): a request is admitted
 when that share of requests predicted like it met the limit. An engine whose real
 TTFT runs below the formula gets a factor under 1 and admits more.
+
+Only errors that can move a decision are learnt: both times are raised to a floor,
+``calibration_floor`` × the tier's SLO, before the ratio is taken. On a light load a
+prediction of 40 ms meets 60-90 ms of gateway, bus and HTTP time the formula does not
+model; taken as it is, that ratio (2-4) became the tier's factor and multiplied every
+prediction, queue included, until an idle mesh refused premium requests. Raised to the
+floor it reads 1 (right, as far as the SLO cares), while a miss from a small prediction
+(50 ms predicted, 2 s seen) still counts in full, against the floor.
+
+That latency outside the engine is learnt instead, as an additive ``overhead``: the
+median of actual − formula over the recent requests predicted below their floor (light
+load, where the formula's queue term is near zero), at most the tightest tier's floor.
+Every prediction is ``(formula + overhead) × factor``: a cached prompt's 7 ms of engine
+time is predicted as the 20 ms the gateway sees, not as a third of it.
 """
 
 from __future__ import annotations
@@ -111,6 +125,9 @@ class SloConfig:
     calibration_window: int = 500
     calibration_min_samples: int = 50
     calibration_bounds: tuple[float, float] = (0.5, 4.0)
+    # Fraction of the tier's SLO below which predicted and actual TTFT count as equal.
+    calibration_floor: float = 0.25
+    overhead_min_samples: int = 10  # light-load outcomes before the overhead is used
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -124,6 +141,8 @@ class SloConfig:
             raise ValueError("target must be in (0, 1]")
         if not 0 < self.calibration_quantile < 1 or self.calibration_window < 1:
             raise ValueError("calibration_quantile must be in (0, 1) and calibration_window ≥ 1")
+        if not 0 <= self.calibration_floor < 1 or self.overhead_min_samples < 1:
+            raise ValueError("calibration_floor must be in [0, 1) and overhead_min_samples ≥ 1")
         lo, hi = self.calibration_bounds
         if not 0 < lo <= 1 <= hi:
             raise ValueError("calibration_bounds must be (lo, hi) with 0 < lo ≤ 1 ≤ hi")
@@ -165,7 +184,8 @@ class SloVerdict:
     # could meet on top of the prediction and still pass every check. The router may
     # place it elsewhere only within that budget (RouteRequest.prefer_slack_tokens).
     slack_tokens: int = 0
-    raw_predicted_ttft: float | None = None  # before calibration: what outcomes are compared with
+    # The formula alone, before overhead and calibration: what outcomes are compared with.
+    raw_predicted_ttft: float | None = None
 
 
 class TierMix:
@@ -214,22 +234,37 @@ class TierMix:
 
 
 class Calibration:
-    """Per tier, the recent ratios of actual to predicted TTFT and their quantile."""
+    """Per tier, the recent ratios of actual to predicted TTFT and their quantile; for
+    the whole mesh, the latency the formula leaves out (``overhead``)."""
 
-    __slots__ = ("_factor", "bounds", "min_samples", "quantile", "ratios")
+    __slots__ = ("_factor", "_overhead", "bounds", "max_overhead_s", "min_samples", "overhead_min_samples",
+                 "quantile", "ratios", "residuals")
 
-    def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float]) -> None:
+    def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float],
+                 overhead_min_samples: int = 10, max_overhead_s: float = math.inf) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.bounds = bounds
+        self.overhead_min_samples = overhead_min_samples
+        self.max_overhead_s = max_overhead_s
         self.ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self.residuals: deque[float] = deque(maxlen=window)  # actual − formula, light load
         self._factor: dict[str, float] = {}
+        self._overhead = 0.0
 
-    def observe(self, tier: str, predicted_s: float, actual_s: float) -> None:
+    def observe(self, tier: str, predicted_s: float, actual_s: float, floor_s: float = 0.0) -> None:
+        """``predicted_s``: the formula's TTFT; ``floor_s``: times below it count as equal
+        to it (errors the SLO cannot see), and the requests predicted below it teach
+        the overhead."""
         if predicted_s <= 0 or actual_s < 0 or not math.isfinite(actual_s):
             return
+        if predicted_s < floor_s:
+            self.residuals.append(actual_s - predicted_s)
+            if len(self.residuals) >= self.overhead_min_samples:
+                ranked = sorted(self.residuals)
+                self._overhead = min(max(ranked[len(ranked) // 2], 0.0), self.max_overhead_s)
         window = self.ratios[tier]
-        window.append(actual_s / predicted_s)
+        window.append(max(actual_s, floor_s) / max(predicted_s + self._overhead, floor_s))
         if len(window) >= self.min_samples:
             ranked = sorted(window)
             q = ranked[min(int(self.quantile * len(ranked)), len(ranked) - 1)]
@@ -237,6 +272,9 @@ class Calibration:
 
     def factor(self, tier: str) -> float:
         return self._factor.get(tier, 1.0)
+
+    def overhead(self) -> float:
+        return self._overhead
 
 
 class SloAdmitter:
@@ -248,15 +286,21 @@ class SloAdmitter:
         self.mix = TierMix(self.config.mix_half_life_s)
         cfg = self.config
         self.calibration = Calibration(
-            cfg.calibration_quantile, cfg.calibration_window, cfg.calibration_min_samples, cfg.calibration_bounds
+            cfg.calibration_quantile, cfg.calibration_window, cfg.calibration_min_samples, cfg.calibration_bounds,
+            cfg.overhead_min_samples, cfg.calibration_floor * min(t.ttft_slo_s for t in cfg.tiers),
         )
 
     def _factor(self, t: TierSLO) -> float:
         return self.calibration.factor(t.name) if self.config.calibration else 1.0
 
+    def overhead(self) -> float:
+        """Seconds of TTFT outside the engine (gateway, bus, HTTP) added to every prediction."""
+        return self.calibration.overhead() if self.config.calibration else 0.0
+
     def observe(self, tier: str, predicted_s: float, actual_s: float) -> None:
         """The TTFT a request admitted with raw prediction ``predicted_s`` really had."""
-        self.calibration.observe(self.tier(tier).name, predicted_s, actual_s)
+        t = self.tier(tier)
+        self.calibration.observe(t.name, predicted_s, actual_s, self.config.calibration_floor * t.ttft_slo_s)
 
     def tier(self, name: str) -> TierSLO:
         return self._tiers.get(name) or self._tiers[self.config.default_tier]
@@ -284,7 +328,7 @@ class SloAdmitter:
         drain = self._drain(t, pool_rate if pool_rate is not None else rate, now)
         uncached = max(prompt_tokens - replica.cached_tokens, 0)
         raw = replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step
-        return raw * self._factor(t)
+        return (raw + self.overhead()) * self._factor(t)
 
     def _rate_step(self, r: ReplicaLoad) -> tuple[float, float]:
         cfg = self.config
@@ -328,17 +372,18 @@ class SloAdmitter:
         best_any: tuple[float, ReplicaLoad] | None = None
         least_excess = math.inf
         binding = ""
+        overhead = self.overhead()
         for r in live:
             rate, step = self._rate_step(r)
             uncached = max(prompt_tokens - r.cached_tokens, 0)
-            own = uncached / rate + step  # TTFT on an empty queue
+            own = uncached / rate + step + overhead  # TTFT on an empty queue
             excess = 0.0
             why = ""
             own_pred = raw_pred = 0.0
             room = math.inf  # tokens of extra prefill work every check still passes with
             for x, k, share, margin, drain, factor in guards:
                 raw = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
-                pred = raw * factor
+                pred = (raw + overhead) * factor
                 if k == 0:
                     own_pred, raw_pred = pred, raw
                 limit = max(cfg.target * margin * x.ttft_slo_s, own * factor * (1 + cfg.long_prompt_slack * margin))

@@ -133,7 +133,7 @@ def test_expired_reservations_are_settled() -> None:
 
 
 def test_usage_timings_calibrate_the_tier() -> None:
-    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False, calibration_min_samples=3)))
+    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False, calibration_min_samples=3, calibration_floor=0.0)))
     for i in range(4):
         assert p.check(req(f"r{i}", rpm_limit=100, tpm_limit=10**6), IDLE, 0.0).admitted  # raw 0.15 s
     assert set(p.predictions) == {"r0", "r1", "r2", "r3"}
@@ -155,7 +155,7 @@ def test_usage_timings_calibrate_the_tier() -> None:
 
 
 def test_gateway_ttft_reports_calibrate_before_the_usage_event() -> None:
-    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False, calibration_min_samples=2)))
+    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False, calibration_min_samples=2, calibration_floor=0.0)))
     for rid in ("a", "b"):
         p.check(req(rid, rpm_limit=100, tpm_limit=10**6), IDLE, 0.0)
     assert p.on_ttft("a", 0.45) and p.on_ttft("b", 0.45)

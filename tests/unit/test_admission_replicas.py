@@ -39,7 +39,9 @@ def test_membership_from_the_registry_and_fresh_gauges() -> None:
     loads = {r.worker_id: r for r in book.loads(req(), 1.0)}
     assert set(loads) == {"a", "b", "d"}
     assert loads["b"].draining and not loads["a"].draining
-    assert (loads["a"].queued_prefill_tokens, loads["a"].prefill_tokens_per_s, loads["a"].step_time_s) == (300, 5000.0, 0.02)
+    assert (loads["a"].prefill_tokens_per_s, loads["a"].step_time_s) == (5000.0, 0.02)
+    assert loads["a"].queued_prefill_tokens == 0  # a second at 5,000 tokens/s drained its 300
+    assert next(r for r in book.loads(req(), 0.0) if r.worker_id == "a").queued_prefill_tokens == 300
     # d's gauges stop: after gauge_stale_s it no longer counts; a, still reporting, does
     book.apply_gauge(gauge("a", 2.0), 5.5)
     assert {r.worker_id for r in book.loads(req(), 6.0)} == {"a", "b"}
@@ -73,6 +75,30 @@ def test_admissions_count_until_a_gauge_taken_after_them() -> None:
     book.note_admitted("a", 300, 2.0)  # no gauge since: aged out after 2 s
     assert book.loads(req(), 3.0)[0].queued_prefill_tokens == 950
     assert book.loads(req(), 4.5)[0].queued_prefill_tokens == 650
+
+
+def test_the_queue_drains_at_the_measured_rate_between_gauges() -> None:
+    # Light load: a 600-token prompt admitted on an idle replica prefills in 60 ms at
+    # 10k tokens/s; a request 100 ms later meets an empty queue, not 600 tokens of a
+    # request long past its first token, though no gauge has come since.
+    book = ReplicaBook(BookConfig(settle_s=0.05, pending_max_age_s=10.0))
+    book.update_worker(info("a"))
+    book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=0, prefill_tokens_per_s=10_000.0), 0.0)
+    book.note_admitted("a", 600, 0.2)
+    assert book.loads(req(), 0.2)[0].queued_prefill_tokens == 600
+    assert book.loads(req(), 0.23)[0].queued_prefill_tokens == 300
+    assert book.loads(req(), 0.3)[0].queued_prefill_tokens == 0
+    # FIFO from the gauge on: its queue drains first, each admission joins at its time
+    book.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=2000, prefill_tokens_per_s=10_000.0), 1.0)
+    book.note_admitted("a", 1000, 1.1)  # 1000 of the gauge's 2000 left, then + 1000
+    book.note_admitted("a", 500, 1.3)  # 2000 - 2000 drained since, + 500
+    assert book.loads(req(), 1.3)[0].queued_prefill_tokens == 500
+    assert book.loads(req(), 1.32)[0].queued_prefill_tokens == 300
+    # no measured rate: nothing is taken to drain until a gauge says so
+    book.update_worker(info("b"))
+    book.apply_gauge(gauge("b", 2.0, queued_prefill_tokens=100), 1.0)
+    book.note_admitted("b", 400, 1.1)
+    assert next(r for r in book.loads(req(), 5.0) if r.worker_id == "b").queued_prefill_tokens == 500
 
 
 def test_lora_prefers_replicas_with_the_adapter() -> None:

@@ -677,6 +677,36 @@ def test_stats_report_load_and_rates() -> None:
     assert later.prefill_tokens_per_s == s.prefill_tokens_per_s
 
 
+def test_prefill_rate_is_the_capacity_not_the_speed_of_light_steps() -> None:
+    # The 8B/H100 profile: 6.2 ms per step plus 70 us per prefill token, 8192-token budget.
+    core = make_core("llama-3.1-8b-h100", max_num_batched_tokens=2048)
+    costs = core.config.profile.costs
+    capacity = core.stats(0.0).prefill_tokens_per_s
+    assert capacity == pytest.approx(2048 / costs.step_time(2048, 0, 0))  # the profile's prior
+    run = Run(core)
+    # Light load: short, then fully cached prompts, one at a time. Their steps are mostly
+    # the fixed per-step cost (a cached prompt prefills 1-2 tokens a step: ~300 tokens/s).
+    for i in range(20):
+        run.add(req(f"light{i}", prompt(64, base=i % 2), max_tokens=4, ignore_eos=True))
+        run.until_idle()
+    assert core.stats(run.now).prefill_tokens_per_s == capacity
+    # Busy: a queue of long prompts fills every step's budget; the rate is measured there.
+    for i in range(8):
+        run.add(req(f"long{i}", prompt(4096, base=10 + i), max_tokens=2))
+    for _ in range(6):
+        run.step()
+    busy = core.stats(run.now).prefill_tokens_per_s
+    full_steps = [st for st in run.steps[-6:] if st.prefill_tokens >= 1024]
+    assert busy == pytest.approx(sum(st.prefill_tokens for st in full_steps) / sum(st.duration for st in full_steps))
+    assert 0.9 * capacity < busy <= capacity
+    run.until_idle()
+    # and light load after it keeps the measured figure
+    for i in range(5):
+        run.add(req(f"after{i}", prompt(64, base=i % 2), max_tokens=4, ignore_eos=True))
+        run.until_idle()
+    assert core.stats(run.now).prefill_tokens_per_s == pytest.approx(busy, rel=0.05)
+
+
 # ----------------------------------------------------------------------- profiles
 
 

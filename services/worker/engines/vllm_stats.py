@@ -12,7 +12,12 @@ from the requests it hands to the engine:
   first token;
 - requests that arrived after the last engine step count as waiting until the next
   step reports them (the gauge goes out as they arrive), and with nothing in flight
-  the engine is idle whatever its last report said.
+  the engine is idle whatever its last report said;
+- ``prefill_tokens_per_s``: a capacity, what the engine prefills per busy second when
+  prefill fills at least half its step budget (``max_num_batched_tokens``), held between
+  such steps (0 until the first: admission then uses its default). Tokens over wall
+  time would read near zero on an idle engine, and a step carrying a short or cached
+  prompt costs mostly the fixed per-step time: neither says how fast a queue drains.
 
 Plain synchronous code with the clock passed in; no vLLM import (the shell unpacks
 vLLM's stats objects by attribute), so it is unit-tested without vLLM.
@@ -35,8 +40,10 @@ class _Request:
 
 class VllmStatsTracker:
     def __init__(self, *, kv_blocks_total: int, rate_window_s: float = 5.0, hit_window_requests: int = 1000,
-                 kv_events_mode: str = "engine", lora_adapters: list[str] | None = None) -> None:
+                 kv_events_mode: str = "engine", lora_adapters: list[str] | None = None,
+                 max_num_batched_tokens: int = 0) -> None:
         self.kv_blocks_total = kv_blocks_total
+        self.max_num_batched_tokens = max_num_batched_tokens  # 0: unknown, any prefill step counts
         self.rate_window_s = rate_window_s
         self.hit_window_requests = hit_window_requests
         self.kv_events_mode = kv_events_mode
@@ -56,8 +63,10 @@ class VllmStatsTracker:
         self._hit_hits = 0
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
-        # Throughput samples: (ts, prefill tokens, decode tokens).
-        self._samples: deque[tuple[float, int, int]] = deque()
+        # Throughput samples: (ts, prefill tokens, decode tokens, step seconds or 0 if unknown).
+        self._samples: deque[tuple[float, int, int, float]] = deque()
+        self._work_left = False  # the last step left requests running or waiting
+        self._prefill_rate = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
@@ -109,7 +118,13 @@ class VllmStatsTracker:
         self.preemptions += preempted
         self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += generation_tokens
-        self._samples.append((now, prompt_tokens, generation_tokens))
+        # The step's own duration: vLLM's figure, else the time since the previous step
+        # when that one left work behind (the engine went straight on; otherwise the gap
+        # holds idle time).
+        gap = now - self._last_step_ts if self._last_step_ts is not None else 0.0
+        duration = elapsed_s if elapsed_s is not None and elapsed_s > 0 else (gap if self._work_left and 0 < gap < 1.0 else 0.0)
+        self._work_left = self.sched_running + self.sched_waiting > 0
+        self._samples.append((now, prompt_tokens, generation_tokens, duration))
         if elapsed_s is not None and elapsed_s > 0:
             self.step_time_s = elapsed_s
         elif self._last_step_ts is not None and 0 < now - self._last_step_ts < 1.0:
@@ -129,14 +144,21 @@ class VllmStatsTracker:
         return self._hit_hits / self._hit_queries if self._hit_queries else 0.0
 
     def rates(self, now: float) -> tuple[float, float]:
-        """Prefill and decode tokens per second over the last ``rate_window_s``."""
+        """Prefill capacity (tokens per busy second of full prefill steps in the last
+        ``rate_window_s``, else the last such figure) and decode tokens per second."""
         self._trim(now)
+        full = max(self.max_num_batched_tokens / 2, 1)
+        pre_tok = pre_time = 0.0
+        for _, prompt, _, duration in self._samples:
+            if prompt >= full and duration > 0:
+                pre_tok += prompt
+                pre_time += duration
+        if pre_time > 0:
+            self._prefill_rate = pre_tok / pre_time
         if not self._samples:
-            return 0.0, 0.0
+            return self._prefill_rate, 0.0
         span = max(now - self._samples[0][0], min(self.rate_window_s, 1.0))
-        prefill = sum(s[1] for s in self._samples)
-        decode = sum(s[2] for s in self._samples)
-        return prefill / span, decode / span
+        return self._prefill_rate, sum(s[2] for s in self._samples) / span
 
     def snapshot(self, now: float) -> EngineStats:
         prefill_rate, decode_rate = self.rates(now)
