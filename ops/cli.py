@@ -2,7 +2,9 @@
 
 Each sub-command lives in its own module exposing ``add_parser(subparsers)``, which
 registers its parser and sets ``func`` (a callable taking the parsed args and
-returning an exit code).
+returning an exit code). Every command reports an expected failure the same way: it
+raises ``ops.console.CliError`` (or lets a ``MeshError`` or NATS error through) and
+``main`` prints one line, ``meshserve <command>: <message>``, and exits non-zero.
 """
 
 from __future__ import annotations
@@ -42,9 +44,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ops.console import describe_failure
+
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        failure = describe_failure(exc)
+        if failure is None:
+            raise  # a bug: its traceback is the report
+        message, code = failure
+        print(f"{getattr(args, 'cli_prog', None) or f'meshserve {args.command}'}: {message}", file=sys.stderr)
+        return code
     return int(result or 0)
 
 

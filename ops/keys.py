@@ -1,20 +1,30 @@
 """``meshserve keys create|list|revoke``: API keys in the mesh's ``mesh_keys`` bucket.
 
 Only a key's SHA-256 hash is stored; the key itself is printed once, at creation.
+
+``create`` refuses what the mesh could not honour before anything is stored: a limit
+below 1, a tier admission does not define (its default tiers, or those of the file
+given with ``--admission-config``), and a model no registered worker serves unless
+``--allow-unknown-model`` says it is meant (a model whose workers start later, or a
+gateway alias, which the mesh does not publish).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bus import Bus, BusSettings
+from bus import Bus
 from bus.keys import KeyStore
-from proto import ApiKeyRecord
-from services.gateway.apikeys import generate_key
+from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
+from proto import ApiKeyRecord, DecodeError, decode
+from services.admission.buckets import Limits, limits_problem
+from services.gateway.apikeys import generate_key, is_valid_key_id, parse_key, redact_key
 
 
 async def create_key(
@@ -26,56 +36,178 @@ async def create_key(
     return key, record
 
 
+def admission_tiers(config_path: str | None = None) -> list[str]:
+    """The tier names admission knows: its defaults, or those of its config file."""
+    from services.admission.service import load_config
+
+    try:
+        config = load_config(config_path)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--admission-config: {exc}", EXIT_USAGE) from exc
+    return [t.name for t in config.slo.tiers]
+
+
+def check_key_options(*, org: str, tier: str, rpm: int | None, tpm: int | None, tiers: Sequence[str]) -> None:
+    """Refuse options the mesh could not honour (``CliError``, exit 2); nothing is stored yet."""
+    if not org.strip():
+        raise CliError("--org must not be empty", EXIT_USAGE)
+    for flag, value in (("--rpm", rpm), ("--tpm", tpm)):
+        if value is not None and value < 1:
+            raise CliError(f"{flag} must be a whole number ≥ 1, got {value} (leave it out for no limit; "
+                           "`meshserve keys revoke` disables a key)", EXIT_USAGE)
+    if tier not in tiers:
+        raise CliError(f"unknown tier {tier!r}: admission's tiers are {', '.join(tiers)} (if admission runs "
+                       "with its own tiers, pass its file with --admission-config)", EXIT_USAGE)
+
+
+def check_models(models: Iterable[str], served: Iterable[str]) -> None:
+    served = sorted(set(served))
+    unknown = [m for m in models if m not in served]
+    if unknown:
+        known = ", ".join(served) if served else "none: no worker is registered"
+        raise CliError(f"no worker serves model {', '.join(map(repr, unknown))} (served now: {known}); pass "
+                       "--allow-unknown-model to restrict the key to it anyway (workers yet to start, or a "
+                       "gateway alias)", EXIT_USAGE)
+
+
+async def served_models(bus: Bus) -> set[str]:
+    """Every model a registered worker serves or will serve (starting ones included)."""
+    from bus.registry import WorkerRegistry
+
+    registry = WorkerRegistry(bus)
+    await registry.start()
+    try:
+        return {w.model for w in registry.workers.values()}
+    finally:
+        await registry.stop()
+
+
+def key_id_of(text: str) -> str:
+    """A key id from a key id or a whole key (``msk-<key_id>-<secret>``)."""
+    parsed = parse_key(text.strip())
+    if parsed is not None:
+        return parsed.key_id
+    if is_valid_key_id(text.strip()):
+        return text.strip()
+    # Never echo it: a mangled key is still mostly a secret.
+    raise CliError(f"{redact_key(text)} is neither a key id (12 hex characters) nor a key (msk-<key id>-<secret>)",
+                   EXIT_USAGE)
+
+
+async def read_keys(store: KeyStore) -> tuple[list[ApiKeyRecord], list[str]]:
+    """Every record, oldest first, and the ids of entries that do not decode (an operator
+    should see those: the gateway ignores them, so their keys are refused)."""
+    import nats.js.errors
+
+    try:
+        ids = await store.kv.keys()
+    except nats.js.errors.NoKeysError:
+        return [], []
+    records: list[ApiKeyRecord] = []
+    unreadable: list[str] = []
+    for key_id in ids:
+        try:
+            entry = await store.kv.get(key_id)
+        except nats.js.errors.KeyNotFoundError:
+            continue  # deleted meanwhile
+        if not entry.value:
+            continue
+        try:
+            records.append(decode(entry.value, ApiKeyRecord))
+        except DecodeError:
+            unreadable.append(key_id)
+    return sorted(records, key=lambda r: r.created_at), sorted(unreadable)
+
+
+def record_problem(record: ApiKeyRecord) -> str:
+    problem = limits_problem(Limits(rpm=record.rpm, tpm=record.tpm))
+    return f"invalid limit {problem}: recreate the key" if problem else ""
+
+
 def add_parser(subparsers: Any) -> None:
-    keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
+    keys = subparsers.add_parser("keys", help="create, list and revoke API keys", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     keys.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
     keys.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     actions = keys.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a key and print it once")
     create.add_argument("--org", required=True)
-    create.add_argument("--tier", default="standard", help="premium, standard or batch")
+    create.add_argument("--tier", default="standard",
+                        help="an admission tier: premium, standard or batch by default (see --admission-config)")
+    create.add_argument("--admission-config", default=None, metavar="FILE",
+                        help="admission's config file (JSON or TOML), when it defines its own tiers")
     create.add_argument("--name", default="")
-    create.add_argument("--rpm", type=int, default=None, help="requests per minute (none: unlimited)")
-    create.add_argument("--tpm", type=int, default=None, help="tokens per minute (none: unlimited)")
-    create.add_argument("--model", action="append", default=[], help="restrict to this model (repeatable)")
-    actions.add_parser("list", help="list keys (ids only, never secrets)")
-    revoke = actions.add_parser("revoke", help="revoke a key by id")
-    revoke.add_argument("key_id")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute, ≥ 1 (none: unlimited)")
+    create.add_argument("--tpm", type=int, default=None, help="tokens per minute, ≥ 1 (none: unlimited)")
+    create.add_argument("--model", action="append", default=[],
+                        help="restrict to this model (repeatable); it must be served by a registered worker "
+                             "unless --allow-unknown-model")
+    create.add_argument("--allow-unknown-model", action="store_true",
+                        help="accept --model names no worker serves now (workers yet to start, gateway aliases)")
+    listing = actions.add_parser("list", help="list keys (ids only, never secrets)",
+                                 description="List keys (ids only, never secrets): a table for people, whole at "
+                                             "any width, or --json for scripts.")
+    listing.add_argument("--json", action="store_true", help="print the keys as JSON (for scripts)")
+    revoke = actions.add_parser("revoke", help="revoke a key by id (or by the key itself)")
+    revoke.add_argument("key_id", metavar="KEY_ID_OR_KEY", help="the key id (12 hex characters) or the whole key")
+    for action, sub in (("create", create), ("list", listing), ("revoke", revoke)):
+        sub.set_defaults(cli_prog=f"meshserve keys {action}")
     keys.set_defaults(func=run_keys)
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from .serve import apply_common_arguments
 
     apply_common_arguments(args)
-    console = Console(width=160) if not sys.stdout.isatty() else Console()
+    if args.action == "create":  # refuse bad input before connecting
+        check_key_options(org=args.org, tier=args.tier, rpm=args.rpm, tpm=args.tpm,
+                          tiers=admission_tiers(args.admission_config))
+    key_id = key_id_of(args.key_id) if args.action == "revoke" else ""
+    return asyncio.run(_run(args, key_id))
 
-    async def main() -> int:
-        bus = await Bus.open(BusSettings.from_env(), "meshserve-keys", initial_attempts=3)
-        try:
-            if args.action == "create":
-                key, record = await create_key(bus, org=args.org, tier=args.tier, name=args.name, rpm=args.rpm,
-                                               tpm=args.tpm, models=args.model)
-                console.print(f"key id [bold]{record.key_id}[/bold] for org {record.org} (tier {record.tier})")
-                print(key)
-                return 0
-            store = await KeyStore(bus).open()
-            if args.action == "list":
-                table = Table("key id", "org", "tier", "name", "rpm", "tpm", "models", "revoked")
-                for r in await store.list():
-                    table.add_row(r.key_id, r.org, r.tier, r.name, str(r.rpm or "-"), str(r.tpm or "-"),
-                                  ",".join(r.models) or "all", "yes" if r.revoked else "")
-                console.print(table)
-                return 0
-            if await store.revoke(args.key_id):
-                console.print(f"revoked {args.key_id}")
-                return 0
-            console.print(f"[red]no key {args.key_id}[/red]")
-            return 1
-        finally:
-            await bus.close()
 
-    return asyncio.run(main())
+async def _run(args: argparse.Namespace, key_id: str) -> int:
+    from rich.console import Console
+
+    console = Console()
+    async with mesh_bus("meshserve-keys") as bus:
+        if args.action == "create":
+            if args.model and not args.allow_unknown_model:
+                check_models(args.model, await served_models(bus))
+            key, record = await create_key(bus, org=args.org, tier=args.tier, name=args.name, rpm=args.rpm,
+                                           tpm=args.tpm, models=args.model)
+            Console(stderr=True).print(f"key id [bold]{record.key_id}[/bold] for org {record.org} (tier {record.tier})")
+            print(key)
+            return 0
+        store = await KeyStore(bus).open()
+        if args.action == "list":
+            records, unreadable = await read_keys(store)
+            if args.json:
+                rows = [{**{f: getattr(r, f) for f in r.__struct_fields__ if f != "key_hash"},
+                         "problem": record_problem(r)} for r in records]
+                rows += [{"key_id": k, "problem": "unreadable record"} for k in unreadable]
+                json.dump(rows, sys.stdout, indent=2)
+                print()
+                return 0
+            print_table(console, keys_table(records, unreadable))
+            return 0
+        if not await store.revoke(key_id):
+            raise CliError(f"no key {key_id}")
+        console.print(f"revoked {key_id}")
+        return 0
+
+
+def keys_table(records: Sequence[ApiKeyRecord], unreadable: Sequence[str] = ()) -> Any:
+    from rich.table import Table
+
+    problems = [record_problem(r) for r in records]
+    table = Table("key id", "org", "tier", "name", "rpm", "tpm", "models", "revoked")
+    if any(problems) or unreadable:
+        table.add_column("problem", style="red")
+    for r, problem in zip(records, problems, strict=True):
+        row = [r.key_id, r.org, r.tier, r.name, str(r.rpm) if r.rpm is not None else "-",
+               str(r.tpm) if r.tpm is not None else "-", ",".join(r.models) or "all", "yes" if r.revoked else ""]
+        table.add_row(*row, *([problem] if len(table.columns) > 8 else []))
+    for key_id in unreadable:
+        table.add_row(key_id, "", "", "", "", "", "", "", "unreadable record: recreate the key")
+    return table

@@ -15,18 +15,22 @@ from typing import Any
 
 import msgspec
 
-from bus import Bus, BusSettings
+from bus import Bus
+from ops.console import CliError, mesh_bus, print_table
 from proto.autoscaler import AutoscalerStatus, AutoscalerStatusRequest, PoolStatus
 from proto.errors import MeshError
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("status", help="autoscaler status: replicas, signals and decisions per pool")
+    parser = subparsers.add_parser(
+        "status", help="autoscaler status: replicas, signals and decisions per pool",
+        description="What the autoscaler sees and decided, per pool: tables for people (whole at any width: "
+                    "a narrow terminal gets them stacked), --json for scripts. Exit 3 when the driver cannot act.")
     parser.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
     parser.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     parser.add_argument("--pool", default="", help="only this pool")
     parser.add_argument("--decisions", type=int, default=10, help="recent decisions per pool")
-    parser.add_argument("--json", action="store_true", help="print the reply as JSON")
+    parser.add_argument("--json", action="store_true", help="print the reply as JSON (for scripts)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the autoscaler")
     parser.set_defaults(func=run_status)
 
@@ -43,26 +47,19 @@ def run_status(args: argparse.Namespace) -> int:
 
     apply_common_arguments(args)
 
-    async def main() -> int:
-        try:
-            bus = await Bus.open(BusSettings.from_env(), "meshserve-status", initial_attempts=3)
-        except MeshError as exc:
-            print(f"meshserve status: {exc}", file=sys.stderr)
-            return 2
-        try:
-            status = await fetch_status(bus, args.pool, args.decisions, args.timeout)
-        except MeshError as exc:
-            print(f"meshserve status: no autoscaler answered on {bus.subjects.autoscaler_status}: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            await bus.close()
-        if args.json:
-            sys.stdout.write(msgspec.json.format(msgspec.json.encode(status)).decode() + "\n")
-        else:
-            print_status(status)
-        return 0 if status.driver.ok else 3
+    async def main() -> AutoscalerStatus:
+        async with mesh_bus("meshserve-status") as bus:
+            try:
+                return await fetch_status(bus, args.pool, args.decisions, args.timeout)
+            except MeshError as exc:
+                raise CliError(f"no autoscaler answered on {bus.subjects.autoscaler_status}: {exc}") from exc
 
-    return asyncio.run(main())
+    status = asyncio.run(main())
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(status)).decode() + "\n")
+    else:
+        print_status(status)
+    return 0 if status.driver.ok else 3
 
 
 def _clock(ts: float) -> str:
@@ -77,7 +74,7 @@ def print_status(status: AutoscalerStatus, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(soft_wrap=True)
+    console = console or Console()
     summary = Table(title=f"autoscaler {status.instance_id} (tick {status.tick_s:g} s, at {_clock(status.at)})")
     for column in ("pool", "current", "desired", "ready", "starting", "draining", "min–max", "load tokens",
                    "capacity/replica", "pending"):
@@ -91,7 +88,7 @@ def print_status(status: AutoscalerStatus, console: Any = None) -> None:
             f"{_num(s.replica_token_capacity)} ({s.capacity_source})" if s else "-",
             str(p.pending_requests),
         )
-    console.print(summary)
+    print_table(console, summary)
     for p in status.pools:
         _print_pool(console, p, status.at)
     d = status.driver
@@ -119,7 +116,7 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
             _num(s.prefill_tokens_per_s), _num(s.decode_tokens_per_s),
             f"{s.queue_drain_s:,.1f} s" if s.queue_drain_s is not None else "-",
         )
-        console.print(signals)
+        print_table(console, signals)
     if p.workers:
         workers = Table(title="workers", title_justify="left")
         for column in ("worker", "state", "running", "waiting", "running tok", "queued prefill", "KV", "gauge age", "ours"):
@@ -130,7 +127,7 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
                 f"{w.kv_usage:.0%}", f"{w.gauge_age_s:.1f} s" if w.gauge_age_s is not None else "-",
                 "yes" if w.managed else "",
             )
-        console.print(workers)
+        print_table(console, workers)
     for drain in p.drains:
         left = drain.deadline - now
         console.print(
@@ -145,5 +142,5 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
             colour = {"scale_up": "green", "scale_down": "yellow"}.get(r.action, "")
             action = f"[{colour}]{r.action}[/{colour}]" if colour else r.action
             decisions.add_row(_clock(r.at), action, f"{r.current} → {r.desired}", r.reason, r.outcome)
-        console.print(decisions)
+        print_table(console, decisions)
 

@@ -31,7 +31,10 @@ from proto.metering import (
 
 
 def add_parser(subparsers: Any) -> None:
-    usage = subparsers.add_parser("usage", help="usage and spend totals per org, key and model (from metering)")
+    usage = subparsers.add_parser(
+        "usage", help="usage and spend totals per org, key and model (from metering)",
+        description="Usage and spend totals from the metering service's ledger: a table for people (whole at any "
+                    "width: a narrow terminal gets it stacked), --json for scripts.")
     usage.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
     usage.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     usage.add_argument("--org", default=None, help="only this org")
@@ -43,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
     usage.add_argument("--group-by", default=",".join(DEFAULT_GROUP_BY),
                        help=f"comma-separated from {','.join(GROUP_BY_VALUES)} (empty: one total)")
     usage.add_argument("--limit", type=int, default=1000, help=f"rows at most (up to {MAX_ROWS})")
-    usage.add_argument("--json", action="store_true", help="print the report as JSON")
+    usage.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     usage.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the metering service")
     usage.set_defaults(func=run_usage)
     # `--since -1h`: argparse takes "-1h" for an option unless it looks like a negative
@@ -111,39 +114,35 @@ def render(report: UsageReport) -> Any:
 
 
 async def fetch_report(query: UsageQuery, timeout: float) -> UsageReport:
-    from bus import Bus, BusSettings
+    from ops.console import mesh_bus
 
-    bus = await Bus.open(BusSettings.from_env(), "meshserve-usage", initial_attempts=3)
-    try:
+    async with mesh_bus("meshserve-usage") as bus:
         return await bus.request(bus.subjects.metering_usage, query, UsageReport, timeout=timeout)
-    finally:
-        await bus.close()
 
 
 def run_usage(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from ops.console import EXIT_USAGE, CliError, print_table
     from proto.errors import MeshError
 
     from .serve import apply_common_arguments
 
     apply_common_arguments(args)
-    console = Console(stderr=True)
     try:
         query = build_query(args, time.time())
     except ValueError as exc:
-        console.print(f"[red]meshserve usage:[/red] {exc}")
-        return 2
+        raise CliError(str(exc), EXIT_USAGE) from exc
     try:
         report = asyncio.run(fetch_report(query, args.timeout))
     except MeshError as exc:
-        console.print(f"[red]meshserve usage:[/red] {exc.message} (is `meshserve serve metering` running?)")
-        return 1
+        raise CliError(f"{exc.message} (is `meshserve serve metering` running?)") from exc
     if args.json:
         json.dump(usage_report_json(report), sys.stdout, indent=2)
         print()
         return 0
-    Console().print(render(report))
+    print_table(Console(), render(report))
     if report.truncated:
-        console.print(f"[yellow]more groups matched than --limit {query.limit}; showing the first {len(report.rows)}[/yellow]")
+        Console(stderr=True).print(
+            f"[yellow]more groups matched than --limit {query.limit}; showing the first {len(report.rows)}[/yellow]")
     return 0

@@ -27,6 +27,8 @@ requests finished (rate 'inf' sends all at once). --concurrency switches to a cl
 loop (labelled as such everywhere). A run stops after --num-requests requests or
 --duration seconds of sending, then waits --drain-timeout for stragglers.
 Distributions: 512 | uniform:LO:HI | normal:MEAN:STD | lognormal:MEAN:SIGMA | exponential:MEAN.
+Output: tables on stdout, whole at any width (to a file at full width; a narrow terminal
+gets them transposed or stacked); --json prints JSON for scripts instead.
 """
 
 
@@ -119,6 +121,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--compare", nargs="+", metavar="RESULT.json",
                    help="show two or more result files side by side with ratios (no load is sent)")
+    g.add_argument("--json", action="store_true",
+                   help="print JSON on stdout instead of tables, for scripts: the result (the results.json "
+                        "format, which --compare reads), or with --compare the matched rows and ratios")
     p.set_defaults(func=main)
     return p
 
@@ -153,9 +158,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    import msgspec
     from rich.console import Console
 
-    from ops.bench.report import render, render_compare
+    from ops.bench.report import compare_rows, render, render_compare
     from ops.bench.results import load_result, save_result
 
     console = Console()
@@ -169,12 +175,16 @@ def main(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             err.print(f"[red]cannot read results: {exc}[/]")
             return 2
-        render_compare(results, console)
+        if args.json:
+            json.dump({"results": [r.label for r in results], "rows": compare_rows(results)}, sys.stdout, indent=2)
+            print()
+        else:
+            render_compare(results, console)
         if args.out and not args.no_plots:
             from ops.bench.plots import write_plots
 
             paths = write_plots(results, args.out, prefix="compare_")
-            console.print("plots: " + ", ".join(str(p) for p in paths))
+            (err if args.json else console).print("plots: " + ", ".join(str(p) for p in paths))
         return 0
     try:
         config = config_from_args(args)
@@ -191,16 +201,19 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         err.print("[red]interrupted[/]")
         return 130
-    render(result, console)
+    if args.json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(result)).decode() + "\n")
+    else:
+        render(result, console)
     if args.out:
         out = Path(args.out)
         path = save_result(result, out / "results.json")
-        console.print(f"results: {path}")
+        (err if args.json else console).print(f"results: {path}")
         if not args.no_plots:
             from ops.bench.plots import write_plots
 
             paths = write_plots([result], out)
-            console.print("plots: " + ", ".join(str(p) for p in paths))
+            (err if args.json else console).print("plots: " + ", ".join(str(p) for p in paths))
     if not any(r.summary.ok for r in result.runs):
         err.print("[red]no request succeeded[/]")
         return 1

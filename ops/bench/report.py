@@ -1,6 +1,9 @@
 """Rich tables for a benchmark: latency and throughput per run, the queueing picture
 (latency against offered load with the goodput knee marked), warnings, and the
 side-by-side comparison of several result files.
+
+Tables go through ``ops.console.print_table``: whole at any width (a file gets them at
+full width, a narrow terminal transposed or stacked), never a number cut to ``…``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ops.bench.results import BenchResult, Dist, RunResult
+from ops.console import print_table
 
 
 def _ms(x: float | None) -> str:
@@ -39,9 +43,11 @@ def latency_table(result: BenchResult) -> Table:
     t = Table(title="Latency (ms) — " + _mode_note(result), title_justify="left")
     for col in ("endpoint", "load"):
         t.add_column(col, no_wrap=True)
-    for head in ("TTFT mean", "p50", "p90", "p99", "TPOT mean", "p50", "p90", "p99",
-                 "ITL p50", "p99", "E2E p50", "p99"):
-        t.add_column(head, justify="right")
+    # Each header names its metric: a narrow terminal shows them stacked, away from their neighbours.
+    for metric_name, stats in (("TTFT", ("mean", "p50", "p90", "p99")), ("TPOT", ("mean", "p50", "p90", "p99")),
+                               ("ITL", ("p50", "p99")), ("E2E", ("p50", "p99"))):
+        for stat in stats:
+            t.add_column(f"{metric_name}\n{stat}", justify="right")
     for r in result.runs:
         s = r.summary
         t.add_row(r.endpoint, r.load,
@@ -121,11 +127,11 @@ def queueing_picture(result: BenchResult, width: int = 40) -> Table | None:
 
 def render(result: BenchResult, console: Console) -> None:
     """The end-of-run report."""
-    console.print(latency_table(result))
-    console.print(throughput_table(result))
+    print_table(console, latency_table(result))
+    print_table(console, throughput_table(result))
     picture = queueing_picture(result)
     if picture is not None:
-        console.print(picture)
+        print_table(console, picture)
     if result.slo.active:
         for ep in result.endpoints():
             knee = result.knees.get(ep)
@@ -201,6 +207,27 @@ def _load_key(run: RunResult) -> tuple[str, float]:
     return (run.mode, run.load_value)
 
 
+def compare_rows(results: Sequence[BenchResult]) -> list[dict[str, Any]]:
+    """The comparison as data: one row per (load, metric), each series' value and its ratio
+    against the first series (``None`` where a series has no run at that load)."""
+    ser = series(results)
+    keys: dict[tuple[str, float], str] = {}
+    for sr in ser:
+        for r in sr.runs:
+            keys.setdefault(_load_key(r), r.load)
+    index = [{_load_key(r): r for r in sr.runs} for sr in ser]
+    rows: list[dict[str, Any]] = []
+    for key in sorted(keys, key=lambda k: (k[0], k[1])):
+        for label, path, higher in COMPARE_METRICS:
+            values = {sr.name: (metric(idx[key], path) if key in idx else None) for sr, idx in zip(ser, index, strict=True)}
+            base = values[ser[0].name]
+            ratios = {name: (None if v is None or base is None or base == 0 else v / base)
+                      for name, v in list(values.items())[1:]}
+            rows.append({"load": keys[key], "metric": label, "path": path, "higher_is_better": higher,
+                         "values": values, "ratios": ratios})
+    return rows
+
+
 def compare_table(results: Sequence[BenchResult]) -> Table:
     """Runs matched by load (mode and rate/concurrency); ratios against the first series."""
     ser = series(results)
@@ -212,25 +239,19 @@ def compare_table(results: Sequence[BenchResult]) -> Table:
         t.add_column(sr.name, justify="right")
         if i:
             t.add_column("ratio", justify="right")
-    keys: dict[tuple[str, float], str] = {}
-    for sr in ser:
-        for r in sr.runs:
-            keys.setdefault(_load_key(r), r.load)
-    index = [{_load_key(r): r for r in sr.runs} for sr in ser]
-    for key in sorted(keys, key=lambda k: (k[0], k[1])):
-        for mi, (label, path, higher) in enumerate(COMPARE_METRICS):
-            base_run = index[0].get(key)
-            base = metric(base_run, path) if base_run else None
-            row = [keys[key] if mi == 0 else "", label]
-            for i, idx in enumerate(index):
-                run = idx.get(key)
-                val = metric(run, path) if run else None
-                pct = path == "slo_attainment"
-                row.append("—" if val is None else f"{val:.1%}" if pct else
-                           _ms(val) if path.endswith(("p50", "p99")) else f"{val:.2f}")
-                if i:
-                    row.append(_ratio(val, base, higher))
-            t.add_row(*row, end_section=mi == len(COMPARE_METRICS) - 1)
+    rows = compare_rows(results)
+    for n, row in enumerate(rows):
+        first = n == 0 or rows[n - 1]["load"] != row["load"]
+        last = n == len(rows) - 1 or rows[n + 1]["load"] != row["load"]
+        # Every row names its load (dim after the first): a narrow terminal shows rows apart.
+        cells = [row["load"] if first else f"[dim]{row['load']}[/]", row["metric"]]
+        path = row["path"]
+        for i, val in enumerate(row["values"].values()):
+            cells.append("—" if val is None else f"{val:.1%}" if path == "slo_attainment" else
+                         _ms(val) if path.endswith(("p50", "p99")) else f"{val:.2f}")
+            if i:
+                cells.append(_ratio(val, row["values"][base_name], row["higher_is_better"]))
+        t.add_row(*cells, end_section=last)
     return t
 
 
@@ -245,7 +266,7 @@ def _ratio(val: float | None, base: float | None, higher_better: bool) -> str:
 
 
 def render_compare(results: Sequence[BenchResult], console: Console) -> None:
-    console.print(compare_table(results))
+    print_table(console, compare_table(results))
     for res in results:
         if res.knees:
             knees = ", ".join(f"{ep}: {k:g}" if k is not None else f"{ep}: none"

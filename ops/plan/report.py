@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ops.console import print_table
 from ops.plan.model import Plan, gb
 
 
@@ -159,9 +160,9 @@ def curve_table(plan: Plan) -> Table:
 
 
 def render(plan: Plan, console: Console) -> None:
-    console.print(sizing_table(plan))
+    print_table(console, sizing_table(plan))
     if plan.curve:
-        console.print(curve_table(plan))
+        print_table(console, curve_table(plan))
     for note in plan.notes:
         console.print(f"note: {note}")
 

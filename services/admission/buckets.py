@@ -139,6 +139,25 @@ class Limits:
     org_tpm: int | None = None
 
 
+class InvalidLimits(ValueError):
+    """Limits no bucket can enforce (a negative count). The key's stored record is wrong,
+    not the request: the shell refuses that key's requests and serves every other key."""
+
+
+def limits_problem(limits: Limits) -> str | None:
+    """What makes ``limits`` unenforceable, e.g. ``"rpm -5"``; None when nothing does.
+
+    A limit is a count per minute: None (unlimited) or ≥ 0 (0 admits nothing, ever).
+    """
+    bad = [
+        f"{name} {value}"
+        for name, value in (("rpm", limits.rpm), ("tpm", limits.tpm), ("org rpm", limits.org_rpm),
+                            ("org tpm", limits.org_tpm))
+        if value is not None and value < 0
+    ]
+    return ", ".join(bad) or None
+
+
 @dataclass(frozen=True, slots=True)
 class LimiterConfig:
     # Bucket capacity = the per-minute limit × burst_s / 60: by default a key may spend
@@ -238,7 +257,13 @@ class Limiter:
     def reserve(
         self, request_id: str, key_id: str, org: str, tokens: int, limits: Limits, now: float
     ) -> QuotaResult:
-        """Reserve ``tokens`` and one request from every limited bucket, all or nothing."""
+        """Reserve ``tokens`` and one request from every limited bucket, all or nothing.
+
+        Raises ``InvalidLimits`` (before touching any bucket) for limits no bucket can hold.
+        """
+        problem = limits_problem(limits)
+        if problem is not None:
+            raise InvalidLimits(problem)
         existing = self._open.get(request_id)
         if existing is not None:  # the same request asked twice (a retried call): no double charge
             return QuotaResult(admitted=True, reserved_tokens=existing.tokens)

@@ -79,6 +79,7 @@ from proto import (
     AdmissionDecision,
     AdmissionRequest,
     DecodeError,
+    ErrorCode,
     KvEventBatch,
     KvSnapshot,
     KvSnapshotRequest,
@@ -92,7 +93,7 @@ from proto import (
 from proto.kvindex import KvApply
 from proto.subjects import Subjects
 
-from .buckets import Limiter, LimiterConfig, LimiterState
+from .buckets import InvalidLimits, Limiter, LimiterConfig, LimiterState
 from .policy import AdmissionPolicy
 from .replicas import BookConfig, ReplicaBook
 from .slo import SloAdmitter, SloConfig, TierSLO
@@ -599,8 +600,16 @@ class AdmissionService(Service):
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         mono = self.monotonic()
         replicas = self.book.loads(req, mono)
-        decision, verdict = self.policy.check_verdict(req, replicas, self.clock())
         tier = self.policy.slo.tier(req.tier).name
+        try:
+            decision, verdict = self.policy.check_verdict(req, replicas, self.clock())
+        except InvalidLimits as exc:
+            # The key's record is wrong, not the mesh: an error reply the gateway turns into
+            # a 403 for this key, while every other key is served as before.
+            self.rejected["invalid_limits"] = self.rejected.get("invalid_limits", 0) + 1
+            self.metrics.decisions.labels(tier=tier, outcome="invalid_limits").inc()
+            raise MeshError(f"key {req.org}/{req.key_id} has an invalid limit: {exc}; recreate the key",
+                            code=ErrorCode.FORBIDDEN) from exc
         if decision.admitted:
             self.admitted += 1
             self.metrics.decisions.labels(tier=tier, outcome="admitted").inc()

@@ -15,10 +15,12 @@ import pytest
 from nats.js import api
 
 from bus import Bus, BusSettings
+from bus.keys import KeyStore
 from ops.keys import create_key
 from proto import AdmissionDecision, AdmissionRequest, UsageEvent, decode, usage_dedup_id
 from services.admission.buckets import LimiterConfig
 from services.admission.service import AdmissionConfig, AdmissionService
+from services.gateway.apikeys import generate_key
 from services.gateway.path import PathConfig
 from services.gateway.service import GatewayConfig, GatewayService
 from services.router.service import RouterService
@@ -138,6 +140,34 @@ async def test_quota_429_with_retry_after_through_the_gateway(bus: Bus, mesh: di
     assert 1.0 < retry_after <= 60.0
     assert admission.stats()["rejected"] == {"quota_tokens": 1}  # type: ignore[attr-defined]
     await client.close()
+
+
+async def test_a_key_stored_with_a_negative_limit_gets_403_and_the_others_are_served(
+    bus: Bus, mesh: dict[str, Factory]
+) -> None:
+    # A record written past `meshserve keys create` (an old CLI, a script, a hand edit):
+    # admission used to raise on it and the gateway answered 500 on every request.
+    await mesh["worker"]("w1")
+    admission = await mesh["admission"]()
+    gateway = await mesh["gateway"]()
+    bad_key, bad = generate_key(org="acme", rpm=-5, tpm=1000)
+    await (await KeyStore(bus).open()).put(bad)
+    good_key, good = await create_key(bus, org="acme", rpm=100)
+    await wait_for_key(gateway, bad.key_id)  # type: ignore[arg-type]
+    await wait_for_key(gateway, good.key_id)  # type: ignore[arg-type]
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1"  # type: ignore[attr-defined]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5}
+    async with openai.AsyncOpenAI(base_url=url, api_key=bad_key, max_retries=0) as client:
+        for _ in range(2):
+            with pytest.raises(openai.PermissionDeniedError) as info:
+                await client.completions.create(**body)  # type: ignore[call-overload]
+            assert info.value.status_code == 403
+            assert f"key acme/{bad.key_id} has an invalid limit: rpm -5; recreate the key" in info.value.message
+    async with openai.AsyncOpenAI(base_url=url, api_key=good_key, max_retries=0) as client:
+        done = await client.completions.create(**body)  # type: ignore[call-overload]
+        assert done.usage is not None and done.usage.completion_tokens > 0
+    assert admission.stats()["rejected"] == {"invalid_limits": 2}  # type: ignore[attr-defined]
+    assert admission.stats()["admitted"] == 1  # type: ignore[attr-defined]
 
 
 async def test_cancelled_and_failed_requests_leave_the_bucket_where_streamed_tokens_say(

@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.admission.buckets import Limiter, LimiterConfig, Limits, TokenBucket, reserve_all
+from services.admission.buckets import (
+    InvalidLimits,
+    Limiter,
+    LimiterConfig,
+    Limits,
+    TokenBucket,
+    limits_problem,
+    reserve_all,
+)
 
 
 class FakeClock:
@@ -173,6 +181,19 @@ def test_request_larger_than_the_bucket_is_not_retryable() -> None:
     assert "6001 tokens" in res.message and "6000" in res.message
     res = lim.reserve("none", "k1", "acme", 1, Limits(rpm=0), 0.0)
     assert (res.reason, res.retryable) == ("quota_requests", False)
+
+
+def test_a_negative_limit_is_refused_for_that_key_without_touching_any_bucket() -> None:
+    # A key stored with rpm -5 (written past the CLI) must not crash the limiter: the
+    # shell turns InvalidLimits into a 403 for that key and serves the others.
+    lim = Limiter()
+    assert limits_problem(Limits(rpm=-5, tpm=100)) == "rpm -5"
+    assert limits_problem(Limits(rpm=0, tpm=None, org_tpm=-1)) == "org tpm -1"
+    assert limits_problem(Limits(rpm=0)) is None  # 0 is a limit: it admits nothing
+    with pytest.raises(InvalidLimits, match="rpm -5"):
+        lim.reserve("bad", "k-bad", "acme", 10, Limits(rpm=-5, tpm=1000), 0.0)
+    assert lim.bucket("key:k-bad:tpm") is None and lim.bucket("key:k-bad:rpm") is None and len(lim) == 0
+    assert lim.reserve("good", "k-good", "acme", 10, LIMITS, 0.0).admitted
 
 
 def test_org_limit_is_shared_by_its_keys() -> None:

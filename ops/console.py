@@ -1,0 +1,166 @@
+"""What every ``meshserve`` command shares: one error style, and tables that keep every number.
+
+Errors: a command raises ``CliError`` for a failure an operator can cause (bad input, no
+mesh, nothing found); ``ops.cli.main`` prints it, and any ``MeshError`` or NATS error,
+as one line on stderr, ``meshserve <command>: <message>``, and exits non-zero. Never a
+traceback for those.
+
+Tables: ``print_table`` prints a rich ``Table`` without ever cutting a cell. Rich fits a
+table to the console by shrinking columns to ``…``, and a console that is not a
+terminal is 80 columns wide, so ``meshserve bench > file`` used to lose every latency.
+A file or pipe gets the table at its natural width (a file has no edge); a terminal
+narrower than the table gets it transposed (one column per row: few rows, many
+columns, the shape of a benchmark) or, failing that too, stacked: one block of
+``header  value`` lines per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.table import Table
+
+    from bus import Bus
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # bad input on the command line
+
+
+class CliError(Exception):
+    """An expected failure of a command: printed as one line, exit ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+def describe_failure(exc: BaseException) -> tuple[str, int] | None:
+    """(one-line message, exit code) for the failures ``main`` reports without a traceback;
+    None for anything else (a bug keeps its traceback)."""
+    import sys
+
+    from proto.errors import MeshError
+
+    if isinstance(exc, CliError):
+        return exc.message, exc.exit_code
+    if isinstance(exc, MeshError):
+        return exc.message, EXIT_FAILURE
+    nats_errors = sys.modules.get("nats.errors")  # only a command that used NATS can raise one
+    if nats_errors is not None and isinstance(exc, nats_errors.Error):
+        return str(exc) or f"NATS: {type(exc).__name__}", EXIT_FAILURE
+    return None
+
+
+@contextlib.asynccontextmanager
+async def mesh_bus(name: str, *, initial_attempts: int = 3) -> AsyncIterator[Bus]:
+    """A connection to the mesh for one command, closed after it.
+
+    An unreachable NATS is a ``CliError`` naming the URL and what to do. The client's
+    per-retry warnings are silenced meanwhile: they are for services, which wait for
+    NATS; a command reports the outcome once.
+    """
+    from bus import Bus, BusSettings
+    from proto.errors import MeshError
+
+    settings = BusSettings.from_env()
+    client_log = logging.getLogger("bus.client")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)
+    try:
+        bus = await Bus.open(settings, name, initial_attempts=initial_attempts)
+    except MeshError as exc:
+        cause = f": {exc.__cause__!r}" if exc.__cause__ is not None else ""
+        raise CliError(
+            f"cannot reach NATS at {', '.join(settings.servers)}{cause} (is the mesh up? start it with "
+            "`meshserve up`, or pass --nats-url / set MESHSERVE_NATS_URL)"
+        ) from exc
+    finally:
+        client_log.setLevel(level)
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+# ============================================================================ tables
+
+_UNBOUNDED = 1 << 20
+
+
+def natural_width(table: Table, console: Console) -> int:
+    """The columns ``table`` needs for every cell whole, on one line each."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update(width=_UNBOUNDED), table).maximum
+
+
+def _header(column: Any) -> RenderableType:
+    # Two-line headers ("TTFT\np50") read as one label beside a value.
+    return column.header.replace("\n", " ") if isinstance(column.header, str) else column.header
+
+
+def _records(table: Table) -> list[list[RenderableType]]:
+    """The table's rows, footer last, as lists of cells."""
+    columns = [list(c.cells) for c in table.columns]
+    rows = [[cells[i] if i < len(cells) else "" for cells in columns] for i in range(table.row_count)]
+    if table.show_footer:
+        rows.append([c.footer for c in table.columns])
+    return rows
+
+
+def transposed(table: Table) -> Table:
+    """One column per row of ``table``, its headers down the left."""
+    from rich.table import Table
+
+    out = Table(show_header=False)  # no title: ``print_table`` prints it across the whole width
+    out.add_column(style="bold", no_wrap=True)
+    records = _records(table)
+    for _ in records:
+        out.add_column(no_wrap=True)
+    for i, column in enumerate(table.columns):
+        out.add_row(_header(column), *(record[i] for record in records))
+    return out
+
+
+def stacked(table: Table) -> Table:
+    """One block of ``header  value`` lines per row of ``table``: fits any width, since a
+    value too long for the line wraps (fold) instead of being cut."""
+    from rich import box
+    from rich.table import Table
+
+    out = Table(show_header=False, box=box.SIMPLE, pad_edge=False)
+    out.add_column(style="bold", no_wrap=True)
+    out.add_column(overflow="fold")
+    for record in _records(table):
+        cells = [(_header(column), cell) for column, cell in zip(table.columns, record, strict=True) if cell != ""]
+        for j, (header, cell) in enumerate(cells):
+            out.add_row(header, cell, end_section=j == len(cells) - 1)
+    return out
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` with every cell whole, whatever the console's width (module docstring)."""
+    width = natural_width(table, console)
+    if not console.is_terminal:
+        saved = table.width
+        table.width = width
+        try:
+            console.print(table, crop=False)
+        finally:
+            table.width = saved
+        return
+    if width <= console.width:
+        console.print(table)
+        return
+    flipped = transposed(table)
+    if table.title:
+        console.print(table.title, style="table.title")
+    console.print(flipped if natural_width(flipped, console) <= console.width else stacked(table))
+    if table.caption:
+        console.print(table.caption, style="table.caption")
