@@ -402,9 +402,12 @@ class Mesh:
                 for i, n in enumerate(self.nats_nodes)]
         if not self.nats_nodes:
             rows.append(("NATS (not started here)", self.nats_url, "-"))
+        by_pid = {w.pid: w for w in self.workers}
         for p in self.processes:
-            pid = str(p.proc.pid) if p.proc else "-"
-            rows.append((p.label, f"pid {pid}", str(p.log_file)))
+            pid = p.proc.pid if p.proc else 0
+            w = by_pid.get(pid)
+            rows.append((f"{p.label} {w.worker_id}" if w else p.label,
+                         f"pid {pid or '-'}" + (f" ({w.engine}, {w.model})" if w else ""), str(p.log_file)))
         started_here = {p.proc.pid for p in self.processes if p.proc}
         for w in self.workers:
             if w.pid not in started_here:  # the autoscaler's workers, or ones started by hand
