@@ -41,7 +41,6 @@ unbiased across equal workers.
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import random
 import re
@@ -75,7 +74,6 @@ class PolicyConfig:
     # matches admission's prediction (the best replica, not the best of a sample).
     full_scan_max: int = 16
     max_prefix_candidates: int = 8
-    max_alternates: int = 2
     session_vnodes: int = 64
     session_overload_factor: float = 1.5
     session_overload_min_tokens: int = 4096
@@ -209,7 +207,6 @@ class Decision:
     cost: float
     prompt_tokens: int
     expected_tokens: int  # prompt + expected output: the optimistic running addition
-    alternates: tuple[Candidate, ...] = ()  # next best, for one retry
     requested_model: str = ""
     note: str = ""  # why a fallback happened (cascade class, session overload, ...)
     # admission's replica (RouteQuery.prefer_worker): "kept" (placed there), "moved"
@@ -220,20 +217,6 @@ class Decision:
     @property
     def prefill_tokens(self) -> int:
         return max(self.prompt_tokens - self.cached_tokens, 0)
-
-    def next_alternate(self) -> Decision | None:
-        """The same decision moved to the best alternate (after the worker refused)."""
-        if not self.alternates:
-            return None
-        alt, rest = self.alternates[0], self.alternates[1:]
-        return replace(
-            self,
-            worker_id=alt.worker_id,
-            cached_tokens=alt.cached_tokens,
-            cost=alt.cost,
-            alternates=rest,
-            note=(self.note + "; " if self.note else "") + f"retry after {self.worker_id}",
-        )
 
     def to_placement(self) -> Placement:
         return Placement(
@@ -435,21 +418,17 @@ class Router:
 
     # ---- policies ----
     def _round_robin(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
-        n = len(eligible)
-        start = self._rr.get(model, 0) % n
+        start = self._rr.get(model, 0) % len(eligible)
         self._rr[model] = start + 1
-        order = [eligible[(start + k) % n] for k in range(min(n, 1 + ctx.cfg.max_alternates))]
-        ctx.ensure(order)
-        ranked = [ctx.candidate(w, float(w.outstanding_tokens)) for w in order]
-        return ctx.decision(model, "round_robin", ranked[0], ranked[1:])
+        w = eligible[start]
+        ctx.ensure([w])
+        return ctx.decision(model, "round_robin", ctx.candidate(w, float(w.outstanding_tokens)))
 
     def _least_load(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
         scored = [(float(w.outstanding_tokens + ctx.lora_penalty(w)), w) for w in eligible]
-        (cost, best), rest = self._pick(scored, ctx.cfg.max_alternates)
-        ctx.ensure([best, *(w for _, w in rest)])
-        return ctx.decision(
-            model, "least_load", ctx.candidate(best, cost), [ctx.candidate(w, c) for c, w in rest]
-        )
+        cost, best = self._pick(scored)
+        ctx.ensure([best])
+        return ctx.decision(model, "least_load", ctx.candidate(best, cost))
 
     def _prefix(
         self, model: str, eligible: list[WorkerView], ctx: _Ctx, policy: str = "prefix", note: str = ""
@@ -478,16 +457,12 @@ class Router:
             if all(w is not hinted for _, w in scored):
                 scored.append((ctx.prefix_cost(hinted), hinted))
             scored = [(c, w) for c, w in scored if ctx.prefill_cost(w) <= budget]  # keeps hinted
-        (cost, best), rest = self._pick(scored, cfg.max_alternates)
+        cost, best = self._pick(scored)
         under = [w for w in self._underused(eligible, cfg) if ctx.prefill_cost(w) <= budget]
         if under and best not in under:
-            alternates = [(cost, best), *rest][: cfg.max_alternates]
-            (cost, best), _ = self._pick([(ctx.prefix_cost(w), w) for w in under], 0)
+            cost, best = self._pick([(ctx.prefix_cost(w), w) for w in under])
             note = _join(note, f"{best.worker_id} underused")
-            rest = alternates
-        decision = ctx.decision(
-            model, policy, ctx.candidate(best, cost), [ctx.candidate(w, c) for c, w in rest], note
-        )
+        decision = ctx.decision(model, policy, ctx.candidate(best, cost), note)
         hint = ""
         if ctx.q.prefer_worker and cfg.admission_hints:
             hint = "unavailable" if hinted is None else "kept" if best is hinted else "moved"
@@ -531,14 +506,7 @@ class Router:
         if ring is None or ring.generation != pool.generation or ring.vnodes != ctx.cfg.session_vnodes:
             ring = self._rings[model] = _Ring(pool, ctx.cfg.session_vnodes)
         allowed = {w.worker_id: w for w in eligible}
-        order: list[WorkerView] = []
-        for wid in ring.walk(key):
-            w = allowed.get(wid)
-            if w is not None:
-                order.append(w)
-                if len(order) > ctx.cfg.max_alternates:
-                    break
-        target = order[0]
+        target = next(allowed[wid] for wid in ring.walk(key) if wid in allowed)
         cfg = ctx.cfg
         mean = sum(w.outstanding_tokens for w in eligible) / len(eligible)
         out = target.outstanding_tokens
@@ -547,20 +515,14 @@ class Router:
         ):
             why = f"session target {target.worker_id} overloaded ({out} tokens, pool mean {mean:.0f}, kv {target.kv_usage:.2f})"
             return self._prefix(model, eligible, ctx, note=why)
-        ctx.ensure(order)
-        ranked = [ctx.candidate(w, ctx.prefix_cost(w)) for w in order]
-        return ctx.decision(model, "session", ranked[0], ranked[1:])
+        ctx.ensure([target])
+        return ctx.decision(model, "session", ctx.candidate(target, ctx.prefix_cost(target)))
 
-    def _pick(
-        self, scored: list[tuple[float, WorkerView]], n_alt: int
-    ) -> tuple[tuple[float, WorkerView], list[tuple[float, WorkerView]]]:
-        """Lowest cost, ties broken at random; then the next ``n_alt`` by cost."""
+    def _pick(self, scored: list[tuple[float, WorkerView]]) -> tuple[float, WorkerView]:
+        """Lowest cost, ties broken at random."""
         low = min(c for c, _ in scored)
         ties = [cw for cw in scored if cw[0] == low]
-        best = ties[0] if len(ties) == 1 else self.rng.choice(ties)
-        # the index keeps equal costs from comparing WorkerViews, and the order stable
-        rest = heapq.nsmallest(n_alt, ((c, i, w) for i, (c, w) in enumerate(scored) if w is not best[1]))
-        return best, [(c, w) for c, _, w in rest]
+        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
 
 class _Ctx:
@@ -606,9 +568,7 @@ class _Ctx:
     def candidate(self, w: WorkerView, cost: float) -> Candidate:
         return Candidate(w.worker_id, cost, self.cached(w))
 
-    def decision(
-        self, model: str, policy: str, best: Candidate, rest: Sequence[Candidate], note: str = ""
-    ) -> Decision:
+    def decision(self, model: str, policy: str, best: Candidate, note: str = "") -> Decision:
         return Decision(
             request_id=self.q.request_id,
             model=model,
@@ -618,7 +578,6 @@ class _Ctx:
             cost=best.cost,
             prompt_tokens=self.prompt_tokens,
             expected_tokens=self.q.expected_total_tokens,
-            alternates=tuple(rest),
             note=note,
         )
 

@@ -11,8 +11,8 @@ they share the ``router`` queue group, so each request is placed by exactly one.
 the ``GenerateRequest`` to the chosen worker (request-reply on its generate subject; its
 model rewritten to the resolved pool when an alias or cascade resolved it), and answer
 the gateway with a ``Placement``. A worker that refuses (draining, no responders,
-timeout) costs one retry on the next best worker, the first excluded; then the gateway
-gets a typed error (``no_capacity``; ``unknown_model`` for a model nobody ever served).
+timeout) costs one retry on a new decision without it (``retry.py`` decides); then the
+gateway gets a typed error (``no_capacity``; ``unknown_model`` for a model nobody ever served).
 On a timeout the first worker is also told to cancel, in case it did take the request
 and only its answer was late, so the request never runs twice.
 
@@ -74,13 +74,11 @@ from .policy import (
     Router,
     RouterConfig,
 )
+from .retry import Refusal, after_refusal, is_refusal, no_worker
 from .view import RouterView, ViewConfig
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.router")
-
-# Worker answers that mean "not me, try another": nothing started there.
-_REFUSALS = frozenset({ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT})
 
 
 @dataclass(frozen=True)
@@ -434,15 +432,12 @@ class RouterService(Service):
                                  "meshserve.cached_tokens": decision.cached_tokens})
         await self.bus.respond(msg, decision.to_placement())
 
-    def _decide(self, query: RouteQuery, exclude: list[str]) -> Decision:
+    def _decide(self, query: RouteQuery, exclude: list[str]) -> Decision | NoCapacity:
         t0 = time.perf_counter()
         result = self.router.place(query, self.clock(), exclude)
         elapsed = time.perf_counter() - t0
         self.metrics.decision_seconds.observe(elapsed)
         self.decision_s_total += elapsed
-        if isinstance(result, NoCapacity):
-            code = ErrorCode.NO_CAPACITY if result.retryable else ErrorCode.UNKNOWN_MODEL
-            raise MeshError(result.message, code=code)
         return result
 
     async def _place(self, route: RouteRequest) -> Decision:
@@ -451,34 +446,30 @@ class RouterService(Service):
             request, prefer_worker=route.prefer_worker or None, prefer_slack_tokens=route.prefer_slack_tokens
         )
         exclude = list(route.exclude_workers)
-        decision = self._decide(query, exclude)
-        try:
-            await self._forward(decision, request)
-        except MeshError as exc:
-            self.router.release(request.request_id)
-            if exc.code not in _REFUSALS:
-                raise  # the request itself is at fault: another worker would refuse it too
-            self.retried += 1
-            self.metrics.retries.labels(reason=exc.code.value).inc()
-            log.info("worker %s refused %s (%s); retrying elsewhere", decision.worker_id, request.request_id, exc.code.value)
-            exclude.append(decision.worker_id)
-            try:
-                decision = self._decide(query, exclude)
-            except MeshError as again:
-                raise MeshError(f"worker {exclude[-1]} refused ({exc.message}) and {again.message}",
-                                code=again.code) from exc
+        refusals: list[Refusal] = []
+        while True:
+            decision = self._decide(query, exclude)
+            if isinstance(decision, NoCapacity):
+                code = ErrorCode.NO_CAPACITY if decision.retryable else ErrorCode.UNKNOWN_MODEL
+                error = no_worker(refusals, code, decision.message)
+                raise MeshError(error.message, code=error.code)
             try:
                 await self._forward(decision, request)
-            except MeshError as exc2:
+            except MeshError as exc:
                 self.router.release(request.request_id)
-                if exc2.code not in _REFUSALS:
-                    raise
-                raise MeshError(
-                    f"workers {exclude[-1]} and {decision.worker_id} refused the request ({exc.message}; {exc2.message})",
-                    code=ErrorCode.NO_CAPACITY,
-                ) from exc2
-        self._count(decision)
-        return decision
+                if not is_refusal(exc.code):
+                    raise  # the request itself is at fault: another worker would refuse it too
+                refusals.append(Refusal(decision.worker_id, exc.code, exc.message))
+                give_up = after_refusal(refusals)
+                if give_up is not None:
+                    raise MeshError(give_up.message, code=give_up.code) from exc
+                self.retried += 1
+                self.metrics.retries.labels(reason=exc.code.value).inc()
+                log.info("worker %s refused %s (%s); retrying elsewhere", decision.worker_id, request.request_id, exc.code.value)
+                exclude.append(decision.worker_id)
+                continue
+            self._count(decision)
+            return decision
 
     async def _forward(self, decision: Decision, request: GenerateRequest) -> None:
         """Hand the request to the decision's worker; raises MeshError when it does not take it."""

@@ -127,7 +127,6 @@ def test_least_load_picks_fewest_outstanding_tokens() -> None:
     d = decided(router(v, "least_load").decide(q(), 0.5))
     assert d.worker_id == "llama-1"
     assert d.cost == 900
-    assert [a.worker_id for a in d.alternates] == ["llama-0", "llama-2"]
     assert d.policy == "least_load"
 
 
@@ -191,8 +190,9 @@ def test_prefix_sends_to_an_underused_worker_despite_the_cache() -> None:
     d = decided(router(v).decide(q(prompt=prompt), 31.0))
     assert (d.worker_id, d.cached_tokens) == ("llama-3", 0)
     assert "llama-3 underused" in d.note
-    assert {a.worker_id for a in d.alternates} <= {"llama-0", "llama-1", "llama-2"}
-    assert d.alternates  # a refusal retries on the best holder
+    # a refusal's retry (the cold one excluded) goes to a holder
+    retry = decided(router(v).decide(q(prompt=prompt), 31.0, exclude={"llama-3"}))
+    assert retry.worker_id in {"llama-0", "llama-1", "llama-2"} and retry.cached_tokens == 2048
     assert d.rebalanced and not d.hint
     # the rule stays within admission's slack: the cold replica's prefill breaks a tight one
     tight = decided(router(v).decide(q(prompt=prompt, prefer_worker="llama-1"), 31.0))
@@ -255,7 +255,6 @@ def test_prefix_holder_is_always_a_candidate_in_a_large_pool(seed: int) -> None:
         set_load(v, f"llama-{i}", queued=50)
     d = decided(router(v, "prefix", seed=seed).decide(q(prompt=[*SYSTEM, 1, 2, 3]), 0.5))
     assert d.worker_id == "llama-37"
-    assert len(d.alternates) == 2  # the d=2 random candidates
 
 
 def test_prefix_samples_d_candidates_in_a_large_pool() -> None:
@@ -339,8 +338,8 @@ def test_pool_of_one() -> None:
     for policy in ("round_robin", "least_load", "prefix", "session"):
         d = decided(router(v, policy).decide(q(session_key="u1"), 0.5))
         assert d.worker_id == "llama-0"
-        assert d.alternates == ()
-        assert d.next_alternate() is None
+        # its refusal leaves nothing to retry on
+        assert isinstance(router(v, policy).decide(q(session_key="u1"), 0.5, exclude={"llama-0"}), NoCapacity)
 
 
 def test_never_draining_starting_or_expired_and_exclude_honoured() -> None:
@@ -361,20 +360,18 @@ def test_never_draining_starting_or_expired_and_exclude_honoured() -> None:
         assert res.retryable
 
 
-def test_alternates_give_one_retry() -> None:
+def test_a_retry_releases_the_refusal_and_places_on_the_next_best() -> None:
+    """What the shell does when a worker refuses: release, decide again without it."""
     v = make_view(3)
     set_load(v, "llama-0", queued=10)
     set_load(v, "llama-1", queued=20)
     set_load(v, "llama-2", queued=30)
     r = router(v, "prefix")
-    d = r.place(q("x"), 0.5)
-    d = decided(d)
+    d = decided(r.place(q("x"), 0.5))
     assert d.worker_id == "llama-0"
-    alt = d.next_alternate()
-    assert alt is not None
-    assert alt.worker_id == "llama-1"
-    assert [a.worker_id for a in alt.alternates] == ["llama-2"]
-    r.commit(alt, 0.6)  # moves the optimistic load from llama-0 to llama-1
+    assert r.release("x")
+    retry = decided(r.place(q("x"), 0.6, exclude={"llama-0"}))
+    assert retry.worker_id == "llama-1"  # the optimistic load moved from llama-0 to llama-1
     w0, w1 = v.worker("llama-0"), v.worker("llama-1")
     assert w0 is not None and w1 is not None
     assert w0.outstanding_tokens == 10
@@ -446,7 +443,9 @@ def test_session_draining_target_moves_to_the_next_on_the_ring_and_back() -> Non
     set_load(v, d.worker_id, draining=True)
     moved = decided(r.decide(q(session_key="alice"), 0.5))
     assert moved.worker_id != d.worker_id
-    assert moved.worker_id == d.alternates[0].worker_id
+    # the next worker on the ring: the one a refusal's retry (the target excluded) takes
+    set_load(v, d.worker_id, draining=False, ts=1.5)
+    assert moved.worker_id == decided(r.decide(q(session_key="alice"), 0.5, exclude={d.worker_id})).worker_id
     set_load(v, d.worker_id, draining=False, ts=2.0)
     assert decided(r.decide(q(session_key="alice"), 0.5)).worker_id == d.worker_id
 
