@@ -44,6 +44,7 @@ from .messages import (
     UsageEvent,
     WorkerGauge,
     WorkerInfo,
+    segment_usage,
     usage_dedup_id,
 )
 from .subjects import Subjects, subject_token, unescape_token
@@ -95,6 +96,7 @@ __all__ = [
     "extend_block_hashes",
     "pack_tokens",
     "root_hash",
+    "segment_usage",
     "subject_token",
     "unescape_token",
     "unpack_tokens",

@@ -308,6 +308,13 @@ def usage_dedup_id(request_id: str, migrations: int = 0) -> str:
     return request_id if migrations == 0 else f"{request_id}#m{migrations}"
 
 
+def segment_usage(usage: Usage, migrations: int) -> Usage:
+    """What the usage event of one segment of a request bills, so that each token is billed
+    once: the segment's own output, and the prompt (its cached part too) on the first
+    segment only. A migrated request's later segments resume a prompt already billed."""
+    return usage if migrations == 0 else Usage(completion_tokens=usage.completion_tokens)
+
+
 class ControlCommand(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
     command: Literal["drain", "stop", "status"]

@@ -52,16 +52,15 @@ from proto import (
     unpack_tokens,
     usage_dedup_id,
 )
+from proto.messages import UsageStatus
 
 from .coalesce import Coalescer
 from .engines.base import Engine, EngineOutput, EngineRequest
 from .metrics import WorkerMetrics
+from .outcome import request_outcome
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.worker")
-
-_USAGE_STATUS = {"stop": "finished", "length": "length", "abort": "cancelled", "error": "failed"}
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -273,42 +272,29 @@ class WorkerService(Service):
         except Exception as exc:  # an engine failure ends this request with an error, not silence
             log.exception("engine failed on %s", request.request_id)
             error_text = f"engine failure: {exc!r}"
-        finish = last.finish_reason if last is not None and last.finish_reason else "error"
-        if request.request_id in self._drain_errors:
-            finish, error_text = "error", f"worker {self.worker_id} shut down before the request finished (drain timeout)"
-        if finish == "error" and not error_text:
-            error_text = (last.error if last is not None and last.error else "engine ended the request without a finish reason")
         token_ids, text = coalescer.take(time.monotonic())
-        # Bill what was streamed: an aborted engine may have computed a token nobody received.
-        streamed = coalescer.emitted
-        # The client sees the whole request's usage, also after a migration (prior output
-        # was produced by an earlier worker and is part of this engine's prompt).
-        usage = Usage(
-            prompt_tokens=len(prompt) - prior,
-            completion_tokens=prior + streamed,
-            cached_tokens=min(last.cached_tokens, len(prompt) - prior) if last else 0,
+        streamed = coalescer.emitted  # the final chunk's tokens included
+        drained = request.request_id in self._drain_errors
+        outcome = request_outcome(
+            last, prompt_tokens=len(prompt) - prior, prior_tokens=prior, streamed=streamed,
+            migrations=request.migrations, engine_error=error_text,
+            drain_error=f"worker {self.worker_id} shut down before the request finished (drain timeout)" if drained else "",
         )
-        timings = last.timings if last is not None else None
-        error = ErrorInfo(code=ErrorCode.INTERNAL.value if finish == "error" else "", message=error_text) if finish == "error" else None
+        usage, timings = outcome.usage, outcome.timings
         final = TokenChunk(
-            request_id=request.request_id, seq=seq, token_ids=token_ids, text=text, finish_reason=finish,
-            usage=usage, timings=timings, error=error, worker_id=self.worker_id,
+            request_id=request.request_id, seq=seq, token_ids=token_ids, text=text, finish_reason=outcome.finish,
+            usage=usage, timings=timings, error=outcome.error, worker_id=self.worker_id,
         )
         await self._publish_chunk(request, final, ack=True)
         span.set_attributes({
             "gen_ai.usage.input_tokens": usage.prompt_tokens,
             "gen_ai.usage.output_tokens": usage.completion_tokens,
             "meshserve.cached_tokens": usage.cached_tokens,
-            "meshserve.finish_reason": finish,
+            "meshserve.finish_reason": outcome.finish,
         })
         _phase_spans(timings)
-        self.metrics.observe_request(finish, usage.prompt_tokens, usage.cached_tokens, streamed, timings)
-        # Billing counts each token once: this segment's own output, and the prompt only
-        # on the first segment (a migrated request's prompt was billed already).
-        first = request.migrations == 0
-        billed = Usage(prompt_tokens=usage.prompt_tokens if first else 0, completion_tokens=streamed,
-                       cached_tokens=usage.cached_tokens if first else 0)
-        await self._publish_usage(request, billed, finish, timings, error_text)
+        self.metrics.observe_request(outcome.finish, usage.prompt_tokens, usage.cached_tokens, streamed, timings)
+        await self._publish_usage(request, outcome.billed, outcome.status, timings, outcome.error_text)
 
     async def _publish_chunk(self, request: GenerateRequest, chunk: TokenChunk, *, ack: bool = False) -> None:
         headers = {MSG_ID_HEADER: f"{request.request_id}:{chunk.seq}"}
@@ -320,7 +306,8 @@ class WorkerService(Service):
         self.chunks_published += 1
         self.tokens_published += len(chunk.token_ids)
 
-    async def _publish_usage(self, request: GenerateRequest, usage: Usage, finish: str, timings: Timings | None, error: str) -> None:
+    async def _publish_usage(self, request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None,
+                             error: str) -> None:
         event = UsageEvent(
             request_id=request.request_id,
             org=request.org,
@@ -331,7 +318,7 @@ class WorkerService(Service):
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
-            status=_USAGE_STATUS.get(finish, "failed"),  # type: ignore[arg-type]
+            status=status,
             arrival_time=request.arrival_time or (timings.arrival if timings else 0.0),
             first_token_time=timings.first_token if timings else 0.0,
             finish_time=timings.finished if timings else time.time(),
@@ -353,7 +340,7 @@ class WorkerService(Service):
         )
         with contextlib.suppress(MeshError):
             await self._publish_chunk(request, chunk, ack=True)
-            await self._publish_usage(request, Usage(), "error", None, error.message)
+            await self._publish_usage(request, Usage(), "failed", None, error.message)
 
     async def handle_cancel(self, cancel: CancelRequest, msg: Msg) -> None:
         known = cancel.request_id in self._requests
