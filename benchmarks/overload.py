@@ -26,8 +26,16 @@ step, ~150 ms simulated; vLLM's 8192 default would make it ~0.6 s.
 A third run, ``capacity``, offers 1× capacity with admission off: its goodput is the
 reference that the goodput under overload is compared with.
 
-    .venv/bin/python benchmarks/overload.py                       # capacity, off, on: ~12 min
-    .venv/bin/python benchmarks/overload.py --cases on            # admission alone
+Light load, ``on@0.1`` and ``on@0.5``: admission on at 10 % and 50 % of capacity, same
+mix. There admission must refuse nothing (a policy tuned for overload that sheds on an
+idle mesh is a bug), and its predictions must match what requests then see. For every
+case with admission, the table of prediction errors gives admission's own record of
+predicted / actual TTFT for the requests it admitted (the calibrated prediction it
+decided on, against the TTFT the gateway measured from arrival to first token):
+quantiles, and the shares off by more than 2× either way.
+
+    .venv/bin/python benchmarks/overload.py                       # on@0.1, on@0.5, capacity, off, on: ~18 min
+    .venv/bin/python benchmarks/overload.py --cases on            # admission alone, overloaded
 """
 
 from __future__ import annotations
@@ -131,6 +139,41 @@ def table(cases: list[dict[str, Any]], speed: float) -> str:
     return "\n".join(lines)
 
 
+def case_spec(name: str, overload: float) -> tuple[bool, float]:
+    """(admission on, load over capacity) of a ``--cases`` item."""
+    if name == "capacity":
+        return False, 1.0
+    if name in ("on", "off"):
+        return name == "on", overload
+    if name.startswith("on@"):
+        try:
+            return True, float(name[3:])
+        except ValueError:
+            pass
+    raise SystemExit(f"unknown case {name!r}: expected capacity, off, on or on@<load>")
+
+
+def error_table(cases: list[dict[str, Any]]) -> str:
+    """Admission's predicted / actual TTFT of the requests it admitted, per case and tier."""
+    lines = [
+        "| load | tier | admitted with a TTFT | predicted/actual p1 | p10 | p50 | p90 | p99 | > 2× over | > 2× under "
+        "| calibration factor | overhead ms (wall) |",
+        "|" + " --- |" * 12,
+    ]
+    for case in cases:
+        stats = case["admission_stats"]
+        if not stats:
+            continue
+        for tier, e in sorted(stats.get("prediction_error", {}).items()):
+            lines.append(
+                f"| {case['load']:g}× | {tier} | {e['n']:.0f} | {e['p1']:.2f} | {e['p10']:.2f} | {e['p50']:.2f} "
+                f"| {e['p90']:.2f} | {e['p99']:.2f} | {e['over_2x']:.1%} | {e['under_2x']:.1%} "
+                f"| {stats.get('ttft_calibration', {}).get(tier, 1.0):.2f} "
+                f"| {stats.get('ttft_overhead_s', 0.0) * 1000:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--workers", type=int, default=8)
@@ -149,13 +192,15 @@ async def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="request timeout, simulated seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--cases", default="capacity,off,on",
-                        help="capacity (1× load, admission off: the reference goodput), off, on (both at --overload)")
+    parser.add_argument("--cases", default="on@0.1,on@0.5,capacity,off,on",
+                        help="capacity (1× load, admission off: the reference goodput), off, on (both at --overload), "
+                             "on@X (admission on at X× capacity)")
     parser.add_argument("--router-config", default=None, help="router config file (e.g. the prefix policy's beta)")
     args = parser.parse_args()
     cases = []
     for name in args.cases.split(","):
-        case = await run_case(name == "on", 1.0 if name == "capacity" else args.overload, args)
+        with_admission, load = case_spec(name, args.overload)
+        case = await run_case(with_admission, load, args)
         for tier, run in case["runs"].items():
             c = run.client
             flag = " CLIENT LAGGED: " + "; ".join(c.reasons) if c.lagged else ""
@@ -171,6 +216,8 @@ async def main() -> None:
           f"TPOT ≤ {args.slo_tpot * 1000:.0f} ms; admission target {args.target:g}, calibration quantile "
           f"{args.calibration_quantile:g}\n")
     print(table(cases, args.speed), flush=True)
+    print()
+    print(error_table(cases), flush=True)
     totals = [sum((r.summary.goodput or 0) for r in c["runs"].values()) / args.speed for c in cases]
     reference = next((t for c, t in zip(cases, totals, strict=True) if c["load"] == 1.0 and not c["admission"]), None)
     print()

@@ -111,8 +111,9 @@ class AdmissionPolicy:
         return True
 
     def prediction_errors(self) -> dict[str, dict[str, float]]:
-        """Per tier, the recent admitted requests' predicted / actual TTFT: count and
-        p1/p10/p50/p90/p99 (nearest rank). Above 1: admission was pessimistic."""
+        """Per tier, the recent admitted requests' predicted / actual TTFT: count,
+        p1/p10/p50/p90/p99 (nearest rank), and the shares off by more than 2× either way
+        (``over_2x``: predicted more than twice the actual, ``under_2x``: under half)."""
         by_tier: dict[str, list[float]] = {}
         for tier, predicted, actual in self.outcomes:
             if actual > 0:
@@ -123,6 +124,8 @@ class AdmissionPolicy:
             row = {"n": float(len(ratios))}
             for q in (1, 10, 50, 90, 99):
                 row[f"p{q}"] = ratios[min(int(q / 100 * len(ratios)), len(ratios) - 1)]
+            row["over_2x"] = sum(1 for r in ratios if r > 2) / len(ratios)
+            row["under_2x"] = sum(1 for r in ratios if r < 0.5) / len(ratios)
             out[tier] = row
         return out
 

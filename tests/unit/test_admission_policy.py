@@ -165,3 +165,16 @@ def test_gateway_ttft_reports_calibrate_before_the_usage_event() -> None:
     # the usage event that follows settles the budget and leaves the calibration alone
     p.on_usage(msgspec.structs.replace(usage("a", 1000, 10), arrival_time=1.0, first_token_time=99.0), 1.0)
     assert p.slo.calibration.factor("standard") == pytest.approx(3.0)
+
+
+def test_prediction_errors_compare_what_was_decided_with_what_was_seen() -> None:
+    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False)))
+    actual = {"a": 0.15, "b": 0.3, "c": 0.05, "d": 0.15}  # predicted 0.15 s each (IDLE)
+    for rid, ttft in actual.items():
+        assert p.check(req(rid, rpm_limit=100, tpm_limit=10**6), IDLE, 0.0).admitted
+        p.on_ttft(rid, ttft)
+    p.check(req("e", rpm_limit=100, tpm_limit=10**6), IDLE, 0.0)  # no outcome yet: not counted
+    errors = p.prediction_errors()["standard"]
+    assert errors["n"] == 4
+    assert (errors["p1"], errors["p50"], errors["p99"]) == (pytest.approx(0.5), pytest.approx(1.0), pytest.approx(3.0))
+    assert (errors["over_2x"], errors["under_2x"]) == (0.25, 0.0)
