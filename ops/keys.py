@@ -125,15 +125,25 @@ def record_problem(record: ApiKeyRecord) -> str:
 
 
 def add_parser(subparsers: Any) -> None:
-    keys = subparsers.add_parser("keys", help="create, list and revoke API keys", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from services.admission.slo import DEFAULT_TIERS
+
+    default_tiers = ", ".join(t.name for t in DEFAULT_TIERS)
+    keys = subparsers.add_parser(
+        "keys", help="create, list and revoke API keys",
+        description="API keys in the mesh's key bucket. Only a key's SHA-256 hash is stored; the key itself is "
+                    "printed once, at creation. `keys list --json` for scripts.")
     keys.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
     keys.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     actions = keys.add_subparsers(dest="action", required=True)
-    create = actions.add_parser("create", help="create a key and print it once")
+    create = actions.add_parser(
+        "create", help="create a key and print it once",
+        description="Create a key and print it once (on stdout; the key id goes to stderr). Refused, exit 2 and "
+                    "nothing stored: a limit below 1, a tier admission does not define, a --model no registered "
+                    "worker serves (unless --allow-unknown-model).")
     create.add_argument("--org", required=True)
     create.add_argument("--tier", default="standard",
-                        help="an admission tier: premium, standard or batch by default (see --admission-config)")
+                        help=f"an admission tier: {default_tiers} unless admission runs with its own "
+                             "(see --admission-config)")
     create.add_argument("--admission-config", default=None, metavar="FILE",
                         help="admission's config file (JSON or TOML), when it defines its own tiers")
     create.add_argument("--name", default="")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ops.bench.report import latency_table
 from ops.bench.results import load_result
 from ops.natsserver import free_port
 from ops.up import Mesh, MeshConfig
@@ -35,6 +36,10 @@ def test_short_sweep_against_the_mesh(tmp_path: Path) -> None:
         for r in result.runs:
             assert r.summary.ok == 12, (r.endpoint, r.summary.errors)
             assert all(q.output_tokens == 16 and q.ttft_s is not None for q in r.requests)
+        # stdout is a pipe here, as in `bench > file`: every latency is printed whole, not cut to "…"
+        assert "…" not in run.stdout
+        latencies = [str(cell) for column in latency_table(result).columns[2:] for cell in column.cells]
+        assert len(latencies) == 12 * len(result.runs) and all(cell in run.stdout for cell in latencies)
         # the two targets saw the same prompts
         by_endpoint = {(r.endpoint, r.rate): [q.input_tokens for q in r.requests] for r in result.runs}
         assert by_endpoint[("http", 4.0)] == by_endpoint[("nats", 4.0)]
