@@ -36,8 +36,8 @@ class MetricsServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else self.port
+        addresses = self._runner.addresses  # (host, port, ...) of each listening socket
+        self.port = addresses[0][1] if addresses else self.port
         log.info("metrics on http://%s:%s/metrics", self.host, self.port)
         return self.port
 

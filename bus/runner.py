@@ -33,6 +33,7 @@ from proto.errors import DecodeError, MeshError
 
 from .client import Bus
 from .logs import setup_logging
+from .micro import request_msg, stop_endpoint
 from .provision import provision
 from .settings import BusSettings
 from .tracing import setup_tracing, shutdown_tracing
@@ -120,7 +121,7 @@ class Service:
                 await bus.respond_error(msg, MeshError(f"internal error: {exc!r}"))
 
         async def on_request(request: Request) -> None:
-            msg = request._msg
+            msg = request_msg(request)
             try:
                 message = decode(msg.data, kind)
             except DecodeError as exc:
@@ -156,7 +157,7 @@ class Service:
         """
 
         async def on_request(request: Request) -> None:
-            self.spawn(handler(request._msg), name=name)
+            self.spawn(handler(request_msg(request)), name=name)
 
         assert self._micro is not None
         await self._micro.add_endpoint(name=name, subject=subject, queue_group=queue_group or self.name, handler=on_request)
@@ -189,6 +190,13 @@ class Service:
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
+
+    async def remove_endpoint(self, name: str) -> bool:
+        """Stop answering one endpoint (e.g. a leader's, on stepping down); the others and
+        ``$SRV`` discovery stay. False when there is no endpoint of that name."""
+        if self._micro is None or self._micro.stopped.is_set():
+            return False
+        return await stop_endpoint(self._micro, name)
 
     async def stop_endpoints(self) -> None:
         if self._micro is not None and not self._micro.stopped.is_set():

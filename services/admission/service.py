@@ -478,22 +478,11 @@ class AdmissionService(Service):
         self.leading = False
         self.metrics.leader.set(0)
         log.warning("%s stops serving admission: %s", self.instance_id, reason)
-        await self._remove_endpoint("check")
+        await self.remove_endpoint("check")
         if self._usage_sub is not None:
             with contextlib.suppress(Exception):
                 await self._usage_sub.unsubscribe()
             self._usage_sub = None
-
-    async def _remove_endpoint(self, name: str) -> None:
-        """Stop one NATS micro endpoint (nats.micro can only stop them all)."""
-        micro = self._micro
-        if micro is None:
-            return
-        for endpoint in list(micro._endpoints):
-            if endpoint._name == name:
-                with contextlib.suppress(Exception):
-                    await endpoint._stop()
-                micro._endpoints.remove(endpoint)
 
     async def _checkpoint(self) -> None:
         if not self.leading or self._state is None:

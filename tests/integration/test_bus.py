@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,35 @@ async def test_three_node_cluster_serves_jetstream(nats_cluster: list[NatsServer
         await client.js_publish(client.subjects.usage("o"), TokenChunk(request_id="a", seq=0), msg_id="a")
     finally:
         await client.close()
+
+
+async def test_remove_endpoint_stops_one_endpoint_and_keeps_the_service_listed(bus: Bus, bus_settings: BusSettings) -> None:
+    from bus import Service
+
+    class TwoEndpoints(Service):
+        name = "twoendpoints"
+
+        async def on_start(self) -> None:
+            for name in ("a", "b"):
+                await self.add_endpoint(name, f"t.two.{name}", ControlCommand, self.answer(name))
+
+        def answer(self, name: str) -> Callable[[ControlCommand, Msg], Awaitable[None]]:
+            async def handle(command: ControlCommand, msg: Msg) -> None:
+                await self.bus.respond(msg, ControlReply(worker_id=name, state="ready"))
+
+            return handle
+
+    service = TwoEndpoints(bus_settings, provision_streams=False)
+    await service.start()
+    try:
+        for name in ("a", "b"):
+            assert (await bus.request(f"t.two.{name}", ControlCommand(command="status"), ControlReply)).worker_id == name
+        assert await service.remove_endpoint("a")
+        assert not await service.remove_endpoint("a")  # gone already
+        with pytest.raises(NoResponders):
+            await bus.request("t.two.a", ControlCommand(command="status"), ControlReply, timeout=1)
+        assert (await bus.request("t.two.b", ControlCommand(command="status"), ControlReply)).worker_id == "b"
+        info = json.loads((await bus.nc.request("$SRV.INFO.meshserve-twoendpoints", b"", timeout=2)).data)
+        assert [e["name"] for e in info["endpoints"]] == ["b"]
+    finally:
+        await service.drain_and_close()
