@@ -85,3 +85,24 @@ def test_closed_loop_is_labelled(http_server: Any, capsys: pytest.CaptureFixture
                   "--input-tokens", "10", "--output-tokens", "3", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "CLOSED LOOP" in out and "closed-loop c=1" in out and "closed-loop c=2" in out
+
+
+def test_json_prints_the_result_and_the_comparison_for_scripts(http_server: Any, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    argv = ["--target", f"fake={http_server.base_url}", "--model", "sim", "-n", "4", "--rates", "20",
+            "--input-tokens", "20", "--output-tokens", "3", "--no-progress", "--no-plots", "--json"]
+    assert bench([*argv, "--out", str(tmp_path / "a"), "--label", "A"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)  # stdout holds the JSON alone: no table, no "results:" line
+    assert data["label"] == "A" and data["runs"][0]["summary"]["ok"] == 4
+    assert load_result(tmp_path / "a" / "results.json").runs[0].summary.ok == 4
+    assert bench([*argv, "--out", str(tmp_path / "b"), "--label", "B"]) == 0
+    capsys.readouterr()
+    assert bench(["--compare", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
+                  "--json"]) == 0
+    compared = json.loads(capsys.readouterr().out)
+    assert compared["results"] == ["A", "B"]
+    ttft = next(r for r in compared["rows"] if r["metric"] == "TTFT p99 ms")
+    assert set(ttft["values"]) == {"A:fake", "B:fake"} and set(ttft["ratios"]) == {"B:fake"}
