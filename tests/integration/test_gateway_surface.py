@@ -237,3 +237,56 @@ async def test_tokenizer_export_asks_the_mesh_which_tokenizer_a_model_uses(
     capsys.readouterr()
     assert await asyncio.to_thread(main, ["tokenizer", "export", str(out), "--model", "nope"]) == 2
     assert f"no worker serves 'nope' (served: {MODEL})" in capsys.readouterr().err
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)")
+async def test_chat_page_opens_asking_for_the_key_and_offers_the_dev_key(
+    gateway: GatewayService, key: str, dev_key_file: Path, tmp_path: Path
+) -> None:
+    """In headless Chromium: no request and no red before a key, the favicon is there, the
+    development key works, and the key lasts for the tab only."""
+    dev_key_file.write_text(key + "\n")  # noqa: ASYNC240 (what meshserve up writes)
+    await asyncio.to_thread(_drive_chat_page, gateway.http_url, tmp_path)
+
+
+def _drive_chat_page(url: str, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )
+        try:
+            context = browser.new_context()
+            page = context.new_page()
+            failed: list[str] = []
+            page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.goto(url + "/")
+            page.wait_for_selector("#use-dev-key:not([hidden])")
+            assert page.is_visible("#key-panel") and not page.is_visible("#key-message")
+            assert page.inner_text("#status") == "" and page.locator(".error").count() == 0
+            assert page.evaluate("fetch('/favicon.ico').then(r => r.status)") == 200
+            assert failed == [], failed  # nothing asked of the API before there is a key: no 401 anywhere
+            page.click("#use-dev-key")
+            page.wait_for_function("document.querySelector('#model').options.length > 0")
+            assert not page.is_visible("#key-panel")
+            page.fill("#prompt", "Hello from a fresh tab")
+            page.click("#send")
+            page.wait_for_selector(".reply[data-state=done]", timeout=30_000)
+            assert page.inner_text(".reply[data-state=done] .reply-text").strip()
+            page.screenshot(path=str(tmp_path / "chat.png"))
+            # a reload keeps the key (same tab); a new tab asks again
+            page.reload()
+            page.wait_for_function("document.querySelector('#model').options.length > 0")
+            assert not page.is_visible("#key-panel")
+            other = context.new_page()
+            other.goto(url + "/")
+            other.wait_for_selector("#key-panel:not([hidden])")
+            assert failed == [], failed
+        finally:
+            browser.close()
