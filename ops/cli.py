@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "plan": "ops.plan.cli",
     "make-tiny-model": "ops.tiny_model",
     "calibrate": "ops.calibrate",
+    "tokenizer": "ops.tokenizer_cli",
     "services": "ops.services",
 }
 COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMANDS.values()))
