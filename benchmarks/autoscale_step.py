@@ -33,7 +33,7 @@ import numpy as np
 
 from bus import Bus
 from ops.bench.config import BenchConfig, EndpointConfig, WorkloadConfig
-from ops.bench.results import RequestRecord, save_result
+from ops.bench.results import RequestResult, save_result
 from ops.bench.runner import run_bench
 from ops.natsserver import free_port
 from ops.status import fetch_status
@@ -81,7 +81,7 @@ async def sample(bus: Bus, t0: float, out: list[dict[str, Any]], stop: asyncio.E
             pass
 
 
-def binned(records: list[RequestRecord], width: float, end: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def binned(records: list[RequestResult], width: float, end: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     edges = np.arange(0.0, end + width, width)
     offered = np.zeros(len(edges) - 1)
     p90 = np.full(len(edges) - 1, np.nan)
@@ -94,12 +94,12 @@ def binned(records: list[RequestRecord], width: float, end: float) -> tuple[np.n
     return edges[:-1] + width / 2, offered, p90
 
 
-def p90_between(records: list[RequestRecord], start: float, stop: float) -> float | None:
+def p90_between(records: list[RequestResult], start: float, stop: float) -> float | None:
     ttfts = [r.ttft_s for r in records if start <= r.scheduled_s < stop and r.ttft_s is not None]
     return float(np.percentile(ttfts, 90)) if ttfts else None
 
 
-def plot(path: Path, timeline: list[dict[str, Any]], records: list[RequestRecord], phases: list[tuple[float, float]],
+def plot(path: Path, timeline: list[dict[str, Any]], records: list[RequestResult], phases: list[tuple[float, float]],
          args: argparse.Namespace) -> None:
     import matplotlib
 

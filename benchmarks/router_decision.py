@@ -22,7 +22,7 @@ import tracemalloc
 
 from proto.hashing import block_hashes
 from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
-from services.router.policy import Decision, PolicyConfig, RouteQuery, Router, RouterConfig
+from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.router.view import RouterView
 
 MODEL = "bench"
@@ -70,7 +70,7 @@ def measure(
         d = router.place(query, now)
         if k >= warmup:
             times.append((time.perf_counter_ns() - t0) / 1000)
-        assert isinstance(d, Decision)
+        assert isinstance(d, RouteDecision)
         now += 0.001
         if k % 20 == 0:  # a gauge per worker every 20 ms of placements (not timed)
             for w in pool:

@@ -28,7 +28,7 @@ STATUS_NO_RESPONDERS = "no_responders"  # NATS: nobody subscribed to the API sub
 STATUS_PAYLOAD = "payload_too_large"  # NATS: body over the server's max_payload
 
 
-class RequestRecord(msgspec.Struct, kw_only=True):
+class RequestResult(msgspec.Struct, kw_only=True):
     index: int                 # order of creation within the run
     session: int
     turn: int
@@ -124,7 +124,7 @@ class RunResult(msgspec.Struct, kw_only=True):
     summary: Summary = msgspec.field(default_factory=Summary)
     client: ClientHealth = msgspec.field(default_factory=ClientHealth)
     warnings: list[str] = msgspec.field(default_factory=list)
-    requests: list[RequestRecord] = msgspec.field(default_factory=list)
+    requests: list[RequestResult] = msgspec.field(default_factory=list)
 
     @property
     def load_value(self) -> float:

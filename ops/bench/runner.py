@@ -31,7 +31,7 @@ from ops.bench.results import (
     STATUS_OK,
     STATUS_TIMEOUT,
     BenchResult,
-    RequestRecord,
+    RequestResult,
     RunResult,
 )
 from ops.bench.stats import client_health, find_knee, fmt_load, summarize
@@ -149,7 +149,7 @@ class _Run:
         self.model = model
         self.count_tokens: Callable[[str], int] = text.count
         self.plan = plan
-        self.records: list[RequestRecord] = []
+        self.records: list[RequestResult] = []
         self.progress = progress
         self.task_id = task_id
         self.t0 = 0.0
@@ -167,7 +167,7 @@ class _Run:
     async def _request(self, ps: PlannedSession, k: int, due: float,
                        history: list[str | None]) -> StreamAccumulator:
         s = ps.session
-        rec = RequestRecord(index=len(self.records), session=s.index, turn=k,
+        rec = RequestResult(index=len(self.records), session=s.index, turn=k,
                             scheduled_s=due - self.t0, input_tokens=s.input_tokens(k),
                             max_tokens=s.turns[k].output_tokens)
         self.records.append(rec)
@@ -209,7 +209,7 @@ class _Run:
             acc = await self._request(ps, k, due, history)
             history.append(acc.text if acc.status == STATUS_OK and self._actual_history else None)
 
-    async def execute(self) -> tuple[list[RequestRecord], float, list[float], float, float]:
+    async def execute(self) -> tuple[list[RequestResult], float, list[float], float, float]:
         cfg = self.config
         lag = LagMonitor()
         lag.start()

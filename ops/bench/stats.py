@@ -20,7 +20,7 @@ from ops.bench.results import (
     STATUS_OK,
     ClientHealth,
     Dist,
-    RequestRecord,
+    RequestResult,
     SLOSpec,
     Summary,
 )
@@ -52,7 +52,7 @@ def dist(values: Iterable[float | None], scale: float = 1.0) -> Dist:
                 min=float(arr.min()), max=float(arr.max()))
 
 
-def meets_slo(rec: RequestRecord, slo: SLOSpec) -> bool:
+def meets_slo(rec: RequestResult, slo: SLOSpec) -> bool:
     if rec.status != STATUS_OK:
         return False
     if slo.ttft_s is not None and (rec.ttft_s is None or rec.ttft_s > slo.ttft_s):
@@ -62,14 +62,14 @@ def meets_slo(rec: RequestRecord, slo: SLOSpec) -> bool:
     return not (slo.e2e_s is not None and (rec.e2e_s is None or rec.e2e_s > slo.e2e_s))
 
 
-def run_duration(records: Sequence[RequestRecord]) -> float:
+def run_duration(records: Sequence[RequestResult]) -> float:
     """From the run's start (t=0) to the last request's end."""
     ends = [r.sent_s + r.e2e_s for r in records if r.e2e_s is not None]
     sends = [r.sent_s for r in records]
     return max(ends + sends, default=0.0)
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLOSpec | None = None,
+def summarize(records: Sequence[RequestResult], slo: SLOSpec | None = None,
               duration_s: float | None = None) -> Summary:
     """Per-run figures. Throughputs divide by ``duration_s`` (default: start to last end)."""
     slo = slo or SLOSpec()

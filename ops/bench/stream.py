@@ -22,7 +22,7 @@ from ops.bench.results import (
     STATUS_OK,
     STATUS_PROTOCOL,
     STATUS_STREAM_ERROR,
-    RequestRecord,
+    RequestResult,
 )
 
 
@@ -73,7 +73,7 @@ def error_message(obj: Any) -> tuple[str, str | None]:
 
 
 class StreamAccumulator:
-    """Collects one request's chunks into a ``RequestRecord``.
+    """Collects one request's chunks into a ``RequestResult``.
 
     Times are absolute ``perf_counter`` readings; ``t_sent`` anchors them.
     """
@@ -217,7 +217,7 @@ class StreamAccumulator:
         self.error = error
         self.http_status = http_status
 
-    def fill(self, rec: RequestRecord) -> RequestRecord:
+    def fill(self, rec: RequestResult) -> RequestResult:
         """Write the outcome into ``rec`` (TTFT, TPOT, E2E, tokens, chunk timings)."""
         rec.status = self.status or STATUS_INCOMPLETE
         rec.error = self.error

@@ -1,7 +1,7 @@
 """The autoscaler's control law (DESIGN.md, Autoscaling): pure, synchronous, clock injected.
 
 One call per pool per tick: ``step(policy, state, observation, now)`` returns a
-``Decision`` (what to do, and why, with every signal it used) and the next ``PoolState``.
+``ScaleDecision`` (what to do, and why, with every signal it used) and the next ``PoolState``.
 The async shell feeds it the latest gauge of each live worker of the pool, actuates the
 decision through a driver, and shows the decisions in ``meshserve status``.
 
@@ -279,7 +279,7 @@ class Signals:
 
 
 @dataclass(frozen=True)
-class Decision:
+class ScaleDecision:
     pool: str
     at: float
     current: int  # ready + starting (draining replicas are leaving and not counted)
@@ -309,7 +309,7 @@ def _push_window(
 
 def step(
     policy: PoolPolicy, state: PoolState, obs: PoolObservation, now: float
-) -> tuple[Decision, PoolState]:
+) -> tuple[ScaleDecision, PoolState]:
     """One tick of the control law for one pool. Pure: the same inputs give the same outputs."""
     gauges = list(obs.gauges)
 
@@ -448,7 +448,7 @@ def step(
         drain_issued_at=drain_issued_at,
         capacity=capacity_est,
     )
-    decision = Decision(
+    decision = ScaleDecision(
         pool=policy.pool,
         at=now,
         current=current,
@@ -489,6 +489,6 @@ class PoolController:
         self.policy = policy
         self.state = state or PoolState()
 
-    def decide(self, observation: PoolObservation, now: float) -> Decision:
+    def decide(self, observation: PoolObservation, now: float) -> ScaleDecision:
         decision, self.state = step(self.policy, self.state, observation, now)
         return decision

@@ -11,7 +11,7 @@ Every tick (1 s by default) and for every configured pool (a model), it:
    registry (draining ones included, gauges of workers gone from the registry dropped,
    stale ones ignored), ``starting`` = replicas the driver launched that have not
    reported a gauge yet, and the pending-demand counter (below);
-4. asks the pool's ``PoolController`` for a ``Decision`` and acts on it: scale up →
+4. asks the pool's ``PoolController`` for a ``ScaleDecision`` and acts on it: scale up →
    ``driver.start(pool, count)``; scale down → ``ControlCommand(drain)`` to the worker
    the law chose, request-reply on ``mesh.worker.<id>.control``. The worker refuses new
    work (the router skips draining workers), finishes its requests, deregisters and
@@ -60,7 +60,7 @@ from proto.autoscaler import (
 from proto.errors import MeshError, RemoteError
 from proto.messages import ControlCommand, ControlReply, WorkerGauge, WorkerInfo
 
-from .control import Decision, PoolController, PoolObservation, PoolPolicy
+from .control import PoolController, PoolObservation, PoolPolicy, ScaleDecision
 from .drivers import Driver, DriverError, Launch, WorkerRef
 from .tracking import DecisionLog, LaunchTracker, PendingDemand, to_signals
 
@@ -122,7 +122,7 @@ class AutoscalerMetrics:
         )
         self.ticks = Counter("meshserve:autoscaler_ticks_total", "Control ticks run", registry=r)
 
-    def observe(self, d: Decision, pending: int) -> None:
+    def observe(self, d: ScaleDecision, pending: int) -> None:
         pool = d.pool
         self.desired.labels(pool=pool).set(d.desired)
         self.current.labels(pool=pool).set(d.current)
@@ -323,7 +323,7 @@ class AutoscalerService(Service):
             if worker_id not in workers and now - received_at > self.config.gauge_stale_s:
                 del self.gauges[worker_id]
 
-    def _act(self, pool: str, rt: _PoolRuntime, decision: Decision, record: DecisionRecord | None, now: float) -> None:
+    def _act(self, pool: str, rt: _PoolRuntime, decision: ScaleDecision, record: DecisionRecord | None, now: float) -> None:
         if decision.action == "scale_up" and decision.count > 0:
             if now < rt.backoff_until:
                 if record is not None:

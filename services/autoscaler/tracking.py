@@ -4,7 +4,7 @@
   law's ``starting``), redeemed by their first gauge, written off after a timeout;
 - ``PendingDemand``: requests waiting for a pool with no replica, per reporting source;
 - ``DecisionLog``: the decisions of one pool worth showing in ``meshserve status``;
-- ``to_record`` / ``to_signals``: a ``Decision`` as the status message's structs.
+- ``to_record`` / ``to_signals``: a ``ScaleDecision`` as the status message's structs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from proto.autoscaler import DecisionRecord, PoolSignals
 
-from .control import Decision
+from .control import ScaleDecision
 
 
 @dataclass
@@ -110,9 +110,9 @@ class DecisionLog:
     def __init__(self, size: int) -> None:
         self.records: deque[DecisionRecord] = deque(maxlen=size)
         self._last_key: tuple[object, ...] | None = None
-        self.latest: Decision | None = None
+        self.latest: ScaleDecision | None = None
 
-    def add(self, decision: Decision) -> DecisionRecord | None:
+    def add(self, decision: ScaleDecision) -> DecisionRecord | None:
         self.latest = decision
         key = (decision.action, decision.current, decision.ready, decision.desired, decision.target, decision.signals.draining)
         if decision.action == "hold" and key == self._last_key:
@@ -123,14 +123,14 @@ class DecisionLog:
         return record
 
 
-def to_record(d: Decision) -> DecisionRecord:
+def to_record(d: ScaleDecision) -> DecisionRecord:
     return DecisionRecord(
         at=d.at, action=d.action, current=d.current, ready=d.ready, desired=d.desired, target=d.target,
         count=d.count, drain_worker=d.drain_worker, cold_start=d.cold_start, reason=d.reason,
     )
 
 
-def to_signals(d: Decision) -> PoolSignals:
+def to_signals(d: ScaleDecision) -> PoolSignals:
     s = d.signals
     return PoolSignals(
         waiting_tokens=s.waiting_tokens, running_tokens=s.running_tokens, pending_requests=s.pending_requests,

@@ -9,28 +9,28 @@ from .policy import (
     POLICIES,
     Candidate,
     CascadeConfig,
-    Decision,
     NoCapacity,
     PolicyConfig,
+    RouteDecision,
     RouteQuery,
     Router,
     RouterConfig,
 )
-from .view import KvApply, Pool, RouterView, ViewConfig, WorkerView
+from .view import KvApply, Pool, RouterView, RouterWorker, ViewConfig
 
 __all__ = [
     "POLICIES",
     "Candidate",
     "CascadeConfig",
-    "Decision",
     "KvApply",
     "NoCapacity",
     "PolicyConfig",
     "Pool",
+    "RouteDecision",
     "RouteQuery",
     "Router",
     "RouterConfig",
     "RouterView",
+    "RouterWorker",
     "ViewConfig",
-    "WorkerView",
 ]

@@ -1,6 +1,6 @@
 """Placement: which worker serves a request. Pure decisions over a ``RouterView``.
 
-``Router.decide`` reads the view and returns a ``Decision`` (or ``NoCapacity``) without
+``Router.decide`` reads the view and returns a ``RouteDecision`` (or ``NoCapacity``) without
 touching it; ``Router.commit`` then adds the placement to the view's optimistic
 accounting, and ``Router.place`` does both. The only state a decision mutates is policy
 state (the round-robin cursor, the injected RNG, the cached session ring).
@@ -52,7 +52,7 @@ import xxhash
 
 from proto.messages import GenerateRequest, Placement
 
-from .view import Pool, RouterView, WorkerView, pack_prompt
+from .view import Pool, RouterView, RouterWorker, pack_prompt
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
@@ -83,7 +83,7 @@ class PolicyConfig:
     # (in tokens, comparable to the adapter's load time in prefill tokens).
     lora_dynamic: bool = False
     lora_load_penalty_tokens: int = 2048
-    # Anti-herding (prefix policy): a worker whose load average (``WorkerView.load_avg``)
+    # Anti-herding (prefix policy): a worker whose load average (``RouterWorker.load_avg``)
     # is below the eligible pool's mean / ``balance_factor`` while its current load is
     # at most the pool's current mean is underused, and takes the request even if a
     # cache holder costs less. Cost alone never sends a hot prompt to a cold replica
@@ -198,7 +198,7 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class RouteDecision:
     request_id: str
     model: str  # the pool's model (after alias/cascade resolution)
     worker_id: str
@@ -341,14 +341,14 @@ class Router:
         return ([chosen, other] if cascade.cfg.fallback else [chosen]), why
 
     # ---- placement ----
-    def place(self, query: RouteQuery, now: float, exclude: Collection[str] = ()) -> Decision | NoCapacity:
+    def place(self, query: RouteQuery, now: float, exclude: Collection[str] = ()) -> RouteDecision | NoCapacity:
         """Decide and record the placement in the view's optimistic accounting."""
         result = self.decide(query, now, exclude)
-        if isinstance(result, Decision):
+        if isinstance(result, RouteDecision):
             self.commit(result, now)
         return result
 
-    def commit(self, decision: Decision, now: float) -> None:
+    def commit(self, decision: RouteDecision, now: float) -> None:
         """Count ``decision`` on its worker until a gauge reflects it (a retry moves it)."""
         self.view.record_placement(
             decision.worker_id,
@@ -362,12 +362,12 @@ class Router:
         """The placed worker refused or died before taking the request."""
         return self.view.release_placement(request_id)
 
-    def decide(self, query: RouteQuery, now: float, exclude: Collection[str] = ()) -> Decision | NoCapacity:
+    def decide(self, query: RouteQuery, now: float, exclude: Collection[str] = ()) -> RouteDecision | NoCapacity:
         models, note = self.resolve(query)
         first: NoCapacity | None = None
         for i, model in enumerate(models):
             result = self._decide_in_pool(model, query, now, exclude)
-            if isinstance(result, Decision):
+            if isinstance(result, RouteDecision):
                 if i:
                     note = f"{note}; {models[0]} had no capacity" if note else f"{models[0]} had no capacity"
                 return replace(result, requested_model=query.model, note=_join(note, result.note))
@@ -377,7 +377,7 @@ class Router:
 
     def _decide_in_pool(
         self, model: str, q: RouteQuery, now: float, exclude: Collection[str]
-    ) -> Decision | NoCapacity:
+    ) -> RouteDecision | NoCapacity:
         pool = self.view.pool(model)
         if pool is None or not pool.workers:
             known = model in self.config.models or model in self.view.models_seen
@@ -417,22 +417,22 @@ class Router:
                 return self._session(model, eligible, ctx)
 
     # ---- policies ----
-    def _round_robin(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
+    def _round_robin(self, model: str, eligible: list[RouterWorker], ctx: _Ctx) -> RouteDecision:
         start = self._rr.get(model, 0) % len(eligible)
         self._rr[model] = start + 1
         w = eligible[start]
         ctx.ensure([w])
         return ctx.decision(model, "round_robin", ctx.candidate(w, float(w.outstanding_tokens)))
 
-    def _least_load(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
+    def _least_load(self, model: str, eligible: list[RouterWorker], ctx: _Ctx) -> RouteDecision:
         scored = [(float(w.outstanding_tokens + ctx.lora_penalty(w)), w) for w in eligible]
         cost, best = self._pick(scored)
         ctx.ensure([best])
         return ctx.decision(model, "least_load", ctx.candidate(best, cost))
 
     def _prefix(
-        self, model: str, eligible: list[WorkerView], ctx: _Ctx, policy: str = "prefix", note: str = ""
-    ) -> Decision:
+        self, model: str, eligible: list[RouterWorker], ctx: _Ctx, policy: str = "prefix", note: str = ""
+    ) -> RouteDecision:
         cfg = ctx.cfg
         by_slot = ctx.ensure(eligible)  # the holders are needed: walk the whole eligible set
         if len(eligible) <= max(cfg.full_scan_max, cfg.d):
@@ -469,7 +469,7 @@ class Router:
         return replace(decision, hint=hint, rebalanced=best in under)
 
     @staticmethod
-    def _hinted(eligible: Sequence[WorkerView], ctx: _Ctx) -> tuple[WorkerView | None, float]:
+    def _hinted(eligible: Sequence[RouterWorker], ctx: _Ctx) -> tuple[RouterWorker | None, float]:
         """Admission's replica if it is eligible, and the prefill work (tokens) a
         placement may put ahead of the request: its own plus admission's slack."""
         wid = ctx.q.prefer_worker
@@ -481,7 +481,7 @@ class Router:
         return w, ctx.prefill_cost(w) + max(ctx.q.prefer_slack_tokens, 0)
 
     @staticmethod
-    def _underused(eligible: Sequence[WorkerView], cfg: PolicyConfig) -> list[WorkerView]:
+    def _underused(eligible: Sequence[RouterWorker], cfg: PolicyConfig) -> list[RouterWorker]:
         """Workers left underused by cache affinity (see ``PolicyConfig.balance_factor``)."""
         if not cfg.balance_factor or len(eligible) < 2:
             return []
@@ -497,7 +497,7 @@ class Router:
             if a is not None and a < floor and w.outstanding_tokens <= mean_now
         ]
 
-    def _session(self, model: str, eligible: list[WorkerView], ctx: _Ctx) -> Decision:
+    def _session(self, model: str, eligible: list[RouterWorker], ctx: _Ctx) -> RouteDecision:
         key = ctx.q.session_key
         if not key:
             return self._prefix(model, eligible, ctx, note="session: no session key")
@@ -518,7 +518,7 @@ class Router:
         ctx.ensure([target])
         return ctx.decision(model, "session", ctx.candidate(target, ctx.prefix_cost(target)))
 
-    def _pick(self, scored: list[tuple[float, WorkerView]]) -> tuple[float, WorkerView]:
+    def _pick(self, scored: list[tuple[float, RouterWorker]]) -> tuple[float, RouterWorker]:
         """Lowest cost, ties broken at random."""
         low = min(c for c, _ in scored)
         ties = [cw for cw in scored if cw[0] == low]
@@ -544,7 +544,7 @@ class _Ctx:
         self.blocks: dict[int, int] = {}  # slot → leading cached blocks
         self.done = 0  # slots walked so far
 
-    def ensure(self, workers: Iterable[WorkerView]) -> dict[int, int]:
+    def ensure(self, workers: Iterable[RouterWorker]) -> dict[int, int]:
         """Walk the index for the ``workers`` not walked yet; return slot → blocks."""
         mask = self.pool.mask_of(workers) & ~self.done
         if mask:
@@ -552,24 +552,24 @@ class _Ctx:
             self.done |= mask
         return self.blocks
 
-    def cached(self, w: WorkerView) -> int:
+    def cached(self, w: RouterWorker) -> int:
         return min(self.blocks.get(w.slot, 0) * w.block_size, self.prompt_tokens)
 
-    def lora_penalty(self, w: WorkerView) -> int:
+    def lora_penalty(self, w: RouterWorker) -> int:
         return self.cfg.lora_load_penalty_tokens if w.worker_id in self.lora_missing else 0
 
-    def prefill_cost(self, w: WorkerView) -> int:
+    def prefill_cost(self, w: RouterWorker) -> int:
         """Prefill tokens ahead of the request's first token on ``w``: what its TTFT grows with."""
         return self.prompt_tokens - self.cached(w) + w.queued_prefill_tokens
 
-    def prefix_cost(self, w: WorkerView) -> float:
+    def prefix_cost(self, w: RouterWorker) -> float:
         return self.prefill_cost(w) + self.cfg.beta * w.running_tokens + self.lora_penalty(w)
 
-    def candidate(self, w: WorkerView, cost: float) -> Candidate:
+    def candidate(self, w: RouterWorker, cost: float) -> Candidate:
         return Candidate(w.worker_id, cost, self.cached(w))
 
-    def decision(self, model: str, policy: str, best: Candidate, note: str = "") -> Decision:
-        return Decision(
+    def decision(self, model: str, policy: str, best: Candidate, note: str = "") -> RouteDecision:
+        return RouteDecision(
             request_id=self.q.request_id,
             model=model,
             worker_id=best.worker_id,

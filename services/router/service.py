@@ -67,9 +67,9 @@ from proto.kvindex import KvApply
 from .policy import (
     POLICIES,
     CascadeConfig,
-    Decision,
     NoCapacity,
     PolicyConfig,
+    RouteDecision,
     RouteQuery,
     Router,
     RouterConfig,
@@ -432,7 +432,7 @@ class RouterService(Service):
                                  "meshserve.cached_tokens": decision.cached_tokens})
         await self.bus.respond(msg, decision.to_placement())
 
-    def _decide(self, query: RouteQuery, exclude: list[str]) -> Decision | NoCapacity:
+    def _decide(self, query: RouteQuery, exclude: list[str]) -> RouteDecision | NoCapacity:
         t0 = time.perf_counter()
         result = self.router.place(query, self.clock(), exclude)
         elapsed = time.perf_counter() - t0
@@ -440,7 +440,7 @@ class RouterService(Service):
         self.decision_s_total += elapsed
         return result
 
-    async def _place(self, route: RouteRequest) -> Decision:
+    async def _place(self, route: RouteRequest) -> RouteDecision:
         request = route.request
         query = RouteQuery.from_generate(
             request, prefer_worker=route.prefer_worker or None, prefer_slack_tokens=route.prefer_slack_tokens
@@ -471,7 +471,7 @@ class RouterService(Service):
             self._count(decision)
             return decision
 
-    async def _forward(self, decision: Decision, request: GenerateRequest) -> None:
+    async def _forward(self, decision: RouteDecision, request: GenerateRequest) -> None:
         """Hand the request to the decision's worker; raises MeshError when it does not take it."""
         forward = request if decision.model == request.model else msgspec.structs.replace(request, model=decision.model)
         s = self.bus.subjects
@@ -485,7 +485,7 @@ class RouterService(Service):
                                        CancelRequest(request_id=request.request_id, reason="router timed out"))
             raise
 
-    def _count(self, d: Decision) -> None:
+    def _count(self, d: RouteDecision) -> None:
         self.placed += 1
         self.placed_by_worker[d.worker_id] = self.placed_by_worker.get(d.worker_id, 0) + 1
         self.prompt_tokens += d.prompt_tokens

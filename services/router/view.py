@@ -8,7 +8,7 @@ cannot make a worker look dead or a gauge look fresh.
 
 Prefix index. Per pool, a ``proto.kvindex.KvIndex`` (block hash → bitmask of worker
 slots, per-worker event sequencing, gap detection, snapshot replay): the shared reading
-of the KV event contract, which admission keeps too. A ``WorkerView`` carries its
+of the KV event contract, which admission keeps too. A ``RouterWorker`` carries its
 worker's ``KvHolder``; a gap makes ``take_resync_requests`` name the worker, the shell
 asks it for a ``KvSnapshot`` and hands it to ``apply_snapshot``.
 """
@@ -24,7 +24,7 @@ from proto.kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvInde
 from proto.messages import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
 from proto.smoothing import ewma
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KvApply", "Pool", "RouterView", "ViewConfig", "WorkerView", "pack_prompt"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "KvApply", "Pool", "RouterView", "RouterWorker", "ViewConfig", "pack_prompt"]
 
 # Pool generations come from one counter so that a pool dropped and re-created never
 # repeats a generation a consumer has cached.
@@ -75,7 +75,7 @@ class _Placement:
 
 
 @dataclass(eq=False, slots=True)
-class WorkerView:
+class RouterWorker:
     """One worker as the router sees it. Policies read it; only ``RouterView`` writes."""
 
     worker_id: str
@@ -167,16 +167,16 @@ class Pool:
     def __init__(self, model: str, config: ViewConfig) -> None:
         self.model = model
         self.config = config
-        self.workers: dict[str, WorkerView] = {}
+        self.workers: dict[str, RouterWorker] = {}
         self.kv = KvIndex(config.kv_config)
-        self._by_slot: list[WorkerView | None] = []  # index slot → worker
+        self._by_slot: list[RouterWorker | None] = []  # index slot → worker
         # Changes when membership changes; consumers (the session ring) rebuild on it.
         self.generation = next(_generations)
 
     def __len__(self) -> int:
         return len(self.workers)
 
-    def __iter__(self) -> Iterator[WorkerView]:
+    def __iter__(self) -> Iterator[RouterWorker]:
         return iter(self.workers.values())
 
     @property
@@ -188,7 +188,7 @@ class Pool:
     def block_sizes(self) -> list[int]:
         return self.kv.block_sizes
 
-    def at(self, slot: int) -> WorkerView:
+    def at(self, slot: int) -> RouterWorker:
         """The worker in ``slot`` (as returned by ``cached_prefix_blocks``)."""
         w = self._by_slot[slot] if slot < len(self._by_slot) else None
         if w is None:
@@ -196,9 +196,9 @@ class Pool:
         return w
 
     # ---- membership ----
-    def _add(self, worker_id: str) -> WorkerView:
+    def _add(self, worker_id: str) -> RouterWorker:
         h = self.kv.add(worker_id)
-        w = WorkerView(worker_id=worker_id, model=self.model, kv=h, slot=h.slot, bit=h.bit)
+        w = RouterWorker(worker_id=worker_id, model=self.model, kv=h, slot=h.slot, bit=h.bit)
         while len(self._by_slot) <= h.slot:
             self._by_slot.append(None)
         self._by_slot[h.slot] = w
@@ -206,14 +206,14 @@ class Pool:
         self.generation = next(_generations)
         return w
 
-    def _remove(self, w: WorkerView) -> None:
+    def _remove(self, w: RouterWorker) -> None:
         self.kv.remove(w.worker_id)
         self._by_slot[w.slot] = None
         del self.workers[w.worker_id]
         self.generation = next(_generations)
 
     # ---- queries ----
-    def mask_of(self, workers: Iterable[WorkerView]) -> int:
+    def mask_of(self, workers: Iterable[RouterWorker]) -> int:
         m = 0
         for w in workers:
             m |= w.bit
@@ -238,30 +238,30 @@ class RouterView:
         # "empty" (retry later), not "unknown".
         self.models_seen: set[str] = set()
         self._where: dict[str, Pool] = {}  # worker id → its pool
-        self._placement_owner: dict[str, WorkerView] = {}  # request id → worker
+        self._placement_owner: dict[str, RouterWorker] = {}  # request id → worker
 
     # ---- lookups ----
     def pool(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def worker(self, worker_id: str) -> WorkerView | None:
+    def worker(self, worker_id: str) -> RouterWorker | None:
         pool = self._where.get(worker_id)
         return pool.workers.get(worker_id) if pool is not None else None
 
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self._where
 
-    def is_live(self, w: WorkerView, now: float) -> bool:
+    def is_live(self, w: RouterWorker, now: float) -> bool:
         return now - w.last_seen <= self.config.stale_after_s
 
-    def placeable(self, w: WorkerView, now: float) -> bool:
+    def placeable(self, w: RouterWorker, now: float) -> bool:
         """Ready, not draining, not expired: the only workers a policy may choose."""
         return w.ready and self.is_live(w, now)
 
-    def placeable_in(self, pool: Pool, now: float, exclude: Collection[str] = ()) -> list[WorkerView]:
+    def placeable_in(self, pool: Pool, now: float, exclude: Collection[str] = ()) -> list[RouterWorker]:
         """``placeable`` workers of ``pool`` not in ``exclude``, in pool order (inlined: hot)."""
         horizon = now - self.config.stale_after_s
-        out: list[WorkerView] = []
+        out: list[RouterWorker] = []
         for w in pool.workers.values():
             info = w.info
             if info is None or info.state != "ready" or w.last_seen < horizon:
@@ -272,7 +272,7 @@ class RouterView:
             out.append(w)
         return out
 
-    def _ensure(self, worker_id: str, model: str) -> tuple[Pool, WorkerView]:
+    def _ensure(self, worker_id: str, model: str) -> tuple[Pool, RouterWorker]:
         pool = self._where.get(worker_id)
         if pool is not None and pool.model != model:
             # A worker id reused for another model: start it over in the right pool.
@@ -288,7 +288,7 @@ class RouterView:
         return pool, pool.workers[worker_id]
 
     # ---- registry ----
-    def update_worker(self, info: WorkerInfo, now: float) -> WorkerView:
+    def update_worker(self, info: WorkerInfo, now: float) -> RouterWorker:
         """A registry put (new worker or heartbeat)."""
         pool, w = self._ensure(info.worker_id, info.model)
         if w.info is not None and info.started_at and w.info.started_at != info.started_at:
@@ -319,7 +319,7 @@ class RouterView:
             self.remove_worker(wid)
         return dead
 
-    def _reset_worker(self, pool: Pool, w: WorkerView) -> None:
+    def _reset_worker(self, pool: Pool, w: RouterWorker) -> None:
         pool.kv.reset(w.kv)
         w.gauge = None
         w.load_avg = None
@@ -373,7 +373,7 @@ class RouterView:
         w.opt_running_tokens -= p.total_tokens
         return True
 
-    def _age_out(self, w: WorkerView, now: float) -> None:
+    def _age_out(self, w: RouterWorker, now: float) -> None:
         cutoff = now - self.config.placement_max_age_s
         n = 0
         for p in w.placements.values():
@@ -382,7 +382,7 @@ class RouterView:
             n += 1
         self._drop_placements(w, n)
 
-    def _drop_placements(self, w: WorkerView, n: int) -> None:
+    def _drop_placements(self, w: RouterWorker, n: int) -> None:
         """Drop the ``n`` oldest optimistic placements of ``w``."""
         if n <= 0:
             return

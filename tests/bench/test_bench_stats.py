@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ops.bench.results import RequestRecord, SLOSpec
+from ops.bench.results import RequestResult, SLOSpec
 from ops.bench.stats import (
     client_health,
     dist,
@@ -21,8 +21,8 @@ from ops.bench.stream import tpot
 
 def rec(i: int, status: str = "ok", ttft: float | None = 0.5, e2e: float | None = 1.0, out: int = 10,
         sent: float = 0.0, itl: list[float] | None = None, max_tokens: int = 10,
-        prompt: int | None = None) -> RequestRecord:
-    r = RequestRecord(index=i, session=i, turn=0, scheduled_s=sent, sent_s=sent, status=status,
+        prompt: int | None = None) -> RequestResult:
+    r = RequestResult(index=i, session=i, turn=0, scheduled_s=sent, sent_s=sent, status=status,
                       input_tokens=100, prompt_tokens=prompt, max_tokens=max_tokens, output_tokens=out,
                       ttft_s=ttft, e2e_s=e2e, itl_s=itl or [])
     if status == "ok" and ttft is not None and e2e is not None:

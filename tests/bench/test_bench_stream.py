@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.bench.results import RequestRecord
+from ops.bench.results import RequestResult
 from ops.bench.stream import SSEParser, StreamAccumulator, error_message
 
 
@@ -41,8 +41,8 @@ def byte_count(text: str) -> int:
     return len(text.encode())
 
 
-def fill(acc: StreamAccumulator) -> RequestRecord:
-    return acc.fill(RequestRecord(index=0, session=0, turn=0, scheduled_s=0.0))
+def fill(acc: StreamAccumulator) -> RequestResult:
+    return acc.fill(RequestResult(index=0, session=0, turn=0, scheduled_s=0.0))
 
 
 def test_accumulator_timings() -> None:

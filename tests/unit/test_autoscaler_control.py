@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from proto.messages import WorkerGauge
 from services.autoscaler.control import (
     CapacityEstimate,
-    Decision,
     PoolController,
     PoolObservation,
     PoolPolicy,
+    ScaleDecision,
     ScheduleWindow,
     choose_drain_victim,
     update_capacity,
@@ -105,7 +105,7 @@ class Fleet:
         pending_requests = pending if not live else 0
         return PoolObservation(gauges=gauges, starting=len(self.starting), pending_requests=pending_requests)
 
-    def apply(self, d: Decision, now: float) -> None:
+    def apply(self, d: ScaleDecision, now: float) -> None:
         if d.action == "scale_up":
             self.starting += [now + self.start_s] * d.count
         elif d.action == "scale_down":
@@ -118,7 +118,7 @@ class Fleet:
         return len(self.ready) + len(self.starting)
 
 
-def run(ctl: PoolController, fleet: Fleet, now: float, load: int, pending: int = 0) -> Decision:
+def run(ctl: PoolController, fleet: Fleet, now: float, load: int, pending: int = 0) -> ScaleDecision:
     d = ctl.decide(fleet.observe(now, load, pending), now)
     fleet.apply(d, now)
     return d

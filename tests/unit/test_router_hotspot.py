@@ -17,7 +17,7 @@ import pytest
 
 from proto.hashing import block_hashes
 from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
-from services.router.policy import Decision, PolicyConfig, RouteQuery, Router, RouterConfig
+from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.router.view import RouterView
 
 MODEL = "m"
@@ -79,7 +79,7 @@ def simulate(
             prompt = SYSTEM + [rng.randrange(50_000) for _ in range(rng.randrange(64, 192))]
             out = 128
             d = router.place(RouteQuery.of(f"r{next_id}", MODEL, prompt, max_tokens=out), t)
-            assert isinstance(d, Decision)
+            assert isinstance(d, RouteDecision)
             w = workers[d.worker_id]
             # the engine's real prefix hit: what it has really cached, not the router's guess
             cached = BLOCK * _leading(view, d.worker_id, prompt)

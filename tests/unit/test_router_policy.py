@@ -12,9 +12,9 @@ from proto.hashing import block_hashes, pack_tokens
 from proto.messages import BlockStored, GenerateRequest, KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
 from services.router.policy import (
     CascadeConfig,
-    Decision,
     NoCapacity,
     PolicyConfig,
+    RouteDecision,
     RouteQuery,
     Router,
     RouterConfig,
@@ -97,8 +97,8 @@ def router(v: RouterView, policy: str = "prefix", seed: int = 0, **kw: object) -
     return Router(v, cfg, random.Random(seed))
 
 
-def decided(result: Decision | NoCapacity) -> Decision:
-    assert isinstance(result, Decision), result
+def decided(result: RouteDecision | NoCapacity) -> RouteDecision:
+    assert isinstance(result, RouteDecision), result
     return result
 
 

@@ -29,11 +29,9 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 
-from proto.messages import KvEvent, SamplingParams, Timings
-
-FinishReason = Literal["stop", "length", "abort", "error"]
+from proto.messages import FinishReason, KvEvent, SamplingParams, Timings
 
 # Engines the factory can build; ``vllm`` is imported only when asked for, because it
 # pulls in torch and CUDA, which laptops and CI do not have.
