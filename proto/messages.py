@@ -414,6 +414,8 @@ MESSAGE_TYPES: tuple[type[Struct], ...] = (
     ControlCommand,
     ControlReply,
     CancelRequest,
+    RequestProbe,
+    RequestProbeReply,
     ApiKeyRecord,
     RequestRecord,
 )

@@ -75,13 +75,19 @@ async def _run(mesh: Mesh) -> None:
             for data, _ in payloads():
                 await nc.publish(subject, data)
         await nc.flush()
-        await asyncio.sleep(1.0)
 
-        # Every service still answers, and counted what it dropped.
-        stats = await _stats(nc)
+        # Every service still answers, and counted what it dropped: the worker its gauges
+        # and KV events, metering the usage events (it reads USAGE in batches: wait for it).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30.0
+        while True:
+            stats = await _stats(nc)
+            counted = {s["name"]: max((e.get("data") or {}).get("decode_errors", 0) for e in s["endpoints"]) for s in stats}
+            if (counted.get("meshserve-worker", 0) > 0 and counted.get("meshserve-metering", 0) > 0) or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.5)
         assert {s["name"] for s in stats} >= {s["name"] for s in infos}
-        counted = {s["name"]: max((e.get("data") or {}).get("decode_errors", 0) for e in s["endpoints"]) for s in stats}
-        assert counted["meshserve-worker"] > 0 and counted["meshserve-metering"] >= 0
+        assert counted["meshserve-worker"] > 0 and counted["meshserve-metering"] > 0, counted
 
         # And the mesh still serves a real request.
         body = {"model": MODEL, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 5}
