@@ -627,7 +627,9 @@ class GatewayService(Service):
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _error_response(ApiError(exc.status, exc.reason, "invalid_request_error" if exc.status < 500 else "server_error"))
+            # aiohttp's own text says what was wrong (e.g. a plain GET on /v1/ws); its default is "400: Bad Request".
+            detail = " ".join((exc.text or exc.reason).split())
+            return _error_response(ApiError(exc.status, detail, "invalid_request_error" if exc.status < 500 else "server_error"))
         except Exception:
             log.exception("unhandled error on %s", request.path)
             return _error_response(ApiError(500, "internal error", "server_error", None, "internal"))

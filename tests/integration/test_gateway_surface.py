@@ -86,6 +86,12 @@ async def test_wrong_method_is_an_openai_405(gateway: GatewayService) -> None:
     assert body["error"]["code"] == "method_not_allowed" and headers["Allow"] == "POST"
 
 
+async def test_plain_get_on_the_websocket_path_is_an_openai_400(gateway: GatewayService) -> None:
+    status, content_type, body, _ = await _get(f"{gateway.http_url}/v1/ws")
+    assert (status, content_type) == (400, "application/json")
+    assert "WebSocket" in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+
+
 async def test_stock_client_sees_not_found_errors_and_model_objects(gateway: GatewayService, key: str) -> None:
     client = openai.AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key=key, max_retries=0)
     with pytest.raises(openai.NotFoundError) as embeddings:
