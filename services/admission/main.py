@@ -18,29 +18,38 @@ from __future__ import annotations
 import argparse
 
 from bus import run_service
+from bus.config import default_of, given
+
+from .buckets import LimiterConfig
+from .service import AdmissionConfig, load_config
+
+# option dest → config key (``parse_config``'s overrides: LimiterConfig's burst and
+# reservation TTL, AdmissionConfig's fields)
+_OPTIONS = {"burst": "burst_s", "reservation_ttl": "reservation_ttl_s", "lease_ttl": "lease_ttl_s",
+            "metrics_port": "metrics_port", "metrics_host": "metrics_host"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Defaults come from the config (None here: not given); the help quotes them.
     parser.add_argument("--config", default=None, help="JSON or TOML file: tiers, burst, reservation TTL, SLO model")
     parser.add_argument("--burst", type=float, default=None,
-                        help="seconds of a key's per-minute budget it may spend at once (default 60: one minute)")
+                        help="seconds of a key's per-minute budget it may spend at once "
+                             f"(default {default_of(LimiterConfig, 'burst_s'):g})")
     parser.add_argument("--reservation-ttl", type=float, default=None,
-                        help="seconds before a reservation with no usage event is charged in full (default 900)")
+                        help="seconds before a reservation with no usage event is charged in full "
+                             f"(default {default_of(LimiterConfig, 'reservation_ttl_s'):g})")
     parser.add_argument("--lease-ttl", type=float, default=None,
-                        help="seconds a dead leader's lease outlives it before a standby takes over (default 3)")
+                        help="seconds a dead leader's lease outlives it before a standby takes over "
+                             f"(default {default_of(AdmissionConfig, 'lease_ttl_s'):g}); renewed every third of it")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
-    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-host", default=None,
+                        help=f"address of /metrics (default {default_of(AdmissionConfig, 'metrics_host')})")
 
 
-def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from .service import load_config
-
-    overrides = {
-        "burst_s": args.burst, "reservation_ttl_s": args.reservation_ttl, "lease_ttl_s": args.lease_ttl,
-        "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
-    }
-    if args.lease_ttl is not None:
-        overrides["lease_renew_s"] = args.lease_ttl / 3
+def build_config(args: argparse.Namespace) -> AdmissionConfig:
+    overrides = given(args, _OPTIONS)
+    if "lease_ttl_s" in overrides:
+        overrides["lease_renew_s"] = overrides["lease_ttl_s"] / 3
     try:
         return load_config(args.config, **overrides)
     except (OSError, ValueError) as exc:

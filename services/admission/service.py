@@ -47,12 +47,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +70,7 @@ from prometheus_client import (
 )
 
 from bus import BusSettings, Service
+from bus.config import build, checked, read_file
 from bus.metrics import MetricsServer
 from bus.provision import ensure_kv
 from bus.registry import WorkerRegistry
@@ -131,15 +130,7 @@ _SECTIONS = {"tiers", "default_tier", "limits", "slo", "replicas", "service"}
 
 def load_config(path: str | Path | None, **overrides: Any) -> AdmissionConfig:
     """An ``AdmissionConfig`` from a JSON or TOML (``.toml``) file, and CLI overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        text = p.read_text()
-        try:
-            raw = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"{p}: {exc}") from exc
-    return parse_config(raw, **overrides)
+    return parse_config(read_file(path), **overrides)
 
 
 def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
@@ -160,52 +151,37 @@ def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
         [replicas]                 # BookConfig: gauge_stale_s, settle_s, pending_max_age_s
         [service]                  # lease_ttl_s, lease_renew_s, checkpoint_interval_s, ...
 
-    ``overrides`` (from the CLI) win over the file; None values are ignored. Keys:
-    ``burst_s``, ``reservation_ttl_s`` (limiter), and any ``AdmissionConfig`` field.
+    ``overrides`` (from the CLI) win over the file. Keys: ``burst_s``,
+    ``reservation_ttl_s`` (limiter), and any ``AdmissionConfig`` field.
     """
     unknown = set(raw) - _SECTIONS
     if unknown:
         raise ValueError(f"unknown admission config sections {sorted(unknown)}; expected {sorted(_SECTIONS)}")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    limits = dict(raw.get("limits") or {})
+    limits = checked(LimiterConfig, raw.get("limits") or {}, "limits")
     for key in ("burst_s", "reservation_ttl_s"):
         if key in overrides:
             limits[key] = overrides.pop(key)
-    slo = dict(raw.get("slo") or {})
+    slo = checked(SloConfig, raw.get("slo") or {}, "slo")
     if raw.get("tiers"):
         tiers = raw["tiers"]
         items = tiers.items() if isinstance(tiers, Mapping) else ((t.get("name"), t) for t in tiers)
         slo["tiers"] = tuple(
-            _build(TierSLO, {**{k: v for k, v in spec.items() if k != "name"}, "name": name}, f"tiers.{name}")
+            build(TierSLO, {**{k: v for k, v in spec.items() if k != "name"}, "name": name}, f"tiers.{name}")
             for name, spec in items
         )
     if "default_tier" in raw:
         slo["default_tier"] = raw["default_tier"]
-    service = _checked(AdmissionConfig, dict(raw.get("service") or {}), "service")
+    service = checked(AdmissionConfig, raw.get("service") or {}, "service")
     for nested in ("limiter", "slo", "book"):
         if nested in service:
             raise ValueError(f"service.{nested} is not a setting: use its own section")
     service.update(overrides)
-    return AdmissionConfig(
-        limiter=_build(LimiterConfig, limits, "limits"),
-        slo=_build(SloConfig, slo, "slo"),
-        book=_build(BookConfig, dict(raw.get("replicas") or {}), "replicas"),
+    return build(AdmissionConfig, {
+        "limiter": build(LimiterConfig, limits, "limits"),
+        "slo": build(SloConfig, slo, "slo"),
+        "book": build(BookConfig, raw.get("replicas") or {}, "replicas"),
         **service,
-    )
-
-
-def _checked(kind: type[Any], spec: dict[str, Any], where: str) -> dict[str, Any]:
-    unknown = set(spec) - {f.name for f in fields(kind)}
-    if unknown:
-        raise ValueError(f"{where}: unknown settings {sorted(unknown)}")
-    return spec
-
-
-def _build(kind: type[Any], spec: dict[str, Any], where: str) -> Any:
-    try:
-        return kind(**_checked(kind, spec, where))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from exc
+    }, "service")
 
 
 # ============================================================================ buckets

@@ -3,7 +3,7 @@
 ``meshserve serve router [--policy prefix] [--config FILE] [--metrics-port N]``. Several
 routers may run (one queue group); each builds the same view from the workers' events.
 ``--config`` (JSON, or TOML when it ends in ``.toml``) sets per-model policies, aliases
-and cascades; see ``services.router.service.parse_config`` for the schema::
+and cascades; see ``services.router.config.parse_config`` for the schema::
 
     {"policy": "prefix", "default": {"beta": 0.5, "d": 2},
      "models": {"meta-llama/Llama-3.1-8B-Instruct": "session"},
@@ -17,29 +17,34 @@ from __future__ import annotations
 import argparse
 
 from bus import run_service
+from bus.config import default_of, given
 
-from .policy import POLICIES
+from .config import RouterServiceConfig, load_config
+from .policy import POLICIES, PolicyConfig
+
+# option dest → RouterServiceConfig field
+_OPTIONS = {"forward_timeout": "forward_timeout_s", "seed": "seed", "metrics_port": "metrics_port",
+            "metrics_host": "metrics_host"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Defaults come from the config (None here: not given); the help quotes them.
     parser.add_argument("--policy", choices=POLICIES, default=None,
-                        help="default policy for models the config does not name (default: the config's, else prefix)")
+                        help="default policy for models the config does not name "
+                             f"(default: the config's, else {default_of(PolicyConfig, 'policy')})")
     parser.add_argument("--config", default=None, help="JSON or TOML file: per-model policies, aliases, cascades")
     parser.add_argument("--forward-timeout", type=float, default=None,
-                        help="seconds a worker gets to accept a request before the next one is tried (default 2)")
+                        help="seconds a worker gets to accept a request before the next one is tried "
+                             f"(default {default_of(RouterServiceConfig, 'forward_timeout_s'):g})")
     parser.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and candidate sampling")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
-    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--metrics-host", default=None,
+                        help=f"address of /metrics (default {default_of(RouterServiceConfig, 'metrics_host')})")
 
 
-def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from .service import load_config
-
+def build_config(args: argparse.Namespace) -> RouterServiceConfig:
     try:
-        return load_config(
-            args.config, policy=args.policy, forward_timeout_s=args.forward_timeout, seed=args.seed,
-            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-        )
+        return load_config(args.config, policy=args.policy, **given(args, _OPTIONS))
     except (OSError, ValueError) as exc:
         raise SystemExit(f"router config: {exc}") from exc
 

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
-import tomllib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -64,128 +61,19 @@ from proto import (
 )
 from proto.kvindex import KvApply
 
+from .config import RouterServiceConfig
 from .policy import (
     POLICIES,
-    CascadeConfig,
     NoCapacity,
-    PolicyConfig,
     RouteDecision,
     RouteQuery,
     Router,
-    RouterConfig,
 )
 from .retry import Refusal, after_refusal, is_refusal, no_worker
-from .view import RouterView, ViewConfig
+from .view import RouterView
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.router")
-
-
-@dataclass(frozen=True)
-class RouterServiceConfig:
-    router: RouterConfig = field(default_factory=RouterConfig)
-    view: ViewConfig = field(default_factory=ViewConfig)
-    # The worker answers a generate at once (before the first token): a slow answer means
-    # a sick worker. Two attempts must fit in the gateway's route timeout (5 s).
-    forward_timeout_s: float = 2.0
-    snapshot_timeout_s: float = 2.0
-    resync_retry_s: float = 2.0  # ask again when a snapshot has not come by then
-    maintenance_interval_s: float = 0.5  # expiry and resync requests
-    seed: int | None = None  # tie-breaking and candidate sampling (None: random)
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None
-
-
-# ============================================================================ config file
-
-
-def load_config(path: str | Path | None, *, policy: str | None = None, **overrides: Any) -> RouterServiceConfig:
-    """A ``RouterServiceConfig`` from a JSON or TOML (``.toml``) file, and CLI overrides.
-
-    ``policy`` (the CLI's ``--policy``) replaces the file's default policy name.
-    """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        text = p.read_text()
-        try:
-            raw = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"{p}: {exc}") from exc
-    return parse_config(raw, policy=policy, **overrides)
-
-
-_CONFIG_KEYS = {"policy", "default", "models", "aliases", "cascades", "view", "service"}
-
-
-def parse_config(raw: Mapping[str, Any], *, policy: str | None = None, **overrides: Any) -> RouterServiceConfig:
-    """The file's schema (every section optional)::
-
-        policy = "prefix"                      # default policy name
-        [default]                              # PolicyConfig fields for every model
-        beta = 0.5
-        d = 2
-        [models."meta-llama/Llama-3.1-8B-Instruct"]   # a policy name or PolicyConfig fields
-        policy = "session"
-        [aliases]
-        llama = "meta-llama/Llama-3.1-8B-Instruct"
-        [cascades.auto]                        # CascadeConfig fields
-        small = "llama-8b"
-        large = "llama-70b"
-        max_prompt_tokens = 1024
-        hard_keywords = ["prove", "step by step"]
-        [view]                                 # ViewConfig fields
-        stale_after_s = 15
-        [service]                              # RouterServiceConfig timing fields
-        forward_timeout_s = 2.0
-    """
-    unknown = set(raw) - _CONFIG_KEYS
-    if unknown:
-        raise ValueError(f"unknown router config sections {sorted(unknown)}; expected {sorted(_CONFIG_KEYS)}")
-    base = dict(raw.get("default") or {})
-    if "policy" in raw:
-        base["policy"] = raw["policy"]
-    if policy is not None:
-        base["policy"] = policy
-    default = _struct(PolicyConfig, base, "default")
-    models: dict[str, PolicyConfig] = {}
-    for model, spec in (raw.get("models") or {}).items():
-        spec = {"policy": spec} if isinstance(spec, str) else dict(spec)
-        models[model] = replace(default, **_checked(PolicyConfig, spec, f"models.{model}"))
-    cascades: dict[str, CascadeConfig] = {}
-    for name, spec in (raw.get("cascades") or {}).items():
-        spec = dict(spec)
-        for key in ("hard_keywords",):
-            if key in spec:
-                spec[key] = tuple(spec[key])
-        if "hard_keyword_tokens" in spec:
-            spec["hard_keyword_tokens"] = tuple(tuple(int(t) for t in seq) for seq in spec["hard_keyword_tokens"])
-        cascades[name] = _struct(CascadeConfig, spec, f"cascades.{name}")
-    aliases = {str(k): str(v) for k, v in (raw.get("aliases") or {}).items()}
-    view = _struct(ViewConfig, dict(raw.get("view") or {}), "view")
-    service = _checked(RouterServiceConfig, dict(raw.get("service") or {}), "service")
-    for bad in ("router", "view"):
-        if bad in service:
-            raise ValueError(f"service.{bad} is not a setting; use the [{bad if bad == 'view' else 'default'}] section")
-    service.update({k: v for k, v in overrides.items() if v is not None})
-    return RouterServiceConfig(
-        router=RouterConfig(default=default, models=models, aliases=aliases, cascades=cascades), view=view, **service
-    )
-
-
-def _checked(kind: type[Any], spec: dict[str, Any], where: str) -> dict[str, Any]:
-    names = {f.name for f in fields(kind)}
-    unknown = set(spec) - names
-    if unknown:
-        raise ValueError(f"{where}: unknown settings {sorted(unknown)}")
-    return spec
-
-
-def _struct(kind: type[Any], spec: dict[str, Any], where: str) -> Any:
-    try:
-        return kind(**_checked(kind, spec, where))
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc}") from exc
 
 
 # ============================================================================ metrics
@@ -500,5 +388,5 @@ class RouterService(Service):
             self.rebalanced += 1
             self.metrics.rebalanced.labels(model=d.model).inc()
 
-    # ---- metrics endpoint -------------------------------------------------------------
-__all__ = ["POLICIES", "RouterMetrics", "RouterService", "RouterServiceConfig", "load_config", "parse_config"]
+
+__all__ = ["POLICIES", "RouterMetrics", "RouterService", "RouterServiceConfig"]

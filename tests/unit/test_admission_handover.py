@@ -9,7 +9,7 @@ import pytest
 
 from services.admission.buckets import Limiter, LimiterConfig, Limits
 from services.admission.main import add_arguments, build_config
-from services.admission.service import Checkpoint, load_config, parse_config
+from services.admission.service import AdmissionConfig, Checkpoint, load_config, parse_config
 
 LIMITS = Limits(rpm=100, tpm=1000, org_tpm=5000)
 
@@ -76,6 +76,7 @@ def test_config_file_tiers_and_overrides(tmp_path: Path) -> None:
         {"limits": {"burst": 5}},
         {"service": {"lease_ttl_s": 1, "lease_renew_s": 1}},  # renewed less than twice per TTL
         {"slo": {"headroom": 2}},
+        {"replicas": 5},  # a section that is not a table
     ],
 )
 def test_bad_configs_are_refused(raw: dict[str, object]) -> None:
@@ -91,3 +92,8 @@ def test_cli_arguments() -> None:
     cfg = build_config(parser.parse_args(["--burst", "30", "--reservation-ttl", "120", "--lease-ttl", "6"]))
     assert cfg.limiter.burst_s == 30 and cfg.limiter.reservation_ttl_s == 120
     assert cfg.lease_ttl_s == 6 and cfg.lease_renew_s == 2
+    # options not given leave the dataclasses' defaults
+    cfg = build_config(parser.parse_args([]))
+    defaults = AdmissionConfig()
+    assert (cfg.limiter, cfg.lease_ttl_s, cfg.lease_renew_s, cfg.metrics_host) == (
+        defaults.limiter, defaults.lease_ttl_s, defaults.lease_renew_s, defaults.metrics_host)

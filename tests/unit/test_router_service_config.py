@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from services.router.config import RouterServiceConfig, load_config, parse_config
 from services.router.main import add_arguments, build_config
-from services.router.service import load_config, parse_config
 
 TOML = """
 policy = "least_load"
@@ -71,6 +71,8 @@ def test_no_file_defaults_to_prefix() -> None:
         {"cascades": {"c": {"small": "a"}}},  # large missing
         {"view": {"stale": 1}},
         {"service": {"router": {}}},
+        {"view": 5},  # a section that is not a table
+        {"models": {"m": {"d": 0}}},  # a model's invalid setting
     ],
 )
 def test_bad_configs_are_refused_with_a_message(raw: dict[str, object]) -> None:
@@ -86,6 +88,14 @@ def test_cli_arguments(tmp_path: Path) -> None:
     args = parser.parse_args(["--policy", "round_robin", "--metrics-port", "0", "--forward-timeout", "0.5"])
     cfg = build_config(args)
     assert cfg.router.default.policy == "round_robin" and cfg.metrics_port == 0 and cfg.forward_timeout_s == 0.5
+    # options not given leave the config's defaults (the file's, else the dataclass's)
+    defaults = RouterServiceConfig()
+    cfg = build_config(parser.parse_args([]))
+    assert (cfg.forward_timeout_s, cfg.metrics_host, cfg.seed) == (defaults.forward_timeout_s, defaults.metrics_host, None)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="expected an object of sections"):
+        build_config(parser.parse_args(["--config", str(listed)]))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(SystemExit):
