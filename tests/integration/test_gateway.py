@@ -318,8 +318,9 @@ def test_chat_page_streams_a_reply_in_headless_chromium(mesh: Mesh, tmp_path: Pa
             page = browser.new_page()
             page.goto(mesh.gateway_url + "/")
             page.wait_for_selector("#key-panel:not([hidden])")  # it opens asking for the key
-            page.fill("#api-key", mesh.dev_key)
-            page.click("#save-key")
+            # served by meshserve up's mesh on loopback, it offers the development key
+            page.wait_for_selector("#use-dev-key:not([hidden])", timeout=15_000)
+            page.click("#use-dev-key")
             page.wait_for_function("document.querySelector('#model') && document.querySelector('#model').options.length > 0")
             page.fill("#prompt", "Hello from a browser")
             page.click("#send")
