@@ -32,11 +32,11 @@ class AdmissionPolicy:
     def __init__(self, limiter: Limiter | None = None, slo: SloAdmitter | None = None) -> None:
         self.limiter = limiter or Limiter()
         self.slo = slo or SloAdmitter()
-        # request id → (tier, raw predicted TTFT, calibrated prediction, admitted at): the
-        # calibration's inputs, and what the decision used
-        self.predictions: dict[str, tuple[str, float, float, float]] = {}
-        # (tier, calibrated prediction, actual TTFT) of recent admitted requests
-        self.outcomes: deque[tuple[str, float, float]] = deque(maxlen=self.error_log_size)
+        # request id → (tier, raw predicted TTFT, onto an empty queue, calibrated prediction,
+        # admitted at): the calibration's inputs, and what the decision used
+        self.predictions: dict[str, tuple[str, float, bool, float, float]] = {}
+        # (tier, calibrated prediction, raw prediction, actual TTFT) of recent admitted requests
+        self.outcomes: deque[tuple[str, float, float, float]] = deque(maxlen=self.error_log_size)
 
     def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
         """``replicas``: the request's pool, with ``cached_tokens`` set when known."""
@@ -73,7 +73,8 @@ class AdmissionPolicy:
         self.slo.record_admitted(req.tier, max(req.prompt_tokens - cached, 0), now)
         if verdict.raw_predicted_ttft is not None:
             predicted = verdict.predicted_ttft if verdict.predicted_ttft is not None else verdict.raw_predicted_ttft
-            self.predictions[req.request_id] = (verdict.tier, verdict.raw_predicted_ttft, predicted, now)
+            self.predictions[req.request_id] = (verdict.tier, verdict.raw_predicted_ttft, verdict.queue_free,
+                                                predicted, now)
         return AdmissionDecision(
             request_id=req.request_id,
             admitted=True,
@@ -105,28 +106,27 @@ class AdmissionPolicy:
         predicted = self.predictions.pop(request_id, None)
         if predicted is None:
             return False
-        tier, raw, calibrated, _ = predicted
-        self.slo.observe(tier, raw, ttft_s)
-        self.outcomes.append((tier, calibrated, ttft_s))
+        tier, raw, queue_free, calibrated, _ = predicted
+        self.slo.observe(tier, raw, ttft_s, queue_free)
+        self.outcomes.append((tier, calibrated, raw, ttft_s))
         return True
 
     def prediction_errors(self) -> dict[str, dict[str, float]]:
         """Per tier, the recent admitted requests' predicted / actual TTFT: count,
         p1/p10/p50/p90/p99 (nearest rank), and the shares off by more than 2× either way
-        (``over_2x``: predicted more than twice the actual, ``under_2x``: under half)."""
-        by_tier: dict[str, list[float]] = {}
-        for tier, predicted, actual in self.outcomes:
+        (``over_2x``: predicted more than twice the actual, ``under_2x``: under half).
+        The prediction is the calibrated one the decision used (a tail bound under load);
+        ``raw_*`` are the same figures for the formula alone (a mean)."""
+        decided: dict[str, list[float]] = {}
+        formula: dict[str, list[float]] = {}
+        for tier, predicted, raw, actual in self.outcomes:
             if actual > 0:
-                by_tier.setdefault(tier, []).append(predicted / actual)
+                decided.setdefault(tier, []).append(predicted / actual)
+                formula.setdefault(tier, []).append(raw / actual)
         out: dict[str, dict[str, float]] = {}
-        for tier, ratios in by_tier.items():
-            ratios.sort()
-            row = {"n": float(len(ratios))}
-            for q in (1, 10, 50, 90, 99):
-                row[f"p{q}"] = ratios[min(int(q / 100 * len(ratios)), len(ratios) - 1)]
-            row["over_2x"] = sum(1 for r in ratios if r > 2) / len(ratios)
-            row["under_2x"] = sum(1 for r in ratios if r < 0.5) / len(ratios)
-            out[tier] = row
+        for tier in decided:
+            out[tier] = {"n": float(len(decided[tier])), **_spread(decided[tier]),
+                         **{f"raw_{k}": v for k, v in _spread(formula[tier]).items()}}
         return out
 
     def expire(self, now: float) -> list[str]:
@@ -134,3 +134,11 @@ class AdmissionPolicy:
         for rid in [rid for rid, (*_, at) in self.predictions.items() if at < cutoff]:
             del self.predictions[rid]
         return self.limiter.expire(now)
+
+
+def _spread(ratios: list[float]) -> dict[str, float]:
+    ranked = sorted(ratios)
+    row = {f"p{q}": ranked[min(int(q / 100 * len(ranked)), len(ranked) - 1)] for q in (1, 10, 50, 90, 99)}
+    row["over_2x"] = sum(1 for r in ranked if r > 2) / len(ranked)
+    row["under_2x"] = sum(1 for r in ranked if r < 0.5) / len(ranked)
+    return row

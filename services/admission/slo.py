@@ -70,11 +70,15 @@ prediction, queue included, until an idle mesh refused premium requests. Raised 
 floor it reads 1 (right, as far as the SLO cares), while a miss from a small prediction
 (50 ms predicted, 2 s seen) still counts in full, against the floor.
 
-That latency outside the engine is learnt instead, as an additive ``overhead``: the
-median of actual − formula over the recent requests predicted below their floor (light
-load, where the formula's queue term is near zero), at most the tightest tier's floor.
-Every prediction is ``(formula + overhead) × factor``: a cached prompt's 7 ms of engine
-time is predicted as the 20 ms the gateway sees, not as a third of it.
+That latency outside the engine is learnt instead, as an additive ``overhead``: a low
+quantile (``overhead_quantile``, 0.1) of actual − formula over the recent requests
+admitted onto an empty queue with a prediction below their floor, at most the tightest
+tier's floor. There the formula has nothing left to get wrong but the prompt's own
+prefill; what such a request meets besides (a step already under way, a burst of
+higher-priority arrivals, a router placing it elsewhere within its slack) only ever adds
+time, so a low quantile is the mesh's own latency and the median is not (under overload
+the median read 0.6 s). Every prediction is ``(formula + overhead) × factor``: a cached
+prompt's 7 ms of engine time is predicted as the ~15 ms the gateway sees, not as half.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class SloConfig:
     # Fraction of the tier's SLO below which predicted and actual TTFT count as equal.
     calibration_floor: float = 0.25
     overhead_min_samples: int = 10  # light-load outcomes before the overhead is used
+    overhead_quantile: float = 0.1
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -143,6 +148,8 @@ class SloConfig:
             raise ValueError("calibration_quantile must be in (0, 1) and calibration_window ≥ 1")
         if not 0 <= self.calibration_floor < 1 or self.overhead_min_samples < 1:
             raise ValueError("calibration_floor must be in [0, 1) and overhead_min_samples ≥ 1")
+        if not 0 <= self.overhead_quantile < 1:
+            raise ValueError("overhead_quantile must be in [0, 1)")
         lo, hi = self.calibration_bounds
         if not 0 < lo <= 1 <= hi:
             raise ValueError("calibration_bounds must be (lo, hi) with 0 < lo ≤ 1 ≤ hi")
@@ -186,6 +193,7 @@ class SloVerdict:
     slack_tokens: int = 0
     # The formula alone, before overhead and calibration: what outcomes are compared with.
     raw_predicted_ttft: float | None = None
+    queue_free: bool = False  # admitted onto a replica with nothing queued (teaches the overhead)
 
 
 class TierMix:
@@ -238,31 +246,35 @@ class Calibration:
     the whole mesh, the latency the formula leaves out (``overhead``)."""
 
     __slots__ = ("_factor", "_overhead", "bounds", "max_overhead_s", "min_samples", "overhead_min_samples",
-                 "quantile", "ratios", "residuals")
+                 "overhead_quantile", "quantile", "ratios", "residuals")
 
     def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float],
-                 overhead_min_samples: int = 10, max_overhead_s: float = math.inf) -> None:
+                 overhead_min_samples: int = 10, max_overhead_s: float = math.inf,
+                 overhead_quantile: float = 0.1) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.bounds = bounds
         self.overhead_min_samples = overhead_min_samples
         self.max_overhead_s = max_overhead_s
+        self.overhead_quantile = overhead_quantile
         self.ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
         self.residuals: deque[float] = deque(maxlen=window)  # actual − formula, light load
         self._factor: dict[str, float] = {}
         self._overhead = 0.0
 
-    def observe(self, tier: str, predicted_s: float, actual_s: float, floor_s: float = 0.0) -> None:
+    def observe(self, tier: str, predicted_s: float, actual_s: float, floor_s: float = 0.0,
+                queue_free: bool = False) -> None:
         """``predicted_s``: the formula's TTFT; ``floor_s``: times below it count as equal
-        to it (errors the SLO cannot see), and the requests predicted below it teach
-        the overhead."""
+        to it (errors the SLO cannot see); ``queue_free``: admitted onto an empty queue
+        (with a prediction below the floor, it teaches the overhead)."""
         if predicted_s <= 0 or actual_s < 0 or not math.isfinite(actual_s):
             return
-        if predicted_s < floor_s:
+        if queue_free and predicted_s < floor_s:
             self.residuals.append(actual_s - predicted_s)
             if len(self.residuals) >= self.overhead_min_samples:
                 ranked = sorted(self.residuals)
-                self._overhead = min(max(ranked[len(ranked) // 2], 0.0), self.max_overhead_s)
+                low = ranked[min(int(self.overhead_quantile * len(ranked)), len(ranked) - 1)]
+                self._overhead = min(max(low, 0.0), self.max_overhead_s)
         window = self.ratios[tier]
         window.append(max(actual_s, floor_s) / max(predicted_s + self._overhead, floor_s))
         if len(window) >= self.min_samples:
@@ -288,6 +300,7 @@ class SloAdmitter:
         self.calibration = Calibration(
             cfg.calibration_quantile, cfg.calibration_window, cfg.calibration_min_samples, cfg.calibration_bounds,
             cfg.overhead_min_samples, cfg.calibration_floor * min(t.ttft_slo_s for t in cfg.tiers),
+            cfg.overhead_quantile,
         )
 
     def _factor(self, t: TierSLO) -> float:
@@ -297,10 +310,12 @@ class SloAdmitter:
         """Seconds of TTFT outside the engine (gateway, bus, HTTP) added to every prediction."""
         return self.calibration.overhead() if self.config.calibration else 0.0
 
-    def observe(self, tier: str, predicted_s: float, actual_s: float) -> None:
-        """The TTFT a request admitted with raw prediction ``predicted_s`` really had."""
+    def observe(self, tier: str, predicted_s: float, actual_s: float, queue_free: bool = False) -> None:
+        """The TTFT a request admitted with raw prediction ``predicted_s`` (on an empty
+        queue: ``queue_free``) really had."""
         t = self.tier(tier)
-        self.calibration.observe(t.name, predicted_s, actual_s, self.config.calibration_floor * t.ttft_slo_s)
+        self.calibration.observe(t.name, predicted_s, actual_s, self.config.calibration_floor * t.ttft_slo_s,
+                                 queue_free)
 
     def tier(self, name: str) -> TierSLO:
         return self._tiers.get(name) or self._tiers[self.config.default_tier]
@@ -368,7 +383,7 @@ class SloAdmitter:
             (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now), self._factor(x))
             for x, k in self._guards(t)
         ]
-        best_ok: tuple[float, ReplicaLoad, float, float] | None = None
+        best_ok: tuple[float, ReplicaLoad, float, float] | None = None  # own_pred, replica, room, raw
         best_any: tuple[float, ReplicaLoad] | None = None
         least_excess = math.inf
         binding = ""
@@ -411,6 +426,7 @@ class SloAdmitter:
                 worker_id=best_ok[1].worker_id,
                 slack_tokens=max(int(best_ok[2]), 0),
                 raw_predicted_ttft=best_ok[3],
+                queue_free=best_ok[1].queued_prefill_tokens == 0,
             )
         assert best_any is not None
         return SloVerdict(
