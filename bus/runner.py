@@ -35,7 +35,7 @@ from .client import Bus
 from .logs import setup_logging
 from .micro import request_msg, stop_endpoint
 from .provision import provision
-from .settings import BusSettings
+from .settings import BusSettings, RunOptions
 from .tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -281,13 +281,16 @@ class Service:
         return 0 if finished else 3
 
 
-def run_service(service_factory: Callable[[], Service], *, log_level: str | None = None) -> int:
-    """Process entry point: uvloop, logging, then ``Service.serve``."""
+def run_service(service_factory: Callable[[], Service], options: RunOptions | None = None) -> int:
+    """Process entry point: uvloop, logging (``options``' level and format), then ``Service.serve``.
+
+    ``options.settings`` are the factory's to pass to the service it builds.
+    """
     import uvloop
 
     async def main() -> int:
         service = service_factory()
-        setup_logging(service.name, level=log_level)
+        setup_logging(service.name, level=options.log_level if options else None, fmt=options.log_format if options else None)
         return await service.serve()
 
     return uvloop.run(main())

@@ -1,7 +1,10 @@
-"""Connection settings shared by every service, read from ``MESHSERVE_*`` variables."""
+"""Connection settings shared by every service, read from ``MESHSERVE_*`` variables, and a
+service process's run options: those settings with ``meshserve serve``'s common options
+(``--nats-url``, ``--root``, ``--log-level``, ``--log-format``) over them."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -58,3 +61,35 @@ class BusSettings:
 
     def with_servers(self, *servers: str) -> BusSettings:
         return replace(self, servers=tuple(servers))
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """What a service process runs with: its bus settings and its logging (None: the
+    ``MESHSERVE_LOG_*`` variables, else INFO as text)."""
+
+    settings: BusSettings = field(default_factory=BusSettings)
+    log_level: str | None = None
+    log_format: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RunOptions:
+        """The environment's settings with the common command-line options that were given."""
+        settings = BusSettings.from_env(env)
+        nats_url = getattr(args, "nats_url", None)
+        if nats_url:
+            settings = settings.with_servers(*(s.strip() for s in nats_url.split(",") if s.strip()))
+        root = getattr(args, "root", None)
+        if root:
+            settings = replace(settings, root=root)
+        return cls(settings, getattr(args, "log_level", None) or None, getattr(args, "log_format", None) or None)
+
+    def child_env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """``base`` with these options as ``MESHSERVE_*`` variables: the environment of a
+        process this one starts (the autoscaler's local workers), so it joins the same mesh."""
+        env = {**base, ENV_PREFIX + "NATS_URL": ",".join(self.settings.servers), ENV_PREFIX + "ROOT": self.settings.root}
+        if self.log_level:
+            env[ENV_PREFIX + "LOG_LEVEL"] = self.log_level
+        if self.log_format:
+            env[ENV_PREFIX + "LOG_FORMAT"] = self.log_format
+        return env

@@ -2,7 +2,9 @@
 
 Each service module (``services/<name>/main.py``) exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; this module only dispatches, so every service is runnable on its
-own, in a container, under Nomad, or as a child of ``meshserve up``.
+own, in a container, under Nomad, or as a child of ``meshserve up``. The common options
+(``add_common_arguments``) reach a service through ``args``: its ``run`` builds
+``bus.RunOptions.from_args(args)`` and hands the settings to the service.
 """
 
 from __future__ import annotations
@@ -29,8 +31,15 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=["text", "json"], default=None, help="json for JSON lines (env MESHSERVE_LOG_FORMAT)")
 
 
+# Mains that read the common options from the environment (``BusSettings.from_env``)
+# rather than from ``args``: the gateway's, until the gateway's split switches it to
+# ``RunOptions.from_args`` (issue 15); then this set and its use go.
+_FROM_ENVIRONMENT = frozenset({"services.gateway.main"})
+
+
 def apply_common_arguments(args: argparse.Namespace) -> None:
-    """Command-line options override the environment, which the runner reads."""
+    """Command-line options override the environment, which ``BusSettings.from_env`` reads
+    (the CLI commands that connect to a mesh: keys, status, usage, services)."""
     import os
 
     if getattr(args, "nats_url", None):
@@ -56,7 +65,8 @@ def add_parser(subparsers: Any) -> None:
 
 def _runner(module: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
-        apply_common_arguments(args)
+        if module.__name__ in _FROM_ENVIRONMENT:
+            apply_common_arguments(args)
         return int(module.run(args))
 
     return run

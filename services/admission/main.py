@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from bus import run_service
+from bus import RunOptions, run_service
 from bus.config import default_of, given
 
 from .buckets import LimiterConfig
@@ -60,4 +60,5 @@ def run(args: argparse.Namespace) -> int:
     from .service import AdmissionService
 
     config = build_config(args)
-    return run_service(lambda: AdmissionService(config))
+    options = RunOptions.from_args(args)
+    return run_service(lambda: AdmissionService(config, options.settings), options)

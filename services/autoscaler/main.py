@@ -23,7 +23,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from bus import run_service
+from bus import RunOptions, run_service
 
 _DRIVER_KEYS = ("worker_args", "nomad_job", "compose_service")
 
@@ -143,6 +143,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
             worker_args=worker_args,
             command=shlex.split(args.worker_command) if args.worker_command else None,
             max_workers=args.max_workers,
+            env=RunOptions.from_args(args).child_env(os.environ),  # the workers join this mesh
             on_close=args.on_exit,
             # The workers drain on SIGTERM within their own --drain-timeout (60 s default).
             close_timeout_s=config.drain_timeout_s + config.drain_grace_s,
@@ -165,4 +166,5 @@ def run(args: argparse.Namespace) -> int:
     from .service import AutoscalerService
 
     config, driver = build(args)
-    return run_service(lambda: AutoscalerService(config, driver))
+    options = RunOptions.from_args(args)
+    return run_service(lambda: AutoscalerService(config, driver, options.settings), options)

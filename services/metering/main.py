@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from bus import run_service
+from bus import RunOptions, run_service
 
 LEDGER_URL_ENV = "MESHSERVE_LEDGER_URL"
 PRICES_ENV = "MESHSERVE_PRICES"
@@ -61,4 +61,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"meshserve serve metering: {exc}", file=sys.stderr)
         return 2
-    return run_service(lambda: MeteringService(config))
+    options = RunOptions.from_args(args)
+    return run_service(lambda: MeteringService(config, options.settings), options)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from bus import run_service
+from bus import RunOptions, run_service
 from bus.config import default_of, given
 
 from .config import RouterServiceConfig, load_config
@@ -53,4 +53,5 @@ def run(args: argparse.Namespace) -> int:
     from .service import RouterService
 
     config = build_config(args)
-    return run_service(lambda: RouterService(config))
+    options = RunOptions.from_args(args)
+    return run_service(lambda: RouterService(config, options.settings), options)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bus import run_service
+from bus import RunOptions, run_service
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,5 +143,6 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )
-    return run_service(lambda: WorkerService(create_engine(args.engine, **engine_options(args)), config))
+    options = RunOptions.from_args(args)
+    return run_service(lambda: WorkerService(create_engine(args.engine, **engine_options(args)), config, options.settings), options)
 

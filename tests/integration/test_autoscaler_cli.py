@@ -56,6 +56,11 @@ def test_flags_apply_to_every_pool_and_config_overrides(tmp_path: Path) -> None:
     assert driver.args_for("sim-a") == ["--gauge-interval", "0.5"]
     assert driver.args_for("meta-llama/Llama-3.1-8B-Instruct") == ["--gauge-interval", "0.5", "--engine", "vllm"]
     assert driver.log_dir == tmp_path / "state" / "logs"
+    # its workers join the mesh the autoscaler was told of on its command line
+    _, driver = build(parse("--pool", "m", "--nats-url", "nats://10.9.8.7:4222", "--root", "mesh2", "--log-level", "DEBUG"))
+    assert isinstance(driver, LocalDriver) and driver.env is not None
+    assert (driver.env["MESHSERVE_NATS_URL"], driver.env["MESHSERVE_ROOT"], driver.env["MESHSERVE_LOG_LEVEL"]) == (
+        "nats://10.9.8.7:4222", "mesh2", "DEBUG")
 
 
 def test_orchestrator_drivers_from_flags(tmp_path: Path) -> None:
