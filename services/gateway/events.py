@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from proto import TokenChunk
 
+from .errors import from_mesh_error
 from .openai_api import ChatStream, CompletionStream, error_json, response_id, usage_from_proto
-from .validation import from_mesh_error
 
 DONE = b"[DONE]"
 

@@ -34,7 +34,7 @@ from proto import (
     RouteRequest,
 )
 
-from .validation import from_mesh_error
+from .errors import from_mesh_error
 
 log = logging.getLogger(__name__)
 

@@ -65,6 +65,19 @@ from .apikeys import (
     redact_key,
     verify_key,
 )
+from .errors import (
+    ApiError,
+    from_admission,
+    from_mesh_error,
+    invalid_api_key,
+    malformed_authorization,
+    method_not_allowed,
+    missing_api_key,
+    model_not_found,
+    overloaded,
+    payload_too_large,
+    unknown_url,
+)
 from .events import DONE, EventBuilder, parse_event_id
 from .local import is_local_request
 from .metrics import GatewayMetrics
@@ -88,23 +101,12 @@ from .path import PathConfig, RequestPath
 from .stall import queued_on_live_worker
 from .streams import RequestStream, TokenDispatcher
 from .validation import (
-    ApiError,
     ModelLimits,
     ModelSpec,
     NormalizedRequest,
-    from_admission,
-    from_mesh_error,
-    invalid_api_key,
-    malformed_authorization,
-    method_not_allowed,
-    missing_api_key,
-    model_not_found,
-    overloaded,
     parse_request,
     parse_ws_message,
     parse_ws_request,
-    payload_too_large,
-    unknown_url,
 )
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from proto import GenerateRequest, decode, encode
 from proto.tokenizer import ByteTokenizer
+from services.gateway.errors import ApiError
 from services.gateway.validation import (
-    ApiError,
     ModelLimits,
     ModelSpec,
     parse_request,

@@ -12,22 +12,24 @@ import pytest
 from proto import AdmissionDecision, ErrorCode, GenerateRequest, decode, encode, unpack_tokens
 from proto.tokenizer import ByteTokenizer, HFTokenizer
 from services.gateway.chat_template import ChatTemplate
-from services.gateway.validation import (
+from services.gateway.errors import (
     ApiError,
-    ModelLimits,
-    ModelSpec,
-    NormalizedRequest,
     from_admission,
     from_mesh_error,
     invalid_api_key,
     missing_api_key,
+    payload_too_large,
+    rate_limited,
+)
+from services.gateway.validation import (
+    ModelLimits,
+    ModelSpec,
+    NormalizedRequest,
     parse_chat_request,
     parse_completion_request,
     parse_request,
     parse_ws_message,
     parse_ws_request,
-    payload_too_large,
-    rate_limited,
 )
 
 BYTE = ByteTokenizer()
