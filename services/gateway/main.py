@@ -7,66 +7,88 @@ balancer; each answers the NATS API in one queue group).
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
+from typing import TYPE_CHECKING
 
 from bus import run_service
+from bus.config import default_of, given
+
+from .config import GatewayConfig, load_config
+from .upstream import UpstreamConfig
+
+if TYPE_CHECKING:
+    from .service import GatewayService
 
 DEV_KEY_FILE_ENV = "MESHSERVE_DEV_KEY_FILE"
 
+# option dest → GatewayConfig field
+_OPTIONS = {"host": "host", "port": "port", "gateway_id": "gateway_id", "tls_cert": "tls_cert", "tls_key": "tls_key",
+            "max_body_bytes": "max_body_bytes", "max_in_flight": "max_in_flight", "stall_timeout": "stall_timeout_s",
+            "stream_buffer": "stream_buffer_chunks", "max_migrations": "max_migrations",
+            "resume_window": "resume_window_s"}
+# option dest → UpstreamConfig field
+_UPSTREAM_OPTIONS = {"admission_unreachable": "admission_unreachable", "admission_grace": "admission_grace_s"}
+
+
+def _default(name: str) -> str:
+    return f"(default {default_of(GatewayConfig, name)})"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
-    parser.add_argument("--port", type=int, default=8080, help="HTTP port (0 picks a free one)")
-    parser.add_argument("--gateway-id", default="", help="stable id (default: gateway-host-random)")
+    # Defaults come from GatewayConfig (None here: not given); the help quotes them.
+    parser.add_argument("--host", default=None, help=f"address to listen on (0.0.0.0 in containers) {_default('host')}")
+    parser.add_argument("--port", type=int, default=None, help=f"HTTP port (0 picks a free one) {_default('port')}")
+    parser.add_argument("--gateway-id", default=None, help="stable id (default: gateway-host-random)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--trusted-proxy", action="append", default=[], metavar="CIDR",
+    parser.add_argument("--trusted-proxy", action="append", default=None, metavar="CIDR",
                         help="honour X-Forwarded-For from these proxies (repeatable)")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    parser.add_argument("--max-in-flight", type=int, default=4096, help="streams beyond this are shed with 429")
-    parser.add_argument("--stall-timeout", type=float, default=30.0,
-                        help="seconds without a chunk before the worker counts as lost and the request migrates")
-    parser.add_argument("--stream-buffer", type=int, default=4096,
-                        help="chunks buffered for one slow client before it is cut")
-    parser.add_argument("--max-migrations", type=int, default=2, help="times one request may move to another replica")
-    parser.add_argument("--resume-window", type=float, default=60.0,
-                        help="seconds a resumable request (X-Meshserve-Resumable) outlives its lost client")
+    parser.add_argument("--max-body-bytes", type=int, default=None, help=_default("max_body_bytes"))
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help=f"streams beyond this are shed with 429 {_default('max_in_flight')}")
+    parser.add_argument("--stall-timeout", type=float, default=None,
+                        help="seconds without a chunk before the worker counts as lost and the request migrates "
+                             + _default("stall_timeout_s"))
+    parser.add_argument("--stream-buffer", type=int, default=None,
+                        help=f"chunks buffered for one slow client before it is cut {_default('stream_buffer_chunks')}")
+    parser.add_argument("--max-migrations", type=int, default=None,
+                        help=f"times one request may move to another replica {_default('max_migrations')}")
+    parser.add_argument("--resume-window", type=float, default=None,
+                        help="seconds a resumable request (X-Meshserve-Resumable) outlives its lost client "
+                             + _default("resume_window_s"))
     parser.add_argument("--models-config", default=None,
-                        help='JSON: {"limits": {MODEL: {max_tokens_cap: ...}}, "aliases": {ALIAS: MODEL}}')
-    parser.add_argument("--admission-unreachable", choices=["open", "closed", "grace"], default="grace",
-                        help="what to do when no admission service answers (grace: open for --admission-grace s)")
-    parser.add_argument("--admission-grace", type=float, default=30.0)
+                        help='JSON (or .toml): {"limits": {MODEL: {max_tokens_cap: ...}}, "aliases": {ALIAS: MODEL}}')
+    parser.add_argument("--admission-unreachable", choices=["open", "closed", "grace"], default=None,
+                        help="what to do when no admission service answers (grace: open for --admission-grace s) "
+                             f"(default {default_of(UpstreamConfig, 'admission_unreachable')})")
+    parser.add_argument("--admission-grace", type=float, default=None,
+                        help=f"(default {default_of(UpstreamConfig, 'admission_grace_s')})")
     parser.add_argument("--dev-key-file", default=None, metavar="PATH",
                         help=f"development key file: GET /dev-key hands it to browsers on this host only "
                              f"(env {DEV_KEY_FILE_ENV}; meshserve up passes its own)")
 
 
-def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    import msgspec
-
-    from .path import PathConfig
-    from .service import GatewayConfig
-    from .validation import ModelLimits
-
-    limits: dict[str, ModelLimits] = {}
-    aliases: dict[str, str] = {}
-    if args.models_config:
-        with open(args.models_config) as f:
-            raw = json.load(f)
-        limits = {m: msgspec.convert(v, ModelLimits) for m, v in raw.get("limits", {}).items()}
-        aliases = dict(raw.get("aliases", {}))
-    return GatewayConfig(
-        host=args.host, port=args.port, gateway_id=args.gateway_id, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        trusted_proxies=tuple(args.trusted_proxy), max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight,
-        stall_timeout_s=args.stall_timeout, max_migrations=args.max_migrations, stream_buffer_chunks=args.stream_buffer, resume_window_s=args.resume_window, model_limits=limits, aliases=aliases,
-        path=PathConfig(admission_unreachable=args.admission_unreachable, admission_grace_s=args.admission_grace),
-        dev_key_file=args.dev_key_file or os.environ.get(DEV_KEY_FILE_ENV) or None,
-    )
+def build_config(args: argparse.Namespace) -> GatewayConfig:
+    overrides = given(args, _OPTIONS)
+    if args.trusted_proxy:
+        overrides["trusted_proxies"] = tuple(args.trusted_proxy)
+    dev_key_file = args.dev_key_file or os.environ.get(DEV_KEY_FILE_ENV)
+    if dev_key_file:
+        overrides["dev_key_file"] = dev_key_file
+    try:
+        return load_config(args.models_config, upstream=given(args, _UPSTREAM_OPTIONS), **overrides)
+    except (OSError, ValueError) as exc:
+        print(f"meshserve serve gateway: config: {exc}", file=sys.stderr)  # bad input: one line, exit 2
+        raise SystemExit(2) from exc
 
 
 def run(args: argparse.Namespace) -> int:
     from .service import GatewayService
 
     config = build_config(args)
-    return run_service(lambda: GatewayService(config))
+
+    def service() -> GatewayService:
+        return GatewayService(config)
+
+    return run_service(service)

@@ -16,7 +16,6 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +64,7 @@ from .apikeys import (
     redact_key,
     verify_key,
 )
+from .config import GatewayConfig
 from .errors import (
     ApiError,
     from_admission,
@@ -97,9 +97,9 @@ from .openai_api import (
     ws_token,
 )
 from .openai_api import RequestKind as Kind
-from .path import PathConfig, RequestPath
 from .stall import queued_on_live_worker
 from .streams import RequestStream, TokenDispatcher
+from .upstream import UpstreamClient
 from .validation import (
     ModelLimits,
     ModelSpec,
@@ -115,37 +115,6 @@ tracer = trace.get_tracer("meshserve.gateway")
 STATIC_DIR = Path(__file__).parent / "static"
 DONE_HEADER = "Meshserve-Done"  # marks the last message of a streamed NATS API reply
 RESUMABLE_HEADER = "X-Meshserve-Resumable"
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    gateway_id: str = ""
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_in_flight: int = 4096  # beyond this the gateway sheds with 429
-    stall_timeout_s: float = 30.0  # no chunk for this long: the worker is considered lost
-    liveness_check_s: float = 1.0  # how often a silent stream checks on its worker
-    silence_fill_s: float = 2.0  # a stream this quiet re-reads TOKENS for chunks it missed
-    max_migrations: int = 2  # a request moves to another replica at most this often
-    stream_buffer_chunks: int = 4096  # chunks held for one slow client before it is cut
-    keepalive_s: float = 15.0
-    # A resumable request (header X-Meshserve-Resumable: true) whose client vanished keeps
-    # generating this long, waiting for a resume, before its worker is told to stop.
-    resume_window_s: float = 60.0
-    model_limits: Mapping[str, ModelLimits] = field(default_factory=dict)
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    path: PathConfig = field(default_factory=PathConfig)
-    tier_priority: Mapping[str, int] = field(default_factory=lambda: {"premium": 2, "standard": 1, "batch": 0})
-    # A file holding the development key (``meshserve up`` writes one): ``GET /dev-key``
-    # hands it to browsers on this host only, so the chat page can offer it.
-    dev_key_file: str | None = None
-    # A request its client stopped waits this long for the worker's final chunk (the
-    # usage it billed) before the gateway ends it with its own count.
-    stop_grace_s: float = 5.0
 
 
 class Execution:
@@ -230,7 +199,7 @@ class Execution:
         silent = time.monotonic() - max(self.stream.last_chunk_at, self.live_at)
         if silent < g.config.stall_timeout_s:
             return None
-        probe = await g.path.probe(self.worker_id, self.request_id, timeout_s=min(2.0, g.config.stall_timeout_s))
+        probe = await g.upstream.probe(self.worker_id, self.request_id, timeout_s=min(2.0, g.config.stall_timeout_s))
         queued = queued_on_live_worker(probe, g.config.stall_timeout_s)
         g.metrics.stall_probes.labels("queued" if queued else "stalled").inc()
         if not queued:
@@ -254,7 +223,7 @@ class Execution:
         log.warning("request %s: %s; migrating (%d tokens so far)", self.request_id, why, self.completion_tokens)
         cutoff = self.stream.next_seq
         self.stream.retire(old, cutoff)
-        g.spawn(g.path.cancel(old, self.request_id, "migrated away"))  # a stalled worker frees its blocks
+        g.spawn(g.upstream.cancel(old, self.request_id, "migrated away"))  # a stalled worker frees its blocks
         await g.publish_lost_segment(self, old)
         self._prior_tokens = self.received_tokens
         self.migrations += 1
@@ -267,7 +236,7 @@ class Execution:
             self.generate, prior_output=pack_tokens(self.received_tokens), first_seq=cutoff, migrations=self.migrations,
         )
         try:
-            placement = await g.path.place(RouteRequest(request=generate, exclude_workers=list(self.stream.retired)))
+            placement = await g.upstream.place(RouteRequest(request=generate, exclude_workers=list(self.stream.retired)))
         except MeshError as exc:
             return self._error_chunk(ErrorCode.WORKER_LOST, f"{why}; no replica could take the request over: {exc.message}")
         g.metrics.migrations.inc()
@@ -299,14 +268,14 @@ class Execution:
             return
         self.stop_requested_at = time.monotonic()
         self.gateway.metrics.cancels.labels(reason=reason).inc()
-        await self.gateway.path.cancel(self.worker_id, self.request_id, reason)
+        await self.gateway.upstream.cancel(self.worker_id, self.request_id, reason)
 
     async def cancel(self, reason: str) -> None:
         """Stop the worker and the relay at once (nobody is left to read the rest)."""
         if not self.finished:
             self.finished = True
             self.gateway.metrics.cancels.labels(reason=reason).inc()
-            await self.gateway.path.cancel(self.worker_id, self.request_id, reason)
+            await self.gateway.upstream.cancel(self.worker_id, self.request_id, reason)
 
     def close(self) -> None:
         """Metrics and bookkeeping, whatever way the request ended."""
@@ -358,7 +327,7 @@ class GatewayService(Service):
         self.requests_kv: KeyValue = await requests_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
         self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks)
         await self.dispatcher.start()
-        self.path = RequestPath(self.bus, self.registry, self.config.path)
+        self.upstream = UpstreamClient(self.bus, self.registry, self.config.upstream)
         s = self.bus.subjects
         await self.add_raw_endpoint("chat", s.api_chat, self._nats_chat, queue_group="gateway")
         await self.add_raw_endpoint("completions", s.api_completions, self._nats_completions, queue_group="gateway")
@@ -522,7 +491,7 @@ class GatewayService(Service):
                        span: trace.Span, ctx: Any, resumable: bool) -> Execution:
         block_size = self._block_size(request.model)
         with tracer.start_as_current_span("gateway.admission") as admission_span:
-            decision = await self.path.admit(AdmissionRequest(
+            decision = await self.upstream.admit(AdmissionRequest(
                 request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
                 prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm, tpm_limit=key.tpm,
                 block_hashes=block_hashes(request.prompt_token_ids, block_size) if block_size else [],
@@ -549,7 +518,7 @@ class GatewayService(Service):
         try:
             await self._record(record)
             with tracer.start_as_current_span("gateway.route"):
-                placement = await self.path.place(RouteRequest(
+                placement = await self.upstream.place(RouteRequest(
                     request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
                 ))
         except BaseException as exc:
@@ -721,7 +690,7 @@ class GatewayService(Service):
         if record is None or record.resumes > resumes_at_disconnect or not record.worker_id:
             return
         self.metrics.cancels.labels(reason="resume_window_expired").inc()
-        await self.path.cancel(record.worker_id, request_id, "client did not resume")
+        await self.upstream.cancel(record.worker_id, request_id, "client did not resume")
 
     async def _load_record(self, request_id: str) -> RequestRecord | None:
         try:
@@ -761,7 +730,7 @@ class GatewayService(Service):
             if record.resumable:
                 self._start_timer(self._cancel_unless_resumed(request_id, record.resumes))
             elif record.worker_id:
-                await asyncio.shield(self.path.cancel(record.worker_id, request_id, "client disconnected"))
+                await asyncio.shield(self.upstream.cancel(record.worker_id, request_id, "client disconnected"))
             raise
         return response
 
@@ -824,8 +793,8 @@ class GatewayService(Service):
         return web.json_response({"ready": ready, "nats": connected, "models": models}, status=200 if ready else 503)
 
     async def http_metrics(self, http: web.Request) -> web.Response:
-        self.metrics.admission_unreachable.labels(outcome="open")._value.set(self.path.admission_fail_open)
-        self.metrics.admission_unreachable.labels(outcome="closed")._value.set(self.path.admission_fail_closed)
+        self.metrics.admission_unreachable.labels(outcome="open")._value.set(self.upstream.admission_fail_open)
+        self.metrics.admission_unreachable.labels(outcome="closed")._value.set(self.upstream.admission_fail_closed)
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def http_index(self, http: web.Request) -> web.StreamResponse:

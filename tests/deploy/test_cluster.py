@@ -27,8 +27,8 @@ from ops.keys import create_key
 from ops.nats.accounts import admission_buckets, kv_stream
 from ops.natsserver import NatsServer
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.gateway.path import PathConfig
 from services.gateway.service import GatewayConfig, GatewayService
+from services.gateway.upstream import UpstreamConfig
 from services.metering.service import MeteringConfig, MeteringService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
@@ -127,7 +127,7 @@ async def mesh(nats_cluster: list[NatsServer]) -> AsyncIterator[dict[str, Any]]:
                              settings) for i in (1, 2)]
     # No admission here: the gateway fails open on purpose (what is tested is the bus).
     gateway = GatewayService(GatewayConfig(port=0, gateway_id="fo-gw", stall_timeout_s=30.0,
-                                           path=PathConfig(admission_unreachable="open")), settings)
+                                           upstream=UpstreamConfig(admission_unreachable="open")), settings)
     for service in (*workers, gateway):
         await service.start()
     ops = await Bus.open(settings, "fo-ops", initial_attempts=20)

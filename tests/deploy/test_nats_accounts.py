@@ -265,7 +265,7 @@ async def test_every_service_does_its_job_with_its_own_user(auth_server: AuthNat
     assert status.pools and status.pools[0].pool == MODEL
     placed = sum(x.value for m in mesh["router"].metrics.placements.collect() for x in m.samples if x.name.endswith("_total"))
     assert placed == 2
-    assert gateway.path.direct_placements == 0  # the router placed them
+    assert gateway.upstream.direct_placements == 0  # the router placed them
     await eventually(lambda: mesh["admission"].leading, "an admission leader")
     assert auth_server.violations() == []
 

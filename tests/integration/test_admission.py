@@ -21,8 +21,8 @@ from proto import AdmissionDecision, AdmissionRequest, UsageEvent, decode, usage
 from services.admission.buckets import LimiterConfig
 from services.admission.service import AdmissionConfig, AdmissionService
 from services.gateway.apikeys import generate_key
-from services.gateway.path import PathConfig
 from services.gateway.service import GatewayConfig, GatewayService
+from services.gateway.upstream import UpstreamConfig
 from services.router.service import RouterService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
@@ -270,8 +270,8 @@ async def test_slo_sheds_standard_while_premium_is_kept(bus: Bus, mesh: dict[str
 async def test_gateway_fails_open_within_its_grace_then_closed(bus: Bus, mesh: dict[str, Factory]) -> None:
     await mesh["worker"]("w1")
     admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
-    path = PathConfig(admission_timeout_s=0.5, admission_unreachable="grace", admission_grace_s=1.0)
-    gateway: GatewayService = await mesh["gateway"](GatewayConfig(port=0, path=path))  # type: ignore[assignment]
+    upstream = UpstreamConfig(admission_timeout_s=0.5, admission_unreachable="grace", admission_grace_s=1.0)
+    gateway: GatewayService = await mesh["gateway"](GatewayConfig(port=0, upstream=upstream))  # type: ignore[assignment]
     key, record = await create_key(bus, org="o")
     await wait_for_key(gateway, record.key_id)
     url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
@@ -284,12 +284,12 @@ async def test_gateway_fails_open_within_its_grace_then_closed(bus: Bus, mesh: d
         await admission.drain_and_close()
         async with http.post(url, json=body, headers=headers) as r:
             assert r.status == 200  # within the grace window: open
-        assert gateway.path.admission_fail_open == 1
+        assert gateway.upstream.admission_fail_open == 1
         await asyncio.sleep(1.1)
         async with http.post(url, json=body, headers=headers) as r:
             assert r.status == 503  # grace over: closed
             assert "admission" in (await r.json())["error"]["message"]
-        assert gateway.path.admission_fail_closed == 1
+        assert gateway.upstream.admission_fail_closed == 1
 
 
 # ---- leader lease -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The gateway's one small interface to the rest of the request path.
+"""The gateway's client for the services upstream of it: admission, router and worker.
 
 ``admit`` asks admission (``mesh.admission.check``), ``place`` asks the router
 (``mesh.router.route``, which forwards the request to the chosen worker), ``cancel``
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class PathConfig:
+class UpstreamConfig:
     admission_timeout_s: float = 1.0
     route_timeout_s: float = 5.0
     # "open": admit when admission is unreachable; "closed": reject; "grace": open for
@@ -49,13 +49,13 @@ class PathConfig:
     admission_grace_s: float = 30.0
 
 
-class RequestPath:
+class UpstreamClient:
     def __init__(
-        self, bus: Bus, registry: WorkerRegistry, config: PathConfig | None = None, clock: Callable[[], float] = time.monotonic
+        self, bus: Bus, registry: WorkerRegistry, config: UpstreamConfig | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.bus = bus
         self.registry = registry
-        self.config = config or PathConfig()
+        self.config = config or UpstreamConfig()
         self.clock = clock
         self._admission_seen_at = clock()
         self._round_robin = itertools.count()

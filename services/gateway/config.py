@@ -1,0 +1,75 @@
+"""The gateway's settings: ``GatewayConfig`` holds the only defaults, ``load_config`` is the
+one loader (a models file, then command-line overrides)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bus.config import read_file
+
+from .upstream import UpstreamConfig
+from .validation import ModelLimits
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0 picks a free one
+    gateway_id: str = ""  # empty: gateway-host-random
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_in_flight: int = 4096  # beyond this the gateway sheds with 429
+    stall_timeout_s: float = 30.0  # no chunk for this long: the worker is considered lost
+    liveness_check_s: float = 1.0  # how often a silent stream checks on its worker
+    silence_fill_s: float = 2.0  # a stream this quiet re-reads TOKENS for chunks it missed
+    max_migrations: int = 2  # a request moves to another replica at most this often
+    stream_buffer_chunks: int = 4096  # chunks held for one slow client before it is cut
+    # A resumable request (header X-Meshserve-Resumable: true) whose client vanished keeps
+    # generating this long, waiting for a resume, before its worker is told to stop.
+    resume_window_s: float = 60.0
+    model_limits: Mapping[str, ModelLimits] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    tier_priority: Mapping[str, int] = field(default_factory=lambda: {"premium": 2, "standard": 1, "batch": 0})
+    # A file holding the development key (``meshserve up`` writes one): ``GET /dev-key``
+    # hands it to browsers on this host only, so the chat page can offer it.
+    dev_key_file: str | None = None
+    # A request its client stopped waits this long for the worker's final chunk (the
+    # usage it billed) before the gateway ends it with its own count.
+    stop_grace_s: float = 5.0
+
+
+_MODELS_KEYS = {"limits", "aliases"}
+
+
+def load_config(
+    models_config: str | Path | None = None, *, upstream: Mapping[str, Any] | None = None, **overrides: Any
+) -> GatewayConfig:
+    """A ``GatewayConfig`` from the models file (JSON, or TOML when it ends in ``.toml``)::
+
+        {"limits": {MODEL: {"max_tokens_cap": ...}}, "aliases": {ALIAS: MODEL}}
+
+    with ``overrides`` (``GatewayConfig`` fields) and ``upstream`` (``UpstreamConfig``
+    fields) over it. A bad file or setting is a ValueError that names it.
+    """
+    raw = read_file(models_config)
+    unknown = set(raw) - _MODELS_KEYS
+    if unknown:
+        raise ValueError(f"{models_config}: unknown sections {sorted(unknown)}; expected {sorted(_MODELS_KEYS)}")
+    try:
+        limits = msgspec.convert(raw.get("limits", {}), dict[str, ModelLimits])
+        aliases = msgspec.convert(raw.get("aliases", {}), dict[str, str])
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{models_config}: {exc}") from exc
+    try:
+        return GatewayConfig(model_limits=limits, aliases=aliases,
+                             upstream=replace(UpstreamConfig(), **(upstream or {})), **overrides)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
