@@ -11,7 +11,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from bus import run_service
+from bus import RunOptions, run_service
 from bus.config import default_of, given
 
 from .config import GatewayConfig, load_config
@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from .service import GatewayService
 
     config = build_config(args)
+    options = RunOptions.from_args(args)
 
     def service() -> GatewayService:
-        return GatewayService(config)
+        return GatewayService(config, options.settings)
 
-    return run_service(service)
+    return run_service(service, options)
