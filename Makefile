@@ -59,11 +59,13 @@ test-vllm: $(VLLM_STAMP)
 # prometheus-client below ours). tests/integration/test_bench_tools.py runs each for a few
 # seconds where its bin/ is on PATH, as .ci/run puts it.
 TOOLS_VENV ?= .venv-tools
+# The CPU wheel vLLM's CPU build pins too (plain PyPI's torch is the 6 GB CUDA build).
+TOOLS_TORCH ?= torch==2.13.0+cpu
 
 $(TOOLS_VENV)/guidellm/.installed:
 	$(PYTHON) -m venv $(TOOLS_VENV)/guidellm
 	$(TOOLS_VENV)/guidellm/bin/python -m pip install --quiet --upgrade pip
-	$(TOOLS_VENV)/guidellm/bin/python -m pip install --quiet 'torch' 'guidellm>=0.8,<0.9' $(VLLM_PIP_ARGS)
+	$(TOOLS_VENV)/guidellm/bin/python -m pip install --quiet '$(TOOLS_TORCH)' 'guidellm>=0.8,<0.9' $(VLLM_PIP_ARGS)
 	touch $@
 
 $(TOOLS_VENV)/aiperf/.installed:
