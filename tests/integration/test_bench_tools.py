@@ -3,8 +3,9 @@
 commands, and every request must succeed.
 
 guidellm and aiperf are not in the dev extra (guidellm needs torch; aiperf pins rich and
-prometheus-client below ours): each test runs where its tool is on PATH or beside this
-Python, and says so where it is not. README.md shows how to install them in venvs of their own.
+prometheus-client below ours): each test runs where its tool is on PATH, beside this
+Python or in the repository's ``.venv-tools/<tool>`` (``make bench-tools``, as ``.ci/run``
+builds it), and says so where it is not.
 """
 
 from __future__ import annotations
@@ -27,16 +28,24 @@ MODEL = "sim-llama-8b"
 SECONDS = 5  # of load per tool: enough for a few dozen requests at rate 5
 
 
+TOOLS_VENV = Path(__file__).resolve().parents[2] / ".venv-tools"
+
+
+def _find(name: str) -> str | None:
+    return (shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+            or shutil.which(name, path=str(TOOLS_VENV / name / "bin")))
+
+
 def _tool(name: str) -> str:
-    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    found = _find(name)
     if found is None:
-        pytest.skip(f"{name} is not installed in this environment (README: 'Benchmark with the tools you already use')")
+        pytest.skip(f"{name} is not installed in this environment (make bench-tools)")
     return found
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    if not any(shutil.which(t) or shutil.which(t, path=str(Path(sys.executable).parent)) for t in ("guidellm", "aiperf")):
+    if not any(_find(t) for t in ("guidellm", "aiperf")):
         pytest.skip("neither guidellm nor aiperf is installed in this environment")
     with running_mesh(tmp_path_factory.mktemp("bench-tools-mesh"), workers=2, speed=20.0) as m:
         yield m
