@@ -8,7 +8,7 @@ requests with, so their token counts are the mesh's: ``tokenizer.json``,
 ``special_tokens_map.json``. Nothing here needs torch or transformers.
 
 Which tokenizer a model uses comes from the mesh's worker registry, by the gateway's own
-rule (``services.gateway.service.tokenizer_source``); ``--tokenizer byte|DIR`` skips the
+rule (``services.gateway.models.tokenizer_source``); ``--tokenizer byte|DIR`` skips the
 lookup and works offline (``byte``: the sim models' tokenizer).
 
 The sim's byte tokenizer becomes a byte-level BPE without merges: one token per UTF-8
@@ -84,7 +84,7 @@ async def lookup(model: str, timeout: float) -> tuple[str, int]:
     from bus import Bus, BusSettings
     from bus.registry import WorkerRegistry
     from proto.errors import MeshError
-    from services.gateway.service import model_max_len, tokenizer_source
+    from services.gateway.models import model_max_len, tokenizer_source
 
     settings = BusSettings.from_env()
     client_log = logging.getLogger("bus.client")

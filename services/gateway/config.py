@@ -12,8 +12,8 @@ import msgspec
 
 from bus.config import read_file
 
+from .models import ModelLimits
 from .upstream import UpstreamConfig
-from .validation import ModelLimits
 
 
 @dataclass(frozen=True, slots=True)

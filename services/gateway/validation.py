@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import msgspec
 from msgspec import Struct
@@ -27,8 +26,9 @@ from msgspec import Struct
 from proto.hashing import pack_tokens
 from proto.messages import GenerateRequest, SamplingParams
 
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import ChatTemplateError
 from .errors import ApiError, bad_request, clip, invalid_json, model_not_found
+from .models import ModelLimits, ModelSpec
 from .openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,74 +48,6 @@ MAX_KEY_CHARS = 256  # user / session_id: session keys, not documents
 MAX_WS_ID_CHARS = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _ROLES = {"system", "developer", "user", "assistant"}
-
-# ------------------------------------------------------------------ model configuration
-
-
-class TokenizerLike(Protocol):
-    """What validation needs of a tokenizer; ``proto.tokenizer``'s tokenizers qualify.
-
-    Read-only properties (not ``proto.tokenizer.Tokenizer``'s plain attributes) so any
-    tokenizer whose ``vocab_size`` is an int attribute type-checks.
-    """
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-
-class ModelLimits(Struct, kw_only=True, frozen=True):
-    """Per-model request limits and defaults (decodable from operator config).
-
-    ``max_tokens_cap`` None: a request may ask for the whole rest of the context.
-    ``default_max_tokens`` None: chat requests without max_tokens get the rest of the
-    context (vLLM's behaviour), capped by ``max_tokens_cap``; legacy completions default
-    to ``default_completion_max_tokens`` (OpenAI's 16). Defaults are clamped to what
-    fits; only an explicit max_tokens that does not fit is an error.
-    """
-
-    max_model_len: int = 4096
-    max_tokens_cap: int | None = None
-    default_max_tokens: int | None = None
-    default_completion_max_tokens: int = 16
-    default_temperature: float = 1.0
-    default_top_p: float = 1.0
-    max_temperature: float = 2.0
-    max_top_k: int | None = None
-    max_stop_sequences: int = 4
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 64
-
-    def __post_init__(self) -> None:
-        if self.max_model_len < 2:
-            raise ValueError("max_model_len must be at least 2")
-        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
-            raise ValueError("max_tokens_cap must be at least 1")
-        if self.default_max_tokens is not None and self.default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be at least 1")
-        if self.default_completion_max_tokens < 1:
-            raise ValueError("default_completion_max_tokens must be at least 1")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """Everything validation needs about one served model.
-
-    ``name`` is the canonical model name (what workers register); a catalog may map
-    aliases to the same spec. ``template`` None: the tokenizer's own chat template, or
-    the default ChatML one (``ChatTemplate.for_tokenizer``).
-    """
-
-    name: str
-    tokenizer: TokenizerLike
-    limits: ModelLimits = field(default_factory=ModelLimits)
-    template: ChatTemplate = field(default=None)  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        if self.template is None:
-            object.__setattr__(self, "template", ChatTemplate.for_tokenizer(self.tokenizer))
-
 
 # ------------------------------------------------------------------- normalised request
 

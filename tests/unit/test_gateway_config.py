@@ -10,8 +10,8 @@ import pytest
 
 from services.gateway.config import GatewayConfig, load_config
 from services.gateway.main import add_arguments, build_config
+from services.gateway.models import ModelLimits
 from services.gateway.upstream import UpstreamConfig
-from services.gateway.validation import ModelLimits
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 from proto import GenerateRequest, decode, encode
 from proto.tokenizer import ByteTokenizer
 from services.gateway.errors import ApiError
+from services.gateway.models import ModelLimits, ModelSpec
 from services.gateway.validation import (
-    ModelLimits,
-    ModelSpec,
     parse_request,
     parse_ws_message,
 )

@@ -21,9 +21,8 @@ from services.gateway.errors import (
     payload_too_large,
     rate_limited,
 )
+from services.gateway.models import ModelLimits, ModelSpec
 from services.gateway.validation import (
-    ModelLimits,
-    ModelSpec,
     NormalizedRequest,
     parse_chat_request,
     parse_completion_request,

@@ -1,0 +1,267 @@
+"""The HTTP front door: OpenAI's routes (SSE streaming included), resume, models, usage,
+health, metrics and the chat page. Thin: authenticate (``auth.authenticated``), parse
+(``validation``), start the request (``lifecycle.ActiveRequest``), write what it relays.
+Every error leaves as OpenAI's error JSON (``error_middleware``), never a 500 page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from opentelemetry.propagate import extract
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proto import ApiKeyRecord, ErrorCode, MeshError, RequestRecord, TokenChunk
+from proto.metering import UsageReport, org_usage_query, usage_report_json
+
+from .apikeys import key_allows_model
+from .auth import Authenticator, authenticated
+from .errors import (
+    ApiError,
+    from_mesh_error,
+    method_not_allowed,
+    model_not_found,
+    payload_too_large,
+    unknown_url,
+)
+from .events import EventBuilder, parse_event_id
+from .lifecycle import ActiveRequest, on_client_gone
+from .local import is_local_request
+from .openai_api import ModelCard, ModelList, RequestKind, encode_json, sse_event
+from .streams import RequestStream
+from .validation import parse_request
+
+if TYPE_CHECKING:
+    from .service import GatewayService
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+RESUMABLE_HEADER = "X-Meshserve-Resumable"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json", headers=exc.headers())
+
+
+class HttpApi:
+    def __init__(self, gateway: GatewayService) -> None:
+        self.gateway = gateway
+
+    @property
+    def auth(self) -> Authenticator:
+        return self.gateway.auth
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/requests/{request_id}/stream", self.resume),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model),
+            web.get("/v1/usage", self.usage),
+            web.get("/healthz", self.health),
+            web.get("/health", self.health),  # vLLM's name: benchmark clients and routers probe it
+            web.get("/readyz", self.ready),
+            web.get("/metrics", self.metrics),
+            web.get("/", self.index),
+            web.get("/favicon.ico", self.favicon),
+            web.get("/dev-key", self.dev_key),
+        ]
+
+    @web.middleware
+    async def error_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return error_response(payload_too_large(self.gateway.config.max_body_bytes, getattr(exc, "actual_size", None)))
+        except web.HTTPMethodNotAllowed as exc:
+            response = error_response(method_not_allowed(request.method, request.path, exc.allowed_methods))
+            response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            return response
+        except web.HTTPNotFound:
+            # Unknown paths (/v1/responses, /v1/embeddings, typos) answer like OpenAI, not with text/plain.
+            return error_response(unknown_url(request.method, request.path))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            # aiohttp's own text says what was wrong (e.g. a plain GET on /v1/ws); its default is "400: Bad Request".
+            detail = " ".join((exc.text or exc.reason).split())
+            return error_response(ApiError(exc.status, detail, "invalid_request_error" if exc.status < 500 else "server_error"))
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            return error_response(ApiError(500, "internal error", "server_error", None, "internal"))
+
+    # ---- generation ---------------------------------------------------------------------
+    @authenticated
+    async def chat(self, http: web.Request, key: ApiKeyRecord) -> web.StreamResponse:
+        return await self._generate(http, key, "chat")
+
+    @authenticated
+    async def completions(self, http: web.Request, key: ApiKeyRecord) -> web.StreamResponse:
+        return await self._generate(http, key, "completion")
+
+    async def _generate(self, http: web.Request, key: ApiKeyRecord, kind: RequestKind) -> web.StreamResponse:
+        g = self.gateway
+        if http.content_length is not None and http.content_length > g.config.max_body_bytes:
+            raise payload_too_large(g.config.max_body_bytes, http.content_length)
+        body = await http.read()
+        request = parse_request(kind, body, g.models.specs(), allowed_models=key.models or None)
+        resumable = request.stream and http.headers.get(RESUMABLE_HEADER, "").lower() in ("1", "true", "yes")
+        active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)), resumable=resumable)
+        async with active.serving():
+            if not request.stream:
+                return web.Response(body=await active.collect(), content_type="application/json",
+                                    headers={"X-Request-Id": active.request_id})
+            response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": active.request_id,
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(http)
+            builder = EventBuilder(request.kind, active.request_id, request.requested_model, int(time.time()),
+                                   request.include_usage)
+            active.stream.on_overflow = functools.partial(self._cut_slow_client, http, active)
+            await relay_sse(response, active.chunks(), builder, after=None)
+            return response
+
+    def _cut_slow_client(self, http: web.Request, active: ActiveRequest) -> None:
+        log.warning("request %s: client too slow (%d chunks buffered); cutting it", active.request_id, active.stream.buffered)
+        self.gateway.metrics.errors.labels(code="slow_client").inc()
+        active.record.resumable = False  # a client that cannot keep up does not get to resume
+        if http.transport is not None:
+            http.transport.abort()  # the blocked write fails; the handler cancels the worker
+
+    @authenticated
+    async def resume(self, http: web.Request, key: ApiKeyRecord) -> web.StreamResponse:
+        """``GET /v1/requests/{id}/stream``: the stream again from TOKENS, after ``Last-Event-ID``."""
+        g = self.gateway
+        request_id = http.match_info["request_id"]
+        record = await g.records.load(request_id)
+        if record is None or record.key_id != key.key_id:
+            # Another key's request gets the same answer as an unknown id: ids are not revealed.
+            raise ApiError(404, f"No resumable request {request_id!r} (unknown or expired).", "invalid_request_error", None, "not_found")
+        record.resumes += 1
+        await g.records.save(record)
+        after = parse_event_id(http.headers.get("Last-Event-ID"))
+        g.metrics.resumes.inc()
+        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
+        await response.prepare(http)
+        builder = EventBuilder(record.kind, request_id, record.model, record.created, record.include_usage)
+        chunks = g.dispatcher.replay(g.bus.subjects.tokens_of_request(request_id), idle_timeout_s=g.config.stall_timeout_s)
+        async with on_client_gone(functools.partial(g.resumed_client_gone, record)):
+            await relay_sse(response, self._replayed(request_id, record, chunks), builder, after=after)
+        return response
+
+    async def _replayed(self, request_id: str, record: RequestRecord, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+        """Stored chunks in order, once each, without those of workers that lost the request."""
+        stream = RequestStream(request_id, "", 0)
+        stream.retired = dict(record.retired)
+        async for chunk in chunks:
+            if chunk.worker_id and chunk.worker_id not in stream.retired and chunk.worker_id != record.worker_id:
+                # A worker we did not know of: a migration happened during this replay.
+                fresh = await self.gateway.records.load(request_id)
+                if fresh is not None:
+                    record = fresh
+                    for worker, cutoff in fresh.retired.items():
+                        stream.retire(worker, cutoff)
+            stream.deliver(chunk)
+            while (ready := stream.get_nowait()) is not None:
+                yield ready
+                if ready.finish_reason is not None:
+                    return
+
+    # ---- models, usage ------------------------------------------------------------------
+    @authenticated
+    async def models(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
+        now = int(time.time())
+        cards = [ModelCard(id=name, created=now, owned_by="meshserve", max_model_len=spec.limits.max_model_len)
+                 for name, spec in sorted(self.gateway.models.specs().items()) if key_allows_model(key, name)]
+        return web.Response(body=encode_json(ModelList(data=cards)), content_type="application/json")
+
+    @authenticated
+    async def model(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
+        """``GET /v1/models/{id}``: one model object; unknown or not the key's is OpenAI's 404."""
+        name = http.match_info["model_id"]
+        spec = self.gateway.models.specs().get(name)
+        if spec is None or not (key_allows_model(key, name) or key_allows_model(key, spec.name)):
+            raise model_not_found(name)
+        card = ModelCard(id=name, created=int(time.time()), owned_by="meshserve", max_model_len=spec.limits.max_model_len)
+        return web.Response(body=encode_json(card), content_type="application/json")
+
+    @authenticated
+    async def usage(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
+        """Usage and spend of the calling key's own org (from the metering ledger)."""
+        bus = self.gateway.bus
+        try:
+            query = org_usage_query(key.org, dict(http.query), time.time())
+        except ValueError as exc:
+            raise ApiError(400, f"Invalid usage query: {exc}", "invalid_request_error", None, "invalid_value") from exc
+        try:
+            report = await bus.request(bus.subjects.metering_usage, query, UsageReport, timeout=10.0)
+        except MeshError as exc:
+            code = ErrorCode.NO_CAPACITY if exc.code in (ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT) else exc.code
+            raise from_mesh_error(str(code), f"usage is unavailable right now: {exc.message}", 5.0) from exc
+        return web.json_response(usage_report_json(report))
+
+    # ---- operations and the chat page ---------------------------------------------------
+    async def health(self, http: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, http: web.Request) -> web.Response:
+        g = self.gateway
+        connected = g.connected
+        models = sorted(g.registry.models()) if connected else []
+        ready = g.ready and connected and bool(g.registry.ready_workers())
+        return web.json_response({"ready": ready, "nats": connected, "models": models}, status=200 if ready else 503)
+
+    async def metrics(self, http: web.Request) -> web.Response:
+        g = self.gateway
+        g.metrics.admission_unreachable.labels(outcome="open")._value.set(g.upstream.admission_fail_open)
+        g.metrics.admission_unreachable.labels(outcome="closed")._value.set(g.upstream.admission_fail_closed)
+        return web.Response(body=generate_latest(self.gateway.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def index(self, http: web.Request) -> web.StreamResponse:
+        index = STATIC_DIR / "index.html"
+        if not index.exists():
+            raise web.HTTPNotFound()
+        return web.FileResponse(index)
+
+    async def favicon(self, http: web.Request) -> web.StreamResponse:
+        # An SVG icon under the name browsers ask for; they go by the content type.
+        return web.FileResponse(STATIC_DIR / "favicon.svg", headers={"Content-Type": "image/svg+xml",
+                                                                     "Cache-Control": "max-age=86400"})
+
+    async def dev_key(self, http: web.Request) -> web.Response:
+        """The development key, for the chat page of a browser on this host; 404 to anyone else.
+
+        Served only with ``--dev-key-file`` (``meshserve up``). Read on every call: the
+        key is created after the gateway starts, and may be replaced.
+        """
+        path = self.gateway.config.dev_key_file
+        if not path or not is_local_request(http.remote, http.headers):
+            raise web.HTTPNotFound()
+        try:
+            key = (await asyncio.to_thread(Path(path).read_text)).strip()
+        except OSError:
+            key = ""
+        if not key:
+            raise web.HTTPNotFound()
+        return web.json_response({"api_key": key}, headers={"Cache-Control": "no-store"})
+
+
+async def relay_sse(response: web.StreamResponse, chunks: AsyncIterator[TokenChunk], builder: EventBuilder,
+                    *, after: tuple[int, int] | None) -> None:
+    """Write each chunk's events, skipping those at or before ``after`` (a resume's Last-Event-ID)."""
+    async for chunk in chunks:
+        events = builder.events(chunk, first=chunk.seq == 0)
+        frames = [sse_event(e.id, e.data) for e in events if after is None or (e.seq, e.index) > after]
+        if frames:
+            await response.write(b"".join(frames))

@@ -1,0 +1,385 @@
+"""One request's life in the gateway, owned by one object: ``ActiveRequest``.
+
+``ActiveRequest.start`` admits the request (admission), stores its resume record, places
+it (router, which forwards it to a worker) and returns it fully built, its chunks
+arriving on its ``RequestStream``. A front door then relays ``chunks()`` inside
+``serving()``, which handles a client that goes away and closes the request whatever way
+it ends. States (``RequestState``)::
+
+    STREAMING ──stop()──▶ STOPPING ──final chunk / stop grace──▶ FINISHED
+        │  │                  └──cancel()──▶ CANCELLED
+        │  ├──final chunk──▶ FINISHED
+        │  ├──cancel()──▶ CANCELLED
+        │  └──client gone, resumable──▶ DETACHED (the worker generates on, for a resume)
+
+While streaming, a silent stream is checked on (``migration.plan_migration`` decides)
+and moved to another worker when its own is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+
+from proto import (
+    AdmissionRequest,
+    ApiKeyRecord,
+    ErrorCode,
+    ErrorInfo,
+    GenerateRequest,
+    MeshError,
+    RemoteError,
+    RequestRecord,
+    RouteRequest,
+    TokenChunk,
+    TtftObservation,
+    Usage,
+    UsageEvent,
+    block_hashes,
+    usage_dedup_id,
+)
+
+from .errors import from_admission, from_mesh_error, overloaded
+from .migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration
+from .openai_api import (
+    chat_completion,
+    encode_json,
+    new_request_id,
+    response_id,
+    text_completion,
+    usage_from_proto,
+)
+from .streams import RequestStream
+from .validation import NormalizedRequest
+
+if TYPE_CHECKING:
+    from .service import GatewayService
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("meshserve.gateway")
+
+
+class RequestState(enum.Enum):
+    STREAMING = "streaming"  # chunks are relayed to the client
+    STOPPING = "stopping"  # the client asked to stop: relayed until the worker's final chunk (the usage it billed)
+    DETACHED = "detached"  # a resumable request's client went away: the worker generates on, for a resume
+    FINISHED = "finished"  # the final chunk was relayed
+    CANCELLED = "cancelled"  # the worker was told to stop and nobody reads the rest
+
+
+_RELAYING = (RequestState.STREAMING, RequestState.STOPPING)
+
+
+class ActiveRequest:
+    """One admitted, placed request whose chunks are arriving."""
+
+    def __init__(self, gateway: GatewayService, request: NormalizedRequest, generate: GenerateRequest,
+                 record: RequestRecord, stream: RequestStream, worker_id: str, started: float, span: trace.Span,
+                 *, ttft_tier: str = "") -> None:
+        self.gateway = gateway
+        self.request = request
+        self.request_id = generate.request_id
+        self.generate = generate  # what the current worker was sent (the next segment's base on a migration)
+        self.record = record  # the resume record, as last stored
+        self.stream = stream
+        self.worker_id = worker_id
+        self.started = started
+        self.span = span
+        self.ttft_tier = ttft_tier  # set when admission predicted this request's TTFT: report it back
+        self.state = RequestState.STREAMING
+        self.first_token_at: float | None = None
+        self.completion_tokens = 0
+        self.final: TokenChunk | None = None
+        self.live_at = 0.0  # when its worker last said it is queued behind live work
+        self.stop_requested_at: float | None = None
+        self.segment_tokens: list[int] = []  # tokens the current worker streamed
+        self._prior_tokens: list[int] = []
+
+    # ---- start: admission, record, placement ------------------------------------------
+    @classmethod
+    async def start(cls, gateway: GatewayService, request: NormalizedRequest, key: ApiKeyRecord, *,
+                    parent: Any = None, resumable: bool = False) -> ActiveRequest:
+        """Admit, place and start streaming one request; raises ApiError when it cannot."""
+        if gateway.streams_in_flight >= gateway.config.max_in_flight:
+            raise overloaded(f"gateway {gateway.gateway_id} is at its in-flight limit", retry_after=1.0, status=429,
+                             code="overloaded")
+        started = time.monotonic()
+        request_id = new_request_id()
+        span = tracer.start_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER, attributes={
+            "meshserve.request_id": request_id, "gen_ai.request.model": request.model,
+            "meshserve.org": key.org, "meshserve.key_id": key.key_id, "gen_ai.usage.input_tokens": request.prompt_tokens,
+        })
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                return await cls._start(gateway, request, key, request_id, started, span, resumable)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR)
+            span.end()
+            raise
+
+    @classmethod
+    async def _start(cls, g: GatewayService, request: NormalizedRequest, key: ApiKeyRecord, request_id: str,
+                     started: float, span: trace.Span, resumable: bool) -> ActiveRequest:
+        block_size = g.models.block_size(request.model)
+        with tracer.start_as_current_span("gateway.admission") as admission_span:
+            decision = await g.upstream.admit(AdmissionRequest(
+                request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
+                prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm, tpm_limit=key.tpm,
+                block_hashes=block_hashes(request.prompt_token_ids, block_size) if block_size else [],
+                block_size=block_size,
+            ))
+            admission_span.set_attribute("meshserve.admitted", decision.admitted)
+            if decision.reason:
+                admission_span.set_attribute("meshserve.admission_reason", decision.reason)
+        span.set_attribute("meshserve.admission", "admitted" if decision.admitted else str(decision.reason))
+        if not decision.admitted:
+            g.metrics.errors.labels(code=str(decision.reason)).inc()
+            raise from_admission(decision)
+        stream = g.dispatcher.open(request_id)  # from here on the request counts as in flight
+        generate = request.generate_request(
+            request_id=request_id, token_subject=stream.subject, gateway_id=g.gateway_id, org=key.org,
+            key_id=key.key_id, tier=key.tier, priority=g.config.tier_priority.get(key.tier, 1),
+            arrival_time=time.time(), reserved_tokens=decision.reserved_tokens or request.reserved_tokens,
+        )
+        record = RequestRecord(request_id=request_id, key_id=key.key_id, org=key.org, gateway_id=g.gateway_id,
+                               token_subject=stream.subject, kind=request.kind, model=request.requested_model,
+                               created=int(time.time()), include_usage=request.include_usage, resumable=resumable)
+        try:
+            await g.records.save(record, required=resumable)
+            with tracer.start_as_current_span("gateway.route"):
+                placement = await g.upstream.place(RouteRequest(
+                    request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
+                ))
+        except BaseException as exc:
+            g.dispatcher.close(request_id)
+            # Admission reserved budget for this request: a usage event reconciles it.
+            await g.publish_usage(rejected_usage(generate, str(exc)), usage_dedup_id(request_id))
+            if isinstance(exc, RemoteError | MeshError):
+                g.metrics.errors.labels(code=str(exc.code)).inc()
+                raise from_mesh_error(str(exc.code), exc.message, getattr(exc, "retry_after", None)) from exc
+            raise
+        span.set_attribute("meshserve.worker_id", placement.worker_id)
+        record.worker_id = placement.worker_id
+        await g.records.save(record)  # resume and its disconnect timer need the worker
+        return cls(g, request, generate, record, stream, placement.worker_id, started, span,
+                   ttft_tier=key.tier if decision.worker_id else "")  # a worker_id: admission made a prediction
+
+    # ---- relay ------------------------------------------------------------------------
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
+        cfg = self.gateway.config
+        while self.state in _RELAYING:
+            try:
+                chunk = await self.stream.get(timeout=cfg.liveness_check_s)
+            except TimeoutError:
+                if self.state is RequestState.STOPPING:
+                    # Stopped by its client: no migration; wait a moment for the worker's
+                    # final chunk, then end it with what was relayed.
+                    if time.monotonic() - (self.stop_requested_at or 0.0) < cfg.stop_grace_s:
+                        continue
+                    chunk = self._stopped_chunk()
+                    self.state = RequestState.FINISHED
+                    self.final = chunk
+                    yield chunk
+                    return
+                silent = time.monotonic() - self.stream.last_chunk_at
+                if silent >= cfg.silence_fill_s and silent - cfg.liveness_check_s < cfg.silence_fill_s:
+                    # A quiet stream may have lost its tail (a chunk never delivered live):
+                    # look in TOKENS once before suspecting the worker.
+                    self.gateway.dispatcher.fill(self.stream)
+                failed = await self._check_worker()
+                if failed is None:
+                    continue
+                chunk = failed
+            if self.stream.overflowed:
+                chunk = self._error_chunk(ErrorCode.OVERLOADED, "client too slow: stream buffer exceeded")
+                await self.cancel("slow_client")
+            if chunk.token_ids and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+                if self.ttft_tier:
+                    self._report_ttft(self.first_token_at - self.started)
+            self.completion_tokens += len(chunk.token_ids)
+            self.segment_tokens.extend(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                if self.state in _RELAYING:
+                    self.state = RequestState.FINISHED
+                self.final = chunk
+            yield chunk
+
+    def _report_ttft(self, ttft_s: float) -> None:
+        g = self.gateway
+        observation = TtftObservation(request_id=self.request_id, tier=self.ttft_tier, ttft_s=ttft_s)
+        g.spawn(g.bus.publish(g.bus.subjects.admission_ttft, observation, trace=False), name=f"ttft-{self.request_id}")
+
+    # ---- a lost worker: check, then migrate -------------------------------------------
+    async def _check_worker(self) -> TokenChunk | None:
+        """None while the worker is fine (or the request moved on); the error chunk that ends
+        the request when it cannot continue. A stream silent for the stall timeout asks its
+        worker first (``migration.plan_migration`` weighs the answer)."""
+        g = self.gateway
+        registered = self.worker_id in g.registry.workers
+        silent = time.monotonic() - max(self.stream.last_chunk_at, self.live_at)
+        if registered and silent < g.config.stall_timeout_s:
+            return None
+        probe = None
+        if registered:
+            probe = await g.upstream.probe(self.worker_id, self.request_id, timeout_s=min(2.0, g.config.stall_timeout_s))
+        plan = plan_migration(self._segment(), MigrationLimits(g.config.stall_timeout_s, g.config.max_migrations),
+                              worker_registered=registered, silent_s=silent, probe=probe, now=time.time())
+        if registered:
+            g.metrics.stall_probes.labels("queued" if isinstance(plan, Stay) else "stalled").inc()
+        if isinstance(plan, Stay):
+            self.live_at = time.monotonic()
+            self.span.add_event("queued_on_live_worker", {"worker": self.worker_id, "waited_s": plan.waited_s})
+            return None
+        if isinstance(plan, GiveUp):
+            return self._error_chunk(ErrorCode.WORKER_LOST, plan.message)
+        return await self._migrate(plan)
+
+    def _segment(self) -> Segment:
+        return Segment(generate=self.generate, worker_id=self.worker_id, next_seq=self.stream.next_seq,
+                       received_tokens=self.received_tokens, segment_tokens=len(self.segment_tokens),
+                       prompt_tokens=self.request.prompt_tokens, retired=self.stream.retired)
+
+    async def _migrate(self, plan: Migrate) -> TokenChunk | None:
+        """Continue the request on another replica from the tokens the client already has;
+        the error chunk when no replica takes it, else None (the stream continues at
+        ``plan.cutoff`` from the new worker)."""
+        g = self.gateway
+        log.warning("request %s: %s; migrating (%d tokens so far)", self.request_id, plan.why, self.completion_tokens)
+        self.stream.retire(plan.retire, plan.cutoff)
+        g.spawn(g.upstream.cancel(plan.retire, self.request_id, "migrated away"))  # a stalled worker frees its blocks
+        await g.publish_usage(plan.lost_usage, plan.lost_usage_id)
+        self._prior_tokens = self.received_tokens
+        self.segment_tokens = []
+        self.generate = plan.generate
+        self.record.retired[plan.retire] = plan.cutoff
+        await g.records.save(self.record)
+        try:
+            placement = await g.upstream.place(RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers))
+        except MeshError as exc:
+            return self._error_chunk(ErrorCode.WORKER_LOST, f"{plan.why}; no replica could take the request over: {exc.message}")
+        g.metrics.migrations.inc()
+        self.span.add_event("migrated", {"from": plan.retire, "to": placement.worker_id,
+                                         "at_token": len(self.received_tokens)})
+        self.worker_id = placement.worker_id
+        self.stream.last_chunk_at = time.monotonic()
+        self.record.worker_id = placement.worker_id
+        await g.records.save(self.record)
+        return None
+
+    @property
+    def received_tokens(self) -> list[int]:
+        return self._prior_tokens + self.segment_tokens
+
+    def _error_chunk(self, code: ErrorCode, message: str) -> TokenChunk:
+        return TokenChunk(request_id=self.request_id, seq=self.stream.next_seq, finish_reason="error",
+                          error=ErrorInfo(code=code.value, message=message))
+
+    def _stopped_chunk(self) -> TokenChunk:
+        return TokenChunk(request_id=self.request_id, seq=self.stream.next_seq, finish_reason="abort",
+                          usage=Usage(prompt_tokens=self.request.prompt_tokens, completion_tokens=self.completion_tokens))
+
+    # ---- the client: stop, cancel, going away -----------------------------------------
+    async def stop(self, reason: str) -> None:
+        """Ask the worker to stop, but keep relaying: its final chunk (finish ``abort``)
+        carries the usage it billed, tokens streamed before the stop included."""
+        if self.state is not RequestState.STREAMING:
+            return
+        self.state = RequestState.STOPPING
+        self.stop_requested_at = time.monotonic()
+        self.gateway.metrics.cancels.labels(reason=reason).inc()
+        await self.gateway.upstream.cancel(self.worker_id, self.request_id, reason)
+
+    async def cancel(self, reason: str) -> None:
+        """Stop the worker and the relay at once (nobody is left to read the rest)."""
+        if self.state in _RELAYING:
+            self.state = RequestState.CANCELLED
+            self.gateway.metrics.cancels.labels(reason=reason).inc()
+            await self.gateway.upstream.cancel(self.worker_id, self.request_id, reason)
+
+    async def client_gone(self) -> None:
+        """The client went away mid-request: a resumable request keeps generating (its client
+        may resume, on any gateway, within the resume window); any other is cancelled, which
+        frees the worker's KV blocks now."""
+        if self.state not in _RELAYING:
+            return
+        if self.record.resumable:
+            self.state = RequestState.DETACHED
+            self.gateway.keep_for_resume(self.record)
+        else:
+            await self.cancel("client_disconnected")
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[ActiveRequest]:
+        """A front door relays the request inside this: a client that goes away (its
+        connection reset, its handler cancelled) is ``client_gone``; whatever way the relay
+        ends, the request is closed."""
+        try:
+            async with on_client_gone(self.client_gone):
+                yield self
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Metrics and bookkeeping, whatever way the request ended."""
+        g = self.gateway
+        g.dispatcher.close(self.request_id)  # no longer in flight
+        model = self.request.model
+        now = time.monotonic()
+        status = "ok"
+        if self.final is None:
+            status = "cancelled"
+        elif self.final.error is not None:
+            status = "error"
+        g.metrics.requests.labels(api=self.request.kind, model=model, status=status).inc()
+        g.metrics.e2e.labels(model=model).observe(now - self.started)
+        if self.first_token_at is not None:
+            g.metrics.ttft.labels(model=model).observe(self.first_token_at - self.started)
+            if self.completion_tokens > 1:
+                g.metrics.tpot.labels(model=model).observe((now - self.first_token_at) / (self.completion_tokens - 1))
+        g.metrics.prompt_tokens.labels(model=model).inc(self.request.prompt_tokens)
+        g.metrics.generation_tokens.labels(model=model).inc(self.completion_tokens)
+        self.span.set_attribute("meshserve.completion_tokens", self.completion_tokens)
+        self.span.set_attribute("meshserve.status", status)
+        self.span.end()
+
+    async def collect(self) -> bytes:
+        """The whole non-streamed response body (any API); an error chunk raises ApiError."""
+        text: list[str] = []
+        async for chunk in self.chunks():
+            if chunk.error is not None:
+                raise from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
+            text.append(chunk.text)
+        final = self.final
+        assert final is not None  # chunks() ends on a final chunk unless cancelled, which raises here first
+        usage = usage_from_proto(final.usage) if final.usage else None
+        rid = response_id(self.request.kind, self.request_id)
+        build = chat_completion if self.request.kind == "chat" else text_completion
+        return encode_json(build(rid, self.request.requested_model, int(time.time()), "".join(text), final.finish_reason, usage))
+
+
+@contextlib.asynccontextmanager
+async def on_client_gone(gone: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    """The one place a client's going away is noticed: its connection reset or its handler
+    cancelled (aiohttp's handler_cancellation) runs ``gone`` (shielded: the handler is
+    being cancelled) and the error goes on."""
+    try:
+        yield
+    except (ConnectionResetError, asyncio.CancelledError):
+        await asyncio.shield(gone())
+        raise
+
+
+def rejected_usage(generate: GenerateRequest, error: str) -> UsageEvent:
+    """The usage event of an admitted request that no worker took: it reconciles what admission reserved."""
+    return UsageEvent(request_id=generate.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
+                      tier=generate.tier, status="rejected", reserved_tokens=generate.reserved_tokens,
+                      arrival_time=generate.arrival_time, finish_time=time.time(), error=error[:500])

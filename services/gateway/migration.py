@@ -1,0 +1,122 @@
+"""Whether and how a request leaves its worker: a pure plan the gateway's shell executes.
+
+A stream that went silent (or whose worker's heartbeat expired) is looked at here with
+what the gateway knows of the request's current segment, the worker's answer to a probe,
+and the limits. The verdict is one of:
+
+- ``Stay``: the worker says the request is queued behind live work (``stall``); wait on.
+- ``GiveUp``: the request moved as often as it may; the client gets a ``worker_lost`` error.
+- ``Migrate``: retire the old worker from ``cutoff`` on (its chunks from that sequence
+  number on are void), bill the segment it streamed (it will never report it), and send
+  the next segment, which continues at ``cutoff`` from the tokens the client already has,
+  to any other worker.
+
+No I/O and no clock: the shell passes ``now`` (wall clock, for the usage event).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from proto import (
+    GenerateRequest,
+    RequestProbeReply,
+    Usage,
+    UsageEvent,
+    pack_tokens,
+    segment_usage,
+    usage_dedup_id,
+)
+
+from .stall import queued_on_live_worker
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationLimits:
+    stall_timeout_s: float
+    max_migrations: int
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The request on its current worker, as the gateway sees it."""
+
+    generate: GenerateRequest  # what the current worker was sent (its ``migrations`` counts the moves so far)
+    worker_id: str
+    next_seq: int  # the first sequence number the client has not been sent
+    received_tokens: Sequence[int]  # every token the client has, all segments
+    segment_tokens: int  # of those, how many the current worker streamed
+    prompt_tokens: int
+    retired: Mapping[str, int]  # workers that lost the request before → their cut-off
+
+
+@dataclass(frozen=True, slots=True)
+class Stay:
+    waited_s: float  # how long the request has waited for its first output
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Migrate:
+    why: str
+    retire: str  # the worker that lost the request
+    cutoff: int  # its chunks from this seq on are void; the next segment starts here
+    lost_usage: UsageEvent  # the lost worker's segment, billed by the gateway
+    lost_usage_id: str  # USAGE's dedup id of that event
+    generate: GenerateRequest  # the next segment
+    exclude_workers: list[str]  # every worker that lost it so far
+
+
+def lost_segment_usage(segment: Segment, now: float) -> UsageEvent:
+    """The usage event of a segment its worker will never report: the tokens it streamed,
+    and on the first segment the prompt and admission's reservation (``segment_usage``)."""
+    generate = segment.generate
+    first = generate.migrations == 0
+    billed = segment_usage(Usage(prompt_tokens=segment.prompt_tokens, completion_tokens=segment.segment_tokens),
+                           generate.migrations)
+    return UsageEvent(
+        request_id=generate.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
+        worker_id=segment.worker_id, tier=generate.tier, prompt_tokens=billed.prompt_tokens,
+        completion_tokens=billed.completion_tokens, status="migrated", arrival_time=generate.arrival_time,
+        finish_time=now, reserved_tokens=generate.reserved_tokens if first else 0, migrations=generate.migrations,
+        error="worker lost; request migrated",
+    )
+
+
+def plan_migration(
+    segment: Segment, limits: MigrationLimits, *, worker_registered: bool, silent_s: float,
+    probe: RequestProbeReply | None, now: float,
+) -> Stay | GiveUp | Migrate:
+    """The verdict on a request whose worker is gone (``worker_registered`` False) or that has
+    been silent for ``silent_s`` (at least the stall timeout) and whose worker answered the
+    probe with ``probe`` (None: no answer)."""
+    if not worker_registered:
+        why = f"worker {segment.worker_id} is gone (heartbeat expired)"
+    elif queued_on_live_worker(probe, limits.stall_timeout_s):
+        assert probe is not None
+        return Stay(waited_s=probe.since_output_s)
+    else:
+        why = f"worker {segment.worker_id} stalled: no tokens for {silent_s:.0f}s"
+    moved = segment.generate.migrations
+    if moved >= limits.max_migrations:
+        return GiveUp(f"{why}; not migrated again (limit {limits.max_migrations})")
+    cutoff = segment.next_seq
+    return Migrate(
+        why=why,
+        retire=segment.worker_id,
+        cutoff=cutoff,
+        lost_usage=lost_segment_usage(segment, now),
+        lost_usage_id=usage_dedup_id(segment.generate.request_id, moved),
+        generate=msgspec.structs.replace(
+            segment.generate, prior_output=pack_tokens(segment.received_tokens), first_seq=cutoff,
+            migrations=moved + 1,
+        ),
+        exclude_workers=[*(w for w in segment.retired if w != segment.worker_id), segment.worker_id],
+    )

@@ -1,0 +1,142 @@
+"""The models this gateway serves: what validation needs of one (``ModelSpec``: its
+tokenizer, chat template and ``ModelLimits``), and the catalog of them built from the
+live worker registry, aliases included, each tokenizer loaded once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+from msgspec import Struct
+
+from proto import WorkerInfo
+from proto.tokenizer import load_tokenizer
+
+from .chat_template import ChatTemplate
+
+if TYPE_CHECKING:
+    from bus.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerLike(Protocol):
+    """What validation needs of a tokenizer; ``proto.tokenizer``'s tokenizers qualify.
+
+    Read-only properties (not ``proto.tokenizer.Tokenizer``'s plain attributes) so any
+    tokenizer whose ``vocab_size`` is an int attribute type-checks.
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ModelLimits(Struct, kw_only=True, frozen=True):
+    """Per-model request limits and defaults (decodable from operator config).
+
+    ``max_tokens_cap`` None: a request may ask for the whole rest of the context.
+    ``default_max_tokens`` None: chat requests without max_tokens get the rest of the
+    context (vLLM's behaviour), capped by ``max_tokens_cap``; legacy completions default
+    to ``default_completion_max_tokens`` (OpenAI's 16). Defaults are clamped to what
+    fits; only an explicit max_tokens that does not fit is an error.
+    """
+
+    max_model_len: int = 4096
+    max_tokens_cap: int | None = None
+    default_max_tokens: int | None = None
+    default_completion_max_tokens: int = 16
+    default_temperature: float = 1.0
+    default_top_p: float = 1.0
+    max_temperature: float = 2.0
+    max_top_k: int | None = None
+    max_stop_sequences: int = 4
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError("max_tokens_cap must be at least 1")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
+        if self.default_completion_max_tokens < 1:
+            raise ValueError("default_completion_max_tokens must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Everything validation needs about one served model.
+
+    ``name`` is the canonical model name (what workers register); a catalog may map
+    aliases to the same spec. ``template`` None: the tokenizer's own chat template, or
+    the default ChatML one (``ChatTemplate.for_tokenizer``).
+    """
+
+    name: str
+    tokenizer: TokenizerLike
+    limits: ModelLimits = field(default_factory=ModelLimits)
+    template: ChatTemplate = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.template is None:
+            object.__setattr__(self, "template", ChatTemplate.for_tokenizer(self.tokenizer))
+
+
+
+def tokenizer_source(workers: list[WorkerInfo]) -> str:
+    """What a model's requests are tokenized with (a ``load_tokenizer`` spec: ``byte`` or a
+    directory); ``meshserve tokenizer export`` hands clients the same."""
+    return workers[0].model_dir or workers[0].tokenizer or "byte"
+
+
+def model_max_len(workers: list[WorkerInfo]) -> int:
+    """The context every replica of a model can take (0: none of them says)."""
+    return min((w.max_model_len for w in workers if w.max_model_len), default=0)
+
+
+class ModelCatalog:
+    def __init__(self, registry: WorkerRegistry, limits: Mapping[str, ModelLimits], aliases: Mapping[str, str]) -> None:
+        self.registry = registry
+        self.limits = limits
+        self.aliases = aliases
+        self._specs: dict[tuple[str, str, int], ModelSpec] = {}
+
+    def specs(self) -> dict[str, ModelSpec]:
+        """Servable models from the live registry (aliases included), tokenizers cached."""
+        specs: dict[str, ModelSpec] = {}
+        for model, workers in self.registry.models().items():
+            spec = self._spec(model, workers)
+            if spec is not None:
+                specs[model] = spec
+        for alias, target in self.aliases.items():
+            if target in specs:
+                specs[alias] = specs[target]
+        return specs
+
+    def _spec(self, model: str, workers: list[WorkerInfo]) -> ModelSpec | None:
+        tokenizer = tokenizer_source(workers)
+        max_len = model_max_len(workers) or 4096
+        cache_key = (model, tokenizer, max_len)
+        spec = self._specs.get(cache_key)
+        if spec is None:
+            try:
+                tok = load_tokenizer(tokenizer)
+            except Exception as exc:
+                log.error("cannot load tokenizer %r for %s: %s", tokenizer, model, exc)
+                return None
+            limits = self.limits.get(model)
+            limits = msgspec.structs.replace(limits, max_model_len=max_len) if limits else ModelLimits(max_model_len=max_len)
+            spec = ModelSpec(name=model, tokenizer=tok, limits=limits)
+            self._specs[cache_key] = spec
+        return spec
+
+    def block_size(self, model: str) -> int:
+        """The KV block size of the model's pool (per engine: 16 on vLLM GPU, 128 on its CPU build)."""
+        workers = self.registry.ready_workers(model)
+        return workers[0].block_size if workers else 0
