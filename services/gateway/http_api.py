@@ -223,9 +223,6 @@ class HttpApi:
         return web.json_response({"ready": ready, "nats": connected, "models": models}, status=200 if ready else 503)
 
     async def metrics(self, http: web.Request) -> web.Response:
-        g = self.gateway
-        g.metrics.admission_unreachable.labels(outcome="open")._value.set(g.upstream.admission_fail_open)
-        g.metrics.admission_unreachable.labels(outcome="closed")._value.set(g.upstream.admission_fail_closed)
         return web.Response(body=generate_latest(self.gateway.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def index(self, http: web.Request) -> web.StreamResponse:

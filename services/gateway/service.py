@@ -69,7 +69,10 @@ class GatewayService(Service):
         self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks)
         await self.dispatcher.start()
         self.metrics.in_flight.set_function(lambda: self.streams_in_flight)
-        self.upstream = UpstreamClient(self.bus, self.registry, self.config.upstream)
+        self.upstream = UpstreamClient(
+            self.bus, self.registry, self.config.upstream,
+            on_unreachable=lambda outcome: self.metrics.admission_unreachable.labels(outcome=outcome).inc(),
+        )
         await NatsApi(self).add_endpoints()
         await self._start_http()
 

@@ -51,12 +51,14 @@ class UpstreamConfig:
 
 class UpstreamClient:
     def __init__(
-        self, bus: Bus, registry: WorkerRegistry, config: UpstreamConfig | None = None, clock: Callable[[], float] = time.monotonic
+        self, bus: Bus, registry: WorkerRegistry, config: UpstreamConfig | None = None,
+        clock: Callable[[], float] = time.monotonic, on_unreachable: Callable[[str], None] | None = None,
     ) -> None:
         self.bus = bus
         self.registry = registry
         self.config = config or UpstreamConfig()
         self.clock = clock
+        self.on_unreachable = on_unreachable  # told "open" or "closed" for each decision made without admission
         self._admission_seen_at = clock()
         self._round_robin = itertools.count()
         self.admission_fail_open = 0
@@ -86,8 +88,12 @@ class UpstreamClient:
         within_grace = self.clock() - self._admission_seen_at <= self.config.admission_grace_s
         if mode == "open" or (mode == "grace" and within_grace):
             self.admission_fail_open += 1
+            if self.on_unreachable is not None:
+                self.on_unreachable("open")
             return AdmissionDecision(request_id=request.request_id, admitted=True, message=f"admission unreachable ({exc.code}); failing open")
         self.admission_fail_closed += 1
+        if self.on_unreachable is not None:
+            self.on_unreachable("closed")
         return AdmissionDecision(
             request_id=request.request_id, admitted=False, reason="no_capacity", retry_after=5.0,
             message="admission service unreachable; failing closed",
