@@ -364,6 +364,8 @@ class AdmissionService(Service):
             "checkpoints": self.checkpoints,
             "replicas": len(self.book.replicas),
             "ttft_calibration": {t.name: self.policy.slo.calibration.factor(t.name) for t in self.policy.slo.config.tiers},
+            "ttft_overhead_s": self.policy.slo.overhead(),
+            "prediction_error": self.policy.prediction_errors(),  # predicted / actual TTFT per tier
         }
 
     # ---- leadership -------------------------------------------------------------------
