@@ -707,6 +707,20 @@ def test_prefill_rate_is_the_capacity_not_the_speed_of_light_steps() -> None:
     assert core.stats(run.now).prefill_tokens_per_s == pytest.approx(busy, rel=0.05)
 
 
+def test_a_prefill_under_way_counts_as_queued_until_its_step_ends() -> None:
+    # The core computes a step at its start; the shell sleeps its duration. A request
+    # arriving meanwhile waits for it: the gauge says so, as vLLM's does (prompt tokens of
+    # requests without a first token), or admission and the router see an idle replica.
+    core = make_core("llama-3.1-8b-h100", max_num_batched_tokens=2048)
+    run = Run(core)
+    run.add(req("long", prompt(2048), max_tokens=2))
+    start = run.now
+    res = run.step()
+    assert res is not None and res.prefill_tokens == 2048
+    assert core.stats(start + res.duration / 2).queued_prefill_tokens == 2048
+    assert core.stats(res.end).queued_prefill_tokens == 0
+
+
 # ----------------------------------------------------------------------- profiles
 
 

@@ -722,6 +722,10 @@ class SimCore:
             queries, hits = self._queries_total, self._hits_total
         queued = sum(s.num_tokens for _, _, _, s in self._waiting if s.status == "waiting")
         queued += sum(s.num_tokens - s.num_computed for s in self._running if not s.is_decoding)
+        if win.steps and win.steps[-1].end > now:
+            # The step under way: its prefill is computed here at its start, but a request
+            # arriving now still waits for it (vLLM's gauge counts it until the first token).
+            queued += win.steps[-1].prefill_tokens
         pool = self.pool
         return EngineStats(
             waiting=self._num_waiting,
