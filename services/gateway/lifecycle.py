@@ -98,7 +98,7 @@ class ActiveRequest:
         self.completion_tokens = 0
         self.final: TokenChunk | None = None
         self.live_at = 0.0  # when its worker last said it is queued behind live work
-        self.stop_requested_at: float | None = None
+        self.stop_requested_at = 0.0  # when the client asked to stop (state STOPPING)
         self.segment_tokens: list[int] = []  # tokens the current worker streamed
         self._prior_tokens: list[int] = []
 
@@ -182,7 +182,7 @@ class ActiveRequest:
                 if self.state is RequestState.STOPPING:
                     # Stopped by its client: no migration; wait a moment for the worker's
                     # final chunk, then end it with what was relayed.
-                    if time.monotonic() - (self.stop_requested_at or 0.0) < cfg.stop_grace_s:
+                    if time.monotonic() - self.stop_requested_at < cfg.stop_grace_s:
                         continue
                     chunk = self._stopped_chunk()
                     self.state = RequestState.FINISHED
