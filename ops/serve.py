@@ -31,12 +31,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=["text", "json"], default=None, help="json for JSON lines (env MESHSERVE_LOG_FORMAT)")
 
 
-# Mains that read the common options from the environment (``BusSettings.from_env``)
-# rather than from ``args``: the gateway's, until the gateway's split switches it to
-# ``RunOptions.from_args`` (issue 15); then this set and its use go.
-_FROM_ENVIRONMENT = frozenset({"services.gateway.main"})
-
-
 def apply_common_arguments(args: argparse.Namespace) -> None:
     """Command-line options override the environment, which ``BusSettings.from_env`` reads
     (the CLI commands that connect to a mesh: keys, status, usage, services)."""
@@ -65,8 +59,6 @@ def add_parser(subparsers: Any) -> None:
 
 def _runner(module: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
-        if module.__name__ in _FROM_ENVIRONMENT:
-            apply_common_arguments(args)
         return int(module.run(args))
 
     return run
