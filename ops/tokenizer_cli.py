@@ -12,7 +12,7 @@ rule (``services.gateway.models.tokenizer_source``); ``--tokenizer byte|DIR`` sk
 lookup and works offline (``byte``: the sim models' tokenizer).
 
 The sim's byte tokenizer becomes a byte-level BPE without merges: one token per UTF-8
-byte, ids 3..258 as in ``proto.tokenizer.ByteTokenizer``, no BOS added on encode. Its
+byte, ids 3..258 as in ``services.common.tokenizer.ByteTokenizer``, no BOS added on encode. Its
 three specials (ids 0-2) need text in a Hugging Face tokenizer; they get
 ``<|pad|>``/``<|bos|>``/``<|eos|>``, and only a prompt containing those exact strings
 encodes differently from the gateway.
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from proto.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from services.common.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # Text for the byte tokenizer's ids 0, 1 and 2 (it has none of its own).
 BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")

@@ -25,9 +25,8 @@ from proto.metering import (
     UsageReport,
     UsageRow,
     check_query,
-    parse_time,
-    usage_report_json,
 )
+from services.common.usage import parse_time, usage_report_json
 
 
 def add_parser(subparsers: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from proto.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from services.common.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 # Plain words keep prompts readable in logs and tokenize like ordinary text.
 WORDS = (

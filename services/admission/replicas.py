@@ -11,7 +11,7 @@ monotonic one: it is only compared with itself), and asks ``loads`` for the
   its gauges are fresh. One registered but with no gauge yet (cold start) is counted
   with unmeasured rates (the SLO check then uses its defaults); one whose gauges stopped
   for ``gauge_stale_s`` is not counted: its queue is unknown, probably dead.
-- Cached prefixes come from ``proto.kvindex.KvIndex``, one per model, fed the same KV
+- Cached prefixes come from ``services.common.kvindex.KvIndex``, one per model, fed the same KV
   events the router sees; the request brings its block hashes in the pool's block size.
 - Gauges are stale by up to a publish period, and a burst arrives within one: each
   admission adds its uncached prompt tokens to the queue of the replica its prediction
@@ -29,8 +29,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from proto.kvindex import KvApply, KvIndex, KvIndexConfig
 from proto.messages import AdmissionRequest, KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
+from services.common.kvindex import KvApply, KvIndex, KvIndexConfig
 
 from .slo import ReplicaLoad
 

@@ -89,8 +89,8 @@ from proto import (
     WorkerInfo,
     decode,
 )
-from proto.kvindex import KvApply
 from proto.subjects import Subjects
+from services.common.kvindex import KvApply
 
 from .buckets import InvalidLimits, Limiter, LimiterConfig, LimiterState
 from .policy import AdmissionPolicy

@@ -60,7 +60,7 @@ from typing import Literal
 from zoneinfo import ZoneInfo
 
 from proto.messages import WorkerGauge
-from proto.smoothing import ewma
+from services.common.smoothing import ewma
 
 Action = Literal["scale_up", "scale_down", "hold"]
 CapacitySource = Literal["initial", "saturated", "kv_extrapolated", "observed_floor"]

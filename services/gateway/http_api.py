@@ -19,7 +19,8 @@ from opentelemetry.propagate import extract
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto import ApiKeyRecord, ErrorCode, MeshError, RequestRecord, TokenChunk
-from proto.metering import UsageReport, org_usage_query, usage_report_json
+from proto.metering import UsageReport
+from services.common.usage import org_usage_query, usage_report_json
 
 from .apikeys import key_allows_model
 from .auth import Authenticator, authenticated

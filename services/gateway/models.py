@@ -13,7 +13,7 @@ import msgspec
 from msgspec import Struct
 
 from proto import WorkerInfo
-from proto.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 
 from .chat_template import ChatTemplate
 
@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class TokenizerLike(Protocol):
-    """What validation needs of a tokenizer; ``proto.tokenizer``'s tokenizers qualify.
+    """What validation needs of a tokenizer; ``services.common.tokenizer``'s tokenizers qualify.
 
-    Read-only properties (not ``proto.tokenizer.Tokenizer``'s plain attributes) so any
+    Read-only properties (not ``services.common.tokenizer.Tokenizer``'s plain attributes) so any
     tokenizer whose ``vocab_size`` is an int attribute type-checks.
     """
 

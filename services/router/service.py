@@ -59,7 +59,7 @@ from proto import (
     WorkerGauge,
     WorkerInfo,
 )
-from proto.kvindex import KvApply
+from services.common.kvindex import KvApply
 
 from .config import RouterServiceConfig
 from .policy import (
@@ -286,7 +286,7 @@ class RouterService(Service):
                 continue
             self._cascade_keywords_done.add(name)
             try:
-                from proto.tokenizer import load_tokenizer
+                from services.common.tokenizer import load_tokenizer
 
                 tok = load_tokenizer(info.model_dir or info.tokenizer or "byte")
                 seqs: set[tuple[int, ...]] = set()

@@ -6,7 +6,7 @@ reading ``now``. Worker timestamps are only compared with other timestamps of th
 worker (gauge ordering), never with the router's clock, so clock skew between hosts
 cannot make a worker look dead or a gauge look fresh.
 
-Prefix index. Per pool, a ``proto.kvindex.KvIndex`` (block hash → bitmask of worker
+Prefix index. Per pool, a ``services.common.kvindex.KvIndex`` (block hash → bitmask of worker
 slots, per-worker event sequencing, gap detection, snapshot replay): the shared reading
 of the KV event contract, which admission keeps too. A ``RouterWorker`` carries its
 worker's ``KvHolder``; a gap makes ``take_resync_requests`` name the worker, the shell
@@ -20,9 +20,9 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from proto.hashing import pack_tokens
-from proto.kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvIndexConfig
 from proto.messages import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
-from proto.smoothing import ewma
+from services.common.kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvIndexConfig
+from services.common.smoothing import ewma
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "KvApply", "Pool", "RouterView", "RouterWorker", "ViewConfig", "pack_prompt"]
 

@@ -20,7 +20,7 @@ from ops.bench.workload import (
     TraceWorkload,
     parse_trace,
 )
-from proto.tokenizer import HFTokenizer
+from services.common.tokenizer import HFTokenizer
 
 BYTE = TextFactory("byte")
 

@@ -231,7 +231,7 @@ async def test_tokenizer_export_asks_the_mesh_which_tokenizer_a_model_uses(
     from tokenizers import Tokenizer
 
     from ops.cli import main
-    from proto.tokenizer import ByteTokenizer
+    from services.common.tokenizer import ByteTokenizer
 
     monkeypatch.setenv("MESHSERVE_NATS_URL", nats_url)
     out = tmp_path / "tok"

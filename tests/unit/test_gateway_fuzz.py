@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proto import GenerateRequest, decode, encode
-from proto.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 from services.gateway.errors import ApiError
 from services.gateway.models import ModelLimits, ModelSpec
 from services.gateway.validation import (

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from proto import AdmissionDecision, ErrorCode, GenerateRequest, decode, encode, unpack_tokens
-from proto.tokenizer import ByteTokenizer, HFTokenizer
+from services.common.tokenizer import ByteTokenizer, HFTokenizer
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.errors import (
     ApiError,

@@ -1,4 +1,4 @@
-"""Metering's query contract (proto.metering) and the pure parts of the ledger module."""
+"""Metering's query contract (proto.metering, services.common.usage) and the pure parts of the ledger module."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ from proto.metering import (
     UsageReport,
     UsageRow,
     check_query,
-    org_usage_query,
-    parse_time,
-    usage_report_json,
 )
+from services.common.usage import org_usage_query, parse_time, usage_report_json
 from services.metering.ledger import (
     MAX_TOKENS,
     InvalidEvent,

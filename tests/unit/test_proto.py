@@ -28,7 +28,7 @@ from proto import (
     unescape_token,
     unpack_tokens,
 )
-from proto.tokenizer import ByteTokenizer, IncrementalDecoder
+from services.common.tokenizer import ByteTokenizer, IncrementalDecoder
 
 _INT = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 _FLOAT = st.floats(allow_nan=False)

@@ -1,4 +1,4 @@
-"""proto.kvindex: the shared KV prefix index, queried from packed prompts or from hashes."""
+"""services.common.kvindex: the shared KV prefix index, queried from packed prompts or from hashes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.hashing import block_hashes, pack_tokens
-from proto.kvindex import KvApply, KvIndex
 from proto.messages import BlockStored, KvEventBatch, KvSnapshot
+from services.common.kvindex import KvApply, KvIndex
 
 PROMPT = list(range(500, 500 + 16 * 8))  # 8 full blocks
 HASHES = block_hashes(PROMPT, 16)

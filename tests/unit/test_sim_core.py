@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from proto.hashing import block_hashes
 from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
-from proto.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 from services.worker.engines.base import EngineOutput, EngineRequest
 from services.worker.engines.sim_core import EOS, WORDS, SimConfig, SimCore, StepResult
 from services.worker.engines.sim_profile import available_profiles, load_profile

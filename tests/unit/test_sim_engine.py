@@ -13,7 +13,7 @@ import pytest
 
 from proto.codec import decode, encode
 from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams, WorkerGauge
-from proto.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 from services.worker.engines import Engine, EngineOutput, EngineRequest, EngineStats, create_engine
 from services.worker.engines.sim import SimEngine
 from services.worker.engines.sim_core import SimConfig, SimCore

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from ops.cli import main
 from ops.tiny_model import build_tokenizer_json, tokenizer_config
 from ops.tokenizer_cli import export_tokenizer
-from proto.tokenizer import ByteTokenizer, load_tokenizer
+from services.common.tokenizer import ByteTokenizer, load_tokenizer
 from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 
 SAMPLES = ["Hello", "héllo wörld 🙂\n\t日本語 — ünïcødé", "  two leading spaces", "<|im_start|>user\nhi<|im_end|>",

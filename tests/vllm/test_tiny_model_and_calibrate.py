@@ -54,7 +54,7 @@ def test_presets_have_the_real_shapes() -> None:
 
 @needs_ml
 def test_make_tiny_model_is_deterministic_and_loads(tmp_path: Path) -> None:
-    from proto.tokenizer import HFTokenizer
+    from services.common.tokenizer import HFTokenizer
 
     a, b = tmp_path / "a", tmp_path / "b"
     assert meshserve(["make-tiny-model", str(a)]) == 0

@@ -49,7 +49,7 @@ from ops.up import Mesh, MeshConfig  # noqa: E402
 from proto import KvEventBatch, TokenChunk, WorkerGauge  # noqa: E402
 from proto.hashing import block_hashes  # noqa: E402
 from proto.messages import BlockStored  # noqa: E402
-from proto.tokenizer import HFTokenizer  # noqa: E402
+from services.common.tokenizer import HFTokenizer  # noqa: E402
 
 MODEL = "tiny-llama"
 BLOCK = 128  # vLLM's CPU build caches prefixes with 128-token blocks

@@ -158,7 +158,7 @@ class Engine(ABC):
     @property
     @abstractmethod
     def tokenizer_spec(self) -> str:
-        """What ``proto.tokenizer.load_tokenizer`` takes to load this model's tokenizer."""
+        """What ``services.common.tokenizer.load_tokenizer`` takes to load this model's tokenizer."""
 
     # --- lifecycle -------------------------------------------------------------------
 

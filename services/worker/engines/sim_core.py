@@ -37,7 +37,7 @@ import xxhash
 
 from proto.hashing import extend_block_hashes, pack_tokens, root_hash
 from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams, Timings
-from proto.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 
 from .base import EngineOutput, EngineRequest, EngineStats, FinishReason
 from .sim_profile import DEFAULT_PROFILE, MemoryBudget, SimProfile, load_profile

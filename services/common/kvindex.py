@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from .hashing import extend_block_hashes, root_hash
-from .messages import AllCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
+from proto.hashing import extend_block_hashes, root_hash
+from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 
 DEFAULT_BLOCK_SIZE = 16
 
