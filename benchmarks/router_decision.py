@@ -22,16 +22,16 @@ import tracemalloc
 
 from proto.hashing import block_hashes
 from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
+from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
-from services.router.view import RouterView
 
 MODEL = "bench"
 BLOCK = 16
 DOC_TOKENS = 2048
 
 
-def build(n_workers: int, blocks: int, docs: list[list[int]], rng: random.Random) -> RouterView:
-    view = RouterView()
+def build(n_workers: int, blocks: int, docs: list[list[int]], rng: random.Random) -> FleetView:
+    view = FleetView()
     doc_hashes = [block_hashes(d, BLOCK) for d in docs]
     per_doc = DOC_TOKENS // BLOCK
     for i in range(n_workers):
@@ -50,7 +50,7 @@ def build(n_workers: int, blocks: int, docs: list[list[int]], rng: random.Random
 
 
 def measure(
-    view: RouterView, docs: list[list[int]], policy: str, samples: int, hit_rate: float, seed: int
+    view: FleetView, docs: list[list[int]], policy: str, samples: int, hit_rate: float, seed: int
 ) -> tuple[float, float]:
     rng = random.Random(seed)
     pool = view.pool(MODEL)

@@ -1,8 +1,9 @@
 """The router: places each request on a worker of its model's pool (DESIGN.md, Routing).
 
-``view`` keeps the live picture of the pools (registry, gauges, optimistic accounting,
-the prefix index fed by KV events); ``policy`` turns it into placement decisions. Both
-are synchronous and deterministic; the async NATS shell drives them.
+The shared ``services.common.fleet.FleetView`` keeps the live picture of the pools
+(registry, gauges, optimistic accounting, the prefix index fed by KV events);
+``policy`` turns it into placement decisions. Both are synchronous and deterministic;
+the async NATS shell drives them.
 """
 
 from .policy import (
@@ -16,21 +17,15 @@ from .policy import (
     Router,
     RouterConfig,
 )
-from .view import KvApply, Pool, RouterView, RouterWorker, ViewConfig
 
 __all__ = [
     "POLICIES",
     "Candidate",
     "CascadeConfig",
-    "KvApply",
     "NoCapacity",
     "PolicyConfig",
-    "Pool",
     "RouteDecision",
     "RouteQuery",
     "Router",
     "RouterConfig",
-    "RouterView",
-    "RouterWorker",
-    "ViewConfig",
 ]

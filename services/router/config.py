@@ -9,15 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from bus.config import build, checked, read_file
+from services.common.fleet import FleetConfig
 
 from .policy import CascadeConfig, PolicyConfig, RouterConfig
-from .view import ViewConfig
 
 
 @dataclass(frozen=True)
 class RouterServiceConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
-    view: ViewConfig = field(default_factory=ViewConfig)
+    view: FleetConfig = field(default_factory=FleetConfig)
     # The worker answers a generate at once (before the first token): a slow answer means
     # a sick worker. Two attempts must fit in the gateway's route timeout (5 s).
     forward_timeout_s: float = 2.0
@@ -56,7 +56,7 @@ def parse_config(raw: Mapping[str, Any], *, policy: str | None = None, **overrid
         large = "llama-70b"
         max_prompt_tokens = 1024
         hard_keywords = ["prove", "step by step"]
-        [view]                                 # ViewConfig fields
+        [view]                                 # FleetConfig fields
         stale_after_s = 15
         [service]                              # RouterServiceConfig timing fields
         forward_timeout_s = 2.0
@@ -90,7 +90,7 @@ def parse_config(raw: Mapping[str, Any], *, policy: str | None = None, **overrid
             spec["hard_keyword_tokens"] = tuple(tuple(int(t) for t in seq) for seq in spec["hard_keyword_tokens"])
         cascades[name] = build(CascadeConfig, spec, where)
     aliases = {str(k): str(v) for k, v in (raw.get("aliases") or {}).items()}
-    view = build(ViewConfig, raw.get("view") or {}, "view")
+    view = build(FleetConfig, raw.get("view") or {}, "view")
     service = checked(RouterServiceConfig, raw.get("service") or {}, "service")
     for bad in ("router", "view"):
         if bad in service:

@@ -1,4 +1,4 @@
-"""Placement: which worker serves a request. Pure decisions over a ``RouterView``.
+"""Placement: which worker serves a request. Pure decisions over a ``FleetView``.
 
 ``Router.decide`` reads the view and returns a ``RouteDecision`` (or ``NoCapacity``) without
 touching it; ``Router.commit`` then adds the placement to the view's optimistic
@@ -51,8 +51,7 @@ from typing import Literal
 import xxhash
 
 from proto.messages import GenerateRequest, Placement
-
-from .view import Pool, RouterView, RouterWorker, pack_prompt
+from services.common.fleet import FleetView, FleetWorker, Pool, pack_prompt
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
@@ -83,7 +82,7 @@ class PolicyConfig:
     # (in tokens, comparable to the adapter's load time in prefill tokens).
     lora_dynamic: bool = False
     lora_load_penalty_tokens: int = 2048
-    # Anti-herding (prefix policy): a worker whose load average (``RouterWorker.load_avg``)
+    # Anti-herding (prefix policy): a worker whose load average (``FleetWorker.load_avg``)
     # is below the eligible pool's mean / ``balance_factor`` while its current load is
     # at most the pool's current mean is underused, and takes the request even if a
     # cache holder costs less. Cost alone never sends a hot prompt to a cold replica
@@ -307,10 +306,10 @@ def _find_aligned(data: bytes, pat: bytes) -> bool:
 
 
 class Router:
-    """Model resolution and placement policies over a ``RouterView``."""
+    """Model resolution and placement policies over a ``FleetView``."""
 
     def __init__(
-        self, view: RouterView, config: RouterConfig | None = None, rng: random.Random | None = None
+        self, view: FleetView, config: RouterConfig | None = None, rng: random.Random | None = None
     ) -> None:
         self.view = view
         self.config = config or RouterConfig()
@@ -417,21 +416,21 @@ class Router:
                 return self._session(model, eligible, ctx)
 
     # ---- policies ----
-    def _round_robin(self, model: str, eligible: list[RouterWorker], ctx: _Ctx) -> RouteDecision:
+    def _round_robin(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
         start = self._rr.get(model, 0) % len(eligible)
         self._rr[model] = start + 1
         w = eligible[start]
         ctx.ensure([w])
         return ctx.decision(model, "round_robin", ctx.candidate(w, float(w.outstanding_tokens)))
 
-    def _least_load(self, model: str, eligible: list[RouterWorker], ctx: _Ctx) -> RouteDecision:
+    def _least_load(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
         scored = [(float(w.outstanding_tokens + ctx.lora_penalty(w)), w) for w in eligible]
         cost, best = self._pick(scored)
         ctx.ensure([best])
         return ctx.decision(model, "least_load", ctx.candidate(best, cost))
 
     def _prefix(
-        self, model: str, eligible: list[RouterWorker], ctx: _Ctx, policy: str = "prefix", note: str = ""
+        self, model: str, eligible: list[FleetWorker], ctx: _Ctx, policy: str = "prefix", note: str = ""
     ) -> RouteDecision:
         cfg = ctx.cfg
         by_slot = ctx.ensure(eligible)  # the holders are needed: walk the whole eligible set
@@ -469,7 +468,7 @@ class Router:
         return replace(decision, hint=hint, rebalanced=best in under)
 
     @staticmethod
-    def _hinted(eligible: Sequence[RouterWorker], ctx: _Ctx) -> tuple[RouterWorker | None, float]:
+    def _hinted(eligible: Sequence[FleetWorker], ctx: _Ctx) -> tuple[FleetWorker | None, float]:
         """Admission's replica if it is eligible, and the prefill work (tokens) a
         placement may put ahead of the request: its own plus admission's slack."""
         wid = ctx.q.prefer_worker
@@ -481,7 +480,7 @@ class Router:
         return w, ctx.prefill_cost(w) + max(ctx.q.prefer_slack_tokens, 0)
 
     @staticmethod
-    def _underused(eligible: Sequence[RouterWorker], cfg: PolicyConfig) -> list[RouterWorker]:
+    def _underused(eligible: Sequence[FleetWorker], cfg: PolicyConfig) -> list[FleetWorker]:
         """Workers left underused by cache affinity (see ``PolicyConfig.balance_factor``)."""
         if not cfg.balance_factor or len(eligible) < 2:
             return []
@@ -497,7 +496,7 @@ class Router:
             if a is not None and a < floor and w.outstanding_tokens <= mean_now
         ]
 
-    def _session(self, model: str, eligible: list[RouterWorker], ctx: _Ctx) -> RouteDecision:
+    def _session(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
         key = ctx.q.session_key
         if not key:
             return self._prefix(model, eligible, ctx, note="session: no session key")
@@ -518,7 +517,7 @@ class Router:
         ctx.ensure([target])
         return ctx.decision(model, "session", ctx.candidate(target, ctx.prefix_cost(target)))
 
-    def _pick(self, scored: list[tuple[float, RouterWorker]]) -> tuple[float, RouterWorker]:
+    def _pick(self, scored: list[tuple[float, FleetWorker]]) -> tuple[float, FleetWorker]:
         """Lowest cost, ties broken at random."""
         low = min(c for c, _ in scored)
         ties = [cw for cw in scored if cw[0] == low]
@@ -544,7 +543,7 @@ class _Ctx:
         self.blocks: dict[int, int] = {}  # slot → leading cached blocks
         self.done = 0  # slots walked so far
 
-    def ensure(self, workers: Iterable[RouterWorker]) -> dict[int, int]:
+    def ensure(self, workers: Iterable[FleetWorker]) -> dict[int, int]:
         """Walk the index for the ``workers`` not walked yet; return slot → blocks."""
         mask = self.pool.mask_of(workers) & ~self.done
         if mask:
@@ -552,20 +551,20 @@ class _Ctx:
             self.done |= mask
         return self.blocks
 
-    def cached(self, w: RouterWorker) -> int:
+    def cached(self, w: FleetWorker) -> int:
         return min(self.blocks.get(w.slot, 0) * w.block_size, self.prompt_tokens)
 
-    def lora_penalty(self, w: RouterWorker) -> int:
+    def lora_penalty(self, w: FleetWorker) -> int:
         return self.cfg.lora_load_penalty_tokens if w.worker_id in self.lora_missing else 0
 
-    def prefill_cost(self, w: RouterWorker) -> int:
+    def prefill_cost(self, w: FleetWorker) -> int:
         """Prefill tokens ahead of the request's first token on ``w``: what its TTFT grows with."""
         return self.prompt_tokens - self.cached(w) + w.queued_prefill_tokens
 
-    def prefix_cost(self, w: RouterWorker) -> float:
+    def prefix_cost(self, w: FleetWorker) -> float:
         return self.prefill_cost(w) + self.cfg.beta * w.running_tokens + self.lora_penalty(w)
 
-    def candidate(self, w: RouterWorker, cost: float) -> Candidate:
+    def candidate(self, w: FleetWorker, cost: float) -> Candidate:
         return Candidate(w.worker_id, cost, self.cached(w))
 
     def decision(self, model: str, policy: str, best: Candidate, note: str = "") -> RouteDecision:

@@ -1,7 +1,7 @@
-"""The router service: ``policy`` and ``view`` wired to the mesh (DESIGN.md, Routing).
+"""The router service: ``policy`` and the fleet view wired to the mesh (DESIGN.md, Routing).
 
-It keeps the view live from four feeds: the worker registry (joins, heartbeats, state
-changes, deletes), gauges (``mesh.gauges.>``), KV event batches (``mesh.kv.>``; a gap, a
+It keeps the shared ``services.common.fleet.FleetView`` live (``FleetFeed``) from four
+feeds: the worker registry (joins, heartbeats, state changes, deletes), gauges (``mesh.gauges.>``), KV event batches (``mesh.kv.>``; a gap, a
 stream joined mid-way or a batch a gauge names but that never came makes it ask the
 worker for a ``KvSnapshot``), and its own clock (workers silent for ``stale_after_s`` are
 expired). Several routers may run: each builds the same view from the same events and
@@ -44,22 +44,18 @@ from prometheus_client import (
 
 from bus import BusSettings, Service
 from bus.metrics import MetricsServer
-from bus.registry import WorkerRegistry
 from proto import (
     CancelRequest,
     ControlReply,
     ErrorCode,
     GenerateRequest,
-    KvEventBatch,
-    KvSnapshot,
-    KvSnapshotRequest,
     MeshError,
     RequestTimeout,
     RouteRequest,
-    WorkerGauge,
     WorkerInfo,
 )
-from services.common.kvindex import KvApply
+from services.common.feed import FleetFeed
+from services.common.fleet import FleetView
 
 from .config import RouterServiceConfig
 from .policy import (
@@ -70,7 +66,6 @@ from .policy import (
     Router,
 )
 from .retry import Refusal, after_refusal, is_refusal, no_worker
-from .view import RouterView
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.router")
@@ -128,10 +123,12 @@ class RouterService(Service):
         self.config = config or RouterServiceConfig()
         # The view only compares the router's own clock readings: monotonic suits it.
         self.clock = clock
-        self.view = RouterView(self.config.view)
+        self.view = FleetView(self.config.view)
+        self.feed = FleetFeed(self, self.view, lambda: self.clock(), resync_retry_s=self.config.resync_retry_s,
+                              snapshot_timeout_s=self.config.snapshot_timeout_s, on_registry=self._on_registry,
+                              on_resync=lambda _wid, outcome: self.metrics.resyncs.labels(outcome=outcome).inc())
         self.router = Router(self.view, self.config.router, random.Random(self.config.seed))
         self.metrics = RouterMetrics()
-        self.registry: WorkerRegistry | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._metrics_server: MetricsServer | None = None
@@ -146,18 +143,12 @@ class RouterService(Service):
         self.hints: dict[str, int] = {}  # admission hint outcome → placements
         self.rebalanced = 0
         self.failed = 0
-        self.resyncs_requested = 0
-        self.resyncs_applied = 0
         self.decision_s_total = 0.0
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
         s = self.bus.subjects
-        self.registry = WorkerRegistry(self.bus)
-        self.registry.on_change(self._on_registry)
-        await self.registry.start()
-        await self.subscribe(s.gauges_all, WorkerGauge, self._on_gauge)
-        await self.subscribe(s.kv_events_all, KvEventBatch, self._on_kv_events)
+        await self.feed.start()
         await self.add_endpoint("route", s.router_route, RouteRequest, self.handle_route, queue_group="router")
         self._loop_task = asyncio.create_task(self._maintenance(), name="router-maintenance")
         if self.config.metrics_port is not None:
@@ -175,8 +166,7 @@ class RouterService(Service):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.registry is not None:
-            await self.registry.stop()
+        await self.feed.stop()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -200,59 +190,15 @@ class RouterService(Service):
             "admission_hints": dict(self.hints),
             "rebalanced": self.rebalanced,
             "errors": self.failed,
-            "resyncs_requested": self.resyncs_requested,
-            "resyncs_applied": self.resyncs_applied,
+            "resyncs_requested": self.feed.resyncs_requested,
+            "resyncs_applied": self.feed.resyncs_applied,
             "mean_decision_us": 1e6 * self.decision_s_total / self.placed if self.placed else 0.0,
         }
 
-    # ---- feeds ------------------------------------------------------------------------
+    # ---- feeds (the view is fed by FleetFeed) -------------------------------------------
     def _on_registry(self, worker_id: str, info: WorkerInfo | None) -> None:
-        if info is None:
-            self.view.remove_worker(worker_id)
-            return
-        self.view.update_worker(info, self.clock())
-        self._maybe_compile_keywords(info)
-
-    async def _on_gauge(self, gauge: WorkerGauge, msg: Msg) -> None:
-        if gauge.worker_id not in self.view and (self.registry is None or gauge.worker_id not in self.registry.workers):
-            # A gauge from a worker the registry no longer lists (its last one, published
-            # on the way out, or a straggler): do not resurrect it.
-            return
-        self.view.apply_gauge(gauge, self.clock())
-        if self.view.needs_resync(gauge.worker_id):
-            self._request_resyncs()
-
-    async def _on_kv_events(self, batch: KvEventBatch, msg: Msg) -> None:
-        if batch.worker_id not in self.view and (self.registry is None or batch.worker_id not in self.registry.workers):
-            return
-        result = self.view.apply_kv_events(batch, self.clock())
-        if result is KvApply.GAP:
-            log.info("KV events of %s: gap before batch %d, resyncing", batch.worker_id, batch.seq)
-            self._request_resyncs()
-
-    def _request_resyncs(self) -> None:
-        for worker_id in self.view.take_resync_requests(self.clock(), self.config.resync_retry_s):
-            self.resyncs_requested += 1
-            self._background_task(self._resync(worker_id), f"resync-{worker_id}")
-
-    async def _resync(self, worker_id: str) -> None:
-        s = self.bus.subjects
-        try:
-            snap = await self.bus.request(
-                s.worker_kv_snapshot(worker_id), KvSnapshotRequest(worker_id=worker_id), KvSnapshot,
-                timeout=self.config.snapshot_timeout_s,
-            )
-        except MeshError as exc:
-            # take_resync_requests names the worker again after resync_retry_s.
-            log.warning("KV snapshot of %s failed: %s", worker_id, exc)
-            self.metrics.resyncs.labels(outcome="failed").inc()
-            return
-        if self.view.apply_snapshot(snap, self.clock()):
-            self.resyncs_applied += 1
-            self.metrics.resyncs.labels(outcome="applied").inc()
-            log.info("KV index of %s resynced from a snapshot at batch %d (%d blocks)", worker_id, snap.seq, len(snap.block_hashes))
-        else:
-            self.metrics.resyncs.labels(outcome="incomplete").inc()
+        if info is not None:
+            self._maybe_compile_keywords(info)
 
     async def _maintenance(self) -> None:
         while True:
@@ -261,7 +207,7 @@ class RouterService(Service):
                 for worker_id in self.view.expire(self.clock()):
                     log.warning("worker %s expired: no registry heartbeat, gauge or KV event for %.0f s",
                                 worker_id, self.config.view.stale_after_s)
-                self._request_resyncs()
+                self.feed.request_resyncs()
                 self._update_worker_gauges()
             except Exception:  # a bug here must not stop expiry for good
                 log.exception("router maintenance failed")

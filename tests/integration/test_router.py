@@ -26,10 +26,10 @@ from proto import (
     TokenChunk,
     pack_tokens,
 )
+from services.common.fleet import FleetConfig
 from services.gateway.service import GatewayConfig, GatewayService
 from services.router.policy import PolicyConfig, RouterConfig
 from services.router.service import RouterService, RouterServiceConfig
-from services.router.view import ViewConfig
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
 
@@ -112,10 +112,10 @@ async def start_worker(bus_settings: BusSettings) -> AsyncIterator[WorkerFactory
 async def start_router(bus_settings: BusSettings) -> AsyncIterator[RouterFactory]:
     started: list[RouterService] = []
 
-    async def start(policy: str = "prefix", *, view: ViewConfig | None = None, **router: object) -> RouterService:
+    async def start(policy: str = "prefix", *, view: FleetConfig | None = None, **router: object) -> RouterService:
         config = RouterServiceConfig(
             router=RouterConfig(default=PolicyConfig(policy=policy), **router),  # type: ignore[arg-type]
-            view=view or ViewConfig(), seed=3, maintenance_interval_s=0.1,
+            view=view or FleetConfig(), seed=3, maintenance_interval_s=0.1,
         )
         service = RouterService(config, bus_settings)
         await service.start()
@@ -242,7 +242,7 @@ async def test_a_router_started_late_resyncs_the_index_from_snapshots(
 async def test_a_silent_worker_is_expired(bus: Bus, start_worker: WorkerFactory, start_router: RouterFactory) -> None:
     w1 = await start_worker("w1")
     await start_worker("w2")
-    router = await start_router("round_robin", view=ViewConfig(stale_after_s=0.5))
+    router = await start_router("round_robin", view=FleetConfig(stale_after_s=0.5))
     await placeable(router, 2)
     for task in w1._loops:  # hung: no heartbeat, no gauge (its registry entry outlives it)
         task.cancel()

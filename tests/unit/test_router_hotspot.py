@@ -17,8 +17,8 @@ import pytest
 
 from proto.hashing import block_hashes
 from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
+from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
-from services.router.view import RouterView
 
 MODEL = "m"
 BLOCK = 16
@@ -63,7 +63,7 @@ def simulate(
     cfg: PolicyConfig, seed: int, n: int = 8, rate: float = 100.0, seconds: float = 20.0
 ) -> tuple[list[list[int]], int]:
     rng = random.Random(seed)
-    view = RouterView()
+    view = FleetView()
     router = Router(view, RouterConfig(default=cfg), random.Random(seed + 1))
     workers = {f"w{i}": SimWorker(f"w{i}", prefill_rate=20_000.0) for i in range(n)}
     for w in workers.values():
@@ -127,7 +127,7 @@ def simulate(
     return samples, holders
 
 
-def _leading(view: RouterView, wid: str, prompt: list[int]) -> int:
+def _leading(view: FleetView, wid: str, prompt: list[int]) -> int:
     w = view.worker(wid)
     assert w is not None
     n = 0

@@ -10,6 +10,7 @@ import pytest
 
 from proto.hashing import block_hashes, pack_tokens
 from proto.messages import BlockStored, GenerateRequest, KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
+from services.common.fleet import FleetView
 from services.router.policy import (
     CascadeConfig,
     NoCapacity,
@@ -19,19 +20,18 @@ from services.router.policy import (
     Router,
     RouterConfig,
 )
-from services.router.view import RouterView
 
 MODEL = "llama"
 
 
-def make_view(n: int, model: str = MODEL, *, block_size: int = 16, loras: tuple[str, ...] = ()) -> RouterView:
-    v = RouterView()
+def make_view(n: int, model: str = MODEL, *, block_size: int = 16, loras: tuple[str, ...] = ()) -> FleetView:
+    v = FleetView()
     add_workers(v, n, model, block_size=block_size, loras=loras)
     return v
 
 
 def add_workers(
-    v: RouterView,
+    v: FleetView,
     n: int,
     model: str = MODEL,
     *,
@@ -54,7 +54,7 @@ def add_workers(
 
 
 def set_load(
-    v: RouterView,
+    v: FleetView,
     wid: str,
     queued: int = 0,
     running: int = 0,
@@ -72,7 +72,7 @@ def set_load(
     )
 
 
-def cache(v: RouterView, wid: str, prompt: list[int], block_size: int = 16, salt: str = "") -> None:
+def cache(v: FleetView, wid: str, prompt: list[int], block_size: int = 16, salt: str = "") -> None:
     w = v.worker(wid)
     assert w is not None
     seq = w.kv_seq + 1
@@ -92,7 +92,7 @@ def q(rid: str = "r", prompt: list[int] | None = None, model: str = MODEL, **kw:
     return RouteQuery.of(rid, model, prompt if prompt is not None else list(range(64)), **kw)
 
 
-def router(v: RouterView, policy: str = "prefix", seed: int = 0, **kw: object) -> Router:
+def router(v: FleetView, policy: str = "prefix", seed: int = 0, **kw: object) -> Router:
     cfg = RouterConfig(default=PolicyConfig(policy=policy, **kw))  # type: ignore[arg-type]
     return Router(v, cfg, random.Random(seed))
 
@@ -172,7 +172,7 @@ def test_prefix_running_tokens_weigh_beta() -> None:
     assert decided(router(v, "prefix", beta=1.0).decide(q(), 0.5)).worker_id == "llama-1"
 
 
-def _hold_loads(v: RouterView, loads: dict[str, int], seconds: float = 30.0) -> None:
+def _hold_loads(v: FleetView, loads: dict[str, int], seconds: float = 30.0) -> None:
     """Gauges every second for ``seconds``: each worker's load average settles at its load."""
     for t in range(1, int(seconds) + 1):
         for wid, running in loads.items():
@@ -487,7 +487,7 @@ def test_alias_resolves_to_its_pool() -> None:
     assert "alias" in d.note
 
 
-def cascade_router(v: RouterView, **kw: object) -> Router:
+def cascade_router(v: FleetView, **kw: object) -> Router:
     cc = CascadeConfig(small="small", large="large", max_prompt_tokens=100, **kw)  # type: ignore[arg-type]
     return Router(v, RouterConfig(cascades={"auto": cc}, aliases={"smart": "auto"}), random.Random(0))
 

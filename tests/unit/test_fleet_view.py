@@ -1,4 +1,4 @@
-"""RouterView: prefix index, KV event sequencing and resync, optimistic accounting."""
+"""FleetView: prefix index, KV event sequencing and resync, optimistic accounting (router and admission read it)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from proto.messages import (
     WorkerInfo,
     WorkerState,
 )
-from services.router.view import KvApply, Pool, RouterView, ViewConfig
+from services.common.fleet import FleetConfig, FleetView, KvApply, Pool
 
 MODEL = "m"
 
@@ -43,7 +43,7 @@ def gauge(wid: str, ts: float, **kw: object) -> WorkerGauge:
     return WorkerGauge(worker_id=wid, model=MODEL, ts=ts, **kw)  # type: ignore[arg-type]
 
 
-def prefix_tokens(view: RouterView, prompt: list[int], salt: str = "") -> dict[str, int]:
+def prefix_tokens(view: FleetView, prompt: list[int], salt: str = "") -> dict[str, int]:
     pool = view.pool(MODEL)
     assert pool is not None
     by_slot = pool.cached_prefix_blocks(pack_tokens(prompt), salt, pool.mask_of(pool))
@@ -63,8 +63,8 @@ PROMPT = list(range(1000, 1000 + 16 * 10))  # 10 full blocks
 HASHES = block_hashes(PROMPT, 16)
 
 
-def two_workers() -> RouterView:
-    v = RouterView()
+def two_workers() -> FleetView:
+    v = FleetView()
     v.update_worker(info("a"), 0.0)
     v.update_worker(info("b"), 0.0)
     return v
@@ -99,7 +99,7 @@ def test_salt_separates_lora_namespaces() -> None:
 
 
 def test_block_size_128_pool() -> None:
-    v = RouterView()
+    v = FleetView()
     v.update_worker(info("c", block_size=128), 0.0)
     prompt = list(range(300))
     v.apply_kv_events(batch("c", 0, stored(block_hashes(prompt, 128), 128)), 0.0)
@@ -147,7 +147,7 @@ def test_remove_worker_drops_its_entries_and_slot_reuse_is_clean() -> None:
 
 
 def test_expire_drops_silent_workers() -> None:
-    v = RouterView(ViewConfig(stale_after_s=10.0))
+    v = FleetView(FleetConfig(stale_after_s=10.0))
     v.update_worker(info("a"), 0.0)
     v.update_worker(info("b"), 0.0)
     v.apply_gauge(gauge("b", 8.0), 8.0)  # gauges count as signs of life
@@ -294,7 +294,7 @@ def test_gauge_matching_received_batches_triggers_nothing() -> None:
 
 
 def test_resync_buffer_is_bounded() -> None:
-    v = RouterView(ViewConfig(max_pending_batches=8, replay_window=4))
+    v = FleetView(FleetConfig(max_pending_batches=8, replay_window=4))
     v.update_worker(info("a"), 0.0)
     v.apply_kv_events(batch("a", 0, stored([0])), 0.0)
     for seq in range(2, 40):
@@ -313,7 +313,7 @@ def test_resync_buffer_is_bounded() -> None:
 
 
 def test_placements_count_until_a_newer_gauge() -> None:
-    v = RouterView(ViewConfig(placement_settle_s=0.02))
+    v = FleetView(FleetConfig(placement_settle_s=0.02))
     v.update_worker(info("a"), 0.0)
     v.apply_gauge(gauge("a", 100.0, queued_prefill_tokens=10, running_tokens=50), 0.0)
     v.record_placement("a", "r1", 300, 400, 0.10)
@@ -331,7 +331,7 @@ def test_placements_count_until_a_newer_gauge() -> None:
 
 
 def test_reordered_older_gauge_is_ignored() -> None:
-    v = RouterView()
+    v = FleetView()
     v.update_worker(info("a"), 0.0)
     assert v.apply_gauge(gauge("a", 10.0, queued_prefill_tokens=5), 1.0)
     assert not v.apply_gauge(gauge("a", 9.0, queued_prefill_tokens=999), 1.1)
@@ -353,7 +353,7 @@ def test_release_and_retry_move_the_optimistic_load() -> None:
 
 
 def test_optimistic_additions_age_out_without_gauges() -> None:
-    v = RouterView(ViewConfig(placement_max_age_s=5.0))
+    v = FleetView(FleetConfig(placement_max_age_s=5.0))
     v.update_worker(info("a"), 0.0)
     v.record_placement("a", "r1", 100, 120, 0.0)
     v.record_placement("a", "r2", 10, 12, 6.0)
@@ -385,7 +385,7 @@ op: st.SearchStrategy[tuple[str, int, list[int]]] = st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(st.lists(op, max_size=40))
 def test_index_matches_worker_block_sets(ops: list[tuple[str, int, list[int]]]) -> None:
-    v = RouterView()
+    v = FleetView()
     seqs = dict.fromkeys(range(4), 0)
     shadow: dict[int, set[int]] = {i: set() for i in range(4)}
     for kind, wi, hashes in ops:
@@ -424,7 +424,7 @@ def test_index_matches_worker_block_sets(ops: list[tuple[str, int, list[int]]]) 
 
 
 def test_full_caches_at_64_workers_fit_one_entry_per_distinct_block() -> None:
-    v = RouterView()
+    v = FleetView()
     rng = random.Random(3)
     shared = [rng.getrandbits(64) for _ in range(500)]
     for i in range(64):

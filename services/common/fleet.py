@@ -1,16 +1,31 @@
-"""The router's live view of its pools: who is there, how loaded, and what they cache.
+"""The fleet view: who serves which model, how loaded, and what they cache.
 
-Everything here is synchronous and driven by the async shell, which feeds it registry
-entries, gauges, KV event batches and snapshots, always with the router's own clock
-reading ``now``. Worker timestamps are only compared with other timestamps of the same
-worker (gauge ordering), never with the router's clock, so clock skew between hosts
-cannot make a worker look dead or a gauge look fresh.
+One view, read by the router (placement), admission (the SLO check's replicas) and the
+autoscaler (each pool's gauges), so that every service applies the same rules to the
+same feeds (DESIGN.md, Layout):
 
-Prefix index. Per pool, a ``services.common.kvindex.KvIndex`` (block hash → bitmask of worker
-slots, per-worker event sequencing, gap detection, snapshot replay): the shared reading
-of the KV event contract, which admission keeps too. A ``RouterWorker`` carries its
-worker's ``KvHolder``; a gap makes ``take_resync_requests`` name the worker, the shell
-asks it for a ``KvSnapshot`` and hands it to ``apply_snapshot``.
+- Identity. A worker id reused for another model starts over in that model's pool; the
+  same id with a new ``started_at`` is a restarted process: its KV cache, gauge, load
+  average and optimistic placements are gone.
+- Membership. The registry adds and removes workers (``update_worker``,
+  ``remove_worker``). With ``registry_only=False`` (router, autoscaler) a gauge or KV
+  batch of a worker the view does not hold adds it too (the feed has checked that the
+  registry lists it); with ``registry_only=True`` (admission) those are ignored until the
+  registry entry arrives, and the gap they leave is resynced from a snapshot.
+- Gauges. One older than the gauge held (reordered delivery) is dropped. A gauge
+  received ``placement_settle_s`` after a placement is taken to include it, so the
+  optimistic additions made before then are dropped; older than ``placement_max_age_s``
+  they are dropped anyway. Each gauge feeds the worker's load average.
+- KV events. Per pool, a ``services.common.kvindex.KvIndex`` (block hash → bitmask of
+  worker slots, per-worker sequencing, gap detection, snapshot replay). A gap makes
+  ``take_resync_requests`` name the worker; the feed asks it for a ``KvSnapshot`` and
+  hands it to ``apply_snapshot``. A gauge names the last batch published, which reveals
+  a lost last batch.
+
+Everything here is synchronous and driven by an async shell (``services.common.feed``)
+with the consumer's own clock reading ``now``. Worker timestamps are only compared with
+other timestamps of the same worker (gauge ordering), never with that clock, so clock
+skew between hosts cannot make a worker look dead or a gauge look fresh.
 """
 
 from __future__ import annotations
@@ -21,10 +36,14 @@ from dataclasses import dataclass, field
 
 from proto.hashing import pack_tokens
 from proto.messages import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
-from services.common.kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvIndexConfig
-from services.common.smoothing import ewma
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KvApply", "Pool", "RouterView", "RouterWorker", "ViewConfig", "pack_prompt"]
+from .kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvIndexConfig
+from .smoothing import ewma
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "FleetConfig", "FleetView", "FleetWorker", "KvApply", "Pool", "pack_prompt"]
+
+# Keys of placements nobody will release (admission counts admissions, not requests).
+_anonymous = itertools.count(1)
 
 # Pool generations come from one counter so that a pool dropped and re-created never
 # repeats a generation a consumer has cached.
@@ -32,13 +51,13 @@ _generations = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
-class ViewConfig:
+class FleetConfig:
     # A worker not heard from (registry put, gauge or KV batch) for this long is
     # treated as expired: never placed on, and dropped by ``expire``. The registry's
     # KV TTL normally removes it first; this is the backstop if that delete is missed.
     stale_after_s: float = 15.0
     # A gauge received at least this long after a placement is taken to include it.
-    # Compared on the router's clock only: the request needs one hop to reach the
+    # Compared on the consumer's clock only: the request needs one hop to reach the
     # worker and the gauge one hop back, both far below this on a LAN.
     placement_settle_s: float = 0.02
     # Optimistic additions older than this are dropped even without a new gauge, so a
@@ -67,7 +86,9 @@ class ViewConfig:
 
 
 @dataclass(slots=True)
-class _Placement:
+class Placement:
+    """Work counted on a worker before its gauges can show it."""
+
     worker_id: str
     placed_at: float
     prefill_tokens: int
@@ -75,8 +96,8 @@ class _Placement:
 
 
 @dataclass(eq=False, slots=True)
-class RouterWorker:
-    """One worker as the router sees it. Policies read it; only ``RouterView`` writes."""
+class FleetWorker:
+    """One worker as the fleet view sees it. Consumers read it; only ``FleetView`` writes."""
 
     worker_id: str
     model: str
@@ -88,7 +109,7 @@ class RouterWorker:
     last_seen: float = 0.0
     gauge_received_at: float = float("-inf")
     # optimistic accounting: placements not yet reflected by a gauge, oldest first
-    placements: dict[str, _Placement] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
     opt_prefill_tokens: int = 0
     opt_running_tokens: int = 0
     # exponentially weighted mean of the gauges' outstanding tokens (None: no gauge yet)
@@ -115,7 +136,7 @@ class RouterWorker:
     def recent_batches(self) -> dict[int, KvEventBatch]:
         return self.kv.recent
 
-    # ---- load, gauge plus what this router placed since that gauge ----
+    # ---- load, gauge plus what was placed since that gauge ----
     @property
     def queued_prefill_tokens(self) -> int:
         base = self.gauge.queued_prefill_tokens if self.gauge is not None else 0
@@ -164,19 +185,19 @@ class Pool:
 
     __slots__ = ("_by_slot", "config", "generation", "kv", "model", "workers")
 
-    def __init__(self, model: str, config: ViewConfig) -> None:
+    def __init__(self, model: str, config: FleetConfig) -> None:
         self.model = model
         self.config = config
-        self.workers: dict[str, RouterWorker] = {}
+        self.workers: dict[str, FleetWorker] = {}
         self.kv = KvIndex(config.kv_config)
-        self._by_slot: list[RouterWorker | None] = []  # index slot → worker
+        self._by_slot: list[FleetWorker | None] = []  # index slot → worker
         # Changes when membership changes; consumers (the session ring) rebuild on it.
         self.generation = next(_generations)
 
     def __len__(self) -> int:
         return len(self.workers)
 
-    def __iter__(self) -> Iterator[RouterWorker]:
+    def __iter__(self) -> Iterator[FleetWorker]:
         return iter(self.workers.values())
 
     @property
@@ -188,7 +209,7 @@ class Pool:
     def block_sizes(self) -> list[int]:
         return self.kv.block_sizes
 
-    def at(self, slot: int) -> RouterWorker:
+    def at(self, slot: int) -> FleetWorker:
         """The worker in ``slot`` (as returned by ``cached_prefix_blocks``)."""
         w = self._by_slot[slot] if slot < len(self._by_slot) else None
         if w is None:
@@ -196,9 +217,9 @@ class Pool:
         return w
 
     # ---- membership ----
-    def _add(self, worker_id: str) -> RouterWorker:
+    def _add(self, worker_id: str) -> FleetWorker:
         h = self.kv.add(worker_id)
-        w = RouterWorker(worker_id=worker_id, model=self.model, kv=h, slot=h.slot, bit=h.bit)
+        w = FleetWorker(worker_id=worker_id, model=self.model, kv=h, slot=h.slot, bit=h.bit)
         while len(self._by_slot) <= h.slot:
             self._by_slot.append(None)
         self._by_slot[h.slot] = w
@@ -206,14 +227,14 @@ class Pool:
         self.generation = next(_generations)
         return w
 
-    def _remove(self, w: RouterWorker) -> None:
+    def _remove(self, w: FleetWorker) -> None:
         self.kv.remove(w.worker_id)
         self._by_slot[w.slot] = None
         del self.workers[w.worker_id]
         self.generation = next(_generations)
 
     # ---- queries ----
-    def mask_of(self, workers: Iterable[RouterWorker]) -> int:
+    def mask_of(self, workers: Iterable[FleetWorker]) -> int:
         m = 0
         for w in workers:
             m |= w.bit
@@ -228,40 +249,49 @@ class Pool:
         return self.kv.cached_prefix_blocks(prompt, salt, mask)
 
 
-class RouterView:
-    """All pools the router knows, keyed by model name."""
+class FleetView:
+    """All pools the consumer knows, keyed by model name."""
 
-    def __init__(self, config: ViewConfig | None = None) -> None:
-        self.config = config or ViewConfig()
+    def __init__(self, config: FleetConfig | None = None, *, registry_only: bool = False) -> None:
+        self.config = config or FleetConfig()
+        # True: only the registry adds workers; feeds of unknown workers are ignored.
+        self.registry_only = registry_only
         self.pools: dict[str, Pool] = {}
         # Every model a worker has ever served: a pool that lost its last worker is
         # "empty" (retry later), not "unknown".
         self.models_seen: set[str] = set()
         self._where: dict[str, Pool] = {}  # worker id → its pool
-        self._placement_owner: dict[str, RouterWorker] = {}  # request id → worker
+        self._placement_owner: dict[str, FleetWorker] = {}  # request id → worker
 
     # ---- lookups ----
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __iter__(self) -> Iterator[FleetWorker]:
+        for pool in self.pools.values():
+            yield from pool
+
     def pool(self, model: str) -> Pool | None:
         return self.pools.get(model)
 
-    def worker(self, worker_id: str) -> RouterWorker | None:
+    def worker(self, worker_id: str) -> FleetWorker | None:
         pool = self._where.get(worker_id)
         return pool.workers.get(worker_id) if pool is not None else None
 
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self._where
 
-    def is_live(self, w: RouterWorker, now: float) -> bool:
+    def is_live(self, w: FleetWorker, now: float) -> bool:
         return now - w.last_seen <= self.config.stale_after_s
 
-    def placeable(self, w: RouterWorker, now: float) -> bool:
+    def placeable(self, w: FleetWorker, now: float) -> bool:
         """Ready, not draining, not expired: the only workers a policy may choose."""
         return w.ready and self.is_live(w, now)
 
-    def placeable_in(self, pool: Pool, now: float, exclude: Collection[str] = ()) -> list[RouterWorker]:
+    def placeable_in(self, pool: Pool, now: float, exclude: Collection[str] = ()) -> list[FleetWorker]:
         """``placeable`` workers of ``pool`` not in ``exclude``, in pool order (inlined: hot)."""
         horizon = now - self.config.stale_after_s
-        out: list[RouterWorker] = []
+        out: list[FleetWorker] = []
         for w in pool.workers.values():
             info = w.info
             if info is None or info.state != "ready" or w.last_seen < horizon:
@@ -272,7 +302,16 @@ class RouterView:
             out.append(w)
         return out
 
-    def _ensure(self, worker_id: str, model: str) -> tuple[Pool, RouterWorker]:
+    def _fed(self, worker_id: str, model: str) -> tuple[Pool, FleetWorker] | None:
+        """The worker a gauge or KV batch is about; None when the view does not take it."""
+        if not self.registry_only:
+            return self._ensure(worker_id, model)
+        pool = self._where.get(worker_id)
+        if pool is None or pool.model != model:
+            return None  # not registered (yet, or any more), or for another model
+        return pool, pool.workers[worker_id]
+
+    def _ensure(self, worker_id: str, model: str) -> tuple[Pool, FleetWorker]:
         pool = self._where.get(worker_id)
         if pool is not None and pool.model != model:
             # A worker id reused for another model: start it over in the right pool.
@@ -288,7 +327,7 @@ class RouterView:
         return pool, pool.workers[worker_id]
 
     # ---- registry ----
-    def update_worker(self, info: WorkerInfo, now: float) -> RouterWorker:
+    def update_worker(self, info: WorkerInfo, now: float) -> FleetWorker:
         """A registry put (new worker or heartbeat)."""
         pool, w = self._ensure(info.worker_id, info.model)
         if w.info is not None and info.started_at and w.info.started_at != info.started_at:
@@ -319,7 +358,7 @@ class RouterView:
             self.remove_worker(wid)
         return dead
 
-    def _reset_worker(self, pool: Pool, w: RouterWorker) -> None:
+    def _reset_worker(self, pool: Pool, w: FleetWorker) -> None:
         pool.kv.reset(w.kv)
         w.gauge = None
         w.load_avg = None
@@ -327,8 +366,12 @@ class RouterView:
 
     # ---- gauges and optimistic accounting ----
     def apply_gauge(self, gauge: WorkerGauge, now: float) -> bool:
-        """A new load report. Returns False for one older than the gauge already held."""
-        pool, w = self._ensure(gauge.worker_id, gauge.model)
+        """A new load report. False for one older than the gauge already held, or one
+        the view does not take (``registry_only`` and the worker not registered)."""
+        fed = self._fed(gauge.worker_id, gauge.model)
+        if fed is None:
+            return False
+        pool, w = fed
         w.last_seen = max(w.last_seen, now)
         if w.gauge is not None and gauge.ts < w.gauge.ts:
             return False  # reordered delivery: the newer gauge stays
@@ -350,18 +393,24 @@ class RouterView:
         return True
 
     def record_placement(
-        self, worker_id: str, request_id: str, prefill_tokens: int, total_tokens: int, now: float
+        self, worker_id: str, request_id: str | None, prefill_tokens: int, total_tokens: int, now: float
     ) -> None:
-        """Count a placement on the worker at once, until a gauge includes it."""
+        """Count a placement on the worker at once, until a gauge includes it.
+
+        ``request_id`` None: a placement nobody releases (it only settles or ages out).
+        """
         w = self.worker(worker_id)
         if w is None:
             raise KeyError(worker_id)
-        self.release_placement(request_id)  # a retry moves the request
-        w.placements[request_id] = _Placement(worker_id, now, prefill_tokens, total_tokens)
+        if request_id is None:
+            request_id = f"#{next(_anonymous)}"
+        else:
+            self.release_placement(request_id)  # a retry moves the request
+        w.placements[request_id] = Placement(worker_id, now, prefill_tokens, total_tokens)
         w.opt_prefill_tokens += prefill_tokens
         w.opt_running_tokens += total_tokens
         self._placement_owner[request_id] = w
-        self._age_out(w, now)
+        self.age_out(w, now)
 
     def release_placement(self, request_id: str) -> bool:
         """Undo the optimistic addition of a request the worker refused or never got."""
@@ -373,7 +422,8 @@ class RouterView:
         w.opt_running_tokens -= p.total_tokens
         return True
 
-    def _age_out(self, w: RouterWorker, now: float) -> None:
+    def age_out(self, w: FleetWorker, now: float) -> None:
+        """Drop ``w``'s placements older than ``placement_max_age_s``."""
         cutoff = now - self.config.placement_max_age_s
         n = 0
         for p in w.placements.values():
@@ -382,7 +432,7 @@ class RouterView:
             n += 1
         self._drop_placements(w, n)
 
-    def _drop_placements(self, w: RouterWorker, n: int) -> None:
+    def _drop_placements(self, w: FleetWorker, n: int) -> None:
         """Drop the ``n`` oldest optimistic placements of ``w``."""
         if n <= 0:
             return
@@ -400,8 +450,12 @@ class RouterView:
             w.opt_running_tokens -= p.total_tokens
 
     # ---- KV events ----
-    def apply_kv_events(self, batch: KvEventBatch, now: float) -> KvApply:
-        pool, w = self._ensure(batch.worker_id, batch.model)
+    def apply_kv_events(self, batch: KvEventBatch, now: float) -> KvApply | None:
+        """None when the view does not take the worker's events (``registry_only``)."""
+        fed = self._fed(batch.worker_id, batch.model)
+        if fed is None:
+            return None
+        pool, w = fed
         w.last_seen = max(w.last_seen, now)
         return pool.kv.apply(batch)
 
