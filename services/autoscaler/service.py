@@ -7,9 +7,9 @@ Every tick (1 s by default) and for every configured pool (a model), it:
    ``driver.stopped``; one whose acknowledged drain outlived ``drain timeout + grace``
    is force-stopped (``driver.stop``) and then handed over; a drain the worker never
    acknowledged is never followed by a kill;
-3. builds the pool's ``PoolObservation``: the latest gauge of every worker that is in the
-   registry (draining ones included, gauges of workers gone from the registry dropped,
-   stale ones ignored), ``starting`` = replicas the driver launched that have not
+3. builds the pool's ``PoolObservation`` from the shared fleet view: the latest gauge of
+   every worker in the registry (draining ones included, gauges of workers gone from the
+   registry dropped, stale ones ignored), ``starting`` = replicas the driver launched that have not
    reported a gauge yet, and the pending-demand counter (below);
 4. asks the pool's ``PoolController`` for a ``ScaleDecision`` and acts on it: scale up →
    ``driver.start(pool, count)``; scale down → ``ControlCommand(drain)`` to the worker
@@ -47,7 +47,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bus import BusSettings, Service
 from bus.metrics import MetricsServer
-from bus.registry import WorkerRegistry
 from proto.autoscaler import (
     AutoscalerStatus,
     AutoscalerStatusRequest,
@@ -59,6 +58,8 @@ from proto.autoscaler import (
 )
 from proto.errors import MeshError, RemoteError
 from proto.messages import ControlCommand, ControlReply, WorkerGauge, WorkerInfo
+from services.common.feed import FleetFeed
+from services.common.fleet import FleetView
 
 from .control import PoolController, PoolObservation, PoolPolicy, ScaleDecision
 from .drivers import Driver, DriverError, Launch, WorkerRef
@@ -185,9 +186,11 @@ class AutoscalerService(Service):
         }
         self.launches = LaunchTracker(config.start_timeout_s)
         self.pending = PendingDemand(config.pending_ttl_s)
-        self.gauges: dict[str, tuple[WorkerGauge, float]] = {}  # worker id → (latest gauge, received at)
+        # Registry entries and each worker's latest gauge (reordered ones dropped, those of
+        # workers the registry does not list ignored): the fleet view router and admission read.
+        self.view = FleetView()
+        self.feed = FleetFeed(self, self.view, lambda: self.clock(), kv_events=False, on_registry=self._on_registry_change)
         self.retired: set[str] = set()  # force-stopped: ignored until they leave the registry
-        self.registry: WorkerRegistry | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._listening_since: float | None = None
         self._metrics_server: MetricsServer | None = None
@@ -197,10 +200,7 @@ class AutoscalerService(Service):
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
-        self.registry = WorkerRegistry(self.bus)
-        self.registry.on_change(self._on_registry_change)
-        await self.registry.start()
-        await self.subscribe(self.bus.subjects.gauges_all, WorkerGauge, self._on_gauge)
+        await self.feed.start()
         self._listening_since = self.clock()
         await self.add_endpoint("status", self.bus.subjects.autoscaler_status, AutoscalerStatusRequest, self.handle_status)
         if self.config.metrics_port is not None:
@@ -218,8 +218,7 @@ class AutoscalerService(Service):
 
     async def on_stop(self) -> None:
         await self.driver.close()
-        if self.registry is not None:
-            await self.registry.stop()
+        await self.feed.stop()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -231,15 +230,8 @@ class AutoscalerService(Service):
         }
 
     # ---- inputs -----------------------------------------------------------------------
-    async def _on_gauge(self, gauge: WorkerGauge, _msg: Msg) -> None:
-        old = self.gauges.get(gauge.worker_id)
-        if old is not None and old[0].ts > gauge.ts:
-            return  # reordered: keep the newer
-        self.gauges[gauge.worker_id] = (gauge, self.clock())
-
     def _on_registry_change(self, worker_id: str, info: WorkerInfo | None) -> None:
         if info is None:
-            self.gauges.pop(worker_id, None)
             self.retired.discard(worker_id)
             self.launches.forget(worker_id)
 
@@ -249,13 +241,13 @@ class AutoscalerService(Service):
 
     def pool_gauges(self, pool: str, now: float) -> list[WorkerGauge]:
         """The latest fresh gauge of every registered worker of ``pool`` (draining too)."""
-        workers = self.registry.workers if self.registry is not None else {}
+        members = self.view.pool(pool)
         out = []
-        for worker_id, (gauge, received_at) in self.gauges.items():
-            info = workers.get(worker_id)
-            if gauge.model != pool or info is None or worker_id in self.retired:
+        for w in members if members is not None else ():
+            gauge, info = w.gauge, w.info
+            if gauge is None or info is None or w.worker_id in self.retired:
                 continue
-            if now - received_at > self.config.gauge_stale_s:
+            if now - w.gauge_received_at > self.config.gauge_stale_s:
                 continue
             if info.state == "draining" and not gauge.draining:
                 gauge = msgspec.structs.replace(gauge, draining=True)  # the registry heard it first
@@ -290,10 +282,9 @@ class AutoscalerService(Service):
                 blocking=False,
             )
         await self._progress_drains(now)
-        self._forget_stale_gauges(now)
         if self._listening_since is None or now - self._listening_since < self.config.warmup_s:
             return
-        workers = self.registry.workers if self.registry is not None else {}
+        workers = self.feed.workers
         for pool, rt in self.pools.items():
             gauges = self.pool_gauges(pool, now)
             self.launches.observe(pool, (g.worker_id for g in gauges))
@@ -315,13 +306,6 @@ class AutoscalerService(Service):
             if decision.action != "hold":
                 log.info("%s: %s", pool, decision.reason)
             self._act(pool, rt, decision, record, now)
-
-    def _forget_stale_gauges(self, now: float) -> None:
-        # A worker's last gauge can arrive after its registry entry went: drop it later.
-        workers = self.registry.workers if self.registry is not None else {}
-        for worker_id, (_, received_at) in list(self.gauges.items()):
-            if worker_id not in workers and now - received_at > self.config.gauge_stale_s:
-                del self.gauges[worker_id]
 
     def _act(self, pool: str, rt: _PoolRuntime, decision: ScaleDecision, record: DecisionRecord | None, now: float) -> None:
         if decision.action == "scale_up" and decision.count > 0:
@@ -359,7 +343,7 @@ class AutoscalerService(Service):
         log.info("%s: %s", pool, outcome)
 
     async def _drain(self, pool: str, rt: _PoolRuntime, worker_id: str, reason: str, record: DecisionRecord | None) -> None:
-        info = self.registry.workers.get(worker_id) if self.registry is not None else None
+        info = self.feed.workers.get(worker_id)
         ref = WorkerRef(worker_id, pool, host=info.host if info else "", pid=info.pid if info else 0)
         now = self.clock()
         drain = _Drain(ref, now, now + self.config.drain_timeout_s + self.config.drain_grace_s)
@@ -384,11 +368,11 @@ class AutoscalerService(Service):
         log.info("%s: %s", pool, outcome)
 
     async def _progress_drains(self, now: float) -> None:
-        workers = self.registry.workers if self.registry is not None else {}
+        workers = self.feed.workers
         for pool, rt in self.pools.items():
             for worker_id, drain in list(rt.drains.items()):
-                gauge = self.gauges.get(worker_id)
-                if not drain.acknowledged and gauge is not None and gauge[0].draining:
+                w = self.view.worker(worker_id)
+                if not drain.acknowledged and w is not None and w.gauge is not None and w.gauge.draining:
                     drain.acknowledged = True  # the reply was lost, the command was not
                 if worker_id not in workers:
                     # Deregistered: its requests are done. Let the driver release it.
@@ -463,14 +447,14 @@ class AutoscalerService(Service):
         )
 
     def _worker_views(self, pool: str, now: float) -> list[WorkerView]:
-        workers = self.registry.workers if self.registry is not None else {}
+        workers = self.feed.workers
         managed = self.driver.managed()
         views = []
         for worker_id, info in sorted(workers.items()):
             if info.model != pool:
                 continue
-            entry = self.gauges.get(worker_id)
-            g = entry[0] if entry else None
+            w = self.view.worker(worker_id)
+            g = w.gauge if w is not None else None
             views.append(WorkerView(
                 worker_id=worker_id,
                 state="retired" if worker_id in self.retired else info.state,
@@ -479,7 +463,7 @@ class AutoscalerService(Service):
                 running_tokens=g.running_tokens if g else 0,
                 queued_prefill_tokens=g.queued_prefill_tokens if g else 0,
                 kv_usage=g.kv_usage if g else 0.0,
-                gauge_age_s=(now - entry[1]) if entry else None,
+                gauge_age_s=(now - w.gauge_received_at) if w is not None and g is not None else None,
                 managed=worker_id in managed,
             ))
         return views
