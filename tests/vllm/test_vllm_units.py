@@ -249,7 +249,7 @@ def test_worker_cli_passes_vllm_engine_arguments(tmp_path: Any) -> None:
 
 
 def test_engine_arguments_keep_vllm_names() -> None:
-    from services.worker.engines.vllm import engine_arguments, parse_lora_adapters, resolve_model
+    from services.worker.engines.vllm_args import engine_arguments, parse_lora_adapters, resolve_model
 
     assert resolve_model("/models/tiny-llama", None, None) == ("/models/tiny-llama", "/models/tiny-llama")
     assert resolve_model("meta-llama/Llama-3.1-8B-Instruct", None, None) == ("meta-llama/Llama-3.1-8B-Instruct",) * 2
@@ -288,7 +288,7 @@ def test_sampling_parameters_map_one_to_one() -> None:
 
 
 def test_cpu_build_kv_cache_default_is_bounded_by_free_memory() -> None:
-    from services.worker.engines.vllm import default_cpu_kvcache_gib
+    from services.worker.engines.vllm_args import default_cpu_kvcache_gib
 
     gib = 1 << 30
     assert default_cpu_kvcache_gib(2 * gib) == 1  # never below one GiB
