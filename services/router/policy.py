@@ -22,6 +22,10 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   Below that point cost alone would leave a cold replica idle beside busy holders for
   good; a worker whose load average stays under the pool's (``balance_factor``) takes
   the next request whatever it costs, and becomes a holder.
+  Spills: a cheaper worker without the prefix wins over the best holder only when the
+  holder's prefill wait exceeds ``spill_wait_tokens`` and the other's does not, so
+  long queues everywhere never scatter prompts (issue 17: that made a second, stable
+  equilibrium with a cache-blind hit rate; ``benchmarks/router_sim.py`` shows it).
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
   the session key; falls back to ``prefix`` without a key or when the target is
   overloaded (outstanding tokens above ``session_overload_factor`` × the pool mean and
@@ -98,6 +102,17 @@ class PolicyConfig:
     # by at most the slack, so the TTFT admission promised holds wherever it lands; a
     # lightly loaded fleet leaves a large slack and the cost decides as usual.
     admission_hints: bool = True
+    # Spills (issue 17). A request goes to a worker holding less of its prompt than the
+    # best holder only when the holder's prefill work ahead of its first token exceeds
+    # ``spill_wait_tokens`` and the other worker's (its uncached prompt included) does not:
+    # only when the spill turns a slow first token into a fast one. Comparing raw costs
+    # instead, the holder's edge is its cached prompt (1-2k tokens) while the load terms
+    # grow with the queues: once queues are a few prompts long, their fluctuations outweigh
+    # the cache, prompts scatter, the LRU caches thrash, the hit rate falls to a cache-blind
+    # policy's and the extra prefill lengthens the queues further — a second, stable
+    # equilibrium at the same load. 8192 tokens: ~0.6 s of prefill on the H100 profile.
+    # 0 restores the raw-cost choice.
+    spill_wait_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -106,6 +121,8 @@ class PolicyConfig:
             raise ValueError("d and session_vnodes must be ≥ 1 and beta ≥ 0")
         if self.balance_factor != 0 and self.balance_factor < 1:
             raise ValueError("balance_factor must be 0 (off) or ≥ 1")
+        if self.spill_wait_tokens < 0:
+            raise ValueError("spill_wait_tokens must be ≥ 0 (0: spills decided by cost alone)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +229,19 @@ class RouteDecision:
     # (elsewhere, within its slack), "unavailable" (not eligible now), "" (no hint)
     hint: str = ""
     rebalanced: bool = False  # sent to an underused worker (PolicyConfig.balance_factor)
+    # prefix policy: the longest prefix any eligible worker holds, and the cost of the
+    # cheapest worker holding it; a placement with fewer cached tokens is a spill, and
+    # ``holder_cost − cost`` is by how much the holder lost (issue 17's counters)
+    holder_cached_tokens: int = 0
+    holder_cost: float = 0.0
+    # a cheaper worker without the prefix was passed over for a holder (spill_wait_tokens)
+    spill_held: bool = False
+    queued_tokens: int = 0  # the chosen worker's queued prefill, a term of its cost
+    running_tokens: int = 0  # and its running tokens (weighted by β in the cost)
+
+    @property
+    def spilled(self) -> bool:
+        return self.cached_tokens < self.holder_cached_tokens
 
     @property
     def prefill_tokens(self) -> int:
@@ -457,6 +487,16 @@ class Router:
                 scored.append((ctx.prefix_cost(hinted), hinted))
             scored = [(c, w) for c, w in scored if ctx.prefill_cost(w) <= budget]  # keeps hinted
         cost, best = self._pick(scored)
+        top = max(by_slot.values(), default=0)
+        holders = [w for w in eligible if top and by_slot.get(w.slot, 0) == top]
+        held = False
+        if cfg.spill_wait_tokens and top and by_slot.get(best.slot, 0) < top:
+            kept = [(c, w) for c, w in scored if by_slot.get(w.slot, 0) == top]
+            if kept:
+                hcost, holder = self._pick(kept)
+                wait = cfg.spill_wait_tokens
+                if not (ctx.prefill_cost(holder) > wait >= ctx.prefill_cost(best)):
+                    cost, best, held = hcost, holder, True
         under = [w for w in self._underused(eligible, cfg) if ctx.prefill_cost(w) <= budget]
         if under and best not in under:
             cost, best = self._pick([(ctx.prefix_cost(w), w) for w in under])
@@ -465,7 +505,16 @@ class Router:
         hint = ""
         if ctx.q.prefer_worker and cfg.admission_hints:
             hint = "unavailable" if hinted is None else "kept" if best is hinted else "moved"
-        return replace(decision, hint=hint, rebalanced=best in under)
+        return replace(
+            decision,
+            hint=hint,
+            rebalanced=best in under,
+            spill_held=held and best not in under,
+            holder_cached_tokens=ctx.cached(holders[0]) if holders else 0,
+            holder_cost=min((ctx.prefix_cost(w) for w in holders), default=0.0),
+            queued_tokens=best.queued_prefill_tokens,
+            running_tokens=best.running_tokens,
+        )
 
     @staticmethod
     def _hinted(eligible: Sequence[FleetWorker], ctx: _Ctx) -> tuple[FleetWorker | None, float]:

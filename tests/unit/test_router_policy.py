@@ -150,7 +150,8 @@ def test_prefix_prefers_the_holder_until_its_queue_outweighs_the_prefix() -> Non
     v = make_view(3)
     cache(v, "llama-2", SYSTEM)
     prompt = [*SYSTEM, *range(100)]  # 2148 tokens, 2048 cached on llama-2
-    r = router(v, "prefix")
+    # the raw-cost rule; by default a holder also keeps short queues (test_router_runaway.py)
+    r = router(v, "prefix", spill_wait_tokens=0)
     d = decided(r.decide(q(prompt=prompt), 0.5))
     assert (d.worker_id, d.cached_tokens, d.cost) == ("llama-2", 2048, 100)
     # queue of 2000 on the holder: 100 + 2000 < 2148, still the holder
