@@ -1,17 +1,19 @@
 """What admission knows of every replica: registry state, latest gauge, its own recent
 admissions, and the prefix each one caches (DESIGN.md, Admission).
 
-Pure and synchronous, like the rest of admission: the shell feeds it registry entries,
-gauges, KV event batches and snapshots with its own clock reading ``now`` (a local,
-monotonic one: it is only compared with itself), and asks ``loads`` for the
-``ReplicaLoad`` of a request's pool.
+``ReplicaBook`` is the shared fleet view (``services.common.fleet.FleetView``, the one the
+router and the autoscaler read, with the same identity, gauge and KV event rules) with
+admission's reading on top: ``loads`` gives the SLO check the ``ReplicaLoad`` of a
+request's pool. Pure and synchronous, like the rest of admission: ``FleetFeed`` feeds it
+registry entries, gauges, KV event batches and snapshots with admission's own clock
+reading ``now`` (a local, monotonic one: it is only compared with itself).
 
-- Membership comes from the registry: a worker is counted when it is registered ready
+- Membership comes from the registry only (``registry_only``): a worker is counted when it is registered ready
   (draining ones are passed on marked ``draining``, which the SLO check skips), and
   its gauges are fresh. One registered but with no gauge yet (cold start) is counted
   with unmeasured rates (the SLO check then uses its defaults); one whose gauges stopped
   for ``gauge_stale_s`` is not counted: its queue is unknown, probably dead.
-- Cached prefixes come from ``services.common.kvindex.KvIndex``, one per model, fed the same KV
+- Cached prefixes come from the view's ``KvIndex``, one per model, fed the same KV
   events the router sees; the request brings its block hashes in the pool's block size.
 - Gauges are stale by up to a publish period, and a burst arrives within one: each
   admission adds its uncached prompt tokens to the queue of the replica its prediction
@@ -26,11 +28,11 @@ monotonic one: it is only compared with itself), and asks ``loads`` for the
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
-from proto.messages import AdmissionRequest, KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
-from services.common.kvindex import KvApply, KvIndex, KvIndexConfig
+from proto.messages import AdmissionRequest
+from services.common.fleet import FleetConfig, FleetView, FleetWorker
+from services.common.kvindex import KvIndexConfig
 
 from .slo import ReplicaLoad
 
@@ -44,175 +46,81 @@ class BookConfig:
     pending_max_age_s: float = 10.0
     kv: KvIndexConfig = field(default_factory=KvIndexConfig)
 
+    def fleet_config(self) -> FleetConfig:
+        return FleetConfig(
+            placement_settle_s=self.settle_s,
+            placement_max_age_s=self.pending_max_age_s,
+            replay_window=self.kv.replay_window,
+            max_pending_batches=self.kv.max_pending_batches,
+            hash_chunk_blocks=self.kv.hash_chunk_blocks,
+            hash_chunk_max=self.kv.hash_chunk_max,
+        )
 
-@dataclass(slots=True)
-class _Replica:
-    worker_id: str
-    model: str
-    info: WorkerInfo | None = None
-    gauge: WorkerGauge | None = None
-    gauge_received_at: float = float("-inf")
-    pending: deque[tuple[float, int]] = field(default_factory=deque)  # (admitted at, uncached tokens)
-    pending_tokens: int = 0
 
-
-class ReplicaBook:
+class ReplicaBook(FleetView):
     def __init__(self, config: BookConfig | None = None) -> None:
-        self.config = config or BookConfig()
-        self.replicas: dict[str, _Replica] = {}
-        self.indexes: dict[str, KvIndex] = {}  # model → prefix index
-
-    # ---- feeds ----
-    def _replica(self, worker_id: str, model: str) -> _Replica:
-        r = self.replicas.get(worker_id)
-        if r is not None and r.model != model:
-            self.remove_worker(worker_id)  # an id reused for another model: start over
-            r = None
-        if r is None:
-            r = self.replicas[worker_id] = _Replica(worker_id, model)
-        return r
-
-    def index(self, model: str) -> KvIndex:
-        idx = self.indexes.get(model)
-        if idx is None:
-            idx = self.indexes[model] = KvIndex(self.config.kv)
-        return idx
-
-    def update_worker(self, info: WorkerInfo) -> None:
-        r = self._replica(info.worker_id, info.model)
-        idx = self.index(info.model)
-        h = idx.get(info.worker_id)
-        if r.info is not None and info.started_at and r.info.started_at != info.started_at and h is not None:
-            idx.reset(h)  # same id, new process: its cache is gone
-            r.gauge = None
-            r.pending.clear()
-            r.pending_tokens = 0
-        r.info = info
-        idx.add(info.worker_id, info.block_size)
-
-    def remove_worker(self, worker_id: str) -> None:
-        r = self.replicas.pop(worker_id, None)
-        if r is None:
-            return
-        idx = self.indexes.get(r.model)
-        if idx is not None:
-            idx.remove(worker_id)
-            if not len(idx):
-                del self.indexes[r.model]
-
-    def apply_gauge(self, gauge: WorkerGauge, now: float) -> bool:
-        """A new load report; False when older than the one held (reordered delivery)."""
-        r = self.replicas.get(gauge.worker_id)
-        if r is None or r.model != gauge.model:
-            return False  # not registered (yet, or any more): the registry decides who exists
-        if r.gauge is not None and gauge.ts < r.gauge.ts:
-            return False
-        r.gauge = gauge
-        r.gauge_received_at = now
-        cutoff = now - self.config.settle_s
-        while r.pending and r.pending[0][0] <= cutoff:
-            r.pending_tokens -= r.pending.popleft()[1]
-        idx = self.indexes.get(r.model)
-        h = idx.get(gauge.worker_id) if idx is not None else None
-        if idx is not None and h is not None:
-            idx.note_published_seq(h, gauge.kv_event_seq)
-        return True
-
-    def apply_kv_events(self, batch: KvEventBatch) -> KvApply | None:
-        """None when the worker is not registered: its events wait for the registry entry
-        (and the gap they leave is then resynced from a snapshot)."""
-        r = self.replicas.get(batch.worker_id)
-        if r is None or r.model != batch.model:
-            return None
-        return self.index(batch.model).apply(batch)
-
-    def apply_snapshot(self, snap: KvSnapshot) -> bool:
-        r = self.replicas.get(snap.worker_id)
-        if r is None or r.model != snap.model:
-            return False
-        return self.index(snap.model).apply_snapshot(snap)
-
-    def take_resync_requests(self, now: float, retry_after_s: float = 2.0) -> list[str]:
-        out: list[str] = []
-        for idx in self.indexes.values():
-            out.extend(idx.take_resync_requests(now, retry_after_s))
-        return out
+        self.book_config = config or BookConfig()
+        super().__init__(self.book_config.fleet_config(), registry_only=True)
 
     def note_admitted(self, worker_id: str | None, uncached_tokens: int, now: float) -> None:
         """Count an admission on the replica its prediction used, until a gauge includes it."""
-        r = self.replicas.get(worker_id) if worker_id else None
-        if r is None or uncached_tokens <= 0:
+        if not worker_id or uncached_tokens <= 0 or worker_id not in self:
             return
-        r.pending.append((now, uncached_tokens))
-        r.pending_tokens += uncached_tokens
-
-    def _age_out(self, r: _Replica, now: float) -> None:
-        cutoff = now - self.config.pending_max_age_s
-        while r.pending and r.pending[0][0] < cutoff:
-            r.pending_tokens -= r.pending.popleft()[1]
+        # Admissions, not requests: nothing releases one, it settles or ages out.
+        self.record_placement(worker_id, None, uncached_tokens, 0, now)
 
     # ---- the query ----
     def loads(self, req: AdmissionRequest, now: float) -> list[ReplicaLoad]:
         """The request's pool as the SLO check sees it, cached prefixes included."""
-        members: list[_Replica] = []
-        stale = now - self.config.gauge_stale_s
-        for r in self.replicas.values():
-            info = r.info
-            if r.model != req.model or info is None or info.state not in ("ready", "draining"):
+        pool = self.pool(req.model)
+        if pool is None:
+            return []
+        stale = now - self.book_config.gauge_stale_s
+        members: list[FleetWorker] = []
+        for w in pool:
+            info = w.info
+            if info is None or info.state not in ("ready", "draining"):
                 continue
-            if r.gauge is not None and r.gauge_received_at < stale:
+            if w.gauge is not None and w.gauge_received_at < stale:
                 continue
-            members.append(r)
+            members.append(w)
         if req.lora:
             # Prefer the replicas with the adapter loaded; if none has it the pool loads
             # adapters on demand, and every replica is a candidate.
-            loaded = [r for r in members if req.lora in _adapters(r)]
+            loaded = [w for w in members if req.lora in w.lora_adapters]
             members = loaded or members
         cached: dict[str, int] = {}
-        idx = self.indexes.get(req.model)
-        if idx is not None and req.block_hashes and req.block_size:
-            mask = idx.mask_of(h for r in members if (h := idx.get(r.worker_id)) is not None)
-            cached = idx.prefix_tokens(req.block_hashes, req.block_size, mask)
+        if req.block_hashes and req.block_size:
+            cached = pool.kv.prefix_tokens(req.block_hashes, req.block_size, pool.mask_of(members))
         out: list[ReplicaLoad] = []
-        for r in members:
-            self._age_out(r, now)
-            g = r.gauge
-            draining = (r.info is not None and r.info.state == "draining") or (g is not None and g.draining)
+        for w in members:
+            self.age_out(w, now)
+            g = w.gauge
             out.append(
                 ReplicaLoad(
-                    worker_id=r.worker_id,
-                    queued_prefill_tokens=self._queue_now(r, now),
+                    worker_id=w.worker_id,
+                    queued_prefill_tokens=_queue_now(w, now),
                     prefill_tokens_per_s=g.prefill_tokens_per_s if g is not None else 0.0,
                     step_time_s=g.step_time_s if g is not None else 0.0,
-                    cached_tokens=min(cached.get(r.worker_id, 0), req.prompt_tokens),
-                    draining=draining,
+                    cached_tokens=min(cached.get(w.worker_id, 0), req.prompt_tokens),
+                    draining=w.draining,
                 )
             )
         return out
 
 
-    @staticmethod
-    def _queue_now(r: _Replica, now: float) -> int:
-        """The gauge's queue plus the admissions since, drained at the gauge's prefill
-        rate (none without a measured rate: the queue then only grows until a gauge)."""
-        g = r.gauge
-        backlog = float(g.queued_prefill_tokens) if g is not None else 0.0
-        rate = g.prefill_tokens_per_s if g is not None else 0.0
-        if rate <= 0:
-            return int(backlog) + r.pending_tokens
-        t = r.gauge_received_at
-        for at, tokens in r.pending:  # in admission order
-            if at > t:  # admitted before the gauge yet not in it: drains from the gauge on
-                backlog = max(backlog - rate * (at - t), 0.0)
-                t = at
-            backlog += tokens
-        return math.ceil(max(backlog - rate * max(now - t, 0.0), 0.0))
-
-
-def _adapters(r: _Replica) -> set[str]:
-    names: set[str] = set()
-    if r.info is not None:
-        names.update(r.info.lora_adapters)
-    if r.gauge is not None:
-        names.update(r.gauge.lora_adapters)
-    return names
+def _queue_now(w: FleetWorker, now: float) -> int:
+    """The gauge's queue plus the admissions since, drained at the gauge's prefill rate
+    (none without a measured rate: the queue then only grows until a gauge)."""
+    g = w.gauge
+    backlog = float(g.queued_prefill_tokens) if g is not None else 0.0
+    rate = g.prefill_tokens_per_s if g is not None else 0.0
+    if rate <= 0:
+        return int(backlog) + w.opt_prefill_tokens
+    t = w.gauge_received_at
+    for p in w.placements.values():  # in admission order
+        if p.placed_at > t:  # admitted before the gauge yet not in it: drains from the gauge on
+            backlog = max(backlog - rate * (p.placed_at - t), 0.0)
+            t = p.placed_at
+        backlog += p.prefill_tokens
+    return math.ceil(max(backlog - rate * max(now - t, 0.0), 0.0))

@@ -73,24 +73,18 @@ from bus import BusSettings, Service
 from bus.config import build, checked, read_file
 from bus.metrics import MetricsServer
 from bus.provision import ensure_kv
-from bus.registry import WorkerRegistry
 from proto import (
     AdmissionDecision,
     AdmissionRequest,
     DecodeError,
     ErrorCode,
-    KvEventBatch,
-    KvSnapshot,
-    KvSnapshotRequest,
     MeshError,
     TtftObservation,
     UsageEvent,
-    WorkerGauge,
-    WorkerInfo,
     decode,
 )
 from proto.subjects import Subjects
-from services.common.kvindex import KvApply
+from services.common.feed import FleetFeed
 
 from .buckets import InvalidLimits, Limiter, LimiterConfig, LimiterState
 from .policy import AdmissionPolicy
@@ -284,8 +278,9 @@ class AdmissionService(Service):
         self.monotonic = monotonic  # local ages: gauges, lease renewals
         self.policy = AdmissionPolicy(Limiter(self.config.limiter), SloAdmitter(self.config.slo))
         self.book = ReplicaBook(self.config.book)
+        self.feed = FleetFeed(self, self.book, lambda: self.monotonic(), resync_retry_s=self.config.resync_retry_s,
+                              snapshot_timeout_s=self.config.snapshot_timeout_s)
         self.metrics = AdmissionMetrics()
-        self.registry: WorkerRegistry | None = None
         self.leading = False
         self.usage_seq = 0
         self._lease: KeyValue | None = None
@@ -294,7 +289,6 @@ class AdmissionService(Service):
         self._renewed_at = float("-inf")
         self._usage_sub: Subscription | None = None
         self._loops: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[Any]] = set()
         self._role_lock = asyncio.Lock()
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
@@ -307,11 +301,7 @@ class AdmissionService(Service):
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
         s = self.bus.subjects
-        self.registry = WorkerRegistry(self.bus)
-        self.registry.on_change(self._on_registry)
-        await self.registry.start()
-        await self.subscribe(s.gauges_all, WorkerGauge, self._on_gauge)
-        await self.subscribe(s.kv_events_all, KvEventBatch, self._on_kv_events)
+        await self.feed.start()
         await self.subscribe(s.admission_ttft, TtftObservation, self._on_ttft)
         self._lease, self._state = await admission_buckets(
             self.bus.js, s, lease_ttl_s=self.config.lease_ttl_s, replicas=self.settings.js_replicas
@@ -344,11 +334,10 @@ class AdmissionService(Service):
         await self.stop_endpoints()
 
     async def on_stop(self) -> None:
-        for task in [*self._loops, *self._background]:
+        for task in self._loops:
             task.cancel()
-        await asyncio.gather(*self._loops, *self._background, return_exceptions=True)
-        if self.registry is not None:
-            await self.registry.stop()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        await self.feed.stop()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -362,7 +351,7 @@ class AdmissionService(Service):
             "usage_seq": self.usage_seq,
             "takeovers": self.takeovers,
             "checkpoints": self.checkpoints,
-            "replicas": len(self.book.replicas),
+            "replicas": len(self.book),
             "ttft_calibration": {t.name: self.policy.slo.calibration.factor(t.name) for t in self.policy.slo.config.tiers},
             "ttft_overhead_s": self.policy.slo.overhead(),
             "prediction_error": self.policy.prediction_errors(),  # predicted / actual TTFT per tier
@@ -492,43 +481,13 @@ class AdmissionService(Service):
                             self.metrics.expired.inc(len(expired))
                             log.info("%d reservations expired without a usage event (charged in full)", len(expired))
                 self.metrics.open.set(len(self.policy.limiter))
-                self._request_resyncs()
+                self.feed.request_resyncs()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("admission maintenance failed")
 
-    # ---- feeds ------------------------------------------------------------------------
-    def _on_registry(self, worker_id: str, info: WorkerInfo | None) -> None:
-        if info is None:
-            self.book.remove_worker(worker_id)
-        else:
-            self.book.update_worker(info)
-
-    async def _on_gauge(self, gauge: WorkerGauge, msg: Msg) -> None:
-        self.book.apply_gauge(gauge, self.monotonic())
-
-    async def _on_kv_events(self, batch: KvEventBatch, msg: Msg) -> None:
-        if self.book.apply_kv_events(batch) is KvApply.GAP:
-            self._request_resyncs()
-
-    def _request_resyncs(self) -> None:
-        for worker_id in self.book.take_resync_requests(self.monotonic(), self.config.resync_retry_s):
-            task = asyncio.get_running_loop().create_task(self._resync(worker_id), name=f"resync-{worker_id}")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _resync(self, worker_id: str) -> None:
-        try:
-            snap = await self.bus.request(
-                self.bus.subjects.worker_kv_snapshot(worker_id), KvSnapshotRequest(worker_id=worker_id), KvSnapshot,
-                timeout=self.config.snapshot_timeout_s,
-            )
-        except MeshError as exc:
-            log.info("KV snapshot of %s failed: %s (asked again later)", worker_id, exc)
-            return
-        self.book.apply_snapshot(snap)
-
+    # ---- feeds (registry, gauges and KV events: FleetFeed) ------------------------------
     async def _on_ttft(self, obs: TtftObservation, msg: Msg) -> None:
         if self.policy.on_ttft(obs.request_id, obs.ttft_s):
             self._export_calibration(obs.tier)

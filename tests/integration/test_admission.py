@@ -346,7 +346,7 @@ async def test_two_instances_share_one_budget_and_the_standby_takes_over(bus: Bu
 async def test_prometheus_metrics(bus: Bus, mesh: dict[str, Factory]) -> None:
     await mesh["worker"]("w1")
     admission: AdmissionService = await mesh["admission"](AdmissionConfig(metrics_port=0))  # type: ignore[assignment]
-    await eventually(lambda: bool(admission.book.replicas), what="the worker in the replica book")
+    await eventually(lambda: len(admission.book) > 0, what="the worker in the replica book")
     assert (await ask(bus, check(1))).admitted
     assert not (await ask(bus, check(2, tokens=5000))).admitted  # more than the 1000-token budget holds
     async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{admission.metrics_port}/metrics") as r:

@@ -72,7 +72,7 @@ async def test_repeated_light_runs_are_never_refused_and_predicted_within_2x(
     workers, admission, gateway = light_mesh
     key, record = await create_key(bus, org="dev", tier="premium")
     await eventually(lambda: record.key_id in gateway.keys.records, what="the gateway to see the key")
-    await eventually(lambda: len(admission.book.replicas) == 2, what="admission to see both workers")
+    await eventually(lambda: len(admission.book) == 2, what="admission to see both workers")
     # Five "benchmark runs" of the same 12 prompts (~560 tokens, as `meshserve bench`
     # sends): from the second run on every prompt is cached on some worker.
     prompts = [f"run-invariant prompt {i}: " + "lorem ipsum dolor sit amet " * 20 for i in range(12)]

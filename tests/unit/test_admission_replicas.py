@@ -28,11 +28,11 @@ def req(**kw: object) -> AdmissionRequest:
 
 def test_membership_from_the_registry_and_fresh_gauges() -> None:
     book = ReplicaBook(BookConfig(gauge_stale_s=5.0))
-    book.update_worker(info("a"))
-    book.update_worker(info("b", state="draining"))
-    book.update_worker(info("c", state="starting"))
-    book.update_worker(info("d"))
-    book.update_worker(info("other", model="x"))
+    book.update_worker(info("a"), 0.0)
+    book.update_worker(info("b", state="draining"), 0.0)
+    book.update_worker(info("c", state="starting"), 0.0)
+    book.update_worker(info("d"), 0.0)
+    book.update_worker(info("other", model="x"), 0.0)
     book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=300, prefill_tokens_per_s=5000.0, step_time_s=0.02), 0.0)
     book.apply_gauge(gauge("d", 1.0), 0.0)
     assert not book.apply_gauge(gauge("ghost", 1.0), 0.0)  # unregistered: ignored
@@ -51,10 +51,10 @@ def test_membership_from_the_registry_and_fresh_gauges() -> None:
 
 def test_cached_prefix_from_kv_events_and_the_requests_hashes() -> None:
     book = ReplicaBook()
-    book.update_worker(info("a"))
-    book.update_worker(info("b"))
-    book.apply_kv_events(KvEventBatch(worker_id="a", model=MODEL, seq=0, ts=0.0, events=[BlockStored(block_hashes=HASHES[:4])]))
-    assert book.apply_kv_events(KvEventBatch(worker_id="z", model=MODEL, seq=0, ts=0.0, events=[])) is None
+    book.update_worker(info("a"), 0.0)
+    book.update_worker(info("b"), 0.0)
+    book.apply_kv_events(KvEventBatch(worker_id="a", model=MODEL, seq=0, ts=0.0, events=[BlockStored(block_hashes=HASHES[:4])]), 0.0)
+    assert book.apply_kv_events(KvEventBatch(worker_id="z", model=MODEL, seq=0, ts=0.0, events=[]), 0.0) is None
     loads = {r.worker_id: r.cached_tokens for r in book.loads(req(), 0.0)}
     assert loads == {"a": 64, "b": 0}
     # no hashes (the gateway did not know the block size): nothing cached is assumed
@@ -63,7 +63,7 @@ def test_cached_prefix_from_kv_events_and_the_requests_hashes() -> None:
 
 def test_admissions_count_until_a_gauge_taken_after_them() -> None:
     book = ReplicaBook(BookConfig(settle_s=0.05, pending_max_age_s=2.0))
-    book.update_worker(info("a"))
+    book.update_worker(info("a"), 0.0)
     book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=100), 0.0)
     book.note_admitted("a", 500, 1.0)
     book.note_admitted("a", 200, 1.02)
@@ -82,7 +82,7 @@ def test_the_queue_drains_at_the_measured_rate_between_gauges() -> None:
     # 10k tokens/s; a request 100 ms later meets an empty queue, not 600 tokens of a
     # request long past its first token, though no gauge has come since.
     book = ReplicaBook(BookConfig(settle_s=0.05, pending_max_age_s=10.0))
-    book.update_worker(info("a"))
+    book.update_worker(info("a"), 0.0)
     book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=0, prefill_tokens_per_s=10_000.0), 0.0)
     book.note_admitted("a", 600, 0.2)
     assert book.loads(req(), 0.2)[0].queued_prefill_tokens == 600
@@ -95,7 +95,7 @@ def test_the_queue_drains_at_the_measured_rate_between_gauges() -> None:
     assert book.loads(req(), 1.3)[0].queued_prefill_tokens == 500
     assert book.loads(req(), 1.32)[0].queued_prefill_tokens == 300
     # no measured rate: nothing is taken to drain until a gauge says so
-    book.update_worker(info("b"))
+    book.update_worker(info("b"), 0.0)
     book.apply_gauge(gauge("b", 2.0, queued_prefill_tokens=100), 1.0)
     book.note_admitted("b", 400, 1.1)
     assert next(r for r in book.loads(req(), 5.0) if r.worker_id == "b").queued_prefill_tokens == 500
@@ -103,17 +103,17 @@ def test_the_queue_drains_at_the_measured_rate_between_gauges() -> None:
 
 def test_lora_prefers_replicas_with_the_adapter() -> None:
     book = ReplicaBook()
-    book.update_worker(info("a", lora_adapters=["sql"]))
-    book.update_worker(info("b"))
+    book.update_worker(info("a", lora_adapters=["sql"]), 0.0)
+    book.update_worker(info("b"), 0.0)
     assert [r.worker_id for r in book.loads(req(lora="sql"), 0.0)] == ["a"]
     assert {r.worker_id for r in book.loads(req(lora="new"), 0.0)} == {"a", "b"}  # loaded on demand
 
 
 def test_a_restarted_worker_loses_its_cache_and_queue() -> None:
     book = ReplicaBook()
-    book.update_worker(info("a", started_at=1.0))
-    book.apply_kv_events(KvEventBatch(worker_id="a", model=MODEL, seq=0, ts=0.0, events=[BlockStored(block_hashes=HASHES)]))
+    book.update_worker(info("a", started_at=1.0), 0.0)
+    book.apply_kv_events(KvEventBatch(worker_id="a", model=MODEL, seq=0, ts=0.0, events=[BlockStored(block_hashes=HASHES)]), 0.0)
     book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=900), 0.0)
-    book.update_worker(info("a", started_at=50.0))
+    book.update_worker(info("a", started_at=50.0), 0.0)
     (load,) = book.loads(req(), 0.0)
     assert (load.cached_tokens, load.queued_prefill_tokens) == (0, 0)
