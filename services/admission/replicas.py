@@ -28,7 +28,7 @@ reading ``now`` (a local, monotonic one: it is only compared with itself).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from proto.messages import AdmissionRequest
 from services.common.fleet import FleetConfig, FleetView, FleetWorker
@@ -47,14 +47,8 @@ class BookConfig:
     kv: KvIndexConfig = field(default_factory=KvIndexConfig)
 
     def fleet_config(self) -> FleetConfig:
-        return FleetConfig(
-            placement_settle_s=self.settle_s,
-            placement_max_age_s=self.pending_max_age_s,
-            replay_window=self.kv.replay_window,
-            max_pending_batches=self.kv.max_pending_batches,
-            hash_chunk_blocks=self.kv.hash_chunk_blocks,
-            hash_chunk_max=self.kv.hash_chunk_max,
-        )
+        kv = {f.name: getattr(self.kv, f.name) for f in fields(KvIndexConfig)}
+        return FleetConfig(placement_settle_s=self.settle_s, placement_max_age_s=self.pending_max_age_s, **kv)
 
 
 class ReplicaBook(FleetView):

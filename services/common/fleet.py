@@ -51,7 +51,9 @@ _generations = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
-class FleetConfig:
+class FleetConfig(KvIndexConfig):
+    """The view's settings; the prefix index's (``KvIndexConfig``) are among them."""
+
     # A worker not heard from (registry put, gauge or KV batch) for this long is
     # treated as expired: never placed on, and dropped by ``expire``. The registry's
     # KV TTL normally removes it first; this is the backstop if that delete is missed.
@@ -63,26 +65,10 @@ class FleetConfig:
     # Optimistic additions older than this are dropped even without a new gauge, so a
     # worker whose gauges stop does not look busy forever.
     placement_max_age_s: float = 30.0
-    # Batches kept for replay on top of an unrequested snapshot (healthy stream) and the
-    # cap while a resync is pending (oldest dropped first; a hole re-triggers a resync).
-    replay_window: int = 32
-    max_pending_batches: int = 4096
-    # Blocks hashed per step of the lazy prefix walk; doubles each step up to the max.
-    hash_chunk_blocks: int = 16
-    hash_chunk_max: int = 1024
     # Time constant of each worker's load average (outstanding tokens, from its gauges):
     # long enough to smooth one request's arrival and departure, short enough to see a
     # worker that a cache-affine policy has left idle within a few seconds.
     load_avg_window_s: float = 10.0
-
-    @property
-    def kv_config(self) -> KvIndexConfig:
-        return KvIndexConfig(
-            replay_window=self.replay_window,
-            max_pending_batches=self.max_pending_batches,
-            hash_chunk_blocks=self.hash_chunk_blocks,
-            hash_chunk_max=self.hash_chunk_max,
-        )
 
 
 @dataclass(slots=True)
@@ -189,7 +175,7 @@ class Pool:
         self.model = model
         self.config = config
         self.workers: dict[str, FleetWorker] = {}
-        self.kv = KvIndex(config.kv_config)
+        self.kv = KvIndex(config)
         self._by_slot: list[FleetWorker | None] = []  # index slot → worker
         # Changes when membership changes; consumers (the session ring) rebuild on it.
         self.generation = next(_generations)

@@ -76,6 +76,7 @@ class Driver(ABC):
         self.last_error_at = 0.0
         self._listeners: list[ErrorListener] = []
         self.pools: tuple[str, ...] = ()  # set by the shell: the pools it scales (for polling)
+        self._polled_at: float | None = None
 
     # ---- the interface ---------------------------------------------------------------
     @abstractmethod
@@ -104,6 +105,15 @@ class Driver(ABC):
 
     async def close(self) -> None:  # noqa: B027 - a hook: most drivers hold nothing to release
         """The autoscaler is stopping."""
+
+    def poll_due(self, poll_s: float) -> bool:
+        """True at most once every ``poll_s``: an orchestrator's API is not polled every
+        tick (it would load it for nothing); the first call is always due."""
+        now = self.clock()
+        if self._polled_at is not None and now - self._polled_at < poll_s:
+            return False
+        self._polled_at = now
+        return True
 
     # ---- error bookkeeping shared by every driver -------------------------------------
     def on_error(self, listener: ErrorListener) -> None:

@@ -48,7 +48,6 @@ class ComposeDriver(Driver):
         self.stop_grace_s = stop_grace_s
         self.poll_s = poll_s
         self.env = dict(env) if env is not None else None
-        self._polled_at: float | None = None
         self._summary = "not contacted yet"
 
     def service(self, pool: str) -> str:
@@ -121,10 +120,8 @@ class ComposeDriver(Driver):
         self.succeeded()
 
     async def reap(self) -> list[str]:
-        now = self.clock()
-        if self._polled_at is not None and now - self._polled_at < self.poll_s:
+        if not self.poll_due(self.poll_s):
             return []
-        self._polled_at = now
         try:
             counts = {self.service(pool): len(await self.containers(pool)) for pool in self.pools}
         except DriverError:

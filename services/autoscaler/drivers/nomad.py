@@ -59,7 +59,6 @@ class NomadDriver(Driver):
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self._session: aiohttp.ClientSession | None = None
-        self._polled_at: float | None = None
         self._summary = "not contacted yet"
 
     def job_id(self, pool: str) -> str:
@@ -150,11 +149,8 @@ class NomadDriver(Driver):
         self.succeeded()
 
     async def reap(self) -> list[str]:
-        # Polling the API every tick would load Nomad for nothing: every poll_s.
-        now = self.clock()
-        if self._polled_at is not None and now - self._polled_at < self.poll_s:
+        if not self.poll_due(self.poll_s):
             return []
-        self._polled_at = now
         summaries = []
         try:
             for pool in self.pools:
