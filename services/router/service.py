@@ -18,7 +18,10 @@ and only its answer was late, so the request never runs twice.
 
 Metrics (own Prometheus registry, served on ``metrics_port`` when set, also in
 ``stats()``): placements per worker and policy, prefix-hit and prompt tokens, retries,
-errors, resyncs, decision time.
+errors, resyncs, decision time; and the prefix policy's spills (placements on a worker
+holding less of the prompt than the best holder, and the tokens they prefill again),
+spills held back (``spill_wait_tokens``), underused-rule takes (``rebalanced``),
+admission-hint outcomes, and the cost terms of the chosen worker and the best holder.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ tracer = trace.get_tracer("meshserve.router")
 
 # ============================================================================ metrics
 
+# RouteDecision's cost terms, as summed in stats and metrics
+COST_TERMS = ("chosen_queued", "chosen_running", "chosen_cost", "holder_cost")
 DECISION_BUCKETS = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 
 
@@ -98,6 +103,25 @@ class RouterMetrics:
         self.rebalanced = Counter(
             "meshserve:router_rebalanced_total", "Placements sent to an underused worker over the cost's choice", ["model"],
             registry=r,
+        )
+        # issue 17: what sends a prompt away from its cache, and what the cost saw
+        self.spills = Counter(
+            "meshserve:router_spills_total", "Placements on a worker holding less of the prompt than the best holder",
+            ["model"], registry=r,
+        )
+        self.spill_tokens = Counter(
+            "meshserve:router_spill_tokens_total", "Prompt tokens a spill prefills again (the best holder had them cached)",
+            ["model"], registry=r,
+        )
+        self.spills_held = Counter(
+            "meshserve:router_spills_held_total",
+            "Placements kept on a holder over a cheaper worker without the prefix (spill_wait_tokens)", ["model"],
+            registry=r,
+        )
+        self.cost_terms = Counter(
+            "meshserve:router_cost_terms_tokens_total",
+            "Prefix-policy cost terms summed over placements with a holder: the chosen worker's queued prefill, "
+            "running tokens and cost, and the best holder's cost", ["model", "term"], registry=r,
         )
         self.errors = Counter("meshserve:router_errors_total", "Route requests answered with an error", ["code"], registry=r)
         self.resyncs = Counter("meshserve:router_kv_resyncs_total", "KV snapshot requests by outcome", ["outcome"], registry=r)
@@ -142,6 +166,11 @@ class RouterService(Service):
         self.retried = 0
         self.hints: dict[str, int] = {}  # admission hint outcome → placements
         self.rebalanced = 0
+        self.spills = 0
+        self.spill_tokens = 0
+        self.spills_held = 0
+        self.holder_placements = 0  # placements where some worker held part of the prompt
+        self.cost_terms: dict[str, float] = dict.fromkeys(COST_TERMS, 0.0)
         self.failed = 0
         self.decision_s_total = 0.0
 
@@ -189,6 +218,13 @@ class RouterService(Service):
             "retries": self.retried,
             "admission_hints": dict(self.hints),
             "rebalanced": self.rebalanced,
+            "spills": self.spills,
+            "spill_tokens": self.spill_tokens,
+            "spills_held": self.spills_held,
+            # means over the placements with a holder (a prompt some worker had cached)
+            "cost_terms_mean": {
+                k: v / self.holder_placements if self.holder_placements else 0.0 for k, v in self.cost_terms.items()
+            },
             "errors": self.failed,
             "resyncs_requested": self.feed.resyncs_requested,
             "resyncs_applied": self.feed.resyncs_applied,
@@ -333,6 +369,21 @@ class RouterService(Service):
         if d.rebalanced:
             self.rebalanced += 1
             self.metrics.rebalanced.labels(model=d.model).inc()
+        if d.spilled:
+            self.spills += 1
+            self.spill_tokens += d.holder_cached_tokens - d.cached_tokens
+            self.metrics.spills.labels(model=d.model).inc()
+            self.metrics.spill_tokens.labels(model=d.model).inc(d.holder_cached_tokens - d.cached_tokens)
+        if d.spill_held:
+            self.spills_held += 1
+            self.metrics.spills_held.labels(model=d.model).inc()
+        if d.holder_cached_tokens:
+            self.holder_placements += 1
+            for term, value in zip(
+                COST_TERMS, (d.queued_tokens, d.running_tokens, d.cost, d.holder_cost), strict=True
+            ):
+                self.cost_terms[term] += value
+                self.metrics.cost_terms.labels(model=d.model, term=term).inc(value)
 
 
 __all__ = ["POLICIES", "RouterMetrics", "RouterService", "RouterServiceConfig"]

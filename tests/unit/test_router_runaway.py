@@ -104,3 +104,33 @@ def test_a_burst_passes(cfg: PolicyConfig, recovers: bool) -> None:
     assert before.hit_rate > 0.9 and before.ttft_p90 < 0.2  # healthy before, either way
     came_back = after.ttft_p90 <= 1.1 * before.ttft_p90 and after.hit_rate >= 0.9 * before.hit_rate
     assert came_back is recovers
+
+
+def test_router_stats_count_spills_and_cost_terms() -> None:
+    """The service's counters (stats and Prometheus) for what the sweep reads."""
+    from services.router.service import RouterService
+
+    v = make_view(2)
+    cache(v, "llama-1", SYSTEM)
+    prompt = [*SYSTEM, *range(100)]
+    set_load(v, "llama-1", queued=9000)
+    set_load(v, "llama-0", queued=6100)
+    held = decided(router(v).decide(q(prompt=prompt), 0.5))  # kept on the holder
+    set_load(v, "llama-0", queued=0, ts=2.0)
+    spilled = decided(router(v).decide(q(prompt=prompt), 0.5))  # the idle worker gets it in time
+    svc = RouterService()
+    svc._count(held)
+    svc._count(spilled)
+    s = svc.stats()
+    assert (s["spills"], s["spill_tokens"], s["spills_held"]) == (1, 2048, 1)
+    assert s["cost_terms_mean"] == {
+        "chosen_queued": (9000 + 0) / 2,
+        "chosen_running": 0.0,
+        "chosen_cost": (9100 + 2148) / 2,
+        "holder_cost": 9100.0,
+    }
+    sample = svc.metrics.registry.get_sample_value
+    assert sample("meshserve:router_spills_total", {"model": "llama"}) == 1
+    assert sample("meshserve:router_spill_tokens_total", {"model": "llama"}) == 2048
+    assert sample("meshserve:router_spills_held_total", {"model": "llama"}) == 1
+    assert sample("meshserve:router_cost_terms_tokens_total", {"model": "llama", "term": "holder_cost"}) == 2 * 9100
