@@ -362,6 +362,37 @@ def test_optimistic_additions_age_out_without_gauges() -> None:
     assert w.outstanding_tokens == 22
 
 
+def test_anonymous_placements_add_up_and_settle() -> None:
+    # Admission counts admissions, not requests: two without a request id both count.
+    v = FleetView(FleetConfig(placement_settle_s=0.02))
+    v.update_worker(info("a"), 0.0)
+    v.record_placement("a", None, 100, 0, 0.10)
+    v.record_placement("a", None, 50, 0, 0.11)
+    w = v.worker("a")
+    assert w is not None
+    assert w.queued_prefill_tokens == 150 and len(w.placements) == 2
+    v.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=150), 0.20)
+    assert w.queued_prefill_tokens == 150 and w.placements == {}
+
+
+def test_registry_only_view_ignores_feeds_of_unregistered_workers() -> None:
+    v = FleetView(registry_only=True)
+    assert not v.apply_gauge(gauge("a", 1.0), 0.0)
+    assert v.apply_kv_events(batch("a", 0, stored(block_hashes(list(range(16)), 16))), 0.0) is None
+    assert "a" not in v
+    v.update_worker(info("a"), 0.0)
+    other = WorkerGauge(worker_id="a", model="another", ts=2.0)
+    assert not v.apply_gauge(other, 0.1)  # the registry says which model it serves
+    w = v.worker("a")
+    assert w is not None and w.model == MODEL and w.gauge is None
+    assert v.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=7), 0.2)
+    assert v.apply_kv_events(batch("a", 0, stored(block_hashes(list(range(16)), 16))), 0.3) is KvApply.APPLIED
+    assert w.queued_prefill_tokens == 7 and w.cached_blocks == 1
+    # the default view lets a feed add the worker (the feed has checked the registry)
+    open_view = FleetView()
+    assert open_view.apply_gauge(gauge("b", 1.0), 0.0) and "b" in open_view
+
+
 def test_draining_and_state() -> None:
     v = two_workers()
     v.update_worker(info("c", state="starting"), 0.0)
