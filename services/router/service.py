@@ -1,9 +1,10 @@
 """The router service: ``policy`` and the fleet view wired to the mesh (DESIGN.md, Routing).
 
 It keeps the shared ``services.common.fleet.FleetView`` live (``FleetFeed``) from four
-feeds: the worker registry (joins, heartbeats, state changes, deletes), gauges (``mesh.gauges.>``), KV event batches (``mesh.kv.>``; a gap, a
-stream joined mid-way or a batch a gauge names but that never came makes it ask the
-worker for a ``KvSnapshot``), and its own clock (workers silent for ``stale_after_s`` are
+feeds: the worker registry (joins, heartbeats, state changes, deletes), gauges
+(``mesh.gauges.>``), KV event batches (``mesh.kv.>``; a gap, a stream joined mid-way or
+a batch a gauge names but that never came makes it ask the worker for a
+``KvSnapshot``), and its own clock (workers silent for ``stale_after_s`` are
 expired). Several routers may run: each builds the same view from the same events and
 they share the ``router`` queue group, so each request is placed by exactly one.
 
