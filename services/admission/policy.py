@@ -32,7 +32,7 @@ class AdmissionPolicy:
     def __init__(self, limiter: Limiter | None = None, slo: SloAdmitter | None = None) -> None:
         self.limiter = limiter or Limiter()
         self.slo = slo or SloAdmitter()
-        # request id → (tier, raw predicted TTFT, onto an empty queue, calibrated prediction,
+        # request id → (tier, raw predicted TTFT, onto an idle pool, calibrated prediction,
         # admitted at): the calibration's inputs, and what the decision used
         self.predictions: dict[str, tuple[str, float, bool, float, float]] = {}
         # (tier, calibrated prediction, raw prediction, actual TTFT) of recent admitted requests

@@ -70,15 +70,18 @@ prediction, queue included, until an idle mesh refused premium requests. Raised 
 floor it reads 1 (right, as far as the SLO cares), while a miss from a small prediction
 (50 ms predicted, 2 s seen) still counts in full, against the floor.
 
-That latency outside the engine is learnt instead, as an additive ``overhead``: a low
-quantile (``overhead_quantile``, 0.1) of actual − formula over the recent requests
-admitted onto an empty queue with a prediction below their floor, at most the tightest
-tier's floor. There the formula has nothing left to get wrong but the prompt's own
-prefill; what such a request meets besides (a step already under way, a burst of
-higher-priority arrivals, a router placing it elsewhere within its slack) only ever adds
-time, so a low quantile is the mesh's own latency and the median is not (under overload
-the median read 0.6 s). Every prediction is ``(formula + overhead) × factor``: a cached
-prompt's 7 ms of engine time is predicted as the ~15 ms the gateway sees, not as half.
+That latency outside the engine is learnt instead, as an additive ``overhead``: the
+median (``overhead_quantile``) of actual − formula over the recent requests admitted
+while no replica of the pool had anything queued, with a prediction below their floor;
+at most the tightest tier's floor. There the formula has nothing left to get wrong but
+the prompt's own prefill, wherever the router puts it. Requests admitted with queues
+about are left out: what they meet besides the formula (a burst of higher-priority
+arrivals, a router placing them behind work admission did not count there) only adds
+time, and under overload the median of all small predictions read 0.6 s. A low quantile
+of those would be safe but reads the fastest of the mesh, not its usual (6 ms for a
+typical 20 ms on a busy 2-core machine). Every prediction is ``(formula + overhead) ×
+factor``: a cached prompt's 7 ms of engine time is predicted as the ~20 ms the gateway
+sees, not as a third of it.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ class SloConfig:
     # Fraction of the tier's SLO below which predicted and actual TTFT count as equal.
     calibration_floor: float = 0.25
     overhead_min_samples: int = 10  # light-load outcomes before the overhead is used
-    overhead_quantile: float = 0.1
+    overhead_quantile: float = 0.5
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -193,7 +196,7 @@ class SloVerdict:
     slack_tokens: int = 0
     # The formula alone, before overhead and calibration: what outcomes are compared with.
     raw_predicted_ttft: float | None = None
-    queue_free: bool = False  # admitted onto a replica with nothing queued (teaches the overhead)
+    queue_free: bool = False  # admitted while no replica had anything queued (teaches the overhead)
 
 
 class TierMix:
@@ -250,7 +253,7 @@ class Calibration:
 
     def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float],
                  overhead_min_samples: int = 10, max_overhead_s: float = math.inf,
-                 overhead_quantile: float = 0.1) -> None:
+                 overhead_quantile: float = 0.5) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.bounds = bounds
@@ -265,7 +268,7 @@ class Calibration:
     def observe(self, tier: str, predicted_s: float, actual_s: float, floor_s: float = 0.0,
                 queue_free: bool = False) -> None:
         """``predicted_s``: the formula's TTFT; ``floor_s``: times below it count as equal
-        to it (errors the SLO cannot see); ``queue_free``: admitted onto an empty queue
+        to it (errors the SLO cannot see); ``queue_free``: admitted onto an empty pool
         (with a prediction below the floor, it teaches the overhead)."""
         if predicted_s <= 0 or actual_s < 0 or not math.isfinite(actual_s):
             return
@@ -273,8 +276,8 @@ class Calibration:
             self.residuals.append(actual_s - predicted_s)
             if len(self.residuals) >= self.overhead_min_samples:
                 ranked = sorted(self.residuals)
-                low = ranked[min(int(self.overhead_quantile * len(ranked)), len(ranked) - 1)]
-                self._overhead = min(max(low, 0.0), self.max_overhead_s)
+                q = ranked[min(int(self.overhead_quantile * len(ranked)), len(ranked) - 1)]
+                self._overhead = min(max(q, 0.0), self.max_overhead_s)
         window = self.ratios[tier]
         window.append(max(actual_s, floor_s) / max(predicted_s + self._overhead, floor_s))
         if len(window) >= self.min_samples:
@@ -311,8 +314,8 @@ class SloAdmitter:
         return self.calibration.overhead() if self.config.calibration else 0.0
 
     def observe(self, tier: str, predicted_s: float, actual_s: float, queue_free: bool = False) -> None:
-        """The TTFT a request admitted with raw prediction ``predicted_s`` (on an empty
-        queue: ``queue_free``) really had."""
+        """The TTFT a request admitted with raw prediction ``predicted_s`` (onto a pool
+        with nothing queued: ``queue_free``) really had."""
         t = self.tier(tier)
         self.calibration.observe(t.name, predicted_s, actual_s, self.config.calibration_floor * t.ttft_slo_s,
                                  queue_free)
@@ -426,7 +429,7 @@ class SloAdmitter:
                 worker_id=best_ok[1].worker_id,
                 slack_tokens=max(int(best_ok[2]), 0),
                 raw_predicted_ttft=best_ok[3],
-                queue_free=best_ok[1].queued_prefill_tokens == 0,
+                queue_free=all(r.queued_prefill_tokens == 0 for r in live),
             )
         assert best_any is not None
         return SloVerdict(
