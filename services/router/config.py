@@ -11,7 +11,8 @@ from typing import Any
 from bus.config import build, checked, read_file
 from services.common.fleet import FleetConfig
 
-from .policy import CascadeConfig, PolicyConfig, RouterConfig
+from .cascade import CascadeConfig
+from .policy import PolicyConfig, RouterConfig
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ from __future__ import annotations
 import bisect
 import math
 import random
-import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -56,6 +55,8 @@ import xxhash
 
 from proto.messages import GenerateRequest, Placement
 from services.common.fleet import FleetView, FleetWorker, Pool, pack_prompt
+
+from .cascade import Cascade, CascadeConfig
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
@@ -123,28 +124,6 @@ class PolicyConfig:
             raise ValueError("balance_factor must be 0 (off) or ≥ 1")
         if self.spill_wait_tokens < 0:
             raise ValueError("spill_wait_tokens must be ≥ 0 (0: spills decided by cost alone)")
-
-
-@dataclass(frozen=True, slots=True)
-class CascadeConfig:
-    """A virtual model: easy requests go to ``small``, hard ones to ``large``.
-
-    Hard means: a prompt longer than ``max_prompt_tokens``, more than
-    ``max_output_tokens`` requested, or a hard keyword. Keywords are matched in the
-    request text when the caller has it (case-insensitive), and as token-id sequences in
-    the packed prompt (``hard_keyword_tokens``: the shell tokenizes each keyword once,
-    in the variants its tokenizer produces, e.g. with and without a leading space).
-    Keywords are searched only in prompts short enough to be easy otherwise, which
-    bounds the classifier's cost: a few C-level ``find`` calls, well under 1 ms.
-    """
-
-    small: str
-    large: str
-    max_prompt_tokens: int = 1024
-    max_output_tokens: int | None = None
-    hard_keywords: tuple[str, ...] = ()
-    hard_keyword_tokens: tuple[tuple[int, ...], ...] = ()
-    fallback: bool = True  # the other model serves when the chosen pool has no capacity
 
 
 @dataclass(slots=True)
@@ -298,43 +277,6 @@ class _Ring:
                 yield wid
 
 
-class _Cascade:
-    """A compiled ``CascadeConfig``."""
-
-    def __init__(self, cfg: CascadeConfig) -> None:
-        from proto.hashing import pack_tokens
-
-        self.cfg = cfg
-        words = [k.lower() for k in cfg.hard_keywords if k]
-        self._text_re = re.compile("|".join(re.escape(w) for w in words)) if words else None
-        self._token_pats = [pack_tokens(seq) for seq in cfg.hard_keyword_tokens if seq]
-
-    def classify(self, q: RouteQuery) -> tuple[str, str]:
-        cfg = self.cfg
-        if q.prompt_tokens > cfg.max_prompt_tokens:
-            return cfg.large, f"cascade: prompt {q.prompt_tokens} > {cfg.max_prompt_tokens} tokens"
-        if cfg.max_output_tokens is not None and q.max_tokens > cfg.max_output_tokens:
-            return cfg.large, f"cascade: max_tokens {q.max_tokens} > {cfg.max_output_tokens}"
-        if q.text is not None and self._text_re is not None:
-            m = self._text_re.search(q.text.lower())
-            if m:
-                return cfg.large, f"cascade: keyword {m.group()!r}"
-        for pat in self._token_pats:
-            if _find_aligned(q.prompt, pat):
-                return cfg.large, "cascade: keyword tokens"
-        return cfg.small, "cascade: easy"
-
-
-def _find_aligned(data: bytes, pat: bytes) -> bool:
-    """``pat`` occurs in ``data`` at a token boundary (a multiple of 4 bytes)."""
-    pos = data.find(pat)
-    while pos >= 0:
-        if pos % 4 == 0:
-            return True
-        pos = data.find(pat, pos + 1)
-    return False
-
-
 class Router:
     """Model resolution and placement policies over a ``FleetView``."""
 
@@ -346,12 +288,12 @@ class Router:
         self.rng = rng if rng is not None else random.Random(0)
         self._rr: dict[str, int] = {}
         self._rings: dict[str, _Ring] = {}
-        self._cascades = {name: _Cascade(c) for name, c in self.config.cascades.items()}
+        self._cascades = {name: Cascade(c) for name, c in self.config.cascades.items()}
 
     def set_cascade(self, name: str, cascade: CascadeConfig) -> None:
         """Add or replace a cascade, e.g. once the shell has tokenized its keywords."""
         self.config.cascades[name] = cascade
-        self._cascades[name] = _Cascade(cascade)
+        self._cascades[name] = Cascade(cascade)
 
     # ---- model resolution ----
     def resolve(self, query: RouteQuery) -> tuple[list[str], str]:
