@@ -117,9 +117,10 @@ SCENARIOS = {
     "long-hot-spot": Scenario("long-hot-spot", 1, "4096", "512", 64, 2048, 0.8, 21.5, "the no-reuse capacity"),
     # Conversations: a 1024-token system prompt, 4 turns of 64-256-token user messages and
     # 64-token replies, each turn's prompt the whole conversation so far. Load in
-    # sessions/s; capacity is the no-reuse request capacity / 4 turns, NOT measured yet
-    # (run --find-capacity, in sessions/s, and put the knee here).
-    "multi-turn": Scenario("multi-turn", 0, "1024", "uniform:64:256", 64, 2048, 0.8, 9.0,
+    # sessions/s; capacity is the no-reuse request capacity (profile formula at the mean
+    # turn's prompt, ~1.5k tokens) / 4 turns, NOT measured yet (run --find-capacity, in
+    # sessions/s, and put the knee here).
+    "multi-turn": Scenario("multi-turn", 0, "1024", "uniform:64:256", 64, 2048, 0.8, 13.9,
                            "the no-reuse capacity / 4 turns, not measured", kind="multi-turn"),
 }
 DEFAULT_SCENARIOS = ("shared-prefix", "hot-spot")
@@ -176,10 +177,10 @@ async def usage_events(bus: Bus) -> list[UsageEvent]:
 
 async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
                      rates: list[float] | None = None, *, load: float | None = None,
-                     seed: int | None = None, trace: Path | None = None) -> dict[str, Any]:
+                     seed: int | None = None, trace: tuple[Path, int] | None = None) -> dict[str, Any]:
     """One fresh mesh with ``policy``; ``rates`` (simulated req/s) run one after another
     on it (a capacity search), else ``load`` (default: ``--load``, else the scenario's);
-    with ``trace`` (a burst), that trace's own arrivals instead."""
+    with ``trace`` (a burst: its file and number of requests), its own arrivals instead."""
     seed = args.seed if seed is None else seed
     load = load or args.load or sc.load
     state = Path(tempfile.mkdtemp(prefix=f"meshserve-bench-{policy}-"))
@@ -199,7 +200,7 @@ async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
         sim_rates = rates or [load * fleet / args.speed]
         rate = sim_rates[0] * args.speed
         if trace is not None:
-            workload = WorkloadConfig(kind="trace", trace=str(trace), trace_block_size=BURST_BLOCK)
+            workload = WorkloadConfig(kind="trace", trace=str(trace[0]), trace_block_size=BURST_BLOCK)
         elif sc.kind == "multi-turn":
             # rates are sessions/s; think times are wall seconds, hence / speed
             workload = WorkloadConfig(kind="multi-turn", prefix_tokens=sc.prefix_tokens, input_tokens=sc.suffix_tokens,
@@ -213,7 +214,7 @@ async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
                                       api_key=mesh.dev_key)],
             workload=workload,
             rates=None if trace is not None else [r * args.speed for r in sim_rates],
-            num_requests=None if trace is not None or sc.kind == "multi-turn"
+            num_requests=trace[1] if trace is not None else None if sc.kind == "multi-turn"
             else max(50, int(max(sim_rates) * args.speed * args.duration)),
             duration=args.duration if sc.kind == "multi-turn" and trace is None else None,
             seed=seed,
@@ -639,7 +640,7 @@ async def burst_runs(scenarios: Sequence[Scenario], args: argparse.Namespace) ->
         for policy in args.policies.split(","):
             trace = Path(tempfile.mkdtemp(prefix="meshserve-burst-")) / "burst.jsonl"
             n = burst_trace(sc, burst, args.capacity or sc.capacity, args.speed, args.seed, trace)
-            row = await run_policy(sc, policy, args, load=burst.base, trace=trace)
+            row = await run_policy(sc, policy, args, load=burst.base, trace=(trace, n))
             row["recovery"] = recovery(row["timeline"], burst)
             sc_rows.append(row)
             rec = row["recovery"]
