@@ -17,6 +17,7 @@ after a burst. ``benchmarks/routing.py`` measures the same on a real mesh.
 
     .venv/bin/python benchmarks/router_sim.py --seeds 1,2,3,4,5,6,7,8 --loads 0.5,0.7,0.8,0.9
     .venv/bin/python benchmarks/router_sim.py --burst --seeds 1,2,3
+    .venv/bin/python benchmarks/router_sim.py --policies prefix --spill-wait-tokens 0   # before the fix
 """
 
 from __future__ import annotations
@@ -324,11 +325,14 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
     parser.add_argument("--burst", action="store_true", help="70 %%, 10 s at 2×, 70 %% again (a timeline per seed)")
     parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--spill-wait-tokens", type=int, default=None,
+                        help="the prefix policy's spill_wait_tokens (0: spills by raw cost, before issue 17's fix)")
     args = parser.parse_args()
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
         loads = [float(x) for x in args.loads.split(",")]
-        policies = [PolicyConfig(policy=p) for p in args.policies.split(",")]  # type: ignore[arg-type]
+        extra = {} if args.spill_wait_tokens is None else {"spill_wait_tokens": args.spill_wait_tokens}
+        policies = [PolicyConfig(policy=p, **extra) for p in args.policies.split(",")]  # type: ignore[arg-type]
     except ValueError as exc:
         parser.error(str(exc))
     wl = Workload(groups=args.groups)
@@ -341,11 +345,19 @@ def main() -> None:
                     print(f"  {t:5.0f} s  {s}  outstanding/worker {load:8,.0f}")
             continue
         for load in loads:
+            cells = []
             for seed in seeds:
                 res = simulate(cfg, seed, steady(load, args.duration), wl)
                 s = res.window(args.duration / 4)
+                cells.append(s)
                 print(f"{cfg.policy:12s} load {load:.0%} seed {seed}: {s}  spills {spill_rate(res.decisions):4.0%}  "
                       f"busiest/idlest {res.imbalance(args.duration / 4):.2f}", flush=True)
+            p90 = [c.ttft_p90 * 1000 for c in cells]
+            hit = [c.hit_rate for c in cells]
+            good = [c.goodput for c in cells]
+            print(f"{cfg.policy:12s} load {load:.0%} median / worst seed: p90 TTFT {statistics.median(p90):,.0f} / "
+                  f"{max(p90):,.0f} ms, hit {statistics.median(hit):.0%} / {min(hit):.0%}, goodput "
+                  f"{statistics.median(good):.1f} / {min(good):.1f}", flush=True)
 
 
 if __name__ == "__main__":
