@@ -1,5 +1,5 @@
-"""Admission under overload: 2× the fleet's capacity, premium and standard, with and
-without the admission service.
+"""Admission at light load and under overload: 10 %, 50 % and 2× the fleet's capacity,
+premium and standard, with and without the admission service.
 
 Each run starts a fresh local mesh (``ops.up.Mesh``: nats-server, 8 sim workers, a
 gateway, a router, and in one of the two runs the admission service; each its own
