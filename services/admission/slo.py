@@ -64,8 +64,8 @@ TTFT runs below the formula gets a factor under 1 and admits more.
 
 Only errors that can move a decision are learnt: both times are raised to a floor,
 ``calibration_floor`` × the tier's SLO, before the ratio is taken. On a light load a
-prediction of 40 ms meets 60-90 ms of gateway, bus and HTTP time the formula does not
-model; taken as it is, that ratio (2-4) became the tier's factor and multiplied every
+prediction of 40 ms meets a TTFT of 60-90 ms, the rest gateway, bus and HTTP time the
+formula does not model; taken as it is, that ratio (2-4) became the tier's factor and multiplied every
 prediction, queue included, until an idle mesh refused premium requests. Raised to the
 floor it reads 1 (right, as far as the SLO cares), while a miss from a small prediction
 (50 ms predicted, 2 s seen) still counts in full, against the floor.
@@ -77,9 +77,9 @@ at most the tightest tier's floor. There the formula has nothing left to get wro
 the prompt's own prefill, wherever the router puts it. Requests admitted with queues
 about are left out: what they meet besides the formula (a burst of higher-priority
 arrivals, a router placing them behind work admission did not count there) only adds
-time, and under overload the median of all small predictions read 0.6 s. A low quantile
-of those would be safe but reads the fastest of the mesh, not its usual (6 ms for a
-typical 20 ms on a busy 2-core machine). Every prediction is ``(formula + overhead) ×
+time, and under overload the median over all small predictions read 0.6 s. A low
+quantile over all of them would be safe but reads the mesh's fastest, not its usual
+(6 ms for a typical 20 ms on a busy 2-core machine). Every prediction is ``(formula + overhead) ×
 factor``: a cached prompt's 7 ms of engine time is predicted as the ~20 ms the gateway
 sees, not as a third of it.
 """
