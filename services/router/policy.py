@@ -23,8 +23,8 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   good; a worker whose load average stays under the pool's (``balance_factor``) takes
   the next request whatever it costs, and becomes a holder.
   Spills: a cheaper worker without the prefix wins over the best holder only when the
-  holder's prefill wait exceeds ``spill_wait_tokens`` and the other's does not, so
-  long queues everywhere never scatter prompts (issue 17: that made a second, stable
+  holder's prefill wait exceeds ``spill_wait_tokens`` and the other's does not (an idle
+  worker always may), so long queues everywhere never scatter prompts (issue 17: that made a second, stable
   equilibrium with a cache-blind hit rate; ``benchmarks/router_sim.py`` shows it).
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
   the session key; falls back to ``prefix`` without a key or when the target is
@@ -105,15 +105,19 @@ class PolicyConfig:
     admission_hints: bool = True
     # Spills (issue 17). A request goes to a worker holding less of its prompt than the
     # best holder only when the holder's prefill work ahead of its first token exceeds
-    # ``spill_wait_tokens`` and the other worker's (its uncached prompt included) does not:
-    # only when the spill turns a slow first token into a fast one. Comparing raw costs
-    # instead, the holder's edge is its cached prompt (1-2k tokens) while the load terms
-    # grow with the queues: once queues are a few prompts long, their fluctuations outweigh
-    # the cache, prompts scatter, the LRU caches thrash, the hit rate falls to a cache-blind
-    # policy's and the extra prefill lengthens the queues further — a second, stable
-    # equilibrium at the same load. 8192 tokens: ~0.6 s of prefill on the H100 profile.
+    # ``spill_wait_tokens`` and the other worker's (its uncached prompt included) does not
+    # (an idle worker always qualifies, however long the prompt): a spill must land on
+    # spare capacity, where its prefill delays nobody. Comparing raw costs instead, the
+    # holder's edge is its cached prompt (1-2k tokens) while the load terms grow with the
+    # queues: once queues are a few prompts long, their fluctuations outweigh the cache,
+    # prompts scatter, the LRU caches thrash, the hit rate falls to a cache-blind policy's
+    # and the extra prefill lengthens the queues further — a second, stable equilibrium at
+    # the same load. 2048 tokens (~0.15 s of prefill on the H100 profile): in the pure fleet
+    # simulation (benchmarks/router_sim.py) 8192, which lets spills into busy workers,
+    # also held up to 90 % of the knee but started 3 of 4 seeds at 110 % (cold caches)
+    # in a degraded state (hit 79 %, p90 TTFT 2.3 s) that 2048 avoids up to 130 %.
     # 0 restores the raw-cost choice.
-    spill_wait_tokens: int = 8192
+    spill_wait_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -436,7 +440,7 @@ class Router:
             kept = [(c, w) for c, w in scored if by_slot.get(w.slot, 0) == top]
             if kept:
                 hcost, holder = self._pick(kept)
-                wait = cfg.spill_wait_tokens
+                wait = max(cfg.spill_wait_tokens, ctx.prompt_tokens - ctx.cached(best))
                 if not (ctx.prefill_cost(holder) > wait >= ctx.prefill_cost(best)):
                     cost, best, held = hcost, holder, True
         under = [w for w in self._underused(eligible, cfg) if ctx.prefill_cost(w) <= budget]
