@@ -337,7 +337,8 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
             if model is None:
                 other = next((m for m in models.values()), None)
                 if other is None:
-                    raise ValueError(f"{target.endpoint.label}: no model given and none discovered; "
+                    why = f" ({target.discovery_error})" if target.discovery_error else ""
+                    raise ValueError(f"{target.endpoint.label}: no model given and none discovered{why}; "
                                      "pass --model")
                 model = other
             models[target.endpoint.label] = model

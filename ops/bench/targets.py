@@ -39,6 +39,7 @@ HDR_ERROR_CODE = "Nats-Service-Error-Code"
 
 class Target(Protocol):
     endpoint: EndpointConfig
+    discovery_error: str | None  # why discover_model found none, for the error the user sees
 
     async def start(self) -> None: ...
 
@@ -69,6 +70,7 @@ class OpenAITarget:
         path = "/chat/completions" if endpoint.api == "chat" else "/completions"
         self.url = self.base + path
         self._session: aiohttp.ClientSession | None = None
+        self.discovery_error: str | None = None
 
     async def start(self) -> None:
         # limit=0: an open-loop client must never queue requests behind a pool limit.
@@ -89,12 +91,21 @@ class OpenAITarget:
         assert self._session is not None
         try:
             async with self._session.get(self.base + "/models") as resp:
+                raw = await resp.read()
                 if resp.status != 200:
+                    try:
+                        message = error_message(_decode(raw))[0]
+                    except msgspec.DecodeError:
+                        message = raw[:200].decode(errors="replace")
+                    self.discovery_error = f"GET {self.base}/models answered {resp.status}: {message}"
                     return None
-                data = _decode(await resp.read())
+                data = _decode(raw)
             models = data.get("data") or []
+            if not models:
+                self.discovery_error = f"GET {self.base}/models lists no model"
             return str(models[0]["id"]) if models else None
-        except (aiohttp.ClientError, msgspec.DecodeError, KeyError, TypeError, IndexError):
+        except (aiohttp.ClientError, msgspec.DecodeError, KeyError, TypeError, IndexError) as exc:
+            self.discovery_error = f"GET {self.base}/models failed: {type(exc).__name__}: {exc}"
             return None
 
     async def send(self, body: dict[str, Any], acc: StreamAccumulator) -> None:
@@ -146,6 +157,7 @@ class NatsTarget:
         self.endpoint = endpoint
         subjects = Subjects(endpoint.root)
         self.subject = subjects.api_chat if endpoint.api == "chat" else subjects.api_completions
+        self.discovery_error: str | None = "meshserve's NATS API lists no models"
         self._nc: Any = None
         self._prefix = ""
         self._seq = itertools.count()

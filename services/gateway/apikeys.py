@@ -150,9 +150,9 @@ def key_from_headers(headers: Mapping[str, str]) -> str | None:
     for name in API_KEY_HEADERS:
         if name in others:
             return others[name]
-    if authorization is not None and authorization.strip():
+    if authorization is not None and authorization.strip().lower() not in ("", "bearer"):
         raise MalformedAuthorization(authorization)
-    return None
+    return None  # nothing, or "Bearer" with an empty key (an unset $OPENAI_API_KEY): no key given
 
 
 def redact_key(key: str) -> str:

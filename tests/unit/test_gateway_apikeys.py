@@ -123,7 +123,14 @@ def test_key_from_headers(headers: dict[str, str], key: str | None) -> None:
     assert apikeys.key_from_headers(headers) == key
 
 
-@pytest.mark.parametrize("authorization", ["msk-a", "Basic bXNrLWE=", "Bearer", "Token msk-a"])
+@pytest.mark.parametrize("authorization", ["msk-a", "Basic bXNrLWE=", "Token msk-a"])
 def test_authorization_without_bearer_is_malformed(authorization: str) -> None:
     with pytest.raises(apikeys.MalformedAuthorization):
         apikeys.key_from_headers({"Authorization": authorization})
+
+
+@pytest.mark.parametrize("authorization", ["Bearer", "Bearer ", "bearer   ", ""])
+def test_bearer_with_an_empty_key_is_no_key(authorization: str) -> None:
+    # `Authorization: Bearer $OPENAI_API_KEY` with the variable unset: the key is missing,
+    # not malformed, and the client should hear "you didn't provide an API key".
+    assert apikeys.key_from_headers({"Authorization": authorization}) is None

@@ -1,0 +1,41 @@
+"""A bench run without --model says why the endpoint named no model (a refused key, say)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from ops.bench.config import EndpointConfig
+from ops.bench.targets import OpenAITarget
+
+
+@pytest.fixture
+async def refusing_server() -> AsyncIterator[str]:
+    async def models(_request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error",
+                                            "code": "invalid_api_key"}}, status=401)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
+async def test_discovery_reports_the_servers_answer(refusing_server: str) -> None:
+    target = OpenAITarget(EndpointConfig(url=refusing_server, api_key="msk-wrong"))
+    await target.start()
+    try:
+        assert await target.discover_model() is None
+    finally:
+        await target.close()
+    assert target.discovery_error is not None
+    assert "answered 401: Incorrect API key provided" in target.discovery_error
