@@ -127,7 +127,7 @@ async def test_key_in_api_key_headers_is_accepted(gateway: GatewayService, key: 
     assert status == 200 and reply["usage"]["completion_tokens"] == 3
 
 
-@pytest.mark.parametrize("authorization", ["{key}", "Basic {key}", "Bearer", "Token {key}"])
+@pytest.mark.parametrize("authorization", ["{key}", "Basic {key}", "Token {key}"])
 async def test_key_without_bearer_is_called_malformed(gateway: GatewayService, key: str, authorization: str) -> None:
     headers = {"Authorization": authorization.format(key=key)}
     status, _, body, _ = await _get(f"{gateway.http_url}/v1/models", headers=headers)
@@ -137,6 +137,11 @@ async def test_key_without_bearer_is_called_malformed(gateway: GatewayService, k
     # A well-formed api-key header next to it wins: some clients send both.
     status, _, _, _ = await _get(f"{gateway.http_url}/v1/models", headers={**headers, "api-key": key})
     assert status == 200
+
+
+async def test_an_empty_bearer_is_a_missing_key(gateway: GatewayService) -> None:
+    status, _, body, _ = await _get(f"{gateway.http_url}/v1/models", headers={"Authorization": "Bearer "})
+    assert status == 401 and "didn't provide an API key" in body["error"]["message"]
 
 
 async def test_nats_api_and_websocket_take_the_same_headers(gateway: GatewayService, key: str, bus: Bus) -> None:
