@@ -633,14 +633,16 @@ def _vllm_importable() -> bool:
 def _print_banner(console: Any, mesh: Mesh) -> None:
     from rich.table import Table
 
+    from .console import print_table
+
     config = mesh.config
     table = Table(title="meshserve is up", show_lines=False)
-    table.add_column("what", overflow="fold")
-    table.add_column("where", overflow="fold")
-    table.add_column("log", overflow="fold")
+    table.add_column("what")
+    table.add_column("where")
+    table.add_column("log")
     for row in mesh.summary():
         table.add_row(*row)
-    console.print(table)
+    print_table(console, table)  # whole paths when piped or narrow
     console.print(f"NATS: {mesh.nats_url}   subject root: {config.root}   "
                   f"(list the services: meshserve services --nats-url {mesh.nats_url})", markup=False)
     if not mesh.workers:
