@@ -15,7 +15,7 @@ import sys
 
 # Sub-command → the module that contributes it, in help order.
 COMMANDS: dict[str, str] = {
-    "up": "ops.up",
+    "up": "ops.up_cli",
     "serve": "ops.serve",
     "keys": "ops.keys",
     "status": "ops.status",

