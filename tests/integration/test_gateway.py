@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from bus import Bus
 from ops.natsserver import free_port
 from ops.up import Mesh, MeshConfig
+from tests.browser import CHROMIUM, launch_chromium
 from tests.sse import read_sse, sse_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,7 +302,6 @@ def test_keys_cli_create_list_revoke(mesh: Mesh) -> None:
         pytest.fail("revoked key still accepted")
 
 
-CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)")
@@ -309,11 +309,7 @@ def test_chat_page_streams_a_reply_in_headless_chromium(mesh: Mesh, tmp_path: Pa
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
-        )
+        browser = launch_chromium(p)
         try:
             page = browser.new_page()
             page.goto(mesh.gateway_url + "/")

@@ -19,6 +19,7 @@ from ops.keys import create_key
 from services.gateway.service import GatewayConfig, GatewayService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
+from tests.browser import CHROMIUM, launch_chromium
 
 MODEL = "sim-llama-8b"
 
@@ -250,7 +251,6 @@ async def test_tokenizer_export_asks_the_mesh_which_tokenizer_a_model_uses(
     assert f"no worker serves 'nope' (served: {MODEL})" in capsys.readouterr().err
 
 
-CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)")
@@ -267,11 +267,7 @@ def _drive_chat_page(url: str, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
-        )
+        browser = launch_chromium(p)
         try:
             context = browser.new_context()
             page = context.new_page()
