@@ -8,7 +8,10 @@ Faults, each on a fresh mesh of real processes (``ops.up.Mesh``), struck with ki
 - nats: one node of a 3-node JetStream cluster (every stream and bucket R3) dies.
 - metering: the ledger writer dies twice under load; it catches up from USAGE.
 
-Run: ``.venv/bin/python benchmarks/faults.py`` (about two minutes). Prints a Markdown table.
+Before them, how fast a killed worker is noticed: ten workers killed one after another,
+each timed from the kill until a registry (the one every service keeps) drops it.
+
+Run: ``.venv/bin/python benchmarks/faults.py`` (about three minutes). Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bus import Bus
+from bus.registry import WorkerRegistry
 from ops.natsserver import free_port
 from ops.up import Mesh, MeshConfig, ServiceProcess
 
@@ -89,8 +94,49 @@ def _mesh(tmp: Path, name: str, **kw: object) -> Mesh:
     return Mesh(MeshConfig(state_dir=tmp / name, nats_port=0, http_port=free_port(), model=MODEL, **kw))  # type: ignore[arg-type]
 
 
+async def detection(tmp: Path, rounds: int = 10) -> list[float]:
+    """Seconds from a worker's kill -9 until a registry (what every service keeps) drops it."""
+    mesh = _mesh(tmp, "detection", workers=1, speed=2.0)
+    await mesh.start()
+    seconds: list[float] = []
+    observer = await Bus.open(mesh.settings, "detection-observer", initial_attempts=10)
+    registry = WorkerRegistry(observer)
+    dropped_at: dict[str, float] = {}
+    dropped = asyncio.Event()
+
+    def on_change(worker_id: str, info: object) -> None:
+        if info is None:
+            dropped_at[worker_id] = time.perf_counter()
+            dropped.set()
+
+    registry.on_change(on_change)
+    await registry.start()
+    try:
+        for i in range(rounds):
+            victim = mesh.add_process(mesh.worker_process(10 + i))
+            worker_id = f"{MODEL}-w{10 + i}"
+            deadline = time.monotonic() + 60
+            while registry.workers.get(worker_id) is None or registry.workers[worker_id].state != "ready":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{worker_id} never registered")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            struck = time.perf_counter()
+            victim.kill()
+            while worker_id not in dropped_at:
+                dropped.clear()
+                await asyncio.wait_for(dropped.wait(), 60)
+            seconds.append(dropped_at[worker_id] - struck)
+    finally:
+        await registry.stop()
+        await observer.close()
+        mesh.stop()
+    return seconds
+
+
 async def worker_fault(tmp: Path, n: int = 12, tokens: int = 600) -> Outcome:
-    mesh = _mesh(tmp, "worker", workers=2, speed=2.0, gateway_args=["--stall-timeout", "2"])
+    # The default stall timeout (30 s): the worker's death is noticed from its connection.
+    mesh = _mesh(tmp, "worker", workers=2, speed=2.0)
     await mesh.start()
     out = Outcome("worker killed mid-stream")
     try:
@@ -210,8 +256,11 @@ def _tally(out: Outcome, results: list[tuple[list[tuple[str, str]], float]], tok
 
 async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
+        detected = await detection(Path(tmp))
         outcomes = [await worker_fault(Path(tmp)), await gateway_fault(Path(tmp)), await nats_node_fault(Path(tmp)),
                     await metering_fault(Path(tmp))]
+    print(f"killed worker dropped from the registry after p50 {np.percentile(detected, 50) * 1000:.0f} ms, "
+          f"p99 {np.percentile(detected, 99) * 1000:.0f} ms ({len(detected)} kills)")
     print("| fault | in flight when struck | completed | explicit error | lost | extra E2E p50 ms | extra E2E p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for o in outcomes:

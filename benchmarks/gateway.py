@@ -4,14 +4,25 @@
    path → router/placement → worker → TOKENS → gateway → SSE) minus the worker's own
    TTFT (its receipt of the request → its first token, from the final chunk's timings,
    read off NATS by request id). Sequential requests on an idle mesh, p50/p99.
+   The same, over chat completions, for the features that add gateway work (issue 16),
+   interleaved in one run so they meet the same machine: plain, tools (the template renders
+   them; the output goes through the Hermes parser), a forced tool call (guided decoding,
+   the call assembled from the output) and logprobs with ``top_logprobs=5``.
 2. Relay throughput: closed-loop streams at 1, 64 and 512 concurrent, long outputs from
    fast sim workers, measured with ``meshserve bench``'s Python API; output tokens/s the
-   one gateway delivered over SSE, and the gateway's CPU use.
+   one gateway delivered over SSE, and the gateway's CPU use; and at 64 streams with
+   ``top_logprobs=5`` (each token then carries six candidates).
 
 Everything shares this machine's cores (client, gateway, workers, nats-server), so the
 relay figure is a floor for a gateway on its own host.
 
-Run: ``.venv/bin/python benchmarks/gateway.py [--requests 200]``
+The added latency is broken down per hop: the gateway's own phases from its
+``Server-Timing`` header (parse: body, validation, chat template and tokenizer; hash:
+the prompt's block hashes; admission and route: the two NATS round trips; record: the
+resume record a resumable request stores first), the worker's own TTFT, and the rest.
+``--latency-only`` runs that part alone.
+
+Run: ``.venv/bin/python benchmarks/gateway.py [--requests 200] [--latency-only]``
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ def _cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-async def added_latency(mesh: Mesh, requests: int) -> tuple[np.ndarray, np.ndarray]:
+async def _observe_finals(mesh: Mesh) -> tuple[Bus, dict[str, TokenChunk]]:
+    """A bus that keeps every request's final chunk (its timings: the worker's own TTFT)."""
     bus = await Bus.open(mesh.settings, "bench-observer", initial_attempts=10)
     finals: dict[str, TokenChunk] = {}
 
@@ -53,31 +65,103 @@ async def added_latency(mesh: Mesh, requests: int) -> tuple[np.ndarray, np.ndarr
             finals[chunk.request_id] = chunk
 
     await bus.nc.subscribe(bus.subjects.tokens_all, cb=on_chunk)
+    return bus, finals
+
+
+async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object], headers: dict[str, str],
+                 not_first: bytes, finals: dict[str, TokenChunk],
+                 phases: dict[str, list[float]] | None = None) -> tuple[float, float] | None:
+    """(client TTFT, worker TTFT) of one streamed request: the client's first event is the
+    first ``data:`` line without ``not_first`` (an empty text, the role delta). ``phases``
+    collects the gateway's ``Server-Timing`` (ms per phase before the worker had it)."""
+    start = time.perf_counter()
+    first = None
+    async with http.post(path, json=body, headers=headers) as r:
+        request_id = r.headers["X-Request-Id"]
+        if phases is not None:
+            for part in r.headers.get("Server-Timing", "").split(","):
+                name, _, ms = part.strip().partition(";dur=")
+                if ms:
+                    phases.setdefault(name, []).append(float(ms))
+        async for line in r.content:
+            if first is None and line.startswith(b"data: {") and not_first not in line:
+                first = time.perf_counter() - start
+    for _ in range(100):
+        if request_id in finals:
+            break
+        await asyncio.sleep(0.01)
+    t = finals[request_id].timings
+    if first is None or t is None:
+        return None
+    return first, t.first_token - t.arrival
+
+
+async def added_latency(mesh: Mesh, requests: int,
+                        phases: dict[str, list[float]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Client and worker TTFT (s) of sequential requests; ``phases`` collects the gateway's
+    Server-Timing per request (ms), for the per-hop breakdown."""
+    bus, finals = await _observe_finals(mesh)
     client_ttft, worker_ttft = [], []
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     body = {"model": MODEL, "prompt": "x" * 256, "max_tokens": 4, "stream": True, "ignore_eos": True}
+    seen: dict[str, list[float]] = {}
     async with aiohttp.ClientSession(mesh.gateway_url) as http:
         for i in range(requests + 10):
-            start = time.perf_counter()
-            first = None
-            async with http.post("/v1/completions", json={**body, "seed": i}, headers=headers) as r:
-                request_id = r.headers["X-Request-Id"]
-                async for line in r.content:
-                    if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
-                        first = time.perf_counter() - start
-            for _ in range(100):
-                if request_id in finals:
-                    break
-                await asyncio.sleep(0.01)
-            t = finals[request_id].timings
-            if i >= 10 and first is not None and t is not None:  # the first ten warm things up
-                client_ttft.append(first)
-                worker_ttft.append(t.first_token - t.arrival)
+            one: dict[str, list[float]] = {}
+            ttfts = await _ttfts(http, "/v1/completions", {**body, "seed": i}, headers, b'"text":""', finals, one)
+            if i >= 10 and ttfts is not None:  # the first ten warm things up
+                client_ttft.append(ttfts[0])
+                worker_ttft.append(ttfts[1])
+                for name, values in one.items():
+                    seen.setdefault(name, []).extend(values)
     await bus.close()
+    if phases is not None:
+        phases.update(seen)
     return np.array(client_ttft), np.array(worker_ttft)
 
 
-async def relay(mesh: Mesh, concurrency: int, duration: float) -> tuple[float, float, float]:
+def breakdown(client: np.ndarray, worker: np.ndarray, phases: dict[str, list[float]]) -> list[tuple[str, np.ndarray]]:
+    """Per hop, ms per request: the gateway's phases (Server-Timing), the worker's own TTFT,
+    and the rest (HTTP in and out, the router's forward to the worker, the first chunk's
+    trip back through NATS, the SSE write)."""
+    rows = [(f"gateway: {name}", np.array(values)) for name, values in phases.items() if len(values) == len(client)]
+    gateway_ms = np.sum([values for _, values in rows], axis=0) if rows else np.zeros(len(client))
+    worker_ms = worker * 1000
+    return [*rows, ("worker: receipt → first token", worker_ms),
+            ("rest: HTTP, forward to the worker, first chunk back, SSE", client * 1000 - gateway_ms - worker_ms)]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+FEATURES: dict[str, dict[str, object]] = {
+    "plain": {},
+    "tools (auto, parsed)": {"tools": [TOOL]},
+    "forced tool call": {"tools": [TOOL], "tool_choice": "required"},
+    "logprobs, top 5": {"logprobs": True, "top_logprobs": 5},
+}
+
+
+async def feature_latency(mesh: Mesh, requests: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Client and worker TTFT per feature, chat completions, the features interleaved."""
+    bus, finals = await _observe_finals(mesh)
+    seen: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in FEATURES}
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        for i in range(requests + 10):
+            for name, extra in FEATURES.items():
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 4,
+                        "stream": True, "seed": i, **extra}
+                # the first event after the role delta: content, a tool call or logprobs
+                ttfts = await _ttfts(http, "/v1/chat/completions", body, headers, b'"role":"assistant"', finals)
+                if i >= 10 and ttfts is not None:
+                    seen[name][0].append(ttfts[0])
+                    seen[name][1].append(ttfts[1])
+    await bus.close()
+    return {name: (np.array(c), np.array(w)) for name, (c, w) in seen.items()}
+
+
+async def relay(mesh: Mesh, concurrency: int, duration: float,
+                extra_body: dict[str, object] | None = None) -> tuple[float, float, float]:
     gateway = next(p for p in mesh.processes if p.name == "gateway")
     assert gateway.proc is not None
     cpu0, t0 = _cpu_seconds(gateway.proc.pid), time.monotonic()
@@ -85,6 +169,7 @@ async def relay(mesh: Mesh, concurrency: int, duration: float) -> tuple[float, f
         endpoints=[EndpointConfig(url=mesh.gateway_url + "/v1", api="completions", model=MODEL, api_key=mesh.dev_key)],
         workload=WorkloadConfig(kind="random", input_tokens="64", output_tokens="2000"),
         concurrency=[concurrency], duration=duration, num_requests=10**6, request_timeout=120, drain_timeout=30, seed=1,
+        extra_body=dict(extra_body or {}),
     )
     result = await run_bench(config)
     cpu = (_cpu_seconds(gateway.proc.pid) - cpu0) / (time.monotonic() - t0)
@@ -92,13 +177,14 @@ async def relay(mesh: Mesh, concurrency: int, duration: float) -> tuple[float, f
     return run.summary.output_token_throughput, cpu, run.summary.itl_ms.p50 or 0.0
 
 
-async def main(requests: int, duration: float) -> None:
+async def main(requests: int, duration: float, latency_only: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Latency: real-time sim (speed 1) so the worker's TTFT is a realistic few ms.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0))
         await mesh.start()
+        phases: dict[str, list[float]] = {}
         try:
-            client, worker = await added_latency(mesh, requests)
+            client, worker = await added_latency(mesh, requests, phases)
         finally:
             mesh.stop()
         added = (client - worker) * 1000
@@ -106,6 +192,26 @@ async def main(requests: int, duration: float) -> None:
         print("| | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|")
         for name, values in (("client TTFT", client * 1000), ("worker's own TTFT", worker * 1000), ("added by the mesh", added)):
             print(f"| {name} | {np.percentile(values, 50):.2f} | {np.percentile(values, 90):.2f} | {np.percentile(values, 99):.2f} |")
+        print("\n### Per-hop breakdown of the client TTFT (the same requests)\n")
+        print("| hop | p50 ms | p99 ms | mean ms |\n|---|---:|---:|---:|")
+        for name, values in breakdown(client, worker, phases):
+            print(f"| {name} | {np.percentile(values, 50):.3f} | {np.percentile(values, 99):.3f} | {values.mean():.3f} |")
+        if latency_only:
+            return
+
+        mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "f", nats_port=0, http_port=free_port(), model=MODEL, workers=1,
+                               speed=1.0))
+        await mesh.start()
+        try:
+            features = await feature_latency(mesh, requests // 2)
+        finally:
+            mesh.stop()
+        print(f"\n### Added latency per feature ({requests // 2} sequential chat requests each, interleaved)\n")
+        print("| request | added p50 ms | p90 ms | p99 ms | worker TTFT p50 ms |\n|---|---:|---:|---:|---:|")
+        for name, (client_s, worker_s) in features.items():
+            a = (client_s - worker_s) * 1000
+            print(f"| {name} | {np.percentile(a, 50):.2f} | {np.percentile(a, 90):.2f} | {np.percentile(a, 99):.2f} "
+                  f"| {np.percentile(worker_s * 1000, 50):.2f} |")
 
         # Relay: fast sim workers (speed 50), large batches, one gateway.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "b", nats_port=0, http_port=free_port(), model=MODEL, workers=2,
@@ -117,6 +223,8 @@ async def main(requests: int, duration: float) -> None:
             for c in (1, 64, 512):
                 tps, cpu, itl = await relay(mesh, c, duration)
                 print(f"| {c} | {tps:,.0f} | {cpu:.2f} | {itl:.2f} |")
+            tps, cpu, itl = await relay(mesh, 64, duration, {"logprobs": 5})
+            print(f"| 64, logprobs 5 | {tps:,.0f} | {cpu:.2f} | {itl:.2f} |")
         finally:
             mesh.stop()
 
@@ -125,7 +233,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--latency-only", action="store_true", help="the added latency and its breakdown alone")
     args = parser.parse_args()
     import uvloop
 
-    uvloop.run(main(args.requests, args.duration))
+    uvloop.run(main(args.requests, args.duration, args.latency_only))

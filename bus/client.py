@@ -151,6 +151,22 @@ class Bus:
         bus.reconnect_listeners = listeners
         return bus
 
+    async def confirm_subscriptions(self, timeout: float = 30.0) -> None:
+        """Return once the server has read every SUB and UNSUB this connection sent.
+
+        nats-py writes flush()'s PING straight to the socket, ahead of commands still
+        waiting in its write buffer for the flusher task: one PONG proves nothing about
+        them. So: a round trip (the flusher gets to run), the buffer seen empty (bounded:
+        other publishes may keep refilling it), then a round trip behind what was written.
+        """
+        flush_timeout = max(1, int(timeout))
+        await self.nc.flush(timeout=flush_timeout)
+        for _ in range(200):  # at most about a second
+            if self.nc.pending_data_size == 0:
+                break
+            await asyncio.sleep(0.005)
+        await self.nc.flush(timeout=flush_timeout)
+
     @property
     def max_payload(self) -> int:
         return self.nc.max_payload

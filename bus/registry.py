@@ -4,6 +4,13 @@ Gateway, router, admission and autoscaler all need to know which workers exist, 
 model, limits and state. Each keeps one ``WorkerRegistry``: a KV watcher fills it, and
 entries whose heartbeat is older than the bucket TTL are dropped even if the expiry
 marker was missed (a partitioned client must not keep placing on a dead worker).
+
+A worker whose NATS connection closed and did not come back within a grace (the
+server's disconnect advisories, ``bus.connections``) is dropped at once, not when its
+heartbeat expires: a killed worker is gone from every service within about a second.
+The heartbeat stays the fallback for a worker that hangs while connected, and for a NATS
+server that publishes no advisories. The entry it left is ignored until a newer
+heartbeat (a restarted or reconnected worker) arrives.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from nats.aio.msg import Msg
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from proto.codec import decode
@@ -21,6 +29,7 @@ from proto.errors import DecodeError
 from proto.messages import WorkerInfo
 
 from .client import Bus
+from .connections import ConnectionWatch, parse_advisory
 from .provision import StreamLimits, workers_bucket
 
 log = logging.getLogger(__name__)
@@ -29,11 +38,18 @@ Listener = Callable[[str, WorkerInfo | None], None]
 
 
 class WorkerRegistry:
-    def __init__(self, bus: Bus, *, ttl_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, bus: Bus, *, ttl_s: float | None = None, clock: Callable[[], float] = time.time,
+                 disconnect_grace_s: float = 0.75) -> None:
         self.bus = bus
         self.ttl_s = ttl_s if ttl_s is not None else StreamLimits().workers_ttl_s
         self.clock = clock
         self.workers: dict[str, WorkerInfo] = {}
+        self.connections = ConnectionWatch(disconnect_grace_s)
+        # Workers dropped for a closed connection → the heartbeat they left: an entry no
+        # newer than that (a watch restarted, replaying the bucket) does not bring them back.
+        self._dead: dict[str, float] = {}
+        self.disconnect_deaths = 0
+        self._stopped = False
         self._listeners: list[Listener] = []
         self._task: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -50,10 +66,13 @@ class WorkerRegistry:
         self._task = asyncio.create_task(self._watch(), name="registry-watch")
         self._reaper = asyncio.create_task(self._reap(), name="registry-reaper")
         self.bus.reconnect_listeners.append(self.restart_watch)
+        for subject in (self.bus.subjects.client_connected, self.bus.subjects.client_disconnected):
+            await self.bus.nc.subscribe(subject, cb=self._on_connection_advisory)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._synced.wait(), 5.0)
 
     async def stop(self) -> None:
+        self._stopped = True  # pending expiry checks do nothing
         for task in (self._task, self._reaper):
             if task is not None:
                 task.cancel()
@@ -92,17 +111,58 @@ class WorkerRegistry:
                         self._synced.set()
                         continue
                     if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                        self._dead.pop(entry.key, None)
                         self._set(entry.key, None)
                         continue
                     try:
-                        self._set(entry.key, decode(entry.value, WorkerInfo))
+                        info = decode(entry.value, WorkerInfo)
                     except DecodeError as exc:
                         log.warning("ignoring bad registry entry %s: %s", entry.key, exc)
+                        continue
+                    if entry.key in self._dead:
+                        if info.heartbeat_at <= self._dead[entry.key]:
+                            continue  # the entry a dead worker left behind
+                        del self._dead[entry.key]
+                    self._set(entry.key, info)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # reconnects, consumer loss: watch again
                 log.warning("registry watch restarting: %r", exc)
                 await asyncio.sleep(0.5)
+
+    # ---- connection advisories -----------------------------------------------------------
+    async def _on_connection_advisory(self, msg: Msg) -> None:
+        event = parse_advisory(msg.data)
+        if event is None or event.name not in self.workers:
+            return  # only workers' connections matter (and only they are remembered)
+        self.connections.observe(event, time.monotonic())
+        if event.kind == "disconnect":
+            # Check once its grace has passed (a reconnect meanwhile cancels the verdict).
+            self._check_in(self.connections.grace_s)
+
+    def _check_in(self, delay_s: float) -> None:
+        asyncio.get_running_loop().call_later(delay_s, self._expire_after, None)
+
+    def _expire_after(self, _: None) -> None:
+        if self._stopped:
+            return
+        self.expire_disconnected()
+        # A timer can fire a little before the grace has passed by the watch's clock (uvloop
+        # rounds to milliseconds): whatever still waits is looked at again when it is due.
+        wait = self.connections.next_due(time.monotonic())
+        if wait is not None:
+            self._check_in(wait + 0.01)
+
+    def expire_disconnected(self) -> list[str]:
+        """Drop the workers whose connection closed a grace ago and did not come back."""
+        gone = [name for name in self.connections.due(time.monotonic()) if name in self.workers]
+        for worker_id in gone:
+            info = self.workers[worker_id]
+            log.warning("worker %s: its NATS connection closed and did not come back; treating it as dead", worker_id)
+            self._dead[worker_id] = info.heartbeat_at
+            self.disconnect_deaths += 1
+            self._set(worker_id, None)
+        return gone
 
     def restart_watch(self) -> None:
         """Start a fresh watch (after a reconnect, or when the current one went quiet)."""

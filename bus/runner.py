@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
+import nats.errors
 import nats.micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -196,7 +197,19 @@ class Service:
         ``$SRV`` discovery stay. False when there is no endpoint of that name."""
         if self._micro is None or self._micro.stopped.is_set():
             return False
-        return await stop_endpoint(self._micro, name)
+        stopped = await stop_endpoint(self._micro, name)
+        if stopped:
+            # Once confirmed, a request another connection sends finds no responder (not a
+            # subscription this client already dropped, which would time out). A loaded
+            # machine can take seconds to answer: wait long. A closed connection has dropped
+            # every subscription anyway; a lost one unsubscribes as it reconnects.
+            try:
+                await self.bus.confirm_subscriptions(timeout=30)
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                pass
+            except nats.errors.FlushTimeoutError:
+                log.warning("%s: the server did not confirm that endpoint %s stopped", self.instance_id, name)
+        return stopped
 
     async def stop_endpoints(self) -> None:
         if self._micro is not None and not self._micro.stopped.is_set():
@@ -236,10 +249,8 @@ class Service:
             stats_handler=self._stats_handler,
         )
         await self.on_start()
-        # nats-py's flush() can send its PING ahead of a SUB still in the write buffer; the
-        # second round trip guarantees the server knows every endpoint before we say ready.
-        await self.bus.nc.flush()
-        await self.bus.nc.flush()
+        # Ready means the server knows every endpoint.
+        await self.bus.confirm_subscriptions()
         self.started_at = time.time()
         self.ready = True
         log.info("%s ready (%s)", self.name, self.instance_id)

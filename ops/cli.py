@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "ops.calibrate",
     "tokenizer": "ops.tokenizer_cli",
     "services": "ops.services",
+    "sim-server": "ops.simserver.main",
 }
 COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMANDS.values()))
 

@@ -7,6 +7,7 @@ by the test harness (a server on a free loopback port, or a 3-node JetStream clu
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -18,6 +19,60 @@ from pathlib import Path
 
 # meshserve raises NATS's 1 MB default so 100k-token prompts and large replies fit.
 MAX_PAYLOAD = 8 * 1024 * 1024
+
+# Every meshserve client lives in this account; the server's own events in the system
+# account. (NATS's default global account publishes no connection advisories.)
+MESH_ACCOUNT = "MESH"
+SYSTEM_ACCOUNT = "SYS"
+
+
+def connection_event_exports() -> str:
+    """The system account's exports of the mesh account's client connect/disconnect
+    advisories (a config fragment, inside the system account's block)."""
+    return (f'exports: [ {{ stream: "$SYS.ACCOUNT.{MESH_ACCOUNT}.CONNECT" }},'
+            f' {{ stream: "$SYS.ACCOUNT.{MESH_ACCOUNT}.DISCONNECT" }} ]')
+
+
+def connection_event_imports(root: str) -> str:
+    """The mesh account's imports of those advisories, on ``Subjects(root).client_connected``
+    and ``client_disconnected``: services see a worker's connection close without holding
+    system account credentials."""
+    from proto.subjects import Subjects
+
+    subjects = Subjects(root)
+    return (
+        "imports: [\n"
+        f'  {{ stream: {{ account: {SYSTEM_ACCOUNT}, subject: "$SYS.ACCOUNT.{MESH_ACCOUNT}.CONNECT" }},'
+        f' to: "{subjects.client_connected}" }}\n'
+        f'  {{ stream: {{ account: {SYSTEM_ACCOUNT}, subject: "$SYS.ACCOUNT.{MESH_ACCOUNT}.DISCONNECT" }},'
+        f' to: "{subjects.client_disconnected}" }}\n'
+        "]"
+    )
+
+
+def indent(text: str, spaces: int) -> str:
+    return "\n".join(" " * spaces + line for line in text.splitlines())
+
+
+def open_accounts(root: str = "mesh") -> str:
+    """The accounts of a loopback server without authentication: a client that presents no
+    credentials is the mesh account's one user; the system account has a user nobody is
+    told the password of (its events reach the mesh account by import)."""
+    return (
+        "accounts {\n"
+        f"  {MESH_ACCOUNT} {{\n"
+        "    jetstream: enabled\n"
+        f'    users: [ {{ user: "local", password: "{secrets.token_hex(16)}" }} ]\n'
+        f"{indent(connection_event_imports(root), 4)}\n"
+        "  }\n"
+        f"  {SYSTEM_ACCOUNT} {{\n"
+        f'    users: [ {{ user: "sys", password: "{secrets.token_hex(16)}" }} ]\n'
+        f"    {connection_event_exports()}\n"
+        "  }\n"
+        "}\n"
+        f"system_account: {SYSTEM_ACCOUNT}\n"
+        'no_auth_user: "local"\n'
+    )
 
 
 def nats_server_binary() -> str:
@@ -61,6 +116,7 @@ class NatsServer:
     cluster_port: int = 0
     routes: list[str] = field(default_factory=list)
     log_file: Path | None = None
+    root: str = "mesh"  # the subject root the connection advisories are imported under
     _proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -94,7 +150,11 @@ class NatsServer:
                 "  routes: [" + ", ".join(f'"{r}"' for r in self.routes) + "]",
                 "}",
             ]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self.accounts_text()
+
+    def accounts_text(self) -> str:
+        """The ``accounts`` part of the config: open (no authentication) by default."""
+        return open_accounts(self.root)
 
     def start(self, wait: bool = True) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +225,7 @@ class NatsServer:
             self._proc.wait()
 
 
-def cluster(base_dir: Path, size: int = 3, name: str = "meshserve") -> list[NatsServer]:
+def cluster(base_dir: Path, size: int = 3, name: str = "meshserve", root: str = "mesh") -> list[NatsServer]:
     """``size`` JetStream nodes on loopback, fully routed to each other (not yet started)."""
     cluster_ports = [free_port() for _ in range(size)]
     routes = [f"nats-route://127.0.0.1:{p}" for p in cluster_ports]
@@ -176,6 +236,7 @@ def cluster(base_dir: Path, size: int = 3, name: str = "meshserve") -> list[Nats
             cluster_name=name,
             cluster_port=cluster_ports[i],
             routes=[r for j, r in enumerate(routes) if j != i],
+            root=root,
         )
         for i in range(size)
     ]

@@ -29,10 +29,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.common.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from services.common.tokenizer import (
+    BYTE_SPECIALS,
+    ByteTokenizer,
+    HFTokenizer,
+    bytes_to_unicode,
+    load_tokenizer,
+)
 
-# Text for the byte tokenizer's ids 0, 1 and 2 (it has none of its own).
-BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -160,26 +164,13 @@ def export_tokenizer(directory: str | Path, source: str, *, model: str = "", max
     return out
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character map, which the ByteLevel pre-tokenizer applies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
 def byte_tokenizer_json() -> str:
     """``ByteTokenizer`` as tokenizer.json: id = byte + 3, ids 0-2 special, nothing merged."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     offset = ByteTokenizer.OFFSET
     vocab = {text: i for i, text in enumerate(BYTE_SPECIALS)}
-    vocab.update({char: byte + offset for byte, char in _bytes_to_unicode().items()})
+    vocab.update({char: byte + offset for byte, char in bytes_to_unicode().items()})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split: without merges it changes nothing but speed; no post-processor: the
     # gateway adds no BOS.

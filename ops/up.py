@@ -117,12 +117,12 @@ class Mesh:
         if config.nats_url:
             self.nats_nodes = []
         elif config.nats_nodes > 1:
-            self.nats_nodes = cluster(self.state_dir / "nats", config.nats_nodes)
+            self.nats_nodes = cluster(self.state_dir / "nats", config.nats_nodes, root=config.root)
             for i, node in enumerate(self.nats_nodes):
                 node.log_file = self.log_dir / f"nats-{i}.log"
         else:
             self.nats_nodes = [NatsServer(store_dir=self.state_dir / "nats", port=config.nats_port or free_port(),
-                                          log_file=self.log_dir / "nats.log")]
+                                          log_file=self.log_dir / "nats.log", root=config.root)]
         self.processes: list[ServiceProcess] = []
         self.dev_key = ""
         self.dev_key_reused = False
@@ -236,10 +236,19 @@ class Mesh:
                     wait_workers: bool = True) -> None:
         """Start everything and wait until it answers; raise ``StartupError`` saying what failed.
 
-        Cancelling it (Ctrl-C during start-up) leaves started processes to ``stop()``.
+        Cancelling it (Ctrl-C during start-up) leaves started processes to ``stop()``; a
+        failure stops them itself, so a caller that only sees the exception (a benchmark
+        whose gateway could not start) leaves no orphaned mesh behind.
         ``wait_workers=False`` returns once the control plane answers: workers (or the
         autoscaler's) may still be loading, or none may be configured (they join later).
         """
+        try:
+            await self._start(timeout, progress, wait_workers)
+        except Exception:
+            self.stop(timeout=10.0)
+            raise
+
+    async def _start(self, timeout: float, progress: Callable[[str], None] | None, wait_workers: bool) -> None:
         say = progress or (lambda _text: None)
         busy = self.busy_ports()
         if busy:

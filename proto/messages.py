@@ -43,12 +43,24 @@ class ErrorReply(Struct, kw_only=True, omit_defaults=True):
     error: ErrorInfo
 
 
+class StructuredOutput(Struct, kw_only=True, omit_defaults=True):
+    """Guided decoding: the engine may only emit text that is an instance of exactly one
+    of these (vLLM's ``StructuredOutputsParams``). ``json`` is a JSON Schema, as JSON text."""
+
+    json: str | None = None
+    json_object: bool = False  # any JSON object (response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF), as vLLM's xgrammar backend takes it
+
+
 class SamplingParams(Struct, kw_only=True, omit_defaults=True):
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
@@ -56,6 +68,17 @@ class SamplingParams(Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    # Log probabilities: None = none; k ≥ 0 = the sampled token's plus the k most likely.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
+    # Choices: the worker runs n sequences of this prompt (seeds seed, seed+1, ... as vLLM
+    # does), the prompt prefilled once; their chunks carry ``TokenChunk.index``.
+    n: int = 1
 
 
 class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
@@ -79,9 +102,15 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     # Migration after a worker died: tokens the client already has, appended to the
     # prompt, and the sequence number the continuing stream starts from.
     prior_output: bytes = b""
+    # With n > 1: each choice's tokens the client already has (``prior_output`` unused),
+    # and the choices that had already finished (not generated again).
+    prior_outputs: list[bytes] = []
+    finished_choices: list[int] = []
     first_seq: int = 0
     migrations: int = 0
     reserved_tokens: int = 0  # what admission reserved, reconciled from the usage event
+    user: str = ""  # OpenAI ``user``: carried to the usage record
+    metadata: dict[str, str] = {}  # OpenAI ``metadata``: carried to the usage record
 
 
 class Usage(Struct, kw_only=True, omit_defaults=True):
@@ -97,18 +126,50 @@ class Timings(Struct, kw_only=True, omit_defaults=True):
     finished: float = 0.0
 
 
+class TopLogprob(Struct, array_like=True):
+    """One candidate token: id, its text (as the engine decoded it alone), log probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(Struct, array_like=True):
+    """The log probability of one token, and the ``top`` most likely at its position
+    (most likely first). array_like: these ride on every chunk that asked for them.
+    ``rank``: the token's place in the model's ranking at its position (1 = most likely;
+    0 = not known), which vLLM's ``prompt_logprobs`` answers carry."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+    rank: int = 0
+
+
 class TokenChunk(Struct, kw_only=True, omit_defaults=True):
     """worker → gateway over TOKENS: a coalesced run of generated tokens.
 
     ``seq`` counts chunks from 0 (or the request's ``first_seq`` after migration); the
     last chunk of a request has ``finish_reason`` set and carries usage and timings.
+
+    With ``SamplingParams.n`` > 1 each chunk holds one choice's tokens (``index``) and a
+    choice's end is a chunk with ``choice_finish_reason``; ``finish_reason`` still marks
+    the request's last chunk (all choices ended), whose usage counts every choice.
     """
 
     v: int = SCHEMA_VERSION
     request_id: str
     seq: int
+    index: int = 0
     token_ids: list[int] = []
     text: str = ""
+    # One per token id, when SamplingParams.logprobs asked for them.
+    logprobs: list[TokenLogprob] | None = None
+    # On a request's first chunk, when SamplingParams.prompt_logprobs asked: one per
+    # prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    choice_finish_reason: FinishReason | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
@@ -131,6 +192,10 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     kv_blocks_total: int = 0
     lora_adapters: list[str] = []
     tokenizer: str = ""  # tokenizer name or directory the gateway loads
+    # Output parsers the gateway applies to this model's text (configured per worker):
+    # tool calls (hermes, llama3_json, mistral) and reasoning (think); "" = none.
+    tool_parser: str = ""
+    reasoning_parser: str = ""
     model_dir: str = ""
     host: str = ""
     pid: int = 0
@@ -162,6 +227,11 @@ class WorkerGauge(Struct, kw_only=True, omit_defaults=True):
     kv_event_seq: int = -1  # last KV event batch sequence published (gap detection)
     kv_events_mode: str = "engine"  # "engine" or "predicted" when the engine emits none
     preemptions: int = 0
+    # Ids of the requests the engine took in during the last few seconds: a router or
+    # admission counting a placement optimistically drops it once a gauge names it (the
+    # gauge's queue then holds it). None: a worker that does not report them (the
+    # consumer falls back to timing: a gauge received a little after the placement).
+    arrived: list[str] | None = None
 
 
 class BlockStored(Struct, kw_only=True, tag="stored", omit_defaults=True):
@@ -301,6 +371,8 @@ class UsageEvent(Struct, kw_only=True, omit_defaults=True):
     reserved_tokens: int = 0
     migrations: int = 0
     error: str = ""
+    user: str = ""
+    metadata: dict[str, str] = {}
 
 
 def usage_dedup_id(request_id: str, migrations: int = 0) -> str:
@@ -344,6 +416,21 @@ class RequestProbe(Struct, kw_only=True, omit_defaults=True):
     request_id: str
 
 
+class ChunkResend(Struct, kw_only=True, omit_defaults=True):
+    """gateway → worker: publish again the chunks ``from_seq`` … ``to_seq`` of a request.
+
+    Chunks are published at most once (no ack per chunk on the hot path); one written into
+    a dying NATS node's socket never reaches TOKENS. The gateway sees the gap when a later
+    chunk (at the latest the final one, which is acked) arrives, finds TOKENS lacks it, and
+    asks the worker, which keeps what it published for a while (``--chunk-retention``).
+    Answered with a ``ControlReply`` saying how many were sent."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    from_seq: int
+    to_seq: int
+
+
 class RequestProbeReply(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
     worker_id: str
@@ -370,6 +457,26 @@ class ApiKeyRecord(Struct, kw_only=True, omit_defaults=True):
     revoked: bool = False
 
 
+class OutputOptions(Struct, kw_only=True, omit_defaults=True):
+    """How the gateway turns a request's chunks into OpenAI responses. It travels in the
+    ``RequestRecord`` so any gateway resuming the stream builds the same events."""
+
+    n: int = 1
+    logprobs: bool = False  # chat ``logprobs`` / completions ``logprobs`` asked for
+    top_logprobs: int = 0
+    echo: str | None = None  # completions ``echo``: the prompt text to prefix
+    echo_first_token: str = ""  # the prompt's first token as text (it has no logprob)
+    prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` answer (non-streamed responses)
+    # "none", "auto" (the tool parser finds calls), "required" (a JSON array of calls,
+    # forced by guided decoding), "function" (the arguments of ``tool_name``, forced)
+    tool_choice: str = "none"
+    tool_name: str = ""
+    tool_parser: str = ""
+    reasoning_parser: str = ""
+    thinking: bool = True  # chat_template_kwargs.enable_thinking
+    reasoning_end_token_id: int | None = None  # ``</think>`` when it is one token: exact counts
+
+
 class RequestRecord(Struct, kw_only=True, omit_defaults=True):
     """What any gateway needs to resume a client's stream (``mesh_requests`` KV, TTL'd).
 
@@ -393,6 +500,11 @@ class RequestRecord(Struct, kw_only=True, omit_defaults=True):
     # Workers that lost the request (died or stalled) → the first chunk seq taken over by
     # the next worker: their chunks from that seq on are void (live and on replay).
     retired: dict[str, int] = {}
+    output: OutputOptions | None = None
+    # Resumable requests only: what the current worker was sent, so the gateway a client
+    # resumes on can move the request to another worker if that one is lost (the first
+    # gateway stopped watching when its client left).
+    segment: GenerateRequest | None = None
 
 
 # Every top-level message type: the codec's registry and the property tests' list.
@@ -416,6 +528,7 @@ MESSAGE_TYPES: tuple[type[Struct], ...] = (
     CancelRequest,
     RequestProbe,
     RequestProbeReply,
+    ChunkResend,
     ApiKeyRecord,
     RequestRecord,
 )

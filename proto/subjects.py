@@ -87,6 +87,9 @@ class Subjects:
     def worker_probe(self, worker_id: str) -> str:
         return f"{self.root}.worker.{subject_token(worker_id)}.probe"
 
+    def worker_resend(self, worker_id: str) -> str:
+        return f"{self.root}.worker.{subject_token(worker_id)}.resend"
+
     def worker_kv_snapshot(self, worker_id: str) -> str:
         return f"{self.root}.worker.{subject_token(worker_id)}.kv_snapshot"
 
@@ -127,6 +130,17 @@ class Subjects:
     def usage_all(self) -> str:
         return f"{self.root}.usage.>"
 
+    # The NATS server's own client connect / disconnect advisories, imported from the
+    # system account into the mesh's (ops/nats): a worker's connection closing is its
+    # death, noticed at once rather than when its heartbeat expires.
+    @property
+    def client_connected(self) -> str:
+        return f"{self.root}.nats.connect"
+
+    @property
+    def client_disconnected(self) -> str:
+        return f"{self.root}.nats.disconnect"
+
     # JetStream names: the default root keeps the names DESIGN.md uses.
     def _suffixed(self, name: str) -> str:
         return name if self.root == "mesh" else f"{name}_{self.root.upper()}"
@@ -150,6 +164,11 @@ class Subjects:
     @property
     def requests_bucket(self) -> str:
         return f"{self.root}_requests"
+
+    @property
+    def responses_bucket(self) -> str:
+        """Stored Responses API responses (the gateway's ``response_store``)."""
+        return f"{self.root}_responses"
 
     def tokens_of_request(self, request_id: str) -> str:
         """Any gateway's token subject for ``request_id`` (resume on another replica)."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,15 @@ async def bus(bus_settings: BusSettings) -> AsyncIterator[Bus]:
         yield connected
     finally:
         await connected.close()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Wait for ``check`` to hold (a correctness wait, never a speed assertion)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 async def _wait_for_jetstream(urls: list[str], timeout: float = 20.0) -> None:

@@ -25,14 +25,15 @@ async def read_sse(response: aiohttp.ClientResponse, limit: int | None = None) -
     return events
 
 
-def sse_text(events: list[tuple[str, str]]) -> str:
-    """The generated text of an OpenAI stream (chat deltas or completion texts)."""
+def sse_text(events: list[tuple[str, str]], index: int = 0) -> str:
+    """The generated text of choice ``index`` of an OpenAI stream (chat deltas or completion texts)."""
     out = []
     for _, data in events:
         if data == "[DONE]":
             continue
         for choice in json.loads(data).get("choices", []):
-            out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+            if choice.get("index", 0) == index:
+                out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
     return "".join(out)
 
 

@@ -25,13 +25,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops.natsserver import MAX_PAYLOAD
+from ops.natsserver import (
+    MAX_PAYLOAD,
+    MESH_ACCOUNT,
+    SYSTEM_ACCOUNT,
+    connection_event_exports,
+    connection_event_imports,
+    indent,
+)
 from proto.subjects import Subjects
 
 HERE = Path(__file__).resolve().parent
 
-ACCOUNT = "MESH"
-SYSTEM_ACCOUNT = "SYS"
+ACCOUNT = MESH_ACCOUNT
 SERVICES: tuple[str, ...] = ("gateway", "router", "admission", "metering", "autoscaler", "worker")
 OPS_USER = "ops"
 SYSTEM_USER = "sys"
@@ -165,6 +171,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
     generate = wildcard(s.worker_generate, 1)
     cancel = wildcard(s.worker_cancel, 1)
     probe = wildcard(s.worker_probe, 1)
+    resend = wildcard(s.worker_resend, 1)
     control = wildcard(s.worker_control, 1)
     kv_snapshot = wildcard(s.worker_kv_snapshot, 1)
     tokens = wildcard(s.tokens, 2)
@@ -173,6 +180,9 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
     usage = wildcard(s.usage, 1)
     lease, state = admission_buckets(s)
     registry = "worker registry watch"
+    # Every registry watcher also hears a worker's connection close (its death, at once).
+    connections = [Rule(s.client_disconnected, "client disconnect advisories (a worker's death, noticed at once)"),
+                   Rule(s.client_connected, "client connect advisories (a worker back after a NATS failover)")]
 
     roles: dict[str, tuple[list[Rule], list[Rule], Mapping[str, object] | None]] = {
         "gateway": (
@@ -183,17 +193,23 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(generate, "direct placement while no router answers"),
                 Rule(cancel, "cancel on client disconnect"),
                 Rule(probe, "ask a worker about a silent request before calling it stalled"),
+                Rule(resend, "ask a worker to send again chunks that never reached TOKENS"),
                 Rule(usage, "usage event of a request that ended before a worker took it"),
                 Rule(s.metering_usage, "GET /v1/usage"),
                 *_read(s.tokens_stream, "gap fill and resume from TOKENS"),
                 *_kv_read(s.workers_bucket, registry),
                 *_kv_read(s.keys_bucket, "API key lookups and revocation watch"),
                 *_kv_write(s.requests_bucket, "resumable request records"),
+                # Made by the gateway alone, on first use (its TTL is a gateway setting).
+                *[Rule(f"$JS.API.STREAM.{op}.{kv_stream(s.responses_bucket)}", "create or update the stored-responses bucket")
+                  for op in ("CREATE", "UPDATE")],
+                *_kv_write(s.responses_bucket, "stored /v1/responses responses: create, retrieve, continue, delete"),
             ],
             [
                 Rule(s.api_chat, "NATS API (queue group gateway)"),
                 Rule(s.api_completions, "NATS API (queue group gateway)"),
                 Rule(tokens, "token chunks of its own requests (mesh.tokens.<gateway>.*)"),
+                *connections,
             ],
             GATEWAY_RESPONSES,
         ),
@@ -206,6 +222,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             ],
             [
                 Rule(s.router_route, "route endpoint (queue group router)"),
+                *connections,
                 Rule(s.gauges_all, "worker load gauges"),
                 Rule(s.kv_events_all, "worker KV cache events"),
             ],
@@ -222,6 +239,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             ],
             [
                 Rule(s.admission_check, "check endpoint (queue group admission, leader only)"),
+                *connections,
                 Rule(s.admission_ttft, "gateways' TTFT reports (calibration of predictions)"),
                 Rule(s.gauges_all, "worker load gauges"),
                 Rule(s.kv_events_all, "worker KV cache events"),
@@ -243,6 +261,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             ],
             [
                 Rule(s.autoscaler_status, "status endpoint (meshserve status)"),
+                *connections,
                 Rule(s.gauges_all, "worker load gauges"),
             ],
             {},
@@ -259,6 +278,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(generate, "generate endpoint"),
                 Rule(cancel, "cancel endpoint"),
                 Rule(probe, "request probe endpoint"),
+                Rule(resend, "chunk resend endpoint"),
                 Rule(control, "drain and control endpoint"),
                 Rule(kv_snapshot, "KV snapshot endpoint"),
             ],
@@ -363,9 +383,11 @@ def render_accounts(
         "    users: [\n"
         f"{blocks}\n"
         "    ]\n"
+        f"{indent(connection_event_imports(root), 4)}\n"
         "  }\n"
         f"  {SYSTEM_ACCOUNT} {{\n"
         f"    users: [ {{ user: {_quote(SYSTEM_USER)}, password: {_password(SYSTEM_USER, passwords)} }} ]\n"
+        f"    {connection_event_exports()}\n"
         "  }\n"
         "}\n"
         f"system_account: {SYSTEM_ACCOUNT}\n"

@@ -336,6 +336,18 @@ class Limiter:
                 b.charge(-delta, now)
         return delta
 
+    def charge_unreserved(self, key_id: str, org: str, tokens: int, now: float) -> int:
+        """Charge usage no reservation covers (a migrated request's later segments: the
+        first segment's usage settled the reservation) to the key's and org's token
+        buckets that exist; returns how many buckets were charged."""
+        charged = 0
+        for name in (f"key:{key_id}:tpm", f"org:{org}:tpm"):
+            bucket = self._buckets.get(name)
+            if bucket is not None and tokens > 0:
+                bucket.charge(tokens, now)
+                charged += 1
+        return charged
+
     def release(self, request_id: str, now: float) -> bool:
         """Undo a reservation entirely (the request never ran: SLO shed, no capacity)."""
         r = self._close(request_id, now)

@@ -32,11 +32,11 @@ class AdmissionPolicy:
     def __init__(self, limiter: Limiter | None = None, slo: SloAdmitter | None = None) -> None:
         self.limiter = limiter or Limiter()
         self.slo = slo or SloAdmitter()
-        # request id → (tier, raw predicted TTFT, onto an idle pool, calibrated prediction,
-        # admitted at): the calibration's inputs, and what the decision used
-        self.predictions: dict[str, tuple[str, float, bool, float, float]] = {}
-        # (tier, calibrated prediction, raw prediction, actual TTFT) of recent admitted requests
-        self.outcomes: deque[tuple[str, float, float, float]] = deque(maxlen=self.error_log_size)
+        # request id → (tier, raw predicted TTFT, onto an idle pool, point prediction, the
+        # decision's bound, admitted at): the calibration's inputs, and what was predicted
+        self.predictions: dict[str, tuple[str, float, bool, float, float, float]] = {}
+        # (tier, point prediction, raw prediction, actual TTFT, bound) of recent admitted requests
+        self.outcomes: deque[tuple[str, float, float, float, float]] = deque(maxlen=self.error_log_size)
 
     def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
         """``replicas``: the request's pool, with ``cached_tokens`` set when known."""
@@ -73,8 +73,9 @@ class AdmissionPolicy:
         self.slo.record_admitted(req.tier, max(req.prompt_tokens - cached, 0), now)
         if verdict.raw_predicted_ttft is not None:
             predicted = verdict.predicted_ttft if verdict.predicted_ttft is not None else verdict.raw_predicted_ttft
+            bound = verdict.ttft_bound if verdict.ttft_bound is not None else predicted
             self.predictions[req.request_id] = (verdict.tier, verdict.raw_predicted_ttft, verdict.queue_free,
-                                                predicted, now)
+                                                predicted, bound, now)
         return AdmissionDecision(
             request_id=req.request_id,
             admitted=True,
@@ -99,34 +100,44 @@ class AdmissionPolicy:
             self.predictions.pop(ev.request_id, None)
         if ev.status == "rejected":
             return 0 if self.limiter.release(ev.request_id, now) else None
-        return self.limiter.reconcile(ev.request_id, ev.prompt_tokens + ev.completion_tokens, now)
+        used = ev.prompt_tokens + ev.completion_tokens
+        settled = self.limiter.reconcile(ev.request_id, used, now)
+        if settled is None and ev.migrations > 0:
+            # A later segment of a migrated request: the first segment's usage settled the
+            # reservation, so what this one streamed is charged as it is (once: USAGE dedups).
+            self.limiter.charge_unreserved(ev.key_id, ev.org, used, now)
+        return settled
 
     def on_ttft(self, request_id: str, ttft_s: float) -> bool:
         """The TTFT an admitted request had: calibrates its tier's predictions (once)."""
         predicted = self.predictions.pop(request_id, None)
         if predicted is None:
             return False
-        tier, raw, queue_free, calibrated, _ = predicted
+        tier, raw, queue_free, point, bound, _ = predicted
         self.slo.observe(tier, raw, ttft_s, queue_free)
-        self.outcomes.append((tier, calibrated, raw, ttft_s))
+        self.outcomes.append((tier, point, raw, ttft_s, bound))
         return True
 
     def prediction_errors(self) -> dict[str, dict[str, float]]:
         """Per tier, the recent admitted requests' predicted / actual TTFT: count,
         p1/p10/p50/p90/p99 (nearest rank), and the shares off by more than 2× either way
         (``over_2x``: predicted more than twice the actual, ``under_2x``: under half).
-        The prediction is the calibrated one the decision used (a tail bound under load);
-        ``raw_*`` are the same figures for the formula alone (a mean)."""
-        decided: dict[str, list[float]] = {}
+        The prediction is the calibrated point estimate admission reports; ``raw_*`` are
+        the same figures for the formula alone, ``bound_*`` for the tail bound the decision
+        held against the SLO (meant to sit above the actual, by design)."""
+        point: dict[str, list[float]] = {}
         formula: dict[str, list[float]] = {}
-        for tier, predicted, raw, actual in self.outcomes:
+        bounds: dict[str, list[float]] = {}
+        for tier, predicted, raw, actual, bound in self.outcomes:
             if actual > 0:
-                decided.setdefault(tier, []).append(predicted / actual)
+                point.setdefault(tier, []).append(predicted / actual)
                 formula.setdefault(tier, []).append(raw / actual)
+                bounds.setdefault(tier, []).append(bound / actual)
         out: dict[str, dict[str, float]] = {}
-        for tier in decided:
-            out[tier] = {"n": float(len(decided[tier])), **_spread(decided[tier]),
-                         **{f"raw_{k}": v for k, v in _spread(formula[tier]).items()}}
+        for tier in point:
+            out[tier] = {"n": float(len(point[tier])), **_spread(point[tier]),
+                         **{f"raw_{k}": v for k, v in _spread(formula[tier]).items()},
+                         **{f"bound_{k}": v for k, v in _spread(bounds[tier]).items()}}
         return out
 
     def expire(self, now: float) -> list[str]:

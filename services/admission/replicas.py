@@ -17,8 +17,12 @@ reading ``now`` (a local, monotonic one: it is only compared with itself).
   events the router sees; the request brings its block hashes in the pool's block size.
 - Gauges are stale by up to a publish period, and a burst arrives within one: each
   admission adds its uncached prompt tokens to the queue of the replica its prediction
-  used (the one the router's cost also favours) until a gauge taken after it arrives,
-  so a burst cannot all be admitted against the same stale, empty queue.
+  used (the one the router's cost also favours) until a gauge names the request among
+  those its engine took in (``WorkerGauge.arrived``), so a burst cannot all be admitted
+  against the same stale, empty queue. Settling by timing instead (a gauge received
+  50 ms after the admission) lost the whole burst on a loaded machine, where the
+  requests took longer than that to reach the worker: the next gauge read an empty
+  queue and admission let in three times what fitted.
 - The worker drains that queue meanwhile: the queue a request meets is the gauge's,
   plus the admissions since, less what the replica's measured prefill rate has drained
   since (FIFO, from when each was counted). Without this a prompt prefilled in 40 ms
@@ -56,12 +60,12 @@ class ReplicaBook(FleetView):
         self.book_config = config or BookConfig()
         super().__init__(self.book_config.fleet_config(), registry_only=True)
 
-    def note_admitted(self, worker_id: str | None, uncached_tokens: int, now: float) -> None:
-        """Count an admission on the replica its prediction used, until a gauge includes it."""
+    def note_admitted(self, request_id: str, worker_id: str | None, uncached_tokens: int, now: float) -> None:
+        """Count an admission on the replica its prediction used, until a gauge names it
+        (whichever worker's), or, from a worker that names none, includes it by timing."""
         if not worker_id or uncached_tokens <= 0 or worker_id not in self:
             return
-        # Admissions, not requests: nothing releases one, it settles or ages out.
-        self.record_placement(worker_id, None, uncached_tokens, 0, now)
+        self.record_placement(worker_id, request_id, uncached_tokens, 0, now)
 
     # ---- the query ----
     def loads(self, req: AdmissionRequest, now: float) -> list[ReplicaLoad]:

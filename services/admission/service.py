@@ -141,7 +141,7 @@ def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
         burst_s = 60
         [slo]                      # SloConfig: headroom, long_prompt_slack, priority_queues, ...
         headroom = 0.8
-        calibration_quantile = 0.99  # the share of admitted requests meant to meet the SLO
+        calibration_quantile = 0.995  # the share of admitted requests meant to meet the SLO
         [replicas]                 # BookConfig: gauge_stale_s, settle_s, pending_max_age_s
         [service]                  # lease_ttl_s, lease_renew_s, checkpoint_interval_s, ...
 
@@ -429,10 +429,8 @@ class AdmissionService(Service):
         )
         await self.add_endpoint("check", s.admission_check, AdmissionRequest, self.handle_check,
                                 queue_group="admission", concurrent=False)
-        # The server routes checks to us once this returns. Twice: nats-py writes flush's
-        # PING ahead of a SUB still queued for its flusher task.
-        await self.bus.nc.flush()
-        await self.bus.nc.flush()
+        # Ready means the server routes to our subscriptions (no "no responders").
+        await self.bus.confirm_subscriptions()
         self.leading = True
         self.takeovers += 1
         self.metrics.leader.set(1)
@@ -543,7 +541,7 @@ class AdmissionService(Service):
                 self.metrics.predicted_ttft.labels(tier=tier).observe(decision.predicted_ttft)
             if verdict is not None and verdict.worker_id is not None:
                 cached = next((r.cached_tokens for r in replicas if r.worker_id == verdict.worker_id), 0)
-                self.book.note_admitted(verdict.worker_id, max(req.prompt_tokens - cached, 0), mono)
+                self.book.note_admitted(req.request_id, verdict.worker_id, max(req.prompt_tokens - cached, 0), mono)
         else:
             reason = decision.reason or "unknown"
             self.rejected[reason] = self.rejected.get(reason, 0) + 1

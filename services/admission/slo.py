@@ -57,10 +57,16 @@ So admission learns from the outcome: for each admitted request it keeps the raw
 prediction, and when the gateway reports the request's TTFT (at its first token; the
 usage event, with arrival and first-token times, stands in for a lost report) it
 records actual / predicted per tier. A tier's predictions are multiplied by the
-``calibration_quantile`` (0.99) of the last ``calibration_window`` ratios, once it has
+``calibration_quantile`` (0.995) of the last ``calibration_window`` ratios, once it has
 ``calibration_min_samples`` (clamped to ``calibration_bounds``): a request is admitted
 when that share of requests predicted like it met the limit. An engine whose real
 TTFT runs below the formula gets a factor under 1 and admits more.
+
+That product is a bound, not a prediction: under overload the tail ratio reads 2-3 while
+the median reads about 1, and a bound reported as the predicted TTFT was more than twice
+the TTFT seen for most admitted requests. So the two are kept apart: the decision holds
+the bound (× the quantile ratio) against the limit, and the TTFT admission predicts,
+reports and explains a refusal with is the point estimate (× the median ratio).
 
 Only errors that can move a decision are learnt: both times are raised to a floor,
 ``calibration_floor`` × the tier's SLO, before the ratio is taken. On a light load a
@@ -128,7 +134,7 @@ class SloConfig:
     # keeps a fixed margin on top of the calibration's.
     target: float = 1.0
     calibration: bool = True
-    calibration_quantile: float = 0.99
+    calibration_quantile: float = 0.995
     calibration_window: int = 500
     calibration_min_samples: int = 50
     calibration_bounds: tuple[float, float] = (0.5, 4.0)
@@ -196,6 +202,9 @@ class SloVerdict:
     slack_tokens: int = 0
     # The formula alone, before overhead and calibration: what outcomes are compared with.
     raw_predicted_ttft: float | None = None
+    # The tail bound the decision held against the SLO: (formula + overhead) × the
+    # calibration's quantile factor. ``predicted_ttft`` is the point estimate (× the median).
+    ttft_bound: float | None = None
     queue_free: bool = False  # admitted while no replica had anything queued (teaches the overhead)
 
 
@@ -248,7 +257,7 @@ class Calibration:
     """Per tier, the recent ratios of actual to predicted TTFT and their quantile; for
     the whole mesh, the latency the formula leaves out (``overhead``)."""
 
-    __slots__ = ("_factor", "_overhead", "bounds", "max_overhead_s", "min_samples", "overhead_min_samples",
+    __slots__ = ("_expected", "_factor", "_overhead", "bounds", "max_overhead_s", "min_samples", "overhead_min_samples",
                  "overhead_quantile", "quantile", "ratios", "residuals")
 
     def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float],
@@ -262,7 +271,8 @@ class Calibration:
         self.overhead_quantile = overhead_quantile
         self.ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
         self.residuals: deque[float] = deque(maxlen=window)  # actual − formula, light load
-        self._factor: dict[str, float] = {}
+        self._factor: dict[str, float] = {}  # the tail quantile: the decision's bound
+        self._expected: dict[str, float] = {}  # the median: the point prediction
         self._overhead = 0.0
 
     def observe(self, tier: str, predicted_s: float, actual_s: float, floor_s: float = 0.0,
@@ -284,9 +294,16 @@ class Calibration:
             ranked = sorted(window)
             q = ranked[min(int(self.quantile * len(ranked)), len(ranked) - 1)]
             self._factor[tier] = min(max(q, self.bounds[0]), self.bounds[1])
+            median = ranked[len(ranked) // 2]
+            self._expected[tier] = min(max(median, self.bounds[0]), self.bounds[1])
 
     def factor(self, tier: str) -> float:
+        """The tail factor: ``quantile`` of the ratios; what admission decides on."""
         return self._factor.get(tier, 1.0)
+
+    def expected_factor(self, tier: str) -> float:
+        """The median ratio: what the point prediction is multiplied by."""
+        return self._expected.get(tier, 1.0)
 
     def overhead(self) -> float:
         return self._overhead
@@ -308,6 +325,9 @@ class SloAdmitter:
 
     def _factor(self, t: TierSLO) -> float:
         return self.calibration.factor(t.name) if self.config.calibration else 1.0
+
+    def _expected_factor(self, t: TierSLO) -> float:
+        return self.calibration.expected_factor(t.name) if self.config.calibration else 1.0
 
     def overhead(self) -> float:
         """Seconds of TTFT outside the engine (gateway, bus, HTTP) added to every prediction."""
@@ -339,14 +359,14 @@ class SloAdmitter:
     def predict(
         self, replica: ReplicaLoad, prompt_tokens: int, tier: str, now: float, pool_rate: float | None = None
     ) -> float:
-        """Predicted TTFT of a ``tier`` request of ``prompt_tokens`` on ``replica``;
-        ``pool_rate``: the pool's prefill tokens/s (default: this replica alone)."""
+        """Predicted TTFT (the point estimate) of a ``tier`` request of ``prompt_tokens``
+        on ``replica``; ``pool_rate``: the pool's prefill tokens/s (default: this replica alone)."""
         rate, step = self._rate_step(replica)
         t = self.tier(tier)
         drain = self._drain(t, pool_rate if pool_rate is not None else rate, now)
         uncached = max(prompt_tokens - replica.cached_tokens, 0)
         raw = replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step
-        return (raw + self.overhead()) * self._factor(t)
+        return (raw + self.overhead()) * self._expected_factor(t)
 
     def _rate_step(self, r: ReplicaLoad) -> tuple[float, float]:
         cfg = self.config
@@ -386,7 +406,7 @@ class SloAdmitter:
             (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now), self._factor(x))
             for x, k in self._guards(t)
         ]
-        best_ok: tuple[float, ReplicaLoad, float, float] | None = None  # own_pred, replica, room, raw
+        best_ok: tuple[float, ReplicaLoad, float, float, float] | None = None  # own_pred, replica, room, raw, bound
         best_any: tuple[float, ReplicaLoad] | None = None
         least_excess = math.inf
         binding = ""
@@ -397,20 +417,22 @@ class SloAdmitter:
             own = uncached / rate + step + overhead  # TTFT on an empty queue
             excess = 0.0
             why = ""
-            own_pred = raw_pred = 0.0
+            own_pred = raw_pred = own_bound = 0.0
             room = math.inf  # tokens of extra prefill work every check still passes with
             for x, k, share, margin, drain, factor in guards:
                 raw = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
-                pred = (raw + overhead) * factor
+                pred = (raw + overhead) * factor  # the tail bound: what the limit is held against
                 if k == 0:
-                    own_pred, raw_pred = pred, raw
+                    own_pred, raw_pred, own_bound = (raw + overhead) * self._expected_factor(x), raw, pred
                 limit = max(cfg.target * margin * x.ttft_slo_s, own * factor * (1 + cfg.long_prompt_slack * margin))
                 # Δ tokens ahead add at most factor · Δ / (rate · drain) seconds (share, drain ≤ 1).
                 room = min(room, (limit - pred) * rate * drain / factor)
                 if pred - limit > excess:
                     excess = pred - limit
+                    point = (raw + overhead) * self._expected_factor(x)
                     why = (
-                        f"predicted TTFT {pred:.2f} s > {limit:.2f} s"
+                        f"predicted TTFT {point:.2f} s, p{self.config.calibration_quantile * 100:g} bound"
+                        f" {pred:.2f} s > {limit:.2f} s"
                         + (f" ({x.name} SLO)" if k == 0 else f" (protecting {x.name})")
                         + f" on {r.worker_id}"
                     )
@@ -418,7 +440,7 @@ class SloAdmitter:
                 best_any = (own_pred, r)
             if excess <= 0:
                 if best_ok is None or own_pred < best_ok[0]:
-                    best_ok = (own_pred, r, room, raw_pred)
+                    best_ok = (own_pred, r, room, raw_pred, own_bound)
             elif excess < least_excess:
                 least_excess, binding = excess, why
         if best_ok is not None:
@@ -429,6 +451,7 @@ class SloAdmitter:
                 worker_id=best_ok[1].worker_id,
                 slack_tokens=max(int(best_ok[2]), 0),
                 raw_predicted_ttft=best_ok[3],
+                ttft_bound=best_ok[4],
                 queue_free=all(r.queued_prefill_tokens == 0 for r in live),
             )
         assert best_any is not None

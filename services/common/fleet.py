@@ -42,9 +42,6 @@ from .smoothing import ewma
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "FleetConfig", "FleetView", "FleetWorker", "KvApply", "Pool", "pack_prompt"]
 
-# Keys of placements nobody will release (admission counts admissions, not requests).
-_anonymous = itertools.count(1)
-
 # Pool generations come from one counter so that a pool dropped and re-created never
 # repeats a generation a consumer has cached.
 _generations = itertools.count(1)
@@ -58,9 +55,12 @@ class FleetConfig(KvIndexConfig):
     # treated as expired: never placed on, and dropped by ``expire``. The registry's
     # KV TTL normally removes it first; this is the backstop if that delete is missed.
     stale_after_s: float = 15.0
-    # A gauge received at least this long after a placement is taken to include it.
-    # Compared on the consumer's clock only: the request needs one hop to reach the
-    # worker and the gauge one hop back, both far below this on a LAN.
+    # A gauge that names the requests its worker took in (``WorkerGauge.arrived``) settles
+    # exactly those placements; one not named for this long never reached its worker.
+    placement_unseen_s: float = 5.0
+    # For a worker that names none: a gauge received at least this long after a placement
+    # is taken to include it. On a loaded machine the request can take longer than this
+    # to reach the worker, and the placement is then dropped too early.
     placement_settle_s: float = 0.02
     # Optimistic additions older than this are dropped even without a new gauge, so a
     # worker whose gauges stop does not look busy forever.
@@ -365,33 +365,30 @@ class FleetView:
                           float(gauge.queued_prefill_tokens + gauge.running_tokens), now, self.config.load_avg_window_s)
         w.gauge = gauge
         w.gauge_received_at = now
-        # The gauge now carries every placement made long enough before it arrived.
-        cutoff = now - self.config.placement_settle_s
-        n = 0
-        for p in w.placements.values():
-            if p.placed_at > cutoff:
-                break
-            n += 1
-        self._drop_placements(w, n)
+        if gauge.arrived is not None:
+            # The gauge counts the requests it names, wherever they were counted (admission
+            # counts one on the replica it predicted for; the router may place it elsewhere).
+            for request_id in gauge.arrived:
+                self.release_placement(request_id)
+            # One no gauge has named for this long never reached its worker.
+            self._drop_placements(w, _count_placed_before(w, now - self.config.placement_unseen_s))
+        else:
+            # A worker that names no arrivals: take the gauge to carry every placement made
+            # long enough before it arrived.
+            self._drop_placements(w, _count_placed_before(w, now - self.config.placement_settle_s))
         # A gauge names the last KV batch its worker published: a batch still unseen a
         # gauge period later was lost (e.g. the last one before the worker idled).
         pool.kv.note_published_seq(w.kv, gauge.kv_event_seq)
         return True
 
     def record_placement(
-        self, worker_id: str, request_id: str | None, prefill_tokens: int, total_tokens: int, now: float
+        self, worker_id: str, request_id: str, prefill_tokens: int, total_tokens: int, now: float
     ) -> None:
-        """Count a placement on the worker at once, until a gauge includes it.
-
-        ``request_id`` None: a placement nobody releases (it only settles or ages out).
-        """
+        """Count a placement on the worker at once, until a gauge includes it."""
         w = self.worker(worker_id)
         if w is None:
             raise KeyError(worker_id)
-        if request_id is None:
-            request_id = f"#{next(_anonymous)}"
-        else:
-            self.release_placement(request_id)  # a retry moves the request
+        self.release_placement(request_id)  # a retry moves the request
         w.placements[request_id] = Placement(worker_id, now, prefill_tokens, total_tokens)
         w.opt_prefill_tokens += prefill_tokens
         w.opt_running_tokens += total_tokens
@@ -410,13 +407,7 @@ class FleetView:
 
     def age_out(self, w: FleetWorker, now: float) -> None:
         """Drop ``w``'s placements older than ``placement_max_age_s``."""
-        cutoff = now - self.config.placement_max_age_s
-        n = 0
-        for p in w.placements.values():
-            if p.placed_at >= cutoff:
-                break
-            n += 1
-        self._drop_placements(w, n)
+        self._drop_placements(w, _count_placed_before(w, now - self.config.placement_max_age_s))
 
     def _drop_placements(self, w: FleetWorker, n: int) -> None:
         """Drop the ``n`` oldest optimistic placements of ``w``."""
@@ -478,3 +469,13 @@ class FleetView:
 def pack_prompt(prompt: bytes | Iterable[int]) -> bytes:
     """Packed token ids (the wire form) from either form."""
     return prompt if isinstance(prompt, bytes) else pack_tokens(list(prompt))
+
+
+def _count_placed_before(w: FleetWorker, cutoff: float) -> int:
+    """How many of ``w``'s placements (oldest first) were made before ``cutoff``."""
+    n = 0
+    for p in w.placements.values():
+        if p.placed_at >= cutoff:
+            break
+        n += 1
+    return n

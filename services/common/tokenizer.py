@@ -39,6 +39,23 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
 
+# Text for the byte tokenizer's ids 0, 1 and 2 in its Hugging Face form (it has none of its own).
+BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map, which byte-level BPE vocabularies spell tokens in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
 class ByteTokenizer:
     """Byte-level tokenizer: ids 0-2 are specials, 3..258 are the bytes 0..255."""
 
@@ -54,11 +71,32 @@ class ByteTokenizer:
         self.bos_token = ""
         self.eos_token = ""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # No special token is ever added, whatever add_special_tokens says: the exported
+        # tokenizer.json has no post-processor either (``meshserve tokenizer export``).
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.decode_bytes(token_ids).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return self.decode_bytes(token_ids).decode("utf-8", errors="replace")
+        # Specials as their exported text, between the decoded byte runs (as HF decodes it).
+        parts: list[str] = []
+        run: list[int] = []
+        for t in token_ids:
+            if 0 <= t < self.OFFSET:
+                parts.append(self.decode_bytes(run).decode("utf-8", errors="replace"))
+                parts.append(BYTE_SPECIALS[t])
+                run = []
+            else:
+                run.append(t)
+        parts.append(self.decode_bytes(run).decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        """Each id's string in the exported vocabulary (``<|bos|>``, ``Ġ`` for a space...)."""
+        chars = _BYTE_CHARS
+        return [BYTE_SPECIALS[t] if 0 <= t < self.OFFSET else chars[t - self.OFFSET] if t < self.vocab_size else ""
+                for t in token_ids]
 
     def decode_bytes(self, token_ids: list[int]) -> bytes:
         return bytes(t - self.OFFSET for t in token_ids if self.OFFSET <= t < self.vocab_size)
@@ -101,11 +139,18 @@ class HFTokenizer:
                 return int(found)
         return default
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor
+        (e.g. a BOS), as transformers' ``encode`` does by default. Prompts are encoded
+        without: chat templates print their special tokens themselves."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self._tok.decode(token_ids, skip_special_tokens=True))
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        """Each id's string in the vocabulary (transformers' ``convert_ids_to_tokens``)."""
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
 
 
 class IncrementalDecoder:
@@ -133,6 +178,7 @@ class IncrementalDecoder:
         return delta
 
 
+_BYTE_CHARS = [bytes_to_unicode()[b] for b in range(256)]
 _BYTE = ByteTokenizer()
 
 

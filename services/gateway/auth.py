@@ -1,8 +1,10 @@
-"""Who is asking: the one place a presented API key becomes a key record, or a 401.
+"""Who is asking: the one place a presented API key or bearer JWT becomes a key record, or a 401.
 
 Every front door authenticates here: HTTP routes through ``authenticated`` (the decorator
 hands the handler the caller's key), the NATS API from its message headers, the
-WebSocket from its query string, headers or first ``auth`` message.
+WebSocket from its query string, headers or first ``auth`` message. With an OIDC issuer
+configured, a credential shaped like a JWT goes to the ``TokenVerifier`` (``jwks``); every
+other one, and every one without an issuer, takes the API key path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from proto import ApiKeyRecord
 
 from .apikeys import MalformedAuthorization, key_from_headers, parse_key, redact_key, verify_key
 from .errors import invalid_api_key, malformed_authorization, missing_api_key
+from .jwks import TokenVerifier
+from .oidc import looks_like_jwt
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +29,17 @@ R = TypeVar("R", bound=web.StreamResponse)
 
 
 class Authenticator:
-    def __init__(self, records: Mapping[str, ApiKeyRecord]) -> None:
+    def __init__(self, records: Mapping[str, ApiKeyRecord], tokens: TokenVerifier | None = None) -> None:
         self.records = records  # key_id → record, kept current by the KeyStore's watch
+        self.tokens = tokens  # None: no OIDC issuer configured
 
-    def check(self, presented: str | None) -> ApiKeyRecord:
-        """The record of a presented key; ApiError 401 when it is missing, unknown, revoked or wrong."""
+    async def check(self, presented: str | None) -> ApiKeyRecord:
+        """The record of a presented key or token; ApiError 401 when it is missing, unknown,
+        revoked or wrong (async: a token signed with a newly rotated key refetches the JWKS)."""
         if not presented:
             raise missing_api_key()
+        if self.tokens is not None and looks_like_jwt(presented):
+            return await self.tokens.verify(presented)
         parsed = parse_key(presented)
         record = self.records.get(parsed.key_id) if parsed else None
         if record is None or record.revoked or not verify_key(presented, record):
@@ -40,9 +48,9 @@ class Authenticator:
             raise invalid_api_key(redact_key(presented))
         return record
 
-    def from_headers(self, headers: Mapping[str, str]) -> ApiKeyRecord:
+    async def from_headers(self, headers: Mapping[str, str]) -> ApiKeyRecord:
         """The record of a request's Authorization / api-key / x-api-key header."""
-        return self.check(presented_key(headers))
+        return await self.check(presented_key(headers))
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -68,6 +76,6 @@ def authenticated(
 
     @functools.wraps(handler)
     async def with_key(api: S, http: web.Request) -> R:
-        return await handler(api, http, api.auth.from_headers(http.headers))
+        return await handler(api, http, await api.auth.from_headers(http.headers))
 
     return with_key

@@ -33,9 +33,34 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # ChatML, the format of the sim models (and of Qwen and many others). With the byte
 # tokenizer every character is a byte token, so token counts are easy to predict.
+# With tools it renders them the Hermes/Qwen way, so the sim path of tool calling reads
+# like a real model's prompt: the tools as JSON in the system turn (after the client's
+# system message, if any), an assistant's calls as <tool_call> JSON, results as
+# <tool_response>. Without tools the output is plain ChatML, as before.
 DEFAULT_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nTo call a function, reply with a JSON object within <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -346,18 +371,34 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         extra_context: Mapping[str, Any] | None = None,
         max_output_chars: int | None = None,
     ) -> str:
-        """The prompt text for ``messages`` (dicts with ``role``, ``content`` and maybe ``name``).
+        """The prompt text for ``messages``.
+
+        Messages are dicts with ``role``, ``content`` and maybe ``name``; an assistant's
+        may carry ``tool_calls`` (``[{"id", "type", "function": {"name", "arguments":
+        dict}}]``), a tool message ``tool_call_id``. ``tools`` is transformers'
+        ``apply_chat_template(tools=...)``: the request's tool definitions
+        (``{"type": "function", "function": {...}}``), None without tools.
+        ``continue_final_message``: the prompt ends inside the last message (its end-of-turn
+        markup cut off) so the model continues it, as transformers does it; it excludes
+        ``add_generation_prompt``.
 
         Raises ``ChatTemplateError`` and nothing else.
         """
+        if continue_final_message:
+            return self._continue(messages, tools, extra_context, max_output_chars)
         limit = self.max_output_chars if max_output_chars is None else min(max_output_chars, self.max_output_chars)
         # tools/documents are None, not undefined, as transformers passes them: templates
         # test ``tools is not none`` (undefined would count as "not none").
         context: dict[str, Any] = {"tools": None, "documents": None}
         context.update(extra_context or {})
+        if tools is not None:
+            # Templates loop over the tools (and print each as JSON): iterating spends the budget.
+            context["tools"] = _CountedList(dict(t) for t in tools)
         context.update(
             messages=_CountedList(dict(m) for m in messages),
             add_generation_prompt=add_generation_prompt,
@@ -390,3 +431,34 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}", "broken") from None
         finally:
             _current.reset(token)
+
+    def _continue(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        extra_context: Mapping[str, Any] | None,
+        max_output_chars: int | None,
+    ) -> str:
+        # transformers' render_jinja_template: mark the end of the final message's content,
+        # render, cut at the mark (and the spacing before it, if the template trimmed it).
+        if not messages:
+            raise ChatTemplateError("continue_final_message needs a final message to continue", "raised")
+        final = messages[-1].get("content")
+        if not isinstance(final, str):
+            raise ChatTemplateError("continue_final_message needs a final message with text content", "raised")
+        if "content" not in self.source:
+            raise ChatTemplateError("continue_final_message is not possible with this chat template", "raised")
+        marked = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+        text = self.render(marked, add_generation_prompt=False, tools=tools, extra_context=extra_context,
+                           max_output_chars=None if max_output_chars is None else max_output_chars + len(_CONTINUE_TAG))
+        tag = _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise ChatTemplateError(
+                "continue_final_message: the chat template drops part of the final message, so it cannot be continued",
+                "raised",
+            )
+        at = text.rindex(tag)
+        return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker

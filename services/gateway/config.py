@@ -13,6 +13,7 @@ import msgspec
 from bus.config import read_file
 
 from .models import ModelLimits
+from .oidc import OidcConfig, oidc_config
 from .upstream import UpstreamConfig
 
 
@@ -44,9 +45,29 @@ class GatewayConfig:
     # A request its client stopped waits this long for the worker's final chunk (the
     # usage it billed) before the gateway ends it with its own count.
     stop_grace_s: float = 5.0
+    # Stored Responses API responses (``store``, the default) can be retrieved and
+    # continued (``previous_response_id``) this long: the TTL of their KV bucket. OpenAI
+    # keeps them 30 days; a week bounds the bucket's disk at a rate a mesh sustains.
+    responses_ttl_s: float = 7 * 24 * 3600.0
+    # Bearer JWTs from an OIDC issuer, besides API keys (no issuer: API keys only).
+    oidc: OidcConfig = field(default_factory=OidcConfig)
 
 
 _MODELS_KEYS = {"limits", "aliases"}
+
+
+def load_oidc_config(path: str | Path | None = None, **overrides: Any) -> OidcConfig:
+    """An ``OidcConfig`` from the ``oidc`` table of a file (JSON, or TOML when it ends in
+    ``.toml``; see README.md, OIDC / JWT callers) with ``overrides`` (its fields) over it.
+    A bad file or setting is a ValueError that names it."""
+    raw = read_file(path)
+    unknown = set(raw) - {"oidc"}
+    if unknown:
+        raise ValueError(f"{path}: unknown sections {sorted(unknown)}; expected ['oidc']")
+    try:
+        return oidc_config(raw.get("oidc", {}), **overrides)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}" if path else str(exc)) from exc
 
 
 def load_config(

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from proto.errors import ErrorCode
 from proto.messages import AdmissionDecision
 
+from .chat_template import ChatTemplateError
 from .openai_api import ErrorBody, ErrorResponse, encode_json, ws_error
 
 
@@ -84,6 +85,20 @@ def invalid_json(detail: str = "") -> ApiError:
     )
 
 
+def from_template_error(exc: ChatTemplateError) -> ApiError:
+    """The error for a conversation the model's chat template could not render: 400 when
+    the conversation is the problem, 500 when the operator's template is broken."""
+    if exc.reason == "raised":
+        return bad_request(exc.message, "messages", "invalid_value")
+    if exc.reason == "too_long":
+        return bad_request(f"The conversation is too long: {exc.message}.", "messages", "context_length_exceeded")
+    if exc.reason == "budget":
+        return bad_request(f"The conversation is too large for this model's chat template: {exc.message}.",
+                           "messages", "invalid_value")
+    return ApiError(500, f"The model's chat template is broken: {exc.message}", "server_error", None,
+                    "chat_template_error")
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,
@@ -95,7 +110,7 @@ def model_not_found(model: str) -> ApiError:
 
 
 # What the client should have called instead; shown in every unknown-URL error.
-SERVED_ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
+SERVED_ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models"
 
 
 def unknown_url(method: str, path: str) -> ApiError:

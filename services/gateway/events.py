@@ -1,21 +1,23 @@
 """From worker token chunks to what clients receive (pure, deterministic).
 
 A chunk with sequence number ``s`` becomes one or more OpenAI stream events, numbered
-``s.0``, ``s.1``, ...: the role delta before the first text (chat), the text delta, the
-finish chunk, the usage chunk (``include_usage``), an error event, ``[DONE]``. The same
-chunk always yields the same events and ids, which is what lets any gateway replay a
-stream from JetStream and skip exactly the events a client already has
-(``Last-Event-ID``).
+``s.0``, ``s.1``, ...: per choice, the role delta before its first output (chat), the
+content / reasoning / tool-call delta with its logprobs, the finish chunk; then the
+usage chunk (``include_usage``), an error event, ``[DONE]``. The same chunks always yield
+the same events and ids (``output.ChoiceAssembler`` is deterministic), which is what
+lets any gateway replay a stream from JetStream and skip exactly the events a client
+already has (``Last-Event-ID``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto import TokenChunk
+from proto import OutputOptions, TokenChunk
 
 from .errors import from_mesh_error
-from .openai_api import ChatStream, CompletionStream, error_json, response_id, usage_from_proto
+from .openai_api import error_json
+from .output import ChoiceAssembler
 
 DONE = b"[DONE]"
 
@@ -43,33 +45,30 @@ def parse_event_id(value: str | None) -> tuple[int, int] | None:
 
 
 class EventBuilder:
-    def __init__(self, kind: str, request_id: str, model: str, created: int, include_usage: bool) -> None:
-        rid = response_id("chat" if kind == "chat" else "completion", request_id)
+    def __init__(self, kind: str, request_id: str, model: str, created: int, include_usage: bool,
+                 options: OutputOptions | None = None) -> None:
         self.kind = kind
-        self.chat = ChatStream(rid, model, created, include_usage) if kind == "chat" else None
-        # Both builders share content/finish/usage; only chat has a role delta.
-        self.stream: ChatStream | CompletionStream = self.chat or CompletionStream(rid, model, created, include_usage)
+        self.assembler = ChoiceAssembler("chat" if kind == "chat" else "completion", request_id, model, created,
+                                         options or OutputOptions(), include_usage)
         self.include_usage = include_usage
 
-    def events(self, chunk: TokenChunk, first: bool) -> list[StreamEvent]:
-        """The client events of ``chunk``; ``first`` marks the request's first chunk."""
+    def events(self, chunk: TokenChunk, first: bool = False) -> list[StreamEvent]:
+        """The client events of ``chunk`` (feed every chunk of the request, in order)."""
         datas: list[bytes] = []
         if chunk.error is not None:
             error = from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
-            if chunk.text:
-                datas.append(self.stream.content(chunk.text))
+            if chunk.text or chunk.token_ids:  # what the worker produced before it failed
+                for delta in self.assembler.deltas(TokenChunk(request_id=chunk.request_id, seq=chunk.seq,
+                                                              index=chunk.index, token_ids=chunk.token_ids,
+                                                              text=chunk.text, logprobs=chunk.logprobs)):
+                    datas.extend(self.assembler.chunk_json(delta))
             datas.append(error_json(error.message, error.type, error.param, error.code))
             datas.append(DONE)
         else:
-            if first and self.chat is not None:
-                datas.append(self.chat.role())
-            # Tokens that render no text (special tokens, a UTF-8 sequence still incomplete)
-            # still get an empty delta, as vLLM's server sends: the client sees progress.
-            if chunk.text or (chunk.token_ids and chunk.finish_reason is None):
-                datas.append(self.stream.content(chunk.text))
+            for delta in self.assembler.deltas(chunk):
+                datas.extend(self.assembler.chunk_json(delta))
             if chunk.finish_reason is not None:
-                datas.append(self.stream.finish(chunk.finish_reason))
                 if self.include_usage and chunk.usage is not None:
-                    datas.append(self.stream.usage(usage_from_proto(chunk.usage)))
+                    datas.append(self.assembler.usage_chunk(chunk.usage))
                 datas.append(DONE)
         return [StreamEvent(chunk.seq, i, d) for i, d in enumerate(datas)]

@@ -18,7 +18,7 @@ from aiohttp import web
 from opentelemetry.propagate import extract
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proto import ApiKeyRecord, ErrorCode, MeshError, RequestRecord, TokenChunk
+from proto import ApiKeyRecord, ErrorCode, MeshError, TokenChunk
 from proto.metering import UsageReport
 from services.common.usage import org_usage_query, usage_report_json
 
@@ -36,7 +36,9 @@ from .events import EventBuilder, parse_event_id
 from .lifecycle import ActiveRequest, on_client_gone
 from .local import is_local_request
 from .openai_api import ModelCard, ModelList, RequestKind, encode_json, sse_event
-from .streams import RequestStream
+from .responses_http import ResponsesHttp
+from .resume import ResumedStream
+from .tokenize_api import tokenize_routes
 from .validation import parse_request
 
 if TYPE_CHECKING:
@@ -65,6 +67,8 @@ class HttpApi:
         return [
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
+            *ResponsesHttp(self).routes(),
+            *tokenize_routes(self.gateway),
             web.get("/v1/requests/{request_id}/stream", self.resume),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model),
@@ -91,7 +95,7 @@ class HttpApi:
             response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
             return response
         except web.HTTPNotFound:
-            # Unknown paths (/v1/responses, /v1/embeddings, typos) answer like OpenAI, not with text/plain.
+            # Unknown paths (/v1/embeddings, typos) answer like OpenAI, not with text/plain.
             return error_response(unknown_url(request.method, request.path))
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -116,19 +120,21 @@ class HttpApi:
         g = self.gateway
         if http.content_length is not None and http.content_length > g.config.max_body_bytes:
             raise payload_too_large(g.config.max_body_bytes, http.content_length)
+        started = time.perf_counter()
         body = await http.read()
         request = parse_request(kind, body, g.models.specs(), allowed_models=key.models or None)
+        parsed = [("parse", (time.perf_counter() - started) * 1000)]  # body, validation, template, tokenizer
         resumable = request.stream and http.headers.get(RESUMABLE_HEADER, "").lower() in ("1", "true", "yes")
         active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)), resumable=resumable)
+        # Where the gateway's time went before the worker had the request (W3C Server-Timing).
+        headers = {"X-Request-Id": active.request_id, "Server-Timing": active.phases.header(parsed)}
         async with active.serving():
             if not request.stream:
-                return web.Response(body=await active.collect(), content_type="application/json",
-                                    headers={"X-Request-Id": active.request_id})
-            response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": active.request_id,
-                                                   "X-Accel-Buffering": "no"})
+                return web.Response(body=await active.collect(), content_type="application/json", headers=headers)
+            response = web.StreamResponse(headers={**SSE_HEADERS, **headers, "X-Accel-Buffering": "no"})
             await response.prepare(http)
-            builder = EventBuilder(request.kind, active.request_id, request.requested_model, int(time.time()),
-                                   request.include_usage)
+            builder = EventBuilder(request.kind, active.request_id, request.requested_model, active.record.created,
+                                   request.include_usage, request.output)
             active.stream.on_overflow = functools.partial(self._cut_slow_client, http, active)
             await relay_sse(response, active.chunks(), builder, after=None)
             return response
@@ -155,29 +161,10 @@ class HttpApi:
         g.metrics.resumes.inc()
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
         await response.prepare(http)
-        builder = EventBuilder(record.kind, request_id, record.model, record.created, record.include_usage)
-        chunks = g.dispatcher.replay(g.bus.subjects.tokens_of_request(request_id), idle_timeout_s=g.config.stall_timeout_s)
+        builder = EventBuilder(record.kind, request_id, record.model, record.created, record.include_usage, record.output)
         async with on_client_gone(functools.partial(g.resumed_client_gone, record)):
-            await relay_sse(response, self._replayed(request_id, record, chunks), builder, after=after)
+            await relay_sse(response, ResumedStream(g, record).chunks(), builder, after=after)
         return response
-
-    async def _replayed(self, request_id: str, record: RequestRecord, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
-        """Stored chunks in order, once each, without those of workers that lost the request."""
-        stream = RequestStream(request_id, "", 0)
-        stream.retired = dict(record.retired)
-        async for chunk in chunks:
-            if chunk.worker_id and chunk.worker_id not in stream.retired and chunk.worker_id != record.worker_id:
-                # A worker we did not know of: a migration happened during this replay.
-                fresh = await self.gateway.records.load(request_id)
-                if fresh is not None:
-                    record = fresh
-                    for worker, cutoff in fresh.retired.items():
-                        stream.retire(worker, cutoff)
-            stream.deliver(chunk)
-            while (ready := stream.get_nowait()) is not None:
-                yield ready
-                if ready.finish_reason is not None:
-                    return
 
     # ---- models, usage ------------------------------------------------------------------
     @authenticated

@@ -23,7 +23,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -48,14 +48,8 @@ from proto import (
 
 from .errors import from_admission, from_mesh_error, overloaded
 from .migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration
-from .openai_api import (
-    chat_completion,
-    encode_json,
-    new_request_id,
-    response_id,
-    text_completion,
-    usage_from_proto,
-)
+from .openai_api import new_request_id
+from .output import ChoiceAssembler
 from .streams import RequestStream
 from .validation import NormalizedRequest
 
@@ -64,6 +58,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.gateway")
+
+
+class PhaseTimer:
+    """Milliseconds per phase of a request's start, in order, for the ``Server-Timing``
+    response header (W3C): what the gateway spent before the worker had the request."""
+
+    __slots__ = ("_last", "phases")
+
+    def __init__(self) -> None:
+        self.phases: list[tuple[str, float]] = []
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """``phase`` ended now (it began where the previous one ended)."""
+        now = time.perf_counter()
+        self.phases.append((phase, (now - self._last) * 1000))
+        self._last = now
+
+    def header(self, before: Iterable[tuple[str, float]] = ()) -> str:
+        return ", ".join(f"{name};dur={ms:.3f}" for name, ms in (*before, *self.phases))
 
 
 class RequestState(enum.Enum):
@@ -90,6 +104,7 @@ class ActiveRequest:
         self.record = record  # the resume record, as last stored
         self.stream = stream
         self.worker_id = worker_id
+        stream.worker_id = worker_id
         self.started = started
         self.span = span
         self.ttft_tier = ttft_tier  # set when admission predicted this request's TTFT: report it back
@@ -101,6 +116,11 @@ class ActiveRequest:
         self.stop_requested_at = 0.0  # when the client asked to stop (state STOPPING)
         self.segment_tokens: list[int] = []  # tokens the current worker streamed
         self._prior_tokens: list[int] = []
+        # n > 1: each choice's tokens (all segments) and the choices that ended, for a migration
+        self.choice_tokens: dict[int, list[int]] = {}
+        self.finished_choices: set[int] = set()
+        self.phases = PhaseTimer()  # where the time to placement went (Server-Timing)
+        self.read_seq = stream.next_seq  # the first sequence number not yet read from the stream
 
     # ---- start: admission, record, placement ------------------------------------------
     @classmethod
@@ -129,13 +149,16 @@ class ActiveRequest:
     async def _start(cls, g: GatewayService, request: NormalizedRequest, key: ApiKeyRecord, request_id: str,
                      started: float, span: trace.Span, resumable: bool) -> ActiveRequest:
         block_size = g.models.block_size(request.model)
+        phases = PhaseTimer()
+        hashes = block_hashes(request.prompt_token_ids, block_size) if block_size else []
+        phases.mark("hash")
         with tracer.start_as_current_span("gateway.admission") as admission_span:
             decision = await g.upstream.admit(AdmissionRequest(
                 request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
                 prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm, tpm_limit=key.tpm,
-                block_hashes=block_hashes(request.prompt_token_ids, block_size) if block_size else [],
-                block_size=block_size,
+                block_hashes=hashes, block_size=block_size,
             ))
+            phases.mark("admission")
             admission_span.set_attribute("meshserve.admitted", decision.admitted)
             if decision.reason:
                 admission_span.set_attribute("meshserve.admission_reason", decision.reason)
@@ -151,13 +174,17 @@ class ActiveRequest:
         )
         record = RequestRecord(request_id=request_id, key_id=key.key_id, org=key.org, gateway_id=g.gateway_id,
                                token_subject=stream.subject, kind=request.kind, model=request.requested_model,
-                               created=int(time.time()), include_usage=request.include_usage, resumable=resumable)
+                               created=int(time.time()), include_usage=request.include_usage, resumable=resumable,
+                               output=request.output, segment=generate if resumable else None)
         try:
-            await g.records.save(record, required=resumable)
+            if resumable:  # its client may resume at once, anywhere: the record must exist first
+                await g.records.save(record, required=True)
+                phases.mark("record")
             with tracer.start_as_current_span("gateway.route"):
                 placement = await g.upstream.place(RouteRequest(
                     request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
                 ))
+            phases.mark("route")
         except BaseException as exc:
             g.dispatcher.close(request_id)
             # Admission reserved budget for this request: a usage event reconciles it.
@@ -168,9 +195,13 @@ class ActiveRequest:
             raise
         span.set_attribute("meshserve.worker_id", placement.worker_id)
         record.worker_id = placement.worker_id
-        await g.records.save(record)  # resume and its disconnect timer need the worker
-        return cls(g, request, generate, record, stream, placement.worker_id, started, span,
-                   ttft_tier=key.tier if decision.worker_id else "")  # a worker_id: admission made a prediction
+        # Resume and its disconnect timer need the worker; not worth a round trip before the
+        # first token (best effort, as every later update of the record).
+        g.spawn(g.records.save(record), name=f"record-{request_id}")
+        active = cls(g, request, generate, record, stream, placement.worker_id, started, span,
+                     ttft_tier=key.tier if decision.worker_id else "")  # a worker_id: admission made a prediction
+        active.phases = phases
+        return active
 
     # ---- relay ------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[TokenChunk]:
@@ -207,6 +238,11 @@ class ActiveRequest:
                     self._report_ttft(self.first_token_at - self.started)
             self.completion_tokens += len(chunk.token_ids)
             self.segment_tokens.extend(chunk.token_ids)
+            self.read_seq = chunk.seq + 1
+            if self.generate.sampling.n > 1:
+                self.choice_tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
+                if chunk.choice_finish_reason is not None:
+                    self.finished_choices.add(chunk.index)
             if chunk.finish_reason is not None:
                 if self.state in _RELAYING:
                     self.state = RequestState.FINISHED
@@ -231,6 +267,8 @@ class ActiveRequest:
         probe = None
         if registered:
             probe = await g.upstream.probe(self.worker_id, self.request_id, timeout_s=min(2.0, g.config.stall_timeout_s))
+            if self.stream.buffered:
+                return None  # its chunks came while it was asked: it is alive after all
         plan = plan_migration(self._segment(), MigrationLimits(g.config.stall_timeout_s, g.config.max_migrations),
                               worker_registered=registered, silent_s=silent, probe=probe, now=time.time())
         if registered:
@@ -240,39 +278,35 @@ class ActiveRequest:
             self.span.add_event("queued_on_live_worker", {"worker": self.worker_id, "waited_s": plan.waited_s})
             return None
         if isinstance(plan, GiveUp):
+            await give_up(g, plan, self.request_id)
             return self._error_chunk(ErrorCode.WORKER_LOST, plan.message)
         return await self._migrate(plan)
 
     def _segment(self) -> Segment:
-        return Segment(generate=self.generate, worker_id=self.worker_id, next_seq=self.stream.next_seq,
+        # Where the client is: chunks that arrived while the worker was being checked wait
+        # unread in the stream, and are not in ``received_tokens``; the cut-off is before them.
+        return Segment(generate=self.generate, worker_id=self.worker_id, next_seq=self.read_seq,
                        received_tokens=self.received_tokens, segment_tokens=len(self.segment_tokens),
-                       prompt_tokens=self.request.prompt_tokens, retired=self.stream.retired)
+                       prompt_tokens=self.request.prompt_tokens, retired=self.stream.retired,
+                       choice_tokens=self.choice_tokens, finished_choices=sorted(self.finished_choices))
 
     async def _migrate(self, plan: Migrate) -> TokenChunk | None:
         """Continue the request on another replica from the tokens the client already has;
         the error chunk when no replica takes it, else None (the stream continues at
         ``plan.cutoff`` from the new worker)."""
-        g = self.gateway
         log.warning("request %s: %s; migrating (%d tokens so far)", self.request_id, plan.why, self.completion_tokens)
         self.stream.retire(plan.retire, plan.cutoff)
-        g.spawn(g.upstream.cancel(plan.retire, self.request_id, "migrated away"))  # a stalled worker frees its blocks
-        await g.publish_usage(plan.lost_usage, plan.lost_usage_id)
+        self.stream.worker_id = ""  # the next worker's chunks may come before its placement does
         self._prior_tokens = self.received_tokens
         self.segment_tokens = []
         self.generate = plan.generate
-        self.record.retired[plan.retire] = plan.cutoff
-        await g.records.save(self.record)
         try:
-            placement = await g.upstream.place(RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers))
+            worker_id = await migrate(self.gateway, plan, self.record)
         except MeshError as exc:
             return self._error_chunk(ErrorCode.WORKER_LOST, f"{plan.why}; no replica could take the request over: {exc.message}")
-        g.metrics.migrations.inc()
-        self.span.add_event("migrated", {"from": plan.retire, "to": placement.worker_id,
-                                         "at_token": len(self.received_tokens)})
-        self.worker_id = placement.worker_id
+        self.span.add_event("migrated", {"from": plan.retire, "to": worker_id, "at_token": len(self.received_tokens)})
+        self.worker_id = self.stream.worker_id = worker_id
         self.stream.last_chunk_at = time.monotonic()
-        self.record.worker_id = placement.worker_id
-        await g.records.save(self.record)
         return None
 
     @property
@@ -351,19 +385,45 @@ class ActiveRequest:
         self.span.set_attribute("meshserve.status", status)
         self.span.end()
 
+    def assembler(self, include_usage: bool = False) -> ChoiceAssembler:
+        """The request's choice assembler (every front door formats its deltas)."""
+        return ChoiceAssembler(self.request.kind, self.request_id, self.request.requested_model, int(time.time()),
+                               self.request.output, include_usage)
+
     async def collect(self) -> bytes:
         """The whole non-streamed response body (any API); an error chunk raises ApiError."""
-        text: list[str] = []
+        assembler = self.assembler()
         async for chunk in self.chunks():
             if chunk.error is not None:
                 raise from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
-            text.append(chunk.text)
+            assembler.deltas(chunk)
         final = self.final
         assert final is not None  # chunks() ends on a final chunk unless cancelled, which raises here first
-        usage = usage_from_proto(final.usage) if final.usage else None
-        rid = response_id(self.request.kind, self.request_id)
-        build = chat_completion if self.request.kind == "chat" else text_completion
-        return encode_json(build(rid, self.request.requested_model, int(time.time()), "".join(text), final.finish_reason, usage))
+        return assembler.response(final.usage)
+
+
+async def migrate(g: GatewayService, plan: Migrate, record: RequestRecord) -> str:
+    """Carry out a migration plan (whoever watches the stream: the request's gateway, or the
+    one its client resumed on) and store it in the resume record; the new worker's id.
+    Raises MeshError when no replica takes the request."""
+    g.spawn(g.upstream.cancel(plan.retire, record.request_id, "migrated away"))  # a stalled worker frees its blocks
+    await g.publish_usage(plan.lost_usage, plan.lost_usage_id)
+    record.retired[plan.retire] = plan.cutoff
+    if record.segment is not None:
+        record.segment = plan.generate
+    await g.records.save(record)
+    placement = await g.upstream.place(RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers))
+    g.metrics.migrations.inc()
+    record.worker_id = placement.worker_id
+    await g.records.save(record)
+    return placement.worker_id
+
+
+async def give_up(g: GatewayService, plan: GiveUp, request_id: str) -> None:
+    """A request that may not move again: stop its worker (a stalled one frees its blocks)
+    and bill the segment it streamed, which it will never report."""
+    g.spawn(g.upstream.cancel(plan.retire, request_id, "worker lost"))
+    await g.publish_usage(plan.lost_usage, plan.lost_usage_id)
 
 
 @contextlib.asynccontextmanager
@@ -382,4 +442,5 @@ def rejected_usage(generate: GenerateRequest, error: str) -> UsageEvent:
     """The usage event of an admitted request that no worker took: it reconciles what admission reserved."""
     return UsageEvent(request_id=generate.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
                       tier=generate.tier, status="rejected", reserved_tokens=generate.reserved_tokens,
-                      arrival_time=generate.arrival_time, finish_time=time.time(), error=error[:500])
+                      arrival_time=generate.arrival_time, finish_time=time.time(), error=error[:500],
+                      user=generate.user, metadata=generate.metadata)

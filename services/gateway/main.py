@@ -7,6 +7,7 @@ balancer; each answers the NATS API in one queue group).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from bus import RunOptions, run_service
 from bus.config import default_of, given
 
-from .config import GatewayConfig, load_config
+from .config import GatewayConfig, load_config, load_oidc_config
 from .upstream import UpstreamConfig
 
 if TYPE_CHECKING:
@@ -26,13 +27,26 @@ DEV_KEY_FILE_ENV = "MESHSERVE_DEV_KEY_FILE"
 _OPTIONS = {"host": "host", "port": "port", "gateway_id": "gateway_id", "tls_cert": "tls_cert", "tls_key": "tls_key",
             "max_body_bytes": "max_body_bytes", "max_in_flight": "max_in_flight", "stall_timeout": "stall_timeout_s",
             "stream_buffer": "stream_buffer_chunks", "max_migrations": "max_migrations",
-            "resume_window": "resume_window_s"}
+            "resume_window": "resume_window_s", "responses_ttl": "responses_ttl_s"}
+# option dest → OidcConfig field (the rest of the section comes from --oidc-config)
+_OIDC_OPTIONS = {"oidc_issuer": "issuer", "oidc_audience": "audience", "oidc_jwks_uri": "jwks_uri",
+                 "oidc_jwks_file": "jwks_file"}
 # option dest → UpstreamConfig field
 _UPSTREAM_OPTIONS = {"admission_unreachable": "admission_unreachable", "admission_grace": "admission_grace_s"}
 
 
 def _default(name: str) -> str:
     return f"(default {default_of(GatewayConfig, name)})"
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-window", type=float, default=None,
                         help="seconds a resumable request (X-Meshserve-Resumable) outlives its lost client "
                              + _default("resume_window_s"))
+    parser.add_argument("--responses-ttl", type=_seconds, default=None,
+                        help="seconds a stored /v1/responses response can be retrieved and continued (0: until deleted) "
+                             + _default("responses_ttl_s"))
     parser.add_argument("--models-config", default=None,
                         help='JSON (or .toml): {"limits": {MODEL: {max_tokens_cap: ...}}, "aliases": {ALIAS: MODEL}}')
     parser.add_argument("--admission-unreachable", choices=["open", "closed", "grace"], default=None,
@@ -67,6 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dev-key-file", default=None, metavar="PATH",
                         help=f"development key file: GET /dev-key hands it to browsers on this host only "
                              f"(env {DEV_KEY_FILE_ENV}; meshserve up passes its own)")
+    oidc = parser.add_argument_group("OIDC / JWT callers (besides API keys; see README.md)")
+    oidc.add_argument("--oidc-config", default=None, metavar="PATH",
+                      help="JSON (or .toml) with an oidc table: issuer, audience, claim names, tiers' default limits ...")
+    oidc.add_argument("--oidc-issuer", default=None, metavar="URL",
+                      help="accept bearer JWTs from this issuer (its iss; the JWKS is found through its discovery document)")
+    oidc.add_argument("--oidc-audience", action="append", default=None, metavar="AUD",
+                      help="an aud value this gateway's tokens carry (repeatable; required with an issuer)")
+    oidc.add_argument("--oidc-jwks-uri", default=None, metavar="URL", help="the issuer's JWKS, without discovery")
+    oidc.add_argument("--oidc-jwks-file", default=None, metavar="PATH",
+                      help="a static JWKS file instead of fetching one (air-gapped sites)")
 
 
 def build_config(args: argparse.Namespace) -> GatewayConfig:
@@ -77,6 +104,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     if dev_key_file:
         overrides["dev_key_file"] = dev_key_file
     try:
+        overrides["oidc"] = load_oidc_config(args.oidc_config, **given(args, _OIDC_OPTIONS))
         return load_config(args.models_config, upstream=given(args, _UPSTREAM_OPTIONS), **overrides)
     except (OSError, ValueError) as exc:
         print(f"meshserve serve gateway: config: {exc}", file=sys.stderr)  # bad input: one line, exit 2

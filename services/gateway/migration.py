@@ -1,11 +1,12 @@
 """Whether and how a request leaves its worker: a pure plan the gateway's shell executes.
 
-A stream that went silent (or whose worker's heartbeat expired) is looked at here with
+A stream that went silent (or whose worker left the registry) is looked at here with
 what the gateway knows of the request's current segment, the worker's answer to a probe,
 and the limits. The verdict is one of:
 
 - ``Stay``: the worker says the request is queued behind live work (``stall``); wait on.
-- ``GiveUp``: the request moved as often as it may; the client gets a ``worker_lost`` error.
+- ``GiveUp``: the request moved as often as it may; the client gets a ``worker_lost``
+  error, the worker is told to stop, and the segment it streamed is billed (``failed``).
 - ``Migrate``: retire the old worker from ``cutoff`` on (its chunks from that sequence
   number on are void), bill the segment it streamed (it will never report it), and send
   the next segment, which continues at ``cutoff`` from the tokens the client already has,
@@ -51,6 +52,10 @@ class Segment:
     segment_tokens: int  # of those, how many the current worker streamed
     prompt_tokens: int
     retired: Mapping[str, int]  # workers that lost the request before → their cut-off
+    # With n > 1 choices: each choice's tokens the client has (all segments), and the
+    # choices that already finished (the next segment does not run them again).
+    choice_tokens: Mapping[int, Sequence[int]] | None = None
+    finished_choices: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,9 @@ class Stay:
 @dataclass(frozen=True, slots=True)
 class GiveUp:
     message: str
+    retire: str  # the worker that lost the request
+    lost_usage: UsageEvent  # its segment, which it will never report (dedup id as a migration's)
+    lost_usage_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +94,7 @@ def lost_segment_usage(segment: Segment, now: float) -> UsageEvent:
         worker_id=segment.worker_id, tier=generate.tier, prompt_tokens=billed.prompt_tokens,
         completion_tokens=billed.completion_tokens, status="migrated", arrival_time=generate.arrival_time,
         finish_time=now, reserved_tokens=generate.reserved_tokens if first else 0, migrations=generate.migrations,
-        error="worker lost; request migrated",
+        error="worker lost; request migrated", user=generate.user, metadata=generate.metadata,
     )
 
 
@@ -98,7 +106,7 @@ def plan_migration(
     been silent for ``silent_s`` (at least the stall timeout) and whose worker answered the
     probe with ``probe`` (None: no answer)."""
     if not worker_registered:
-        why = f"worker {segment.worker_id} is gone (heartbeat expired)"
+        why = f"worker {segment.worker_id} is gone (its connection closed or its heartbeat expired)"
     elif queued_on_live_worker(probe, limits.stall_timeout_s):
         assert probe is not None
         return Stay(waited_s=probe.since_output_s)
@@ -106,17 +114,26 @@ def plan_migration(
         why = f"worker {segment.worker_id} stalled: no tokens for {silent_s:.0f}s"
     moved = segment.generate.migrations
     if moved >= limits.max_migrations:
-        return GiveUp(f"{why}; not migrated again (limit {limits.max_migrations})")
+        message = f"{why}; not migrated again (limit {limits.max_migrations})"
+        lost = msgspec.structs.replace(lost_segment_usage(segment, now), status="failed", error=message[:500])
+        return GiveUp(message, segment.worker_id, lost, usage_dedup_id(segment.generate.request_id, moved))
     cutoff = segment.next_seq
+    if segment.generate.sampling.n > 1:
+        tokens = segment.choice_tokens or {}
+        next_segment = msgspec.structs.replace(
+            segment.generate, prior_outputs=[pack_tokens(tokens.get(i, [])) for i in range(segment.generate.sampling.n)],
+            finished_choices=sorted(segment.finished_choices), first_seq=cutoff, migrations=moved + 1,
+        )
+    else:
+        next_segment = msgspec.structs.replace(
+            segment.generate, prior_output=pack_tokens(segment.received_tokens), first_seq=cutoff, migrations=moved + 1,
+        )
     return Migrate(
         why=why,
         retire=segment.worker_id,
         cutoff=cutoff,
         lost_usage=lost_segment_usage(segment, now),
         lost_usage_id=usage_dedup_id(segment.generate.request_id, moved),
-        generate=msgspec.structs.replace(
-            segment.generate, prior_output=pack_tokens(segment.received_tokens), first_seq=cutoff,
-            migrations=moved + 1,
-        ),
+        generate=next_segment,
         exclude_workers=[*(w for w in segment.retired if w != segment.worker_id), segment.worker_id],
     )

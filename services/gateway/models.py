@@ -35,6 +35,8 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, token_ids: list[int]) -> str: ...
+
 
 class ModelLimits(Struct, kw_only=True, frozen=True):
     """Per-model request limits and defaults (decodable from operator config).
@@ -57,6 +59,9 @@ class ModelLimits(Struct, kw_only=True, frozen=True):
     max_stop_sequences: int = 4
     max_stop_chars: int = 256
     max_stop_token_ids: int = 64
+    max_n: int = 16  # choices per request
+    max_logprobs: int = 20  # top_logprobs / logprobs / prompt_logprobs (vLLM's default)
+    max_logit_bias: int = 300  # entries in logit_bias (OpenAI's limit)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -82,6 +87,9 @@ class ModelSpec:
     tokenizer: TokenizerLike
     limits: ModelLimits = field(default_factory=ModelLimits)
     template: ChatTemplate = field(default=None)  # type: ignore[assignment]
+    # The output parsers its workers advertise (WorkerInfo): "" = none.
+    tool_parser: str = ""
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         if self.template is None:
@@ -105,7 +113,7 @@ class ModelCatalog:
         self.registry = registry
         self.limits = limits
         self.aliases = aliases
-        self._specs: dict[tuple[str, str, int], ModelSpec] = {}
+        self._specs: dict[tuple[str, str, int, str, str], ModelSpec] = {}
 
     def specs(self) -> dict[str, ModelSpec]:
         """Servable models from the live registry (aliases included), tokenizers cached."""
@@ -122,7 +130,8 @@ class ModelCatalog:
     def _spec(self, model: str, workers: list[WorkerInfo]) -> ModelSpec | None:
         tokenizer = tokenizer_source(workers)
         max_len = model_max_len(workers) or 4096
-        cache_key = (model, tokenizer, max_len)
+        parsers = (workers[0].tool_parser, workers[0].reasoning_parser)
+        cache_key = (model, tokenizer, max_len, *parsers)
         spec = self._specs.get(cache_key)
         if spec is None:
             try:
@@ -132,7 +141,8 @@ class ModelCatalog:
                 return None
             limits = self.limits.get(model)
             limits = msgspec.structs.replace(limits, max_model_len=max_len) if limits else ModelLimits(max_model_len=max_len)
-            spec = ModelSpec(name=model, tokenizer=tok, limits=limits)
+            spec = ModelSpec(name=model, tokenizer=tok, limits=limits, tool_parser=parsers[0],
+                             reasoning_parser=parsers[1])
             self._specs[cache_key] = spec
         return spec
 

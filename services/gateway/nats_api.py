@@ -43,7 +43,7 @@ class NatsApi:
         if not msg.reply:
             return
         try:
-            key = g.auth.from_headers(msg.headers or {})
+            key = await g.auth.from_headers(msg.headers or {})
             if len(msg.data) > g.config.max_body_bytes:
                 raise payload_too_large(g.config.max_body_bytes, len(msg.data))
             request = parse_request(kind, msg.data, g.models.specs(), allowed_models=key.models or None)
@@ -58,7 +58,8 @@ class NatsApi:
                 except ApiError as exc:
                     await nc.publish(msg.reply, exc.to_json(), headers=error_headers(exc))
                 return
-            builder = EventBuilder(request.kind, active.request_id, request.requested_model, int(time.time()), request.include_usage)
+            builder = EventBuilder(request.kind, active.request_id, request.requested_model, int(time.time()),
+                                   request.include_usage, request.output)
             async for chunk in active.chunks():
                 events = [e for e in builder.events(chunk, first=chunk.seq == 0) if e.data != DONE]
                 for i, event in enumerate(events):

@@ -26,6 +26,12 @@ from msgspec import UNSET, Struct, UnsetType
 
 from proto.messages import Usage
 
+# Tool calls have one set of shapes, the parsers' (re-exported here with the others).
+from services.common.parsers.events import FunctionCall as FunctionCall
+from services.common.parsers.events import FunctionCallDelta as FunctionCallDelta
+from services.common.parsers.events import ToolCall as ToolCall
+from services.common.parsers.events import ToolCallDelta as ToolCallDelta
+
 RequestKind = Literal["chat", "completion"]
 
 # --------------------------------------------------------------------------- requests
@@ -47,6 +53,9 @@ class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant, echoed back by some clients: not rendered
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -79,23 +88,49 @@ class SamplingFields(Struct, kw_only=True):
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
-    # meshserve extension: session affinity key (falls back to ``user``)
+    min_p: float | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    # vLLM's guided decoding fields (older names, and 0.1x's ``structured_outputs``)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    # OpenAI's cache routing key: meshserve's session affinity (prefix cache) uses it
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor to ``user``: the usage record's user
+    service_tier: str | None = None
+    store: bool | None = None
+    # meshserve extension: session affinity key (falls back to prompt_cache_key, then ``user``)
     session_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    # Declared to be refused when set (see validation): they change what the model must produce.
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Declared to be refused when set (see validation): they change what the model must produce.
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -120,11 +155,17 @@ class PromptTokensDetails(Struct, kw_only=True):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
 class CompletionUsage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Set when the model's reasoning parser counted reasoning tokens.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> CompletionUsage:
@@ -141,15 +182,58 @@ def usage_from_proto(u: Usage) -> CompletionUsage:
     return usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
 
+class TopLogprobEntry(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class LogprobEntry(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChoiceLogprobs(Struct, kw_only=True):
+    """Chat ``choices[].logprobs``."""
+
+    content: list[LogprobEntry] | None = None
+
+
+class PromptLogprob(Struct, kw_only=True):
+    """vLLM's ``Logprob`` in a ``prompt_logprobs`` answer."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    """Completions ``choices[].logprobs`` (the legacy shape)."""
+
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
 class AssistantMessage(Struct, kw_only=True):
     role: str = "assistant"
-    content: str = ""
+    content: str | None = ""
+    # omitted when None would break clients that read ``message.tool_calls`` as a list:
+    # OpenAI sends it only when there are calls; UNSET keeps the key out.
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType | None = UNSET  # set when the model has a reasoning parser
 
 
 class ChatChoice(Struct, kw_only=True):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -161,6 +245,7 @@ class ChatCompletion(Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: CompletionUsage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM extension, when asked for
 
 
 class ChatDelta(Struct, kw_only=True, omit_defaults=True):
@@ -168,12 +253,14 @@ class ChatDelta(Struct, kw_only=True, omit_defaults=True):
     # and {} on the finishing chunk.
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct, kw_only=True):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -192,8 +279,9 @@ class ChatCompletionChunk(Struct, kw_only=True):
 class CompletionChoice(Struct, kw_only=True):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM extension, when asked for
 
 
 class TextCompletion(Struct, kw_only=True):
@@ -289,119 +377,6 @@ def sse_data(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
-def chat_completion(
-    id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    usage: CompletionUsage | None,
-) -> ChatCompletion:
-    """A non-streamed ``chat.completion``."""
-    return ChatCompletion(
-        id=id,
-        created=created,
-        model=model,
-        choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
-        usage=usage,
-    )
-
-
-def text_completion(
-    id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    usage: CompletionUsage | None,
-) -> TextCompletion:
-    """A non-streamed ``text_completion``."""
-    return TextCompletion(
-        id=id,
-        created=created,
-        model=model,
-        choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
-        usage=usage,
-    )
-
-
-class ChatStream:
-    """Builds the ``data`` JSON of each ``chat.completion.chunk`` of one streamed reply.
-
-    Call order, as OpenAI streams: ``role()`` once, ``content(text)`` per text delta,
-    ``finish(reason)`` once, then ``usage(u)`` if ``include_usage``. Each returns JSON
-    bytes; frame them with ``sse_event``/``sse_data`` and end with ``SSE_DONE``.
-    """
-
-    __slots__ = ("created", "id", "include_usage", "model")
-
-    def __init__(self, id: str, model: str, created: int, include_usage: bool = False) -> None:
-        self.id = id
-        self.model = model
-        self.created = created
-        self.include_usage = include_usage
-
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None) -> bytes:
-        return _encoder.encode(
-            ChatCompletionChunk(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
-                usage=None if self.include_usage else UNSET,
-            )
-        )
-
-    def role(self) -> bytes:
-        return self._chunk(ChatDelta(role="assistant", content=""), None)
-
-    def content(self, text: str) -> bytes:
-        return self._chunk(ChatDelta(content=text), None)
-
-    def finish(self, finish_reason: str) -> bytes:
-        return self._chunk(ChatDelta(), finish_reason)
-
-    def usage(self, usage: CompletionUsage) -> bytes:
-        """The extra last chunk of ``include_usage``: no choices, the request's usage."""
-        return _encoder.encode(
-            ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-        )
-
-
-class CompletionStream:
-    """Like ``ChatStream`` for streamed ``text_completion`` chunks (no role chunk)."""
-
-    __slots__ = ("created", "id", "include_usage", "model")
-
-    def __init__(self, id: str, model: str, created: int, include_usage: bool = False) -> None:
-        self.id = id
-        self.model = model
-        self.created = created
-        self.include_usage = include_usage
-
-    def _chunk(self, text: str, finish_reason: str | None) -> bytes:
-        return _encoder.encode(
-            TextCompletion(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
-                usage=None if self.include_usage else UNSET,
-            )
-        )
-
-    def content(self, text: str) -> bytes:
-        return self._chunk(text, None)
-
-    def finish(self, finish_reason: str) -> bytes:
-        return self._chunk("", finish_reason)
-
-    def usage(self, usage: CompletionUsage) -> bytes:
-        return _encoder.encode(
-            TextCompletion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-        )
-
-
 # ------------------------------------------------------------------ WebSocket protocol
 #
 # One socket carries many concurrent requests, told apart by the client-chosen ``id``.
@@ -411,7 +386,8 @@ class CompletionStream:
 #   {"type": "completion", "id": "...", "body": {OpenAI completions body}}
 #   {"type": "cancel", "id": "..."}
 # Server → client:
-#   {"type": "token", "id", "seq", "text", "token_ids"}
+#   {"type": "token", "id", "seq", "text", "token_ids"[, "index", "reasoning_content",
+#    "tool_calls", "logprobs", "finish_reason"]}  (the optional ones only when in play)
 #   {"type": "done", "id", "finish_reason", "usage"}
 #   {"type": "error", "id", "status", "error": {message, type, param, code}, "retry_after"}
 # ``body.stream`` is ignored: the socket always streams.
@@ -440,11 +416,19 @@ WsClientMessage = WsAuth | WsChatRequest | WsCompletionRequest | WsCancel
 ws_client_decoder = msgspec.json.Decoder(WsClientMessage)
 
 
-class WsToken(Struct, kw_only=True, tag_field="type", tag="token"):
+class WsToken(Struct, kw_only=True, tag_field="type", tag="token", omit_defaults=True):
+    """``text`` is content; the optional fields appear only when the request asked for
+    what fills them (n > 1, a reasoning model, tools, logprobs)."""
+
     id: str
     seq: int
     text: str
     token_ids: list[int]
+    index: int = 0
+    reasoning_content: str = ""
+    tool_calls: list[ToolCallDelta] | None = None
+    logprobs: list[LogprobEntry] | CompletionLogprobs | None = None
+    finish_reason: str | None = None  # this choice's end (n > 1; else see ``done``)
 
 
 class WsDone(Struct, kw_only=True, tag_field="type", tag="done"):
@@ -460,10 +444,10 @@ class WsError(Struct, kw_only=True, tag_field="type", tag="error"):
     retry_after: float | None = None
 
 
-def ws_token(id: str, seq: int, text: str, token_ids: list[int]) -> bytes:
-    """A ``token`` message. Send it as a text frame (``bytes.decode()``): browsers hand
-    binary frames to ``onmessage`` as Blobs."""
-    return _encoder.encode(WsToken(id=id, seq=seq, text=text, token_ids=token_ids))
+def ws_token(id: str, seq: int, text: str, token_ids: list[int], **extra: Any) -> bytes:
+    """A ``token`` message (``extra``: WsToken's optional fields). Send it as a text frame
+    (``bytes.decode()``): browsers hand binary frames to ``onmessage`` as Blobs."""
+    return _encoder.encode(WsToken(id=id, seq=seq, text=text, token_ids=token_ids, **extra))
 
 
 def ws_done(id: str, finish_reason: str | None, usage: CompletionUsage | None) -> bytes:

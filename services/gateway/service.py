@@ -30,6 +30,7 @@ from proto import MeshError, RequestRecord, UsageEvent
 from .auth import Authenticator
 from .config import GatewayConfig
 from .http_api import STATIC_DIR, HttpApi
+from .jwks import Oidc
 from .metrics import GatewayMetrics
 from .models import ModelCatalog
 from .nats_api import NatsApi
@@ -55,6 +56,7 @@ class GatewayService(Service):
         self._runner: web.AppRunner | None = None
         self._trusted = [ipaddress.ip_network(c, strict=False) for c in config.trusted_proxies]
         self._timers: set[asyncio.Task[None]] = set()
+        self.oidc: Oidc | None = None  # bearer JWT callers, when an issuer is configured
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -62,12 +64,17 @@ class GatewayService(Service):
         await self.registry.start()
         self.keys = await KeyStore(self.bus).open()
         await self.keys.watch()
-        self.auth = Authenticator(self.keys.records)
+        if self.config.oidc.enabled:
+            self.oidc = Oidc(self.config.oidc)
+        self.auth = Authenticator(self.keys.records, await self.oidc.start() if self.oidc else None)
         self.models = ModelCatalog(self.registry, self.config.model_limits, self.config.aliases)
         kv = await requests_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
         self.records = ResumeRecords(kv)
         self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks)
         await self.dispatcher.start()
+        # A worker gone from the registry: its streams check on it now, not at their next
+        # quiet second (they migrate at once; the others find their worker listed).
+        self.registry.on_change(lambda worker_id, info: self.dispatcher.wake_all() if info is None else None)
         self.metrics.in_flight.set_function(lambda: self.streams_in_flight)
         self.upstream = UpstreamClient(
             self.bus, self.registry, self.config.upstream,
@@ -91,6 +98,8 @@ class GatewayService(Service):
         await self.dispatcher.stop()
         await self.registry.stop()
         await self.keys.stop()
+        if self.oidc is not None:
+            await self.oidc.stop()
 
     def stats(self) -> dict[str, Any]:
         return {"gateway_id": self.gateway_id, "streams": self.streams_in_flight, "http": self.http_url}

@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import api
 
 from bus import Bus
-from proto import DecodeError, TokenChunk, decode
+from proto import ChunkResend, ControlReply, DecodeError, TokenChunk, decode
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class RequestStream:
         self.subject = subject
         self.next_seq = next_seq
         self.max_buffered = max_buffered
-        self._ready: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._ready: asyncio.Queue[TokenChunk | None] = asyncio.Queue()  # None: wake the reader
         self._out_of_order: dict[int, TokenChunk] = {}
         self.gap_since: float | None = None
         self.finished = False
@@ -49,17 +50,40 @@ class RequestStream:
         self.on_overflow: Callable[[], None] | None = None  # cut the slow client at once
         # Workers that lost this request → the seq from which their chunks are void.
         self.retired: dict[str, int] = {}
+        # The worker streaming it now (empty while it is being placed): only its chunks, and
+        # those of retired workers before their cut-off, are taken; asked to resend gaps.
+        self.worker_id = ""
+        self.foreign = 0  # chunks dropped from workers the request was never placed on
+        self.gap_checks = 0  # looks into TOKENS (then the worker) since the gap opened
 
     def retire(self, worker_id: str, from_seq: int) -> None:
-        """Void ``worker_id``'s chunks from ``from_seq`` on (it lost the request; another continues)."""
+        """Void ``worker_id``'s chunks from ``from_seq`` on (it lost the request; another continues).
+
+        ``from_seq`` is where the reader is (the first chunk it has not taken): chunks of
+        that worker delivered meanwhile but not yet read (e.g. while its probe was answered)
+        are dropped too, and the stream continues at ``from_seq`` with the next worker."""
         self.retired[worker_id] = from_seq
         for seq in [s for s, c in self._out_of_order.items() if is_void(c, self.retired)]:
             del self._out_of_order[seq]
+        if self.next_seq > from_seq:
+            queued = self._drain_ready()
+            kept = [c for c in queued if c is None or not is_void(c, self.retired)]
+            for c in kept:
+                self._ready.put_nowait(c)
+            if len(kept) < len(queued):  # unread void chunks (a suffix: the queue is in order)
+                self.next_seq = from_seq
+                self.finished = any(c is not None and c.finish_reason is not None for c in kept)
         self.gap_since = time.monotonic() if self._out_of_order else None
+        self.gap_checks = 0
 
     def deliver(self, chunk: TokenChunk) -> None:
         if is_void(chunk, self.retired):
             self.duplicates += 1
+            return
+        if self.worker_id and chunk.worker_id and chunk.worker_id != self.worker_id and chunk.worker_id not in self.retired:
+            # A worker the request is not placed on: one the router gave up on (a timed-out
+            # forward) that ran it anyway. Its chunks number other tokens: never mix them in.
+            self.foreign += 1
             return
         if chunk.seq < self.next_seq or chunk.seq in self._out_of_order:
             self.duplicates += 1
@@ -74,6 +98,8 @@ class RequestStream:
         while self.next_seq in self._out_of_order:
             self._push(self._out_of_order.pop(self.next_seq))
         self.gap_since = time.monotonic() if self._out_of_order else None
+        if not self._out_of_order:
+            self.gap_checks = 0
 
     def _push(self, chunk: TokenChunk) -> None:
         if self._ready.qsize() >= self.max_buffered:
@@ -90,17 +116,40 @@ class RequestStream:
             self.finished = True
 
     async def get(self, timeout: float) -> TokenChunk:
-        return await asyncio.wait_for(self._ready.get(), timeout)
+        """The next chunk; TimeoutError after ``timeout`` without one, or when woken."""
+        chunk = await asyncio.wait_for(self._ready.get(), timeout)
+        if chunk is None:
+            raise TimeoutError("woken")
+        return chunk
 
     def get_nowait(self) -> TokenChunk | None:
-        try:
-            return self._ready.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
+        while True:
+            try:
+                chunk = self._ready.get_nowait()
+            except asyncio.QueueEmpty:
+                return None
+            if chunk is not None:
+                return chunk
+
+    def _drain_ready(self) -> list[TokenChunk | None]:
+        out: list[TokenChunk | None] = []
+        while True:
+            try:
+                out.append(self._ready.get_nowait())
+            except asyncio.QueueEmpty:
+                return out
+
+    def wake(self) -> None:
+        """End the reader's current wait as a timeout would (it checks on its worker)."""
+        self._ready.put_nowait(None)
 
     @property
     def buffered(self) -> int:
         return self._ready.qsize()
+
+    def missing(self) -> tuple[int, int] | None:
+        """The first gap: the sequence numbers from ``next_seq`` to the first chunk held."""
+        return (self.next_seq, min(self._out_of_order) - 1) if self._out_of_order else None
 
 
 class TokenDispatcher:
@@ -112,6 +161,7 @@ class TokenDispatcher:
         self.streams: dict[str, RequestStream] = {}
         self.unroutable = 0  # chunks for requests nobody waits for (cancelled, finished)
         self.gap_fills = 0
+        self.resend_requests = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     def subject_for(self, request_id: str) -> str:
@@ -155,8 +205,18 @@ class TokenDispatcher:
             now = time.monotonic()
             for stream in list(self.streams.values()):
                 if stream.gap_since is not None and now - stream.gap_since >= self.gap_fill_after_s:
-                    stream.gap_since = now  # one fill at a time per stream
-                    self.fill(stream)
+                    stream.gap_since = now  # one look at a time per stream
+                    # First TOKENS (a chunk delivered there but not to us); when that did not
+                    # close the gap, the chunk never reached TOKENS: its worker sends it again.
+                    if stream.gap_checks and stream.worker_id:
+                        self._spawn(self.resend(stream))
+                    else:
+                        self.fill(stream)
+                    stream.gap_checks += 1
+
+    def wake_all(self) -> None:
+        for stream in list(self.streams.values()):
+            stream.wake()
 
     def fill_all(self) -> None:
         for stream in list(self.streams.values()):
@@ -165,9 +225,23 @@ class TokenDispatcher:
     def fill(self, stream: RequestStream) -> None:
         """Deliver whatever TOKENS holds for ``stream`` that it has not seen (missed tails too)."""
         self.gap_fills += 1
-        task = asyncio.create_task(self._fill(stream))
+        self._spawn(self._fill(stream))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def resend(self, stream: RequestStream) -> None:
+        """Ask the stream's worker to publish again the chunks of its first gap."""
+        gap = stream.missing()
+        if gap is None:
+            return
+        self.resend_requests += 1
+        with contextlib.suppress(Exception):  # a dead worker: the registry moves the request
+            await self.bus.request(self.bus.subjects.worker_resend(stream.worker_id),
+                                   ChunkResend(request_id=stream.request_id, from_seq=gap[0], to_seq=gap[1]),
+                                   ControlReply, timeout=2.0)
 
     async def _fill(self, stream: RequestStream) -> None:
         """Re-read the request's subject from TOKENS and deliver what was missed."""
@@ -178,7 +252,20 @@ class TokenDispatcher:
     async def replay(
         self, subject: str, *, stop_at_final: bool = True, idle_timeout_s: float = 30.0
     ) -> AsyncIterator[TokenChunk]:
-        """Every chunk stored on ``subject`` (a wildcard allowed), then live ones, in order."""
+        """Every chunk stored on ``subject`` (a wildcard allowed), then live ones, in order,
+        until ``idle_timeout_s`` passes without one."""
+        async with contextlib.aclosing(self.follow(subject, stop_at_final=stop_at_final,
+                                                   idle_timeout_s=idle_timeout_s)) as chunks:
+            async for chunk in chunks:
+                if chunk is None:
+                    return
+                yield chunk
+
+    async def follow(
+        self, subject: str, *, stop_at_final: bool = True, idle_timeout_s: float = 30.0
+    ) -> AsyncGenerator[TokenChunk | None, None]:
+        """As ``replay``, but a silence of ``idle_timeout_s`` yields None and the stream goes
+        on: the caller decides whether to wait longer."""
         queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
 
         async def on_message(msg: Msg) -> None:
@@ -200,7 +287,8 @@ class TokenDispatcher:
                 try:
                     chunk = await asyncio.wait_for(queue.get(), idle_timeout_s)
                 except TimeoutError:
-                    return
+                    yield None
+                    continue
                 yield chunk
                 if stop_at_final and chunk.finish_reason is not None:
                     return

@@ -15,16 +15,15 @@ a broken operator chat template or a failing tokenizer gives ``ApiError`` 500.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Collection, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 from msgspec import Struct
 
 from proto.hashing import pack_tokens
-from proto.messages import GenerateRequest, SamplingParams
+from proto.messages import GenerateRequest, OutputOptions, SamplingParams
 
 from .chat_template import ChatTemplateError
 from .errors import ApiError, bad_request, clip, invalid_json, model_not_found
@@ -41,13 +40,13 @@ from .openai_api import (
     completion_request_decoder,
     ws_client_decoder,
 )
+from .sampling_fields import check_common, check_count, check_metadata, invalid, unsupported
+from .tools import ToolPlan, history_fields, plan_tools
 
 Body = bytes | bytearray | memoryview | str | msgspec.Raw
 
-MAX_KEY_CHARS = 256  # user / session_id: session keys, not documents
 MAX_WS_ID_CHARS = 128
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 # ------------------------------------------------------------------- normalised request
 
@@ -69,6 +68,9 @@ class NormalizedRequest(Struct, kw_only=True):
     include_usage: bool = False
     session_key: str | None = None
     user: str | None = None
+    metadata: dict[str, str] = {}
+    output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    tools: list[dict[str, Any]] | None = None  # as the chat template was given them
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,8 +82,9 @@ class NormalizedRequest(Struct, kw_only=True):
 
     @property
     def reserved_tokens(self) -> int:
-        """The pessimistic cost admission reserves: prompt plus every allowed output token."""
-        return len(self.prompt_token_ids) + self.sampling.max_tokens
+        """The pessimistic cost admission reserves: prompt plus every allowed output token
+        of every choice."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens * max(self.sampling.n, 1)
 
     def generate_request(
         self,
@@ -113,6 +116,8 @@ class NormalizedRequest(Struct, kw_only=True):
             deadline=deadline,
             session_key=self.session_key,
             reserved_tokens=reserved_tokens,
+            user=self.user or "",
+            metadata=self.metadata,
         )
 
 
@@ -167,21 +172,6 @@ def parse_ws_message(data: Body) -> WsClientMessage:
 # ------------------------------------------------------------------ field validation
 
 
-def _invalid(param: str, message: str, code: str = "invalid_value") -> NoReturn:
-    raise bad_request(f"Invalid '{param}': {message}", param, code)
-
-
-def _unsupported(param: str, message: str) -> NoReturn:
-    raise bad_request(message, param, "unsupported_parameter")
-
-
-def _float_in(param: str, value: float, low: float, high: float, *, low_open: bool = False) -> float:
-    if not math.isfinite(value) or value > high or (value <= low if low_open else value < low):
-        bracket = "(" if low_open else "["
-        _invalid(param, f"{value} is not in the range {bracket}{low}, {high}].")
-    return value
-
-
 def _resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collection[str] | None) -> ModelSpec:
     if not name:
         raise bad_request("You must provide a model parameter.", "model", "missing_required_parameter")
@@ -193,76 +183,14 @@ def _resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collecti
     return spec
 
 
-def _check_common(req: SamplingFields, limits: ModelLimits, vocab_size: int) -> dict[str, Any]:
-    """Sampling fields shared by chat and completions → SamplingParams kwargs (no max_tokens)."""
-    if req.n is not None and req.n != 1:
-        _unsupported("n", f"n={req.n} is not supported: meshserve returns one choice per request.")
-    if req.logit_bias:
-        _unsupported("logit_bias", "logit_bias is not supported.")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request(
-            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options", "invalid_value"
-        )
-    out: dict[str, Any] = {
-        "temperature": limits.default_temperature,
-        "top_p": limits.default_top_p,
-    }
-    if req.temperature is not None:
-        out["temperature"] = _float_in("temperature", req.temperature, 0.0, limits.max_temperature)
-    if req.top_p is not None:
-        out["top_p"] = _float_in("top_p", req.top_p, 0.0, 1.0, low_open=True)
-    if req.presence_penalty is not None:
-        out["presence_penalty"] = _float_in("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    if req.frequency_penalty is not None:
-        out["frequency_penalty"] = _float_in("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    if req.repetition_penalty is not None:
-        out["repetition_penalty"] = _float_in("repetition_penalty", req.repetition_penalty, 0.0, 2.0, low_open=True)
-    if req.top_k is not None:
-        top_k = req.top_k
-        if top_k < -1:
-            _invalid("top_k", f"{top_k} is not allowed: use -1 (or 0) to disable top-k, or a positive number.")
-        if limits.max_top_k is not None and top_k > limits.max_top_k:
-            _invalid("top_k", f"{top_k} exceeds this model's limit of {limits.max_top_k}.")
-        # 0 means disabled (vLLM); k >= vocab keeps every token, i.e. disabled too, and
-        # clamping keeps absurd values (10**30) off the msgpack wire.
-        out["top_k"] = -1 if top_k in (0, -1) or top_k >= vocab_size else top_k
-    if req.seed is not None:
-        if not _INT64_MIN <= req.seed <= _INT64_MAX:
-            _invalid("seed", "must fit in a signed 64-bit integer.")
-        out["seed"] = req.seed
-    if req.stop is not None:
-        stops = [req.stop] if isinstance(req.stop, str) else req.stop
-        if len(stops) > limits.max_stop_sequences:
-            _invalid("stop", f"at most {limits.max_stop_sequences} stop sequences are allowed, got {len(stops)}.")
-        for s in stops:
-            if not s:
-                _invalid("stop", "stop sequences must not be empty.")
-            if len(s) > limits.max_stop_chars:
-                _invalid("stop", f"stop sequences are limited to {limits.max_stop_chars} characters.")
-        out["stop"] = list(stops)
-    if req.stop_token_ids is not None:
-        if len(req.stop_token_ids) > limits.max_stop_token_ids:
-            _invalid("stop_token_ids", f"at most {limits.max_stop_token_ids} stop token ids are allowed.")
-        for t in req.stop_token_ids:
-            if not 0 <= t < vocab_size:
-                _invalid("stop_token_ids", f"token id {t} is outside this model's vocabulary (0..{vocab_size - 1}).")
-        out["stop_token_ids"] = list(req.stop_token_ids)
-    if req.ignore_eos:
-        out["ignore_eos"] = True
-    for name, value in (("user", req.user), ("session_id", req.session_id)):
-        if value is not None and len(value) > MAX_KEY_CHARS:
-            _invalid(name, f"must be at most {MAX_KEY_CHARS} characters.")
-    return out
-
-
 def _check_max_tokens(param: str, value: int | None, limits: ModelLimits) -> int | None:
     if value is None:
         return None
     if value < 1:
-        _invalid(param, f"integer below minimum value. Expected a value >= 1, but got {value} instead.",
+        invalid(param, f"integer below minimum value. Expected a value >= 1, but got {value} instead.",
                  "integer_below_min_value")
     if limits.max_tokens_cap is not None and value > limits.max_tokens_cap:
-        _invalid(
+        invalid(
             param,
             f"{param} is too large: {value}. This model supports at most {limits.max_tokens_cap}"
             f" completion tokens, whereas you provided {value}.",
@@ -303,6 +231,20 @@ def _resolve_max_tokens(
     return resolved
 
 
+def _truncate(req: SamplingFields, spec: ModelSpec, prompt: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last k prompt tokens (-1: the model's length)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return prompt
+    if k == -1:
+        k = spec.limits.max_model_len
+    if k < 1:
+        invalid("truncate_prompt_tokens", f"must be -1 or at least 1, got {k}.")
+    if k > spec.limits.max_model_len:
+        invalid("truncate_prompt_tokens", f"{k} exceeds this model's context length ({spec.limits.max_model_len}).")
+    return prompt[-k:]
+
+
 def _finish(
     kind: RequestKind,
     req: SamplingFields,
@@ -311,7 +253,10 @@ def _finish(
     common: dict[str, Any],
     max_param: str,
     requested_max: int | None,
+    output: OutputOptions,
 ) -> NormalizedRequest:
+    if kind == "chat":
+        prompt = _truncate(req, spec, prompt)
     if not prompt:
         raise bad_request("The prompt is empty after tokenization.", "messages" if kind == "chat" else "prompt",
                           "invalid_value")
@@ -319,11 +264,11 @@ def _finish(
     min_tokens = req.min_tokens
     if min_tokens is not None:
         if min_tokens < 0:
-            _invalid("min_tokens", f"must be >= 0, got {min_tokens}.")
+            invalid("min_tokens", f"must be >= 0, got {min_tokens}.")
         if min_tokens > max_tokens:
-            _invalid("min_tokens", f"{min_tokens} exceeds max_tokens ({max_tokens}).")
+            invalid("min_tokens", f"{min_tokens} exceeds max_tokens ({max_tokens}).")
         common["min_tokens"] = min_tokens
-    session = req.session_id or req.user or None
+    session = req.session_id or req.prompt_cache_key or req.user or req.safety_identifier or None
     return NormalizedRequest(
         kind=kind,
         model=spec.name,
@@ -333,7 +278,9 @@ def _finish(
         stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options is not None and req.stream_options.include_usage),
         session_key=session,
-        user=req.user,
+        user=req.user or req.safety_identifier,
+        metadata=check_metadata(req.metadata),
+        output=output,
     )
 
 
@@ -347,16 +294,17 @@ def _encode(spec: ModelSpec, text: str) -> list[int]:
 # ----------------------------------------------------------------------------- chat
 
 
-def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as template input: plain-string content, ``developer`` folded into ``system``."""
+def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as template input: plain-string content, ``developer`` folded into
+    ``system``, tool calls and tool results in the shape chat templates expect."""
     if not req.messages:
         raise bad_request("'messages' must contain at least one message.", "messages", "invalid_value")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise bad_request(
                 f"Invalid value for 'messages[{i}].role': {clip(m.role)!r} is not supported; use system,"
-                " developer, user or assistant (tool calling is not supported).",
+                " developer, user, assistant or tool.",
                 f"messages[{i}].role",
                 "unsupported_value",
             )
@@ -389,37 +337,87 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                 texts.append(part.text)
             # vLLM joins text parts with newlines; matching it keeps prompts identical.
             text = "\n".join(texts)
-        message = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.name is not None:
             message["name"] = m.name
+        message.update(history_fields(m, i))
         out.append(message)
     return out
 
 
 def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    if req.logprobs:
-        _unsupported("logprobs", "logprobs are not supported.")
-    if req.top_logprobs:
-        _unsupported("top_logprobs", "top_logprobs are not supported.")
-    if req.tools:
-        _unsupported("tools", "Tool calling is not supported.")
     if req.functions:
-        _unsupported("functions", "Function calling is not supported.")
-    if req.tool_choice is not None and req.tool_choice != "none":
-        _unsupported("tool_choice", "Tool calling is not supported.")
+        unsupported("functions", "The deprecated 'functions' parameter is not supported: use 'tools'.")
     if req.function_call is not None and req.function_call != "none":
-        _unsupported("function_call", "Function calling is not supported.")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        _unsupported("response_format", "Only response_format {\"type\": \"text\"} is supported.")
+        unsupported("function_call", "The deprecated 'function_call' parameter is not supported: use 'tool_choice'.")
     if req.modalities is not None and any(m != "text" for m in req.modalities):
-        _unsupported("modalities", "Only the text modality is supported.")
+        unsupported("modalities", "Only the text modality is supported.")
     if req.audio is not None:
-        _unsupported("audio", "Audio output is not supported.")
+        unsupported("audio", "Audio output is not supported.")
+    if req.prediction is not None:
+        unsupported("prediction", "Predicted outputs are not supported.")
+    if req.web_search_options is not None:
+        unsupported("web_search_options", "Web search is not supported.")
+    if req.reasoning_effort is not None and req.reasoning_effort not in ("minimal", "low", "medium", "high"):
+        invalid("reasoning_effort", "must be one of 'minimal', 'low', 'medium' or 'high'.")
+    if req.verbosity not in (None, "medium"):
+        unsupported("verbosity", "Only verbosity 'medium' (the model's own) is supported.")
 
 
-def _render(spec: ModelSpec, messages: list[dict[str, str]]) -> str:
+def _chat_output(req: ChatCompletionRequest, spec: ModelSpec, plan: ToolPlan, common: dict[str, Any]) -> OutputOptions:
+    """Logprobs and tool settings of a chat request → what the worker samples and how the
+    gateway builds the answer."""
+    top = 0
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            invalid("top_logprobs", "requires 'logprobs' to be true.")
+        top = check_count("top_logprobs", req.top_logprobs, spec.limits.max_logprobs)
+    if req.logprobs:
+        common["logprobs"] = top
+    if plan.choice == "auto" and spec.tool_parser == "mistral":
+        # Its [TOOL_CALLS] marker is a special token: the parser must see it (vLLM does the same).
+        common["skip_special_tokens"] = False
+    if plan.structured is not None:
+        if "structured" in common:
+            invalid("tool_choice", "a forced tool call cannot be combined with response_format or guided decoding.")
+        common["structured"] = plan.structured
+    end_token_id = None
+    thinking = True
+    if spec.reasoning_parser:
+        ids = _encode(spec, "</think>")
+        end_token_id = ids[0] if len(ids) == 1 else None
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+    return OutputOptions(
+        n=common.get("n", 1), logprobs=bool(req.logprobs), top_logprobs=top,
+        prompt_logprobs="prompt_logprobs" in common,
+        tool_choice="function" if plan.choice == "named" else plan.choice, tool_name=plan.function_name or "",
+        tool_parser=spec.tool_parser if plan.choice == "auto" else "", reasoning_parser=spec.reasoning_parser,
+        thinking=thinking, reasoning_end_token_id=end_token_id,
+    )
+
+
+_RESERVED_TEMPLATE_KEYS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """``chat_template_kwargs`` (vLLM): extra template variables, e.g. ``enable_thinking``;
+    ``reasoning_effort`` goes in as a variable too, as vLLM passes it (templates that
+    know it, such as gpt-oss's, set the effort in the prompt)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KEYS:
+            invalid(f"chat_template_kwargs.{key}", "is set by the request itself, not a template variable.")
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return kwargs
+
+
+def _render(spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+            add_generation_prompt: bool = True, continue_final_message: bool = False,
+            extra_context: dict[str, Any] | None = None) -> str:
     try:
-        return spec.template.render(messages, add_generation_prompt=True)
+        return spec.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    continue_final_message=continue_final_message, extra_context=extra_context)
     except ChatTemplateError as exc:
         if exc.reason == "raised":
             raise bad_request(exc.message, "messages", "invalid_value") from None
@@ -449,14 +447,24 @@ def parse_chat_request(
     req: ChatCompletionRequest = _decode(chat_request_decoder, body)
     spec = _resolve_model(req.model, models, allowed_models)
     _check_chat_unsupported(req)
-    common = _check_common(req, spec.limits, spec.tokenizer.vocab_size)
+    common = check_common(req, spec.limits, spec.tokenizer.vocab_size)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = _check_max_tokens(
         max_param, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, spec.limits
     )
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser=spec.tool_parser)
+    output = _chat_output(req, spec, plan, common)
     messages = _chat_messages(req)
-    prompt = _encode(spec, _render(spec, messages))
-    return _finish("chat", req, spec, prompt, common, max_param, requested)
+    if req.continue_final_message and req.add_generation_prompt:
+        invalid("continue_final_message", "cannot be combined with add_generation_prompt: true.")
+    if req.continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+        invalid("continue_final_message", "the last message must be the assistant's message to continue.")
+    add_generation_prompt = req.add_generation_prompt is not False and not req.continue_final_message
+    prompt = _encode(spec, _render(spec, messages, plan.tools, add_generation_prompt,
+                                   bool(req.continue_final_message), _template_kwargs(req)))
+    normalized = _finish("chat", req, spec, prompt, common, max_param, requested, output)
+    normalized.tools = plan.tools
+    return normalized
 
 
 # ---------------------------------------------------------------------- completions
@@ -503,14 +511,33 @@ def _completion_prompt(spec: ModelSpec, prompt: str | list[str | int | list[int]
 
 
 def _check_completion_unsupported(req: CompletionRequest) -> None:
-    if req.echo:
-        _unsupported("echo", "echo is not supported.")
-    if req.best_of is not None and req.best_of != 1:
-        _unsupported("best_of", f"best_of={req.best_of} is not supported: meshserve generates one sequence.")
-    if req.logprobs is not None:
-        _unsupported("logprobs", "logprobs are not supported.")
+    # vLLM 0.1x dropped best_of from its V1 engine too; n is the way to ask for choices.
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        unsupported("best_of", f"best_of={req.best_of} is not supported: use n for several choices.")
     if req.suffix:
-        _unsupported("suffix", "suffix (insertion) is not supported.")
+        unsupported("suffix", "suffix (insertion) is not supported.")
+
+
+def _completion_output(req: CompletionRequest, spec: ModelSpec, prompt: list[int], common: dict[str, Any]
+                       ) -> OutputOptions:
+    top = 0
+    if req.logprobs is not None:
+        top = check_count("logprobs", req.logprobs, spec.limits.max_logprobs)
+        common["logprobs"] = top
+    echo = None
+    if req.echo:
+        try:
+            echo = spec.tokenizer.decode(prompt)
+        except Exception as exc:  # a tokenizer bug is ours, not the client's
+            raise ApiError(500, f"The tokenizer failed: {type(exc).__name__}", "server_error", None,
+                           "tokenizer_error") from None
+    first_token = ""
+    if echo is not None and req.logprobs is not None:
+        common["prompt_logprobs"] = max(top, common.get("prompt_logprobs", 0))
+        first_token = spec.tokenizer.decode(prompt[:1])
+    # vLLM answers prompt_logprobs whenever the engine computed them (echo with logprobs too)
+    return OutputOptions(n=common.get("n", 1), logprobs=req.logprobs is not None, top_logprobs=top, echo=echo,
+                         echo_first_token=first_token, prompt_logprobs="prompt_logprobs" in common and not req.stream)
 
 
 def parse_completion_request(
@@ -523,10 +550,11 @@ def parse_completion_request(
     req: CompletionRequest = _decode(completion_request_decoder, body)
     spec = _resolve_model(req.model, models, allowed_models)
     _check_completion_unsupported(req)
-    common = _check_common(req, spec.limits, spec.tokenizer.vocab_size)
+    common = check_common(req, spec.limits, spec.tokenizer.vocab_size)
     requested = _check_max_tokens("max_tokens", req.max_tokens, spec.limits)
-    prompt = _completion_prompt(spec, req.prompt)
-    return _finish("completion", req, spec, prompt, common, "max_tokens", requested)
+    prompt = _truncate(req, spec, _completion_prompt(spec, req.prompt))
+    output = _completion_output(req, spec, prompt, common)
+    return _finish("completion", req, spec, prompt, common, "max_tokens", requested, output)
 
 
 def parse_request(

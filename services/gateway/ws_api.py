@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import WSMsgType, web
@@ -17,7 +17,7 @@ from proto import ApiKeyRecord
 from .auth import presented_key
 from .errors import ApiError, from_mesh_error, missing_api_key
 from .lifecycle import ActiveRequest
-from .openai_api import WsAuth, WsCancel, usage_from_proto, ws_done, ws_token
+from .openai_api import WsAuth, WsCancel, ws_done, ws_token
 from .validation import NormalizedRequest, parse_ws_message, parse_ws_request
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class WsApi:
         try:
             presented = http.query.get("api_key") or presented_key(http.headers)
             if presented:
-                key = g.auth.check(presented)
+                key = await g.auth.check(presented)
         except ApiError as exc:
             await ws.send_str(exc.to_ws(None).decode())
             await ws.close()
@@ -62,7 +62,7 @@ class WsApi:
                 try:
                     parsed = parse_ws_message(message.data)
                     if isinstance(parsed, WsAuth):
-                        key = g.auth.check(parsed.api_key)
+                        key = await g.auth.check(parsed.api_key)
                         continue
                     if isinstance(parsed, WsCancel):
                         job = running.get(parsed.id)
@@ -99,16 +99,28 @@ class WsApi:
         async with active.serving():
             if job.stop_requested:  # the cancel came while the request was being admitted and placed
                 await active.stop("client_cancelled")
+            assembler = active.assembler()
+            single = request.output.n <= 1
             async for chunk in active.chunks():
                 if chunk.error is not None:
                     err = from_mesh_error(chunk.error.code or "internal", chunk.error.message, chunk.error.retry_after)
                     await send(err.to_ws(client_id))
                     return
-                if chunk.token_ids or chunk.text:
-                    await send(ws_token(client_id, chunk.seq, chunk.text, chunk.token_ids))
+                finish: str | None = chunk.finish_reason
+                for delta in assembler.deltas(chunk):
+                    extra: dict[str, Any] = {"index": delta.index, "reasoning_content": delta.reasoning,
+                                             "tool_calls": delta.tool_calls or None,
+                                             "logprobs": delta.chat_logprobs if delta.chat_logprobs is not None
+                                             else delta.completion_logprobs}
+                    if single:
+                        finish = delta.finish_reason or finish  # "tool_calls" where the parser found calls
+                    else:
+                        extra["finish_reason"] = delta.finish_reason
+                    if delta.has_output or extra["tool_calls"] or (not single and delta.finish_reason):
+                        await send(ws_token(client_id, chunk.seq, delta.content, delta.token_ids, **extra))
                 if chunk.finish_reason is not None:
                     # After a cancel this is the worker's "abort" chunk: its usage is what was billed.
-                    await send(ws_done(client_id, chunk.finish_reason, usage_from_proto(chunk.usage) if chunk.usage else None))
+                    await send(ws_done(client_id, finish, assembler.usage(chunk.usage) if chunk.usage else None))
 
 
 def _message_id(data: str) -> str | None:

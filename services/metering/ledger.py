@@ -17,6 +17,11 @@ in both backends). A batch is one transaction, so a redelivered event — after
 a crash between commit and ack — is counted once, and ``record`` says how many rows
 were new (the rest were duplicates).
 
+Schema. ``ledger_meta`` holds the schema version. ``open()`` creates a new ledger at
+``SCHEMA_VERSION`` and upgrades an older one in place, in one transaction (version 2 added
+``end_user`` and ``metadata``, with defaults, so rows of version 1 read back as ``''`` and
+``{}``); it refuses a ledger of a newer version rather than write rows it cannot describe.
+
 Errors: ``LedgerUnavailable`` means "try again later" (connection refused or lost,
 locked, disk full, I/O error, anything unclassified: stalling is safer than dropping
 usage); ``LedgerRejected`` means this data can never be written (a constraint or data
@@ -26,12 +31,13 @@ error) and the caller should write the batch event by event to isolate the bad o
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import sqlite3
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -44,10 +50,14 @@ from .prices import PriceTable
 log = logging.getLogger(__name__)
 
 DEFAULT_LEDGER_PATH = Path(".meshserve") / "ledger.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: end_user, metadata
 MAX_TOKENS = 1 << 32  # per event; beyond any context window, and keeps SUM() far from int64 overflow
 MAX_ID_CHARS = 1024
 MAX_ERROR_CHARS = 4096
+# OpenAI's limits on a request's ``metadata``; the gateway refuses more, so more is a bad producer.
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 class LedgerError(Exception):
@@ -95,9 +105,15 @@ class LedgerEntry:
     price_cached_nano: int
     price_output_nano: int
     spend_nano: int
+    # Schema 2. Last, as ALTER TABLE appends them: a migrated table and a new one agree.
+    user: str  # OpenAI's ``user`` / ``safety_identifier``; column ``end_user`` (``user`` is reserved in SQL)
+    metadata: dict[str, str]  # the request's ``metadata``; column ``metadata``, JSON text
 
 
-COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(LedgerEntry))
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerEntry))
+_COLUMN_OF_FIELD = {"user": "end_user"}
+COLUMNS: tuple[str, ...] = tuple(_COLUMN_OF_FIELD.get(name, name) for name in FIELDS)  # in FIELDS' order
+_METADATA_INDEX = FIELDS.index("metadata")
 _INT_COLUMNS = frozenset(
     ("prompt_tokens", "cached_tokens", "completion_tokens", "reserved_tokens", "migrations", "schema_v", "stream_seq",
      "price_input_nano", "price_cached_nano", "price_output_nano", "spend_nano")
@@ -111,6 +127,30 @@ def _text(value: str, what: str, limit: int = MAX_ID_CHARS) -> str:
     if len(value) > limit:
         raise InvalidEvent(f"{what} longer than {limit} characters")
     return value
+
+
+def _metadata(metadata: dict[str, str]) -> dict[str, str]:
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise InvalidEvent(f"metadata has {len(metadata)} keys, more than {MAX_METADATA_KEYS}")
+    clean = {_text(k, "metadata key", MAX_METADATA_KEY_CHARS): _text(v, "metadata value", MAX_METADATA_VALUE_CHARS)
+             for k, v in metadata.items()}
+    if len(clean) != len(metadata):  # keys differing only by NUL: keeping either would drop the other silently
+        raise InvalidEvent("metadata keys collide once NUL characters are removed")
+    return clean
+
+
+def entry_row(entry: LedgerEntry) -> tuple[Any, ...]:
+    """The row for ``COLUMNS``: the entry's values, metadata as JSON text."""
+    row = [getattr(entry, name) for name in FIELDS]
+    row[_METADATA_INDEX] = json.dumps(entry.metadata, ensure_ascii=False, separators=(",", ":"))
+    return tuple(row)
+
+
+def entry_from_row(row: Sequence[Any]) -> LedgerEntry:
+    """The inverse of ``entry_row``: a row selected as ``COLUMNS`` back into an entry."""
+    values = list(row)
+    values[_METADATA_INDEX] = json.loads(values[_METADATA_INDEX])
+    return LedgerEntry(**dict(zip(FIELDS, values, strict=True)))
 
 
 def _time(value: float) -> float:
@@ -156,6 +196,8 @@ def entry_from_event(event: UsageEvent, prices: PriceTable, *, recorded_at: floa
         price_cached_nano=charge.price.cached_input_nano,
         price_output_nano=charge.price.output_nano,
         spend_nano=charge.spend_nano,
+        user=_text(event.user, "user"),
+        metadata=_metadata(event.metadata),
     )
 
 
@@ -280,8 +322,8 @@ class Ledger(ABC):
 
 
 # ---- SQLite ------------------------------------------------------------------------------
-_SQLITE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage_events (
+_SQLITE_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS usage_events (
     usage_id TEXT PRIMARY KEY NOT NULL,
     request_id TEXT NOT NULL,
     org TEXT NOT NULL,
@@ -306,13 +348,20 @@ CREATE TABLE IF NOT EXISTS usage_events (
     price_input_nano INTEGER NOT NULL,
     price_cached_nano INTEGER NOT NULL,
     price_output_nano INTEGER NOT NULL,
-    spend_nano INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS usage_events_ts ON usage_events (ts);
-CREATE INDEX IF NOT EXISTS usage_events_org_ts ON usage_events (org, ts);
-CREATE INDEX IF NOT EXISTS usage_events_key_ts ON usage_events (key_id, ts);
-CREATE TABLE IF NOT EXISTS ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL);
-"""
+    spend_nano INTEGER NOT NULL,
+    end_user TEXT NOT NULL DEFAULT '',
+    metadata TEXT NOT NULL DEFAULT '{}'
+)""",
+    "CREATE INDEX IF NOT EXISTS usage_events_ts ON usage_events (ts)",
+    "CREATE INDEX IF NOT EXISTS usage_events_org_ts ON usage_events (org, ts)",
+    "CREATE INDEX IF NOT EXISTS usage_events_key_ts ON usage_events (key_id, ts)",
+    "CREATE TABLE IF NOT EXISTS ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)",
+)
+# What upgrades a ledger of version v - 1 to version v; new tables are created at the latest.
+_SQLITE_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE usage_events ADD COLUMN end_user TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE usage_events ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'"),
+}
 
 
 def _sqlite_error(exc: BaseException) -> LedgerError:
@@ -349,11 +398,27 @@ class SqliteLedger(Ledger):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         writer = self._connect()
         try:
-            writer.executescript(_SQLITE_SCHEMA)
-            writer.execute("INSERT OR IGNORE INTO ledger_meta (name, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            (found,) = writer.execute("SELECT value FROM ledger_meta WHERE name = 'schema'").fetchone()
-            if int(found) > SCHEMA_VERSION:
-                raise LedgerRejected(f"{self.path} has ledger schema {found}; this build knows {SCHEMA_VERSION}")
+            # One transaction: a crash mid-upgrade leaves the old version whole, never half of each.
+            writer.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _SQLITE_SCHEMA:
+                    writer.execute(statement)
+                writer.execute("INSERT OR IGNORE INTO ledger_meta (name, value) VALUES ('schema', ?)",
+                               (str(SCHEMA_VERSION),))
+                (found,) = writer.execute("SELECT value FROM ledger_meta WHERE name = 'schema'").fetchone()
+                if int(found) > SCHEMA_VERSION:
+                    raise LedgerRejected(f"{self.path} has ledger schema {found}; this build knows {SCHEMA_VERSION}")
+                if int(found) < SCHEMA_VERSION:
+                    for version in range(int(found) + 1, SCHEMA_VERSION + 1):
+                        for statement in _SQLITE_MIGRATIONS[version]:
+                            writer.execute(statement)
+                        log.info("ledger %s upgraded to schema %d", self.path, version)
+                    writer.execute("UPDATE ledger_meta SET value = ? WHERE name = 'schema'", (str(SCHEMA_VERSION),))
+                writer.execute("COMMIT")
+            except BaseException:
+                if writer.in_transaction:
+                    writer.execute("ROLLBACK")
+                raise
             reader = self._connect()
             reader.execute("PRAGMA query_only=ON")
         except BaseException:
@@ -390,7 +455,7 @@ class SqliteLedger(Ledger):
     async def record(self, entries: Sequence[LedgerEntry]) -> int:
         if not entries:
             return 0
-        rows = [astuple(e) for e in entries]
+        rows = [entry_row(e) for e in entries]
         async with self._write_lock:
             return await asyncio.to_thread(self._record_sync, rows)
 
@@ -424,10 +489,16 @@ class SqliteLedger(Ledger):
 # ---- PostgreSQL --------------------------------------------------------------------------
 _PG_TYPES = {name: ("bigint" if name in _INT_COLUMNS else "double precision" if name in _FLOAT_COLUMNS else "text")
              for name in COLUMNS}
+_PG_DEFAULTS = {"end_user": "''", "metadata": "'{}'"}  # schema 2's columns: what version 1's rows get
+
+
+def _pg_column(name: str) -> str:
+    return (f"{name} {_PG_TYPES[name]} NOT NULL" + (" PRIMARY KEY" if name == "usage_id" else "")
+            + (f" DEFAULT {_PG_DEFAULTS[name]}" if name in _PG_DEFAULTS else ""))
+
+
 _PG_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS usage_events ("
-    + ", ".join(f"{name} {_PG_TYPES[name]} NOT NULL" + (" PRIMARY KEY" if name == "usage_id" else "") for name in COLUMNS)
-    + ")",
+    "CREATE TABLE IF NOT EXISTS usage_events (" + ", ".join(_pg_column(name) for name in COLUMNS) + ")",
     "CREATE INDEX IF NOT EXISTS usage_events_ts ON usage_events (ts)",
     "CREATE INDEX IF NOT EXISTS usage_events_org_ts ON usage_events (org, ts)",
     "CREATE INDEX IF NOT EXISTS usage_events_key_ts ON usage_events (key_id, ts)",
@@ -439,6 +510,10 @@ _PG_INSERT = (
     + ", ".join(f"${i + 1}::{_PG_TYPES[name]}[]" for i, name in enumerate(COLUMNS))
     + ") ON CONFLICT (usage_id) DO NOTHING"
 )
+_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # as _SQLITE_MIGRATIONS
+    2: (f"ALTER TABLE usage_events ADD COLUMN {_pg_column('end_user')}",
+        f"ALTER TABLE usage_events ADD COLUMN {_pg_column('metadata')}"),
+}
 _PG_MIGRATION_LOCK = 0x6D65746572  # "meter": serialises schema creation across instances
 
 
@@ -487,6 +562,13 @@ class PostgresLedger(Ledger):
                 await conn.execute("INSERT INTO ledger_meta (name, value) VALUES ('schema', $1) ON CONFLICT DO NOTHING",
                                    str(SCHEMA_VERSION))
                 found = await conn.fetchval("SELECT value FROM ledger_meta WHERE name = 'schema'")
+                if int(found) < SCHEMA_VERSION:
+                    # Under the advisory lock: one instance upgrades, the others then find it done.
+                    for version in range(int(found) + 1, SCHEMA_VERSION + 1):
+                        for statement in _PG_MIGRATIONS[version]:
+                            await conn.execute(statement)
+                        log.info("ledger %s upgraded to schema %d", self.url, version)
+                    await conn.execute("UPDATE ledger_meta SET value = $1 WHERE name = 'schema'", str(SCHEMA_VERSION))
         except Exception as exc:
             await pool.close()
             raise _pg_error(exc) from exc
@@ -500,7 +582,7 @@ class PostgresLedger(Ledger):
             return 0
         if self._pool is None:
             raise LedgerUnavailable("PostgreSQL ledger is not open")
-        columns = [list(column) for column in zip(*(astuple(e) for e in entries), strict=True)]
+        columns = [list(column) for column in zip(*(entry_row(e) for e in entries), strict=True)]
         try:
             async with self._pool.acquire(timeout=self.timeout_s) as conn:
                 status = await conn.execute(_PG_INSERT, *columns)

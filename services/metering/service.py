@@ -130,8 +130,8 @@ class MeteringService(Service):
         await self._ensure_consumer()
         self._sub = await self.bus.js.pull_subscribe_bind(durable=self.config.durable, stream=s.usage_stream)
         await self.add_endpoint("usage", s.metering_usage, UsageQuery, self.handle_usage)
-        # A PING round trip: once ready, the server knows our subscription (no "no responders").
-        await self.bus.nc.flush()
+        # Ready means the server routes to our subscriptions (no "no responders").
+        await self.bus.confirm_subscriptions()
         # Spawned: the drain waits for the batch in progress to commit and ack.
         self.spawn(self._consume(), name="consume")
 

@@ -185,11 +185,8 @@ class RouterService(Service):
             self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host,
                                                  port=self.config.metrics_port, before_scrape=lambda: self._update_worker_gauges())
             self.metrics_port = await self._metrics_server.start()
-        # Ready means routable: the server has our subscriptions before start() returns.
-        # Twice: nats-py writes flush's PING straight to the socket, ahead of a SUB still
-        # queued for its flusher task; the first round trip lets that task write the SUB.
-        await self.bus.nc.flush()
-        await self.bus.nc.flush()
+        # Ready means the server routes to our subscriptions (no "no responders").
+        await self.bus.confirm_subscriptions()
 
     async def on_stop(self) -> None:
         tasks = [t for t in (self._loop_task, *self._background) if t is not None]

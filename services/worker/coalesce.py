@@ -7,6 +7,8 @@ so the message rate stays far below the token rate at large batch sizes.
 
 from __future__ import annotations
 
+from proto.messages import TokenLogprob
+
 
 class Coalescer:
     def __init__(self, interval_s: float, max_tokens: int) -> None:
@@ -14,13 +16,18 @@ class Coalescer:
         self.max_tokens = max(1, max_tokens)
         self._token_ids: list[int] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] | None = None  # set once an output carries them
         self._last_flush: float | None = None  # None until the first chunk went out
         self.emitted = 0  # tokens handed out by take()
 
-    def add(self, token_ids: list[int], text: str, now: float) -> None:
+    def add(self, token_ids: list[int], text: str, now: float, logprobs: list[TokenLogprob] | None = None) -> None:
         self._token_ids.extend(token_ids)
         if text:
             self._text.append(text)
+        if logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(logprobs)
 
     @property
     def pending(self) -> int:
@@ -35,9 +42,11 @@ class Coalescer:
         interval = self.interval_s if interval_s is None else interval_s
         return len(self._token_ids) >= self.max_tokens or now - self._last_flush >= interval
 
-    def take(self, now: float) -> tuple[list[int], str]:
-        token_ids, text = self._token_ids, "".join(self._text)
+    def take(self, now: float) -> tuple[list[int], str, list[TokenLogprob] | None]:
+        """The held tokens, their text and (when the request asked) their logprobs."""
+        token_ids, text, logprobs = self._token_ids, "".join(self._text), self._logprobs
         self._token_ids, self._text = [], []
+        self._logprobs = [] if logprobs is not None else None
         self._last_flush = now
         self.emitted += len(token_ids)
-        return token_ids, text
+        return token_ids, text, logprobs

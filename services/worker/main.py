@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import RunOptions, run_service
+from services.common.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,12 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")
     vllm.add_argument("--engine-config", default=None, metavar="FILE",
                       help="JSON or TOML file of engine arguments by vLLM name; flags override it")
+    parsers = parser.add_argument_group("output parsers (vLLM's names; the gateway applies them to this model's text)")
+    parsers.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                         help="finds tool calls in the output for tool_choice auto (default: hermes for sim, none for"
+                              " vllm: set the model's format)")
+    parsers.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                         help="splits <think> reasoning into reasoning_content (default: none)")
     stream = parser.add_argument_group("streaming")
     stream.add_argument("--coalesce-ms", type=float, default=20.0, help="longest a generated token waits before its chunk is sent")
     stream.add_argument("--coalesce-tokens", type=int, default=16, help="a chunk goes out once this many tokens wait")
     stream.add_argument("--max-messages-per-s", type=float, default=1000.0,
                         help="chunk messages per second the whole worker may send; the interval widens at large batches")
     stream.add_argument("--gauge-interval", type=float, default=0.25, help="seconds between gauge publishes")
+    stream.add_argument("--chunk-retention", type=float, default=10.0,
+                        help="seconds a request's published chunks are kept after it ends, for a gateway that lost"
+                             " one to ask again (0: keep none; a lost chunk then costs a stall and a migration)")
     stream.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics with vLLM's names on this port (0: any free port)")
     stream.add_argument("--metrics-host", default="127.0.0.1")
@@ -133,15 +143,22 @@ def run(args: argparse.Namespace) -> int:
     from .engines.base import create_engine
     from .service import WorkerConfig, WorkerService
 
+    if args.chunk_retention < 0:
+        raise SystemExit(f"--chunk-retention must be 0 or more seconds, got {args.chunk_retention}")
     config = WorkerConfig(
         worker_id=args.worker_id,
         coalesce_interval_s=args.coalesce_ms / 1000.0,
         coalesce_max_tokens=args.coalesce_tokens,
         max_messages_per_s=args.max_messages_per_s,
         gauge_interval_s=args.gauge_interval,
+        chunk_retention_s=args.chunk_retention,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        # The sim's chat template renders tools Hermes-style; a real model's format is the operator's to name.
+        tool_parser=args.tool_call_parser if args.tool_call_parser is not None else (
+            "hermes" if args.engine == "sim" else ""),
+        reasoning_parser=args.reasoning_parser or "",
     )
     options = RunOptions.from_args(args)
     return run_service(lambda: WorkerService(create_engine(args.engine, **engine_options(args)), config, options.settings), options)

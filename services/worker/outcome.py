@@ -52,6 +52,8 @@ def request_outcome(
         finish, error_text = "error", drain_error
     if finish == "error" and not error_text:
         error_text = last.error if last is not None and last.error else "engine ended the request without a finish reason"
+    refused = finish == "error" and not drain_error and not engine_error and last is not None and last.rejected
+    error_code = ErrorCode.BAD_REQUEST if refused else ErrorCode.INTERNAL
     usage = Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=prior_tokens + streamed,
@@ -61,8 +63,48 @@ def request_outcome(
     return Outcome(
         finish=finish,
         error_text=error_text,
-        error=ErrorInfo(code=ErrorCode.INTERNAL.value, message=error_text) if finish == "error" else None,
+        error=ErrorInfo(code=error_code.value, message=error_text) if finish == "error" else None,
         usage=usage,
         billed=segment_usage(own, migrations),
         timings=last.timings if last is not None else None,
+    )
+
+
+# A request of n choices ends as its worst choice did.
+_SEVERITY: dict[FinishReason, int] = {"stop": 0, "length": 1, "abort": 2, "error": 3}
+
+
+def combine_outcomes(outcomes: list[Outcome], *, migrations: int, finished_before: int = 0) -> Outcome:
+    """The request-level outcome of a request with n > 1 choices (``outcomes``: the choices
+    this worker ran; ``finished_before``: choices an earlier worker finished). The prompt
+    counts once, the completion tokens of every choice add up; the finish is the worst
+    (an error anywhere fails the request; all cut at max_tokens reads ``length``)."""
+    assert outcomes
+    finish = max((o.finish for o in outcomes), key=_SEVERITY.__getitem__)
+    if finish == "length" and (finished_before or any(o.finish == "stop" for o in outcomes)):
+        finish = "stop"  # some choice ended on its own: the request is not "cut"
+    errors = [o for o in outcomes if o.finish == "error"]
+    first = outcomes[0]
+    usage = Usage(prompt_tokens=first.usage.prompt_tokens,
+                  completion_tokens=sum(o.usage.completion_tokens for o in outcomes),
+                  cached_tokens=first.usage.cached_tokens)
+    own = Usage(prompt_tokens=first.billed.prompt_tokens if migrations == 0 else 0,
+                completion_tokens=sum(o.billed.completion_tokens for o in outcomes),
+                cached_tokens=first.billed.cached_tokens if migrations == 0 else 0)
+    timed = [o.timings for o in outcomes if o.timings is not None]
+    timings = None
+    if timed:
+        timings = Timings(
+            arrival=min(t.arrival for t in timed),
+            scheduled=min((t.scheduled for t in timed if t.scheduled), default=0.0),
+            first_token=min((t.first_token for t in timed if t.first_token), default=0.0),
+            finished=max(t.finished for t in timed),
+        )
+    return Outcome(
+        finish=finish,
+        error_text=errors[0].error_text if errors else "",
+        error=errors[0].error if errors else None,
+        usage=usage,
+        billed=segment_usage(own, migrations),
+        timings=timings,
     )

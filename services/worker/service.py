@@ -17,9 +17,11 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry import trace
@@ -31,6 +33,7 @@ from bus.provision import StreamLimits, workers_bucket
 from bus.runner import MESHSERVE_VERSION
 from proto import (
     CancelRequest,
+    ChunkResend,
     ControlCommand,
     ControlReply,
     ErrorCode,
@@ -42,6 +45,7 @@ from proto import (
     MeshError,
     RequestProbe,
     RequestProbeReply,
+    SamplingParams,
     Timings,
     TokenChunk,
     Usage,
@@ -52,15 +56,20 @@ from proto import (
     unpack_tokens,
     usage_dedup_id,
 )
-from proto.messages import UsageStatus
+from proto.messages import TokenLogprob, UsageStatus
 
 from .coalesce import Coalescer
 from .engines.base import Engine, EngineOutput, EngineRequest
 from .metrics import WorkerMetrics
-from .outcome import request_outcome
+from .outcome import combine_outcomes, request_outcome
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.worker")
+
+# Gauges name the requests the engine took in over this window (several gauge periods,
+# so a lost gauge does not lose a name), at most this many of the newest.
+ARRIVALS_WINDOW_S = 2.0
+ARRIVALS_REPORTED = 256
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -73,11 +82,48 @@ class WorkerConfig:
     drain_timeout_s: float = 60.0
     metrics_port: int | None = None  # serve vLLM-named Prometheus metrics here (0: any free port)
     metrics_host: str = "127.0.0.1"
+    tool_parser: str = ""  # advertised in WorkerInfo: the gateway parses this model's tool calls with it
+    reasoning_parser: str = ""
+    # Published chunks are kept this long after their request ends, so a gateway that saw
+    # a gap TOKENS cannot fill (a chunk lost in a dying NATS node's socket) can have them
+    # sent again (``ChunkResend``); 0 keeps none.
+    chunk_retention_s: float = 10.0
 
 
 def default_worker_id(model: str) -> str:
     short = model.rsplit("/", 1)[-1].lower().replace(".", "-")[:24]
     return f"{short}-{socket.gethostname()[:16]}-{os.getpid()}"
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One sequence of a request on the engine (a request with n > 1 has n)."""
+
+    index: int
+    engine_id: str
+    prompt: list[int]  # prompt + the choice's prior output
+    prior: int  # tokens of prior output at the end of ``prompt`` (a migrated request's)
+    sampling: SamplingParams
+    last: EngineOutput | None = None
+    streamed: int = 0
+    error_text: str = ""
+    tail: tuple[list[int], str, list[TokenLogprob] | None] = field(default_factory=lambda: ([], "", None))
+
+
+class _ChunkPublisher:
+    """Numbers and publishes a request's chunks in order (its choices stream at once)."""
+
+    def __init__(self, worker: WorkerService, request: GenerateRequest) -> None:
+        self.worker = worker
+        self.request = request
+        self.seq = request.first_seq
+        self.lock = asyncio.Lock()
+
+    async def publish(self, chunk: TokenChunk, *, ack: bool = False) -> None:
+        async with self.lock:
+            chunk.seq = self.seq
+            await self.worker._publish_chunk(self.request, chunk, ack=ack)
+            self.seq += 1
 
 
 class WorkerService(Service):
@@ -96,14 +142,22 @@ class WorkerService(Service):
         # For probes: when each in-flight request (arrival, then last output) and the engine
         # as a whole last made progress.
         self._arrived_at: dict[str, float] = {}
+        # (monotonic, request id) of what the engine took in lately: gauges name them
+        self._engine_arrivals: deque[tuple[float, str]] = deque(maxlen=ARRIVALS_REPORTED)
         self._output_at: dict[str, float] = {}
         self._engine_output_at = time.monotonic()
         self._drain_errors: set[str] = set()  # requests ended by the drain timeout
+        self._engine_ids: dict[str, list[str]] = {}  # request id → its engine requests (n choices)
         self._kv: KeyValue | None = None
         self._kv_seq = -1
         self._state_changed = asyncio.Event()
         self._info: WorkerInfo | None = None
+        # request id → its token subject and the chunks published for it, kept for resends;
+        # (when to forget, request id) in the order requests ended
+        self._sent: dict[str, tuple[str, dict[int, TokenChunk]]] = {}
+        self._sent_until: deque[tuple[float, str]] = deque()
         self.chunks_published = 0
+        self.chunks_resent = 0
         self.tokens_published = 0
         self.metrics = WorkerMetrics(engine.model, engine.engine_name)
         self._metrics_server: MetricsServer | None = None
@@ -125,6 +179,8 @@ class WorkerService(Service):
             kv_blocks_total=self.engine.kv_blocks_total,
             lora_adapters=list(self.engine.stats().lora_adapters),
             tokenizer=self.engine.tokenizer_spec,
+            tool_parser=self.config.tool_parser,
+            reasoning_parser=self.config.reasoning_parser,
             model_dir=getattr(self.engine, "model_dir", ""),
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -134,6 +190,7 @@ class WorkerService(Service):
         await self.add_endpoint("generate", s.worker_generate(self.worker_id), GenerateRequest, self.handle_generate)
         await self.add_endpoint("cancel", s.worker_cancel(self.worker_id), CancelRequest, self.handle_cancel, concurrent=False)
         await self.add_endpoint("probe", s.worker_probe(self.worker_id), RequestProbe, self.handle_probe, concurrent=False)
+        await self.add_endpoint("resend", s.worker_resend(self.worker_id), ChunkResend, self.handle_resend)
         await self.add_endpoint("control", s.worker_control(self.worker_id), ControlCommand, self.handle_control, concurrent=False)
         await self.add_endpoint(
             "kv_snapshot", s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self.handle_kv_snapshot, concurrent=False
@@ -160,7 +217,7 @@ class WorkerService(Service):
             log.warning("drain timeout: ending %d requests with an error", len(self._requests))
             for request_id in list(self._requests):
                 self._drain_errors.add(request_id)
-                await self.engine.abort(request_id)
+                await self._abort(request_id)
             await self.wait_in_flight(10.0)
 
     async def on_stop(self) -> None:
@@ -184,6 +241,7 @@ class WorkerService(Service):
             "requests": len(self._requests),
             "chunks_published": self.chunks_published,
             "tokens_published": self.tokens_published,
+            "chunks_resent": self.chunks_resent,
         }
 
     # ---- endpoints --------------------------------------------------------------------
@@ -235,57 +293,63 @@ class WorkerService(Service):
         finally:
             self._requests.pop(request.request_id, None)
             self._arrived_at.pop(request.request_id, None)
+            self._forget_sent(request.request_id)
             self._output_at.pop(request.request_id, None)
             self._drain_errors.discard(request.request_id)
             self._state_changed.set()
 
+    def _choices(self, request: GenerateRequest, prompt: list[int]) -> list[_Choice]:
+        """The engine requests of ``request``: itself when n = 1; else one per unfinished
+        choice, ``<id>/<index>`` seeded ``seed + index`` (vLLM's parallel sampling does
+        the same, so a seeded n gives vLLM's tokens), each continuing its own prior output."""
+        sampling = request.sampling
+        if sampling.n <= 1:
+            return [_Choice(0, request.request_id, prompt, len(request.prior_output) // 4, sampling)]
+        choices = []
+        for i in range(sampling.n):
+            if i in request.finished_choices:
+                continue
+            prior = unpack_tokens(request.prior_outputs[i]) if i < len(request.prior_outputs) else []
+            seed = None if sampling.seed is None else sampling.seed + i
+            choices.append(_Choice(i, f"{request.request_id}/{i}", prompt + prior, len(prior),
+                                   msgspec.structs.replace(sampling, n=1, seed=seed)))
+        return choices
+
     async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
-        prior = len(request.prior_output) // 4
-        engine_request = EngineRequest(
-            request_id=request.request_id,
-            prompt_token_ids=prompt,
-            sampling=request.sampling,
-            priority=request.priority,
-            arrival_time=time.time(),
-            lora=request.lora,
-            output_offset=prior,
-        )
-        coalescer = Coalescer(self.config.coalesce_interval_s, self.config.coalesce_max_tokens)
-        seq = request.first_seq
-        last: EngineOutput | None = None
-        error_text = ""
+        choices = self._choices(request, prompt)
+        self._engine_ids[request.request_id] = [c.engine_id for c in choices]
+        publisher = _ChunkPublisher(self, request)
         try:
-            async with contextlib.aclosing(self.engine.generate(engine_request)) as stream:
-                async for output in stream:
-                    last = output
-                    now = time.monotonic()
-                    if output.new_token_ids:
-                        self._output_at[request.request_id] = self._engine_output_at = now
-                    coalescer.add(output.new_token_ids, output.text, now)
-                    if output.finish_reason is not None:
-                        break
-                    if coalescer.should_flush(now, self.coalesce_interval()):
-                        token_ids, text = coalescer.take(now)
-                        chunk = TokenChunk(request_id=request.request_id, seq=seq, token_ids=token_ids, text=text, worker_id=self.worker_id)
-                        await self._publish_chunk(request, chunk)
-                        seq += 1
-        except Exception as exc:  # an engine failure ends this request with an error, not silence
-            log.exception("engine failed on %s", request.request_id)
-            error_text = f"engine failure: {exc!r}"
-        token_ids, text = coalescer.take(time.monotonic())
-        streamed = coalescer.emitted  # the final chunk's tokens included
+            await asyncio.gather(*(self._run_choice(request, c, publisher, single=len(choices) == 1
+                                                    and request.sampling.n <= 1) for c in choices))
+        finally:
+            self._engine_ids.pop(request.request_id, None)
         drained = request.request_id in self._drain_errors
-        outcome = request_outcome(
-            last, prompt_tokens=len(prompt) - prior, prior_tokens=prior, streamed=streamed,
-            migrations=request.migrations, engine_error=error_text,
-            drain_error=f"worker {self.worker_id} shut down before the request finished (drain timeout)" if drained else "",
-        )
+        drain_error = f"worker {self.worker_id} shut down before the request finished (drain timeout)" if drained else ""
+        # The request's own prompt: a migrated single choice got its prior output appended.
+        prompt_tokens = len(prompt) - (choices[0].prior if request.sampling.n <= 1 else 0)
+        outcomes = [
+            request_outcome(c.last, prompt_tokens=prompt_tokens, prior_tokens=c.prior, streamed=c.streamed,
+                            migrations=request.migrations, engine_error=c.error_text, drain_error=drain_error)
+            for c in choices
+        ]
+        outcome = outcomes[0] if len(outcomes) == 1 and request.sampling.n <= 1 else combine_outcomes(
+            outcomes, migrations=request.migrations,
+            finished_before=len(request.finished_choices))
         usage, timings = outcome.usage, outcome.timings
-        final = TokenChunk(
-            request_id=request.request_id, seq=seq, token_ids=token_ids, text=text, finish_reason=outcome.finish,
-            usage=usage, timings=timings, error=outcome.error, worker_id=self.worker_id,
-        )
-        await self._publish_chunk(request, final, ack=True)
+        if request.sampling.n <= 1:
+            # One choice: its last tokens ride on the request's final chunk.
+            token_ids, text, logprobs = choices[0].tail
+            final = TokenChunk(request_id=request.request_id, seq=0, token_ids=token_ids, text=text, logprobs=logprobs,
+                               finish_reason=outcome.finish, usage=usage, timings=timings, error=outcome.error,
+                               worker_id=self.worker_id)
+        else:
+            final = TokenChunk(request_id=request.request_id, seq=0, finish_reason=outcome.finish, usage=usage,
+                               timings=timings, error=outcome.error, worker_id=self.worker_id)
+        streamed = sum(c.streamed for c in choices)
+        # Metrics before the final chunk: whoever sees the request end sees it counted.
+        self.metrics.observe_request(outcome.finish, usage.prompt_tokens, usage.cached_tokens, streamed, timings)
+        await publisher.publish(final, ack=True)
         span.set_attributes({
             "gen_ai.usage.input_tokens": usage.prompt_tokens,
             "gen_ai.usage.output_tokens": usage.completion_tokens,
@@ -293,8 +357,61 @@ class WorkerService(Service):
             "meshserve.finish_reason": outcome.finish,
         })
         _phase_spans(timings)
-        self.metrics.observe_request(outcome.finish, usage.prompt_tokens, usage.cached_tokens, streamed, timings)
         await self._publish_usage(request, outcome.billed, outcome.status, timings, outcome.error_text)
+
+    async def _run_choice(self, request: GenerateRequest, choice: _Choice, publisher: _ChunkPublisher,
+                          *, single: bool) -> None:
+        """Stream one choice's engine outputs as coalesced chunks. ``single``: the request's
+        only choice, whose last tokens the final chunk carries (``choice.tail``); else its
+        end is a chunk of its own with ``choice_finish_reason``."""
+        engine_request = EngineRequest(
+            request_id=choice.engine_id,
+            prompt_token_ids=choice.prompt,
+            sampling=choice.sampling,
+            priority=request.priority,
+            arrival_time=time.time(),
+            lora=request.lora,
+            output_offset=choice.prior,
+        )
+        coalescer = Coalescer(self.config.coalesce_interval_s, self.config.coalesce_max_tokens)
+        prompt_logprobs = None
+        # The engine counts the request from the first iteration's start (before it first
+        # suspends), so no gauge can name it without counting its tokens.
+        self._engine_arrivals.append((time.monotonic(), request.request_id))
+        try:
+            async with contextlib.aclosing(self.engine.generate(engine_request)) as stream:
+                async for output in stream:
+                    choice.last = output
+                    now = time.monotonic()
+                    if output.new_token_ids:
+                        self._output_at[request.request_id] = self._engine_output_at = now
+                    if output.prompt_logprobs is not None and choice.index == 0 and request.first_seq == 0:
+                        prompt_logprobs = output.prompt_logprobs
+                    coalescer.add(output.new_token_ids, output.text, now, output.logprobs)
+                    if output.finish_reason is not None:
+                        break
+                    if coalescer.should_flush(now, self.coalesce_interval()):
+                        token_ids, text, logprobs = coalescer.take(now)
+                        await publisher.publish(TokenChunk(
+                            request_id=request.request_id, seq=0, index=choice.index, token_ids=token_ids, text=text,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, worker_id=self.worker_id))
+                        prompt_logprobs = None
+        except Exception as exc:  # an engine failure ends this request with an error, not silence
+            log.exception("engine failed on %s", choice.engine_id)
+            choice.error_text = f"engine failure: {exc!r}"
+        token_ids, text, logprobs = coalescer.take(time.monotonic())
+        choice.streamed = coalescer.emitted  # the final chunk's tokens included
+        if single:
+            choice.tail = (token_ids, text, logprobs)
+            if prompt_logprobs is not None:  # a one-chunk answer: the prompt's logprobs go first
+                await publisher.publish(TokenChunk(request_id=request.request_id, seq=0,
+                                                   prompt_logprobs=prompt_logprobs, worker_id=self.worker_id))
+            return
+        finish = choice.last.finish_reason if choice.last is not None and choice.last.finish_reason else "error"
+        await publisher.publish(TokenChunk(
+            request_id=request.request_id, seq=0, index=choice.index, token_ids=token_ids, text=text, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, choice_finish_reason="error" if choice.error_text else finish,
+            worker_id=self.worker_id))
 
     async def _publish_chunk(self, request: GenerateRequest, chunk: TokenChunk, *, ack: bool = False) -> None:
         headers = {MSG_ID_HEADER: f"{request.request_id}:{chunk.seq}"}
@@ -305,6 +422,8 @@ class WorkerService(Service):
             await self.bus.publish(request.token_subject, chunk, headers=headers, trace=False)
         self.chunks_published += 1
         self.tokens_published += len(chunk.token_ids)
+        if self.config.chunk_retention_s > 0:
+            self._sent.setdefault(request.request_id, (request.token_subject, {}))[1][chunk.seq] = chunk
 
     async def _publish_usage(self, request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None,
                              error: str) -> None:
@@ -325,6 +444,8 @@ class WorkerService(Service):
             reserved_tokens=request.reserved_tokens,
             migrations=request.migrations,
             error=error,
+            user=request.user,
+            metadata=request.metadata,
         )
         await self.bus.js_publish(
             self.bus.subjects.usage(request.org), event, msg_id=usage_dedup_id(request.request_id, request.migrations)
@@ -342,10 +463,15 @@ class WorkerService(Service):
             await self._publish_chunk(request, chunk, ack=True)
             await self._publish_usage(request, Usage(), "failed", None, error.message)
 
+    async def _abort(self, request_id: str) -> None:
+        """Stop every engine request of ``request_id`` (its n choices)."""
+        for engine_id in self._engine_ids.get(request_id, [request_id]):
+            await self.engine.abort(engine_id)
+
     async def handle_cancel(self, cancel: CancelRequest, msg: Msg) -> None:
         known = cancel.request_id in self._requests
         if known:
-            await self.engine.abort(cancel.request_id)
+            await self._abort(cancel.request_id)
         await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state, message="cancelled" if known else "unknown request"))  # type: ignore[arg-type]
 
     async def handle_probe(self, probe: RequestProbe, msg: Msg) -> None:
@@ -374,6 +500,27 @@ class WorkerService(Service):
             self._state_changed.set()
         await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state, in_flight=len(self._requests)))  # type: ignore[arg-type]
 
+    async def handle_resend(self, resend: ChunkResend, msg: Msg) -> None:
+        """Publish again the chunks a gateway is missing (it found a gap TOKENS cannot fill)."""
+        subject, chunks = self._sent.get(resend.request_id, ("", {}))
+        again = [chunks[seq] for seq in range(resend.from_seq, resend.to_seq + 1) if seq in chunks]
+        for chunk in again:
+            headers = {MSG_ID_HEADER: f"{resend.request_id}:{chunk.seq}"}  # TOKENS stores each once
+            await self.bus.publish(subject, chunk, headers=headers, trace=False)
+        self.chunks_resent += len(again)
+        await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state,  # type: ignore[arg-type]
+                                                 message=f"{len(again)} chunks sent again"))
+
+    def _forget_sent(self, request_id: str) -> None:
+        """The request ended: keep its chunks ``chunk_retention_s`` longer, drop older ones."""
+        now = time.monotonic()
+        if request_id in self._sent:
+            self._sent_until.append((now + self.config.chunk_retention_s, request_id))
+        while self._sent_until and self._sent_until[0][0] <= now:
+            _, old = self._sent_until.popleft()
+            if old not in self._requests:  # not a request id reused by a migration back here
+                self._sent.pop(old, None)
+
     async def handle_kv_snapshot(self, request: KvSnapshotRequest, msg: Msg) -> None:
         await self.bus.respond(
             msg,
@@ -389,9 +536,11 @@ class WorkerService(Service):
 
     # ---- telemetry loops --------------------------------------------------------------
     def gauge(self) -> WorkerGauge:
+        since = time.monotonic() - ARRIVALS_WINDOW_S
+        arrived = list(dict.fromkeys(rid for at, rid in self._engine_arrivals if at >= since))
         return WorkerGauge(
             worker_id=self.worker_id, model=self.engine.model, ts=time.time(), draining=self.state != "ready",
-            kv_event_seq=self._kv_seq, **self.engine.stats().gauge_fields(),
+            kv_event_seq=self._kv_seq, arrived=arrived, **self.engine.stats().gauge_fields(),
         )
 
     async def _publish_gauge(self) -> None:

@@ -23,8 +23,8 @@ class AuthNatsServer(NatsServer):
 
     accounts: str = ""
 
-    def config_text(self) -> str:
-        return super().config_text() + self.accounts
+    def accounts_text(self) -> str:
+        return self.accounts
 
     def log_text(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file and self.log_file.exists() else ""

@@ -26,6 +26,7 @@ from ops.keys import create_key
 from ops.nats import accounts
 from ops.natsserver import nats_server_binary
 from ops.status import fetch_status
+from proto import WorkerInfo, encode
 from proto.metering import UsageQuery, UsageReport
 from proto.subjects import Subjects
 from services.admission.service import AdmissionConfig, AdmissionService
@@ -267,6 +268,29 @@ async def test_every_service_does_its_job_with_its_own_user(auth_server: AuthNat
     assert placed == 2
     assert gateway.upstream.direct_placements == 0  # the router placed them
     await eventually(lambda: mesh["admission"].leading, "an admission leader")
+
+    # /v1/responses keeps stored responses in its own bucket, under the gateway's user.
+    base = f"http://127.0.0.1:{gateway.bound_port}/v1/responses"
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+        async with http.post(base, json={"model": MODEL, "input": "hello", "max_output_tokens": 4}) as r:
+            assert r.status == 200, await r.text()
+            response_id = (await r.json())["id"]
+        async with http.get(f"{base}/{response_id}") as r:
+            assert r.status == 200, await r.text()
+        async with http.delete(f"{base}/{response_id}") as r:
+            assert r.status == 200, await r.text()
+
+    # A worker's connection closing reaches every registry through the advisories the
+    # mesh account imports from the system account: each service drops it at once.
+    worker = await Bus.open(settings_for(auth_server, "worker"), "w-advisory", initial_attempts=20)
+    kv = await worker.js.key_value(worker.subjects.workers_bucket)
+    await kv.put("w-advisory", encode(WorkerInfo(worker_id="w-advisory", model=MODEL, engine="sim", state="ready",
+                                                 heartbeat_at=time.time())))
+    registries = [gateway.registry, *(mesh[name].feed.registry for name in ("router", "admission", "autoscaler"))]
+    await eventually(lambda: all("w-advisory" in r.workers for r in registries), "the worker in every registry")
+    await worker.close()
+    await eventually(lambda: all("w-advisory" not in r.workers for r in registries), "the worker dropped everywhere")
+    assert all(r.disconnect_deaths == 1 for r in registries)  # by the advisory, its heartbeat still fresh
     assert auth_server.violations() == []
 
 

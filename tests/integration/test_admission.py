@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -26,16 +25,10 @@ from services.gateway.upstream import UpstreamConfig
 from services.router.service import RouterService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
+from tests.conftest import eventually
 
 MODEL = "sim-llama-8b"
 
-
-async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class FrozenClock:

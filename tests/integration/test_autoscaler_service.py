@@ -31,6 +31,7 @@ from proto import ControlCommand, ControlReply, WorkerGauge, WorkerInfo, encode
 from services.autoscaler.control import PoolPolicy
 from services.autoscaler.drivers import Driver, Launch, WorkerRef
 from services.autoscaler.service import AutoscalerConfig, AutoscalerService
+from tests.conftest import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "org/test-model"
@@ -178,13 +179,6 @@ async def started() -> AsyncIterator[Callable[[AutoscalerService], Any]]:
     for service in services:
         await service.drain_and_close()
 
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 async def test_scale_up_from_gauges_then_down_by_drain(

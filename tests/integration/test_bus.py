@@ -168,7 +168,7 @@ async def test_subscriber_survives_server_restart(tmp_path: Path) -> None:
         got.append(chunk.seq)
 
     await listener.subscribe("t.after", TokenChunk, collect)
-    await listener.nc.flush()
+    await listener.confirm_subscriptions()
     try:
         server.stop()
         await asyncio.sleep(0.3)
@@ -177,7 +177,7 @@ async def test_subscriber_survives_server_restart(tmp_path: Path) -> None:
             if listener.nc.is_connected:
                 break
             await asyncio.sleep(0.1)
-        await listener.nc.flush()
+        await listener.confirm_subscriptions()
         sender = await Bus.open(settings, "sender", initial_attempts=10)
         await sender.publish("t.after", TokenChunk(request_id="r", seq=7))
         await sender.close()
@@ -284,9 +284,51 @@ async def test_remove_endpoint_stops_one_endpoint_and_keeps_the_service_listed(b
         assert await service.remove_endpoint("a")
         assert not await service.remove_endpoint("a")  # gone already
         with pytest.raises(NoResponders):
-            await bus.request("t.two.a", ControlCommand(command="status"), ControlReply, timeout=1)
+            # no-responders comes back at once; a long timeout only keeps a loaded machine
+            # from turning a slow answer into a failure (a live subscription would time out)
+            await bus.request("t.two.a", ControlCommand(command="status"), ControlReply, timeout=10)
         assert (await bus.request("t.two.b", ControlCommand(command="status"), ControlReply)).worker_id == "b"
         info = json.loads((await bus.nc.request("$SRV.INFO.meshserve-twoendpoints", b"", timeout=2)).data)
         assert [e["name"] for e in info["endpoints"]] == ["b"]
     finally:
         await service.drain_and_close()
+
+
+async def test_a_worker_whose_connection_closes_leaves_the_registry_at_once(bus: Bus, bus_settings: BusSettings) -> None:
+    # The server's disconnect advisory, not the 10 s heartbeat TTL, drops the worker; the
+    # entry it left behind does not bring it back; a newer heartbeat (a restart) does.
+    import time
+
+    from bus.provision import workers_bucket
+    from bus.registry import WorkerRegistry
+    from proto import WorkerInfo, encode
+    from tests.conftest import eventually
+
+    registry = WorkerRegistry(bus, disconnect_grace_s=0.3)
+    await registry.start()
+    worker = await Bus.open(bus_settings, "w-gone")
+    try:
+        kv = await workers_bucket(worker.js, worker.subjects)
+        left_behind = time.time()
+        await kv.put("w-gone", encode(WorkerInfo(worker_id="w-gone", model="m", engine="sim", state="ready", heartbeat_at=left_behind)))
+        await eventually(lambda: "w-gone" in registry.workers, what="the worker listed")
+        await worker.close()  # its connection closes (kill -9 closes it the same way)
+        await eventually(lambda: "w-gone" not in registry.workers, what="the worker dropped")
+        assert registry.disconnect_deaths == 1  # by the advisory: its heartbeat is still fresh
+        assert time.time() - left_behind < registry.ttl_s
+        registry.restart_watch()  # replays the bucket, the dead worker's entry included
+        await asyncio.sleep(0.5)
+        assert "w-gone" not in registry.workers
+        # it comes back (a restarted process under the same id): a newer heartbeat lists it again
+        back = await Bus.open(bus_settings, "w-gone")
+        try:
+            kv = await workers_bucket(back.js, back.subjects)
+            await kv.put("w-gone", encode(WorkerInfo(worker_id="w-gone", model="m", engine="sim", state="ready",
+                                                      heartbeat_at=left_behind + 5)))
+            await eventually(lambda: "w-gone" in registry.workers, what="the worker listed again")
+        finally:
+            await back.close()
+    finally:
+        await registry.stop()
+
+

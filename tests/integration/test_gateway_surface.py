@@ -70,7 +70,7 @@ async def test_health_answers_under_vllms_name(gateway: GatewayService) -> None:
 
 
 @pytest.mark.parametrize(("method", "path"), [
-    ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("GET", "/no/such/path"), ("DELETE", "/v1/files/x"),
+    ("POST", "/v1/audio/speech"), ("POST", "/v1/embeddings"), ("GET", "/no/such/path"), ("DELETE", "/v1/files/x"),
 ])
 async def test_unknown_paths_get_openai_errors(gateway: GatewayService, key: str, method: str, path: str) -> None:
     status, content_type, body, _ = await _get(f"{gateway.http_url}{path}", method, json={"model": MODEL, "input": "x"},
@@ -98,8 +98,6 @@ async def test_stock_client_sees_not_found_errors_and_model_objects(gateway: Gat
     with pytest.raises(openai.NotFoundError) as embeddings:
         await client.embeddings.create(model=MODEL, input="x")
     assert embeddings.value.code == "unknown_url"
-    with pytest.raises(openai.NotFoundError):
-        await client.responses.create(model=MODEL, input="x")
     model = await client.models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model"
     assert model.model_extra is not None and model.model_extra["max_model_len"] == 2048
@@ -297,3 +295,20 @@ def _drive_chat_page(url: str, tmp_path: Path) -> None:
             assert failed == [], failed
         finally:
             browser.close()
+
+
+async def test_server_timing_says_where_the_gateways_time_went(gateway: GatewayService, key: str) -> None:
+    # W3C Server-Timing: each phase before the worker had the request, in order, in ms.
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": MODEL, "prompt": "timing", "max_tokens": 2}
+    for extra, resumable, expected in (({}, False, ["parse", "hash", "admission", "route"]),
+                                       ({"stream": True}, True, ["parse", "hash", "admission", "record", "route"])):
+        sent = {**headers, **({"X-Meshserve-Resumable": "true"} if resumable else {})}
+        async with aiohttp.ClientSession() as http, http.post(f"{gateway.http_url}/v1/completions",
+                                                              json={**body, **extra}, headers=sent) as r:
+            assert r.status == 200, await r.text()
+            timing = r.headers["Server-Timing"]
+            await r.read()
+        phases = [part.strip().split(";dur=") for part in timing.split(",")]
+        assert [name for name, _ in phases] == expected, timing
+        assert all(float(ms) >= 0 for _, ms in phases)

@@ -25,7 +25,7 @@ from nats.js import api
 from bus import Bus, BusSettings, provision
 from proto import ErrorCode, RemoteError, UsageEvent, usage_dedup_id
 from proto.metering import UsageQuery, UsageReport
-from services.metering.ledger import LedgerEntry, SqliteLedger
+from services.metering.ledger import COLUMNS, LedgerEntry, SqliteLedger, entry_from_row
 from services.metering.prices import ModelPrice, PriceTable
 from services.metering.service import MeteringConfig, MeteringService
 
@@ -184,6 +184,25 @@ async def test_hostile_bytes_are_terminated_not_redelivered(provisioned: Bus, me
     assert (metering.decode_errors, metering.unsupported_version, metering.invalid_events) == (3, 1, 2)
     report = await query(bus, group_by=["org"])
     assert report_totals(report, ["org"]) == expected_totals(events, ["org"])
+
+
+async def test_user_and_metadata_reach_the_ledger(provisioned: Bus, metering: MeteringService,
+                                                  tmp_path: Path) -> None:
+    bus = provisioned
+    base: dict[str, Any] = dict(org="acme", key_id="k1", model="small", prompt_tokens=10, completion_tokens=2,
+                                finish_time=T0)
+    tagged = UsageEvent(request_id="tagged", user="end-user-9", metadata={"project": "apollo", "run": "7"}, **base)
+    plain = UsageEvent(request_id="plain", **base)
+    too_much = UsageEvent(request_id="too-much", metadata={f"k{i}": "v" for i in range(17)}, **base)  # over OpenAI's 16
+    await publish(bus, [tagged, plain, too_much])
+    await eventually(lambda: metering.events_written == 2 and metering.invalid_events == 1, what="events handled")
+    conn = sqlite3.connect(tmp_path / "ledger.sqlite3")
+    try:
+        rows = conn.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_events ORDER BY usage_id").fetchall()
+    finally:
+        conn.close()
+    assert [(e.usage_id, e.user, e.metadata) for e in map(entry_from_row, rows)] == [
+        ("plain", "", {}), ("tagged", "end-user-9", {"project": "apollo", "run": "7"})]
 
 
 async def test_bad_queries_get_typed_errors(provisioned: Bus, metering: MeteringService) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -32,16 +31,10 @@ from services.router.policy import PolicyConfig, RouterConfig
 from services.router.service import RouterService, RouterServiceConfig
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
+from tests.conftest import eventually
 
 MODEL = "sim-llama-8b"
 
-
-async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class Chunks:

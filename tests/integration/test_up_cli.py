@@ -192,3 +192,17 @@ def test_nats_url_is_used_instead_of_starting_one(tmp_path: Path, up_runs: list[
         assert theirs.running()  # left alone on the way out
     finally:
         theirs.stop()
+
+
+def test_a_mesh_that_fails_to_start_leaves_no_process_behind(tmp_path: Path) -> None:
+    """A benchmark that only sees the StartupError used to leave a whole mesh running."""
+    import asyncio
+
+    from ops.up import Mesh, MeshConfig, StartupError
+
+    mesh = Mesh(MeshConfig(state_dir=tmp_path / "m", nats_port=0, http_port=free_port(), workers=1,
+                           gateway_args=["--no-such-flag"]))
+    with pytest.raises(StartupError, match="gateway"):
+        asyncio.run(mesh.start(timeout=60))
+    assert mesh.processes and all(p.proc is not None and p.proc.poll() is not None for p in mesh.processes)
+    assert mesh.nats_nodes and not any(n.running() for n in mesh.nats_nodes)

@@ -164,6 +164,31 @@ async def test_cancel_frees_kv_blocks_by_next_gauge(bus: Bus, worker: WorkerServ
     assert usage["long"].completion_tokens == sum(len(c.token_ids) for c in chunks)
 
 
+async def test_gauges_name_the_requests_they_count(bus: Bus, worker: WorkerService, collector: ChunkCollector) -> None:
+    # Admission and the router settle their optimistic count of a request when a gauge
+    # names it: a gauge that names one must already count it (else the burst it belongs
+    # to would vanish from both queues).
+    gauges: list[WorkerGauge] = []
+
+    async def on_gauge(g: WorkerGauge, msg: Msg) -> None:
+        gauges.append(g)
+
+    await bus.subscribe(bus.subjects.gauges(MODEL, "w-test"), WorkerGauge, on_gauge)
+    await asyncio.sleep(0.3)
+    assert gauges and all(g.arrived == [] for g in gauges)  # a worker that names arrivals names none yet
+    ids = [f"named{i}" for i in range(4)]
+    for rid in ids:
+        await bus.request(bus.subjects.worker_generate("w-test"), make_request(bus, rid, list(range(2000)), max_tokens=50),
+                          ControlReply)
+    for rid in ids:
+        await collector.wait(rid)
+    await asyncio.sleep(0.3)
+    for rid in ids:
+        first = next(g for g in gauges if rid in (g.arrived or []))
+        assert first.waiting + first.running >= 1, first
+    assert all(len(set(g.arrived or [])) == len(g.arrived or []) for g in gauges)
+
+
 def _cancel(request_id: str):  # type: ignore[no-untyped-def]
     from proto import CancelRequest
 
@@ -309,3 +334,33 @@ async def test_probe_tells_queued_from_running_and_unknown(bus: Bus, bus_setting
             await bus.request(bus.subjects.worker_cancel("w-probe"), CancelRequest(request_id=rid), ControlReply)
         await service.drain_and_close()
     assert not service._arrived_at and not service._output_at  # nothing kept for ended requests
+
+
+async def test_a_chunk_that_never_reached_tokens_is_sent_again(bus: Bus, worker: WorkerService,
+                                                               collector: ChunkCollector) -> None:
+    # A chunk published into a dying NATS node's socket reaches neither the gateway nor
+    # TOKENS. Simulated here: a gateway-side stream is handed every chunk but seq 1, and
+    # TOKENS loses the request's messages. The gateway's gap watch looks in TOKENS first,
+    # then asks the worker, which publishes seq 1 again from what it kept.
+    from services.gateway.streams import TokenDispatcher
+
+    request = make_request(bus, "lossy", list(range(200)), max_tokens=300)
+    await bus.request(bus.subjects.worker_generate("w-test"), request, ControlReply)
+    chunks = list(await collector.wait("lossy"))  # a copy: the resent chunk reaches the collector too
+    assert len(chunks) >= 3
+    await bus.js.purge_stream(bus.subjects.tokens_stream, subject=request.token_subject)
+    dispatcher = TokenDispatcher(bus, "test-gw", gap_fill_after_s=0.1)
+    await dispatcher.start()
+    try:
+        stream = dispatcher.open("lossy")
+        stream.worker_id = "w-test"
+        for chunk in chunks:
+            if chunk.seq != 1:
+                stream.deliver(chunk)
+        assert stream.missing() == (1, 1)
+        received = [await stream.get(timeout=10) for _ in range(len(chunks))]
+        assert [c.seq for c in received] == list(range(len(chunks)))
+        assert received[1].token_ids == next(c for c in chunks if c.seq == 1).token_ids
+        assert dispatcher.gap_fills >= 1 and dispatcher.resend_requests >= 1 and worker.chunks_resent >= 1
+    finally:
+        await dispatcher.stop()

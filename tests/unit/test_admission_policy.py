@@ -110,6 +110,19 @@ def test_usage_reconciles_exactly_once() -> None:
     assert p.limiter.bucket("key:k1:tpm").available(0.0) == 20_000 - 1120  # type: ignore[union-attr]
 
 
+def test_every_segment_of_a_migrated_request_is_charged() -> None:
+    """Issue 20, item 3: the first segment's usage settles the reservation; the later
+    segments' used to go unpaid (the ledger counted them, the key's bucket did not)."""
+    p = policy()
+    p.check(req("r1"), IDLE, 0.0)
+    first = msgspec.structs.replace(usage("r1", 1000, 200, "migrated"), migrations=0)
+    assert p.on_usage(first, 0.0) == 1500 - 1200
+    later = msgspec.structs.replace(usage("r1", 0, 250), migrations=1)
+    assert p.on_usage(later, 0.0) is None  # nothing reserved for it: charged as it is
+    assert p.limiter.bucket("key:k1:tpm").available(0.0) == 20_000 - 1200 - 250  # type: ignore[union-attr]
+    assert p.limiter.bucket("org:acme:tpm").available(0.0) == 100_000 - 1200 - 250  # type: ignore[union-attr]
+
+
 def test_usage_of_a_request_rejected_downstream_releases_it() -> None:
     p = policy()
     p.check(req("r1"), IDLE, 0.0)
@@ -179,5 +192,6 @@ def test_prediction_errors_compare_what_was_decided_with_what_was_seen() -> None
     assert (errors["p1"], errors["p50"], errors["p99"]) == (pytest.approx(0.5), pytest.approx(1.0), pytest.approx(3.0))
     assert (errors["over_2x"], errors["under_2x"]) == (0.25, 0.0)
     assert errors["raw_p50"] == errors["p50"]  # no calibration yet: the formula decided alone
+    assert errors["bound_p50"] == errors["p50"]
     # an idle pool (IDLE) teaches the overhead (too few outcomes to use yet)
     assert list(p.slo.calibration.residuals) == pytest.approx([0.0, 0.15, -0.1, 0.0])

@@ -65,14 +65,14 @@ def test_admissions_count_until_a_gauge_taken_after_them() -> None:
     book = ReplicaBook(BookConfig(settle_s=0.05, pending_max_age_s=2.0))
     book.update_worker(info("a"), 0.0)
     book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=100), 0.0)
-    book.note_admitted("a", 500, 1.0)
-    book.note_admitted("a", 200, 1.02)
+    book.note_admitted("q1", "a", 500, 1.0)
+    book.note_admitted("q2", "a", 200, 1.02)
     assert book.loads(req(), 1.03)[0].queued_prefill_tokens == 800
     book.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=600), 1.06)  # includes the first only
     assert book.loads(req(), 1.06)[0].queued_prefill_tokens == 800
     book.apply_gauge(gauge("a", 3.0, queued_prefill_tokens=650), 1.2)
     assert book.loads(req(), 1.2)[0].queued_prefill_tokens == 650
-    book.note_admitted("a", 300, 2.0)  # no gauge since: aged out after 2 s
+    book.note_admitted("q3", "a", 300, 2.0)  # no gauge since: aged out after 2 s
     assert book.loads(req(), 3.0)[0].queued_prefill_tokens == 950
     assert book.loads(req(), 4.5)[0].queued_prefill_tokens == 650
 
@@ -84,20 +84,20 @@ def test_the_queue_drains_at_the_measured_rate_between_gauges() -> None:
     book = ReplicaBook(BookConfig(settle_s=0.05, pending_max_age_s=10.0))
     book.update_worker(info("a"), 0.0)
     book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=0, prefill_tokens_per_s=10_000.0), 0.0)
-    book.note_admitted("a", 600, 0.2)
+    book.note_admitted("q4", "a", 600, 0.2)
     assert book.loads(req(), 0.2)[0].queued_prefill_tokens == 600
     assert book.loads(req(), 0.23)[0].queued_prefill_tokens == 300
     assert book.loads(req(), 0.3)[0].queued_prefill_tokens == 0
     # FIFO from the gauge on: its queue drains first, each admission joins at its time
     book.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=2000, prefill_tokens_per_s=10_000.0), 1.0)
-    book.note_admitted("a", 1000, 1.1)  # 1000 of the gauge's 2000 left, then + 1000
-    book.note_admitted("a", 500, 1.3)  # 2000 - 2000 drained since, + 500
+    book.note_admitted("q5", "a", 1000, 1.1)  # 1000 of the gauge's 2000 left, then + 1000
+    book.note_admitted("q6", "a", 500, 1.3)  # 2000 - 2000 drained since, + 500
     assert book.loads(req(), 1.3)[0].queued_prefill_tokens == 500
     assert book.loads(req(), 1.32)[0].queued_prefill_tokens == 300
     # no measured rate: nothing is taken to drain until a gauge says so
     book.update_worker(info("b"), 0.0)
     book.apply_gauge(gauge("b", 2.0, queued_prefill_tokens=100), 1.0)
-    book.note_admitted("b", 400, 1.1)
+    book.note_admitted("q7", "b", 400, 1.1)
     assert next(r for r in book.loads(req(), 5.0) if r.worker_id == "b").queued_prefill_tokens == 500
 
 
@@ -117,3 +117,19 @@ def test_a_restarted_worker_loses_its_cache_and_queue() -> None:
     book.update_worker(info("a", started_at=50.0), 0.0)
     (load,) = book.loads(req(), 0.0)
     assert (load.cached_tokens, load.queued_prefill_tokens) == (0, 0)
+
+
+def test_admissions_on_their_way_stay_counted_until_a_gauge_names_them() -> None:
+    # A loaded gateway takes longer than settle_s to hand a request on: gauges arriving
+    # meanwhile do not hold it, and the burst admitted before them must still count.
+    book = ReplicaBook(BookConfig(settle_s=0.05, pending_max_age_s=10.0))
+    book.update_worker(info("a"), 0.0)
+    book.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=0, prefill_tokens_per_s=1_000.0, arrived=[]), 0.0)
+    for i in range(3):
+        book.note_admitted(f"burst{i}", "a", 1500, 1.0)
+    book.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=0, prefill_tokens_per_s=1_000.0, arrived=[]), 1.2)
+    assert book.loads(req(), 1.2)[0].queued_prefill_tokens == 4500
+    assert book.loads(req(), 1.25)[0].queued_prefill_tokens == 4450  # drained from the gauge on
+    book.apply_gauge(gauge("a", 3.0, queued_prefill_tokens=4200, prefill_tokens_per_s=1_000.0,
+                           arrived=["burst0", "burst1", "burst2"]), 1.3)
+    assert book.loads(req(), 1.3)[0].queued_prefill_tokens == 4200

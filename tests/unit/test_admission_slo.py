@@ -267,6 +267,30 @@ def test_calibration_scales_predictions_by_the_observed_tail() -> None:
     assert off.check("standard", 1000, replica, 0.0).predicted_ttft == pytest.approx(1.15)
 
 
+def test_the_decision_holds_the_tail_bound_but_predicts_the_median() -> None:
+    """Issue 14: a tail factor reported as the prediction was > 2× the TTFT seen for
+    most requests at 2× overload. The bound decides; the point prediction is the median's."""
+    one_tier = (TierSLO("standard", 2.0, 1),)
+    cfg = SloConfig(tiers=one_tier, priority_queues=False, calibration_min_samples=20, calibration_window=100,
+                    calibration_quantile=0.95)
+    adm = SloAdmitter(cfg)
+    for i in range(100):  # most requests meet their prediction, one in ten takes 3×
+        adm.observe("standard", 1.0, 3.0 if i % 10 == 0 else 1.0)
+    assert adm.calibration.factor("standard") == pytest.approx(3.0)
+    assert adm.calibration.expected_factor("standard") == pytest.approx(1.0)
+    replica = [ReplicaLoad("w", queued_prefill_tokens=10_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    refused = adm.check("standard", 1000, replica, 0.0)  # raw 1.15 s: bound 3.45 s > 2 s
+    assert not refused.admitted
+    assert refused.predicted_ttft == pytest.approx(1.15)
+    assert "predicted TTFT 1.15 s, p95 bound 3.45 s > 2.00 s" in refused.message
+    light = [ReplicaLoad("w", queued_prefill_tokens=3_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    admitted = adm.check("standard", 1000, light, 0.0)  # raw 0.45 s: bound 1.35 s
+    assert admitted.admitted
+    assert admitted.predicted_ttft == pytest.approx(0.45)
+    assert admitted.ttft_bound == pytest.approx(1.35)
+    assert adm.predict(light[0], 1000, "standard", 0.0) == pytest.approx(0.45)
+
+
 def test_calibration_quantile_ignores_the_rare_outlier() -> None:
     adm = SloAdmitter(SloConfig(calibration_quantile=0.95, calibration_min_samples=50, calibration_window=100))
     for i in range(100):

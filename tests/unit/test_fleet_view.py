@@ -362,17 +362,43 @@ def test_optimistic_additions_age_out_without_gauges() -> None:
     assert w.outstanding_tokens == 22
 
 
-def test_anonymous_placements_add_up_and_settle() -> None:
-    # Admission counts admissions, not requests: two without a request id both count.
+def test_a_gauge_that_names_its_arrivals_settles_exactly_those() -> None:
+    # The timing rule would drop both at this gauge (received 100 ms after them); the
+    # worker says it took in r1 only, so r2 (still on its way) stays counted.
+    v = FleetView(FleetConfig(placement_settle_s=0.02, placement_unseen_s=5.0))
+    v.update_worker(info("a"), 0.0)
+    v.update_worker(info("b"), 0.0)
+    v.record_placement("a", "r1", 100, 0, 0.10)
+    v.record_placement("a", "r2", 50, 0, 0.11)
+    v.record_placement("a", "r3", 70, 0, 0.12)
+    a, b = v.worker("a"), v.worker("b")
+    assert a is not None and b is not None
+    assert a.queued_prefill_tokens == 220 and len(a.placements) == 3
+    v.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=100, arrived=["r1"]), 0.20)
+    assert a.queued_prefill_tokens == 100 + 50 + 70 and list(a.placements) == ["r2", "r3"]
+    # r3 reached another worker (admission counts where it predicted, the router chose b)
+    v.apply_gauge(gauge("b", 1.0, queued_prefill_tokens=70, arrived=["r3", "unknown"]), 0.25)
+    assert list(a.placements) == ["r2"] and b.queued_prefill_tokens == 70
+    # a placement no gauge names within placement_unseen_s never reached a worker
+    v.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=0, arrived=[]), 5.0)
+    assert list(a.placements) == ["r2"]
+    v.apply_gauge(gauge("a", 3.0, queued_prefill_tokens=0, arrived=[]), 5.2)
+    assert a.placements == {} and a.queued_prefill_tokens == 0
+
+
+def test_a_gauge_without_arrivals_settles_by_timing() -> None:
+    # A worker that names no arrivals: a gauge received placement_settle_s after a
+    # placement is taken to include it.
     v = FleetView(FleetConfig(placement_settle_s=0.02))
     v.update_worker(info("a"), 0.0)
-    v.record_placement("a", None, 100, 0, 0.10)
-    v.record_placement("a", None, 50, 0, 0.11)
+    v.record_placement("a", "r1", 100, 0, 0.10)
+    v.record_placement("a", "r2", 50, 0, 0.11)
     w = v.worker("a")
     assert w is not None
-    assert w.queued_prefill_tokens == 150 and len(w.placements) == 2
-    v.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=150), 0.20)
-    assert w.queued_prefill_tokens == 150 and w.placements == {}
+    v.apply_gauge(gauge("a", 1.0, queued_prefill_tokens=100), 0.125)
+    assert list(w.placements) == ["r2"] and w.queued_prefill_tokens == 150
+    v.apply_gauge(gauge("a", 2.0, queued_prefill_tokens=150), 0.20)
+    assert w.placements == {} and w.queued_prefill_tokens == 150
 
 
 def test_registry_only_view_ignores_feeds_of_unregistered_workers() -> None:

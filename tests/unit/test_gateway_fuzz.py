@@ -105,6 +105,22 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "response_format": st.just({"type": "text"}) | json_values,
     "logit_bias": json_values,
     "suffix": odd_text | json_values,
+    "top_logprobs": numbers,
+    "parallel_tool_calls": st.booleans() | json_values,
+    "min_p": numbers,
+    "prompt_logprobs": numbers,
+    "truncate_prompt_tokens": numbers,
+    "skip_special_tokens": st.booleans() | json_values,
+    "include_stop_str_in_output": st.booleans() | json_values,
+    "guided_json": json_values,
+    "guided_regex": odd_text | json_values,
+    "guided_choice": json_values,
+    "guided_grammar": odd_text | json_values,
+    "structured_outputs": json_values,
+    "metadata": json_values,
+    "chat_template_kwargs": json_values,
+    "continue_final_message": st.booleans() | json_values,
+    "reasoning_effort": odd_text | json_values,
 }
 
 wild_bodies = st.fixed_dictionaries(
@@ -156,6 +172,26 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": mostly(st.booleans()),
     "user": mostly(odd_text),
     "session_id": mostly(odd_text),
+    "logprobs": mostly(st.booleans() | st.integers(min_value=-1, max_value=25)),
+    "top_logprobs": mostly(st.integers(min_value=-1, max_value=25)),
+    "echo": mostly(st.booleans()),
+    "logit_bias": mostly(st.dictionaries(st.integers(min_value=-5, max_value=300).map(str),
+                                         st.floats(min_value=-120, max_value=120), max_size=3)),
+    "min_p": mostly(st.floats(min_value=-0.1, max_value=1.1)),
+    "truncate_prompt_tokens": mostly(st.integers(min_value=-2, max_value=600)),
+    "tools": mostly(st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "get_weather", "bad name"])},
+        optional={"parameters": st.sampled_from([{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                                 {"type": "nonsense"}, {}])})}), min_size=1, max_size=2)),
+    "tool_choice": mostly(st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}])),
+    "response_format": mostly(st.sampled_from([
+        {"type": "text"}, {"type": "json_object"}, {"type": "xml"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    ])),
+    "guided_regex": mostly(st.sampled_from([r"\d+", "(unclosed", "[a-z]{2,4}"])),
+    "guided_choice": mostly(st.lists(valid_text, max_size=3)),
+    "metadata": mostly(st.dictionaries(odd_text, odd_text | st.integers(), max_size=3)),
 }
 plausible_model = mostly(st.sampled_from(["sim", "tiny"]), odd_text)
 plausible_requests = st.tuples(
@@ -183,6 +219,9 @@ def _check(kind: str, body: bytes) -> None:
     assert all(0 <= t < BYTE.vocab_size for t in req.prompt_token_ids)
     assert 1 <= req.max_tokens and req.prompt_tokens + req.max_tokens <= limits.max_model_len
     assert 0 <= req.sampling.min_tokens <= req.max_tokens
+    assert 1 <= req.sampling.n <= limits.max_n and req.output.n == req.sampling.n
+    assert req.sampling.logprobs is None or 0 <= req.sampling.logprobs <= limits.max_logprobs
+    assert all(0 <= t < BYTE.vocab_size and -100 <= b <= 100 for t, b in req.sampling.logit_bias.items())
     # everything must survive the wire to the worker
     gen = req.generate_request(request_id="r", token_subject="mesh.tokens.g.r")
     assert decode(encode(gen), GenerateRequest).sampling == req.sampling

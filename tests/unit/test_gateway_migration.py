@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from proto import GenerateRequest, RequestProbeReply, SamplingParams, TokenChunk, pack_tokens, unpack_tokens
 from services.gateway.migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration
 from services.gateway.streams import RequestStream
@@ -45,12 +47,16 @@ def test_no_answer_an_unknown_request_or_an_idle_engine_means_migrate() -> None:
 
 def test_a_gone_worker_migrates_whatever_the_probe() -> None:
     plan = _plan(_segment(), registered=False, probe=_probe("waiting"))
-    assert isinstance(plan, Migrate) and "heartbeat expired" in plan.why
+    assert isinstance(plan, Migrate) and "is gone" in plan.why
 
 
 def test_the_limit_gives_up() -> None:
     plan = _plan(_segment(migrations=2), registered=False)
     assert isinstance(plan, GiveUp) and "limit 2" in plan.message
+    # the lost worker never reports its segment: the gateway bills what the client got
+    assert plan.retire == "w-old" and plan.lost_usage_id == "r1#m2"
+    assert plan.lost_usage.status == "failed" and plan.lost_usage.completion_tokens == 5
+    assert plan.lost_usage.prompt_tokens == 0 and plan.lost_usage.reserved_tokens == 0  # billed with the first segment
     assert isinstance(_plan(_segment(migrations=1), registered=False), Migrate)
 
 
@@ -90,3 +96,16 @@ def test_the_first_lost_segment_bills_prompt_and_reservation_later_ones_only_out
     assert (later.lost_usage.prompt_tokens, later.lost_usage.completion_tokens, later.lost_usage.reserved_tokens) == (0, 2, 0)
     assert later.lost_usage_id == "r1#m1"
     assert later.exclude_workers == ["w-first", "w-old"]
+
+
+def test_n_choices_continue_each_from_its_own_tokens() -> None:
+    generate = msgspec.structs.replace(_generate(), sampling=SamplingParams(max_tokens=50, n=3, seed=4))
+    segment = Segment(generate=generate, worker_id="w-old", next_seq=9, received_tokens=[1, 2, 3, 4, 5],
+                      segment_tokens=5, prompt_tokens=3, retired={}, choice_tokens={0: [1, 2], 2: [3, 4, 5]},
+                      finished_choices=[2])
+    plan = _plan(segment, registered=False)
+    assert isinstance(plan, Migrate)
+    nxt = plan.generate
+    assert [unpack_tokens(p) for p in nxt.prior_outputs] == [[1, 2], [], [3, 4, 5]]
+    assert nxt.finished_choices == [2] and nxt.prior_output == b"" and nxt.first_seq == 9
+    assert plan.lost_usage.completion_tokens == 5  # every choice's streamed tokens, billed once

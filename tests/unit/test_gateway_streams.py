@@ -34,6 +34,22 @@ def test_gap_is_tracked_until_filled() -> None:
     assert drain(stream) == [1, 2] and stream.gap_since is None
 
 
+def test_the_first_gap_is_what_the_worker_is_asked_for() -> None:
+    stream = RequestStream("r", "s")
+    assert stream.missing() is None
+    for seq in (0, 3, 4, 7):
+        stream.deliver(chunk(seq))
+    assert stream.missing() == (1, 2)
+    stream.gap_checks = 2  # TOKENS looked into, the worker asked
+    stream.deliver(chunk(1))
+    assert stream.missing() == (2, 2) and stream.gap_checks == 2  # still the same gap
+    stream.deliver(chunk(2))
+    assert stream.missing() == (5, 6)
+    stream.deliver(chunk(5))
+    stream.deliver(chunk(6))
+    assert stream.missing() is None and stream.gap_checks == 0  # closed: the next gap starts over
+
+
 def test_retired_worker_chunks_are_void_from_the_cutoff() -> None:
     stream = RequestStream("r", "s")
     stream.deliver(chunk(0, "w1"))
@@ -53,3 +69,48 @@ def test_overflow_cuts_the_slow_client_once() -> None:
         stream.deliver(chunk(seq))
     assert stream.overflowed and cuts == [1]
     assert stream.buffered == 3
+
+
+def test_retiring_drops_the_lost_workers_unread_chunks_and_rewinds() -> None:
+    # The gateway decided to move the request after reading seq 0..2; meanwhile the old
+    # worker's seq 3 and 4 arrived (e.g. while it was being probed). They are dropped and
+    # the next worker continues at 3: the client never sees 3 and 4 twice.
+    stream = RequestStream("r", "s")
+    for seq in (0, 1, 2):
+        stream.deliver(chunk(seq, "old"))
+    assert drain(stream) == [0, 1, 2]
+    stream.deliver(chunk(3, "old"))
+    stream.deliver(chunk(4, "old", final=True))
+    assert stream.next_seq == 5 and stream.finished
+    stream.retire("old", 3)
+    assert stream.next_seq == 3 and not stream.finished and stream.buffered == 0
+    stream.deliver(chunk(3, "new"))
+    stream.deliver(chunk(5, "old"))  # late, void
+    assert [c.worker_id for c in iter(stream.get_nowait, None)] == ["new"]
+
+
+def test_retiring_a_worker_whose_chunks_were_all_read_changes_nothing() -> None:
+    # A resumed stream re-applies the record's retirements: long-read history is not rewound.
+    stream = RequestStream("r", "s")
+    for seq, worker in ((0, "old"), (1, "old"), (2, "new"), (3, "new")):
+        stream.deliver(chunk(seq, worker))
+    assert drain(stream) == [0, 1, 2, 3]
+    stream.retire("old", 2)
+    assert stream.next_seq == 4
+    stream.deliver(chunk(2, "new"))
+    assert stream.duplicates == 1 and drain(stream) == []
+
+
+def test_only_the_placed_worker_and_retired_history_are_taken() -> None:
+    # A worker the router gave up on (its forward timed out) may run the request anyway:
+    # its chunks number other tokens and must never be mixed in.
+    stream = RequestStream("r", "s")
+    stream.worker_id = "placed"
+    stream.deliver(chunk(0, "stray"))
+    stream.deliver(chunk(0, "placed"))
+    stream.retired["earlier"] = 5
+    stream.deliver(chunk(1, "earlier"))  # history before its cut-off: taken
+    assert drain(stream) == [0, 1] and stream.foreign == 1
+    stream.worker_id = ""  # being placed: whoever streams is taken
+    stream.deliver(chunk(2, "next"))
+    assert drain(stream) == [2]

@@ -2,7 +2,8 @@
 
 Idempotency (same usage id twice → counted once, inside a batch and across batches),
 totals grouped every way the query allows, time ranges (since inclusive, until
-exclusive), time buckets, and the error classes the service's retry logic relies on.
+exclusive), time buckets, the error classes the service's retry logic relies on, and
+the upgrade of a ledger written by an older schema.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import random
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proto import UsageEvent
 from services.metering.ledger import (
+    COLUMNS,
+    SCHEMA_VERSION,
     Ledger,
     LedgerEntry,
     LedgerRejected,
@@ -25,6 +29,8 @@ from services.metering.ledger import (
     PostgresLedger,
     SqliteLedger,
     entry_from_event,
+    entry_from_row,
+    entry_row,
 )
 from services.metering.pgserver import PostgresServer, postgres_bin_dir
 from services.metering.prices import ModelPrice, PriceTable
@@ -64,12 +70,51 @@ async def fresh_database(server: PostgresServer) -> str:
     return server.url(name)
 
 
+async def unopened(backend: str, request: pytest.FixtureRequest, tmp_path: Path, name: str = "ledger") -> Ledger:
+    if backend == "sqlite":
+        return SqliteLedger(tmp_path / f"{name}.sqlite3")
+    return PostgresLedger(await fresh_database(request.getfixturevalue("postgres")))
+
+
+async def sql(ledger: Ledger, *statements: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Run statements on a connection of our own, beside the ledger's; the last one's rows."""
+    rows: list[tuple[Any, ...]] = []
+    if isinstance(ledger, SqliteLedger):
+        conn = sqlite3.connect(ledger.path, isolation_level=None)
+        try:
+            for statement in statements:
+                rows = list(conn.execute(statement, params if "?" in statement else ()).fetchall())
+        finally:
+            conn.close()
+        return rows
+    import asyncpg
+
+    assert isinstance(ledger, PostgresLedger)
+    conn_pg = await asyncpg.connect(ledger._dsn)
+    try:
+        for statement in statements:
+            rows = [tuple(r) for r in await conn_pg.fetch(statement, *(params if "$1" in statement else ()))]
+    finally:
+        await conn_pg.close()
+    return rows
+
+
+async def stored_entries(ledger: Ledger) -> list[LedgerEntry]:
+    return [entry_from_row(row) for row in await sql(ledger, f"SELECT {', '.join(COLUMNS)} FROM usage_events "
+                                                             "ORDER BY usage_id")]
+
+
+async def table_shape(ledger: Ledger) -> list[tuple[Any, ...]]:
+    """usage_events' columns in order: name, type, nullability, default."""
+    if isinstance(ledger, SqliteLedger):
+        return [row[1:] for row in await sql(ledger, "PRAGMA table_info(usage_events)")]
+    return await sql(ledger, "SELECT column_name, data_type, is_nullable, column_default FROM information_schema.columns "
+                             "WHERE table_name = 'usage_events' ORDER BY ordinal_position")
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ledger]:
-    if request.param == "sqlite":
-        opened: Ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
-    else:
-        opened = PostgresLedger(await fresh_database(request.getfixturevalue("postgres")))
+    opened = await unopened(request.param, request, tmp_path)
     await opened.open()
     try:
         yield opened
@@ -79,10 +124,12 @@ async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 def make(request_id: str, *, org: str = "acme", key: str = "k1", model: str = "small", prompt: int = 100,
          cached: int = 0, completion: int = 10, status: str = "finished", at: float = T0 + 60, migrations: int = 0,
-         tier: str = "standard", worker: str = "w1") -> LedgerEntry:
+         tier: str = "standard", worker: str = "w1", user: str = "",
+         metadata: dict[str, str] | None = None) -> LedgerEntry:
     event = UsageEvent(request_id=request_id, org=org, key_id=key, model=model, prompt_tokens=prompt,
                        cached_tokens=cached, completion_tokens=completion, status=status,  # type: ignore[arg-type]
-                       arrival_time=at - 1, finish_time=at, migrations=migrations, tier=tier, worker_id=worker)
+                       arrival_time=at - 1, finish_time=at, migrations=migrations, tier=tier, worker_id=worker,
+                       user=user, metadata=metadata or {})
     return entry_from_event(event, PRICES, recorded_at=at + 1, stream_seq=1)
 
 
@@ -107,21 +154,121 @@ async def test_migration_segments_are_distinct_usage(ledger: Ledger) -> None:
 
 
 async def test_every_field_is_stored(ledger: Ledger, tmp_path: Path) -> None:
+    metadata = {"project": "apollo", "quote\"s": "{\"not\": \"json\"}\\", "ключ": "\U0001f600", "": ""}
     entry = make("r-all", prompt=123, cached=45, completion=67, status="cancelled", migrations=3, tier="premium",
-                 worker="w-9")
-    await ledger.record([entry])
-    if isinstance(ledger, SqliteLedger):
-        conn = sqlite3.connect(ledger.path)
-        row = conn.execute("SELECT * FROM usage_events").fetchone()
-        conn.close()
-    else:
-        import asyncpg
+                 worker="w-9", user="end-user-42", metadata=metadata)
+    await ledger.record([entry, make("r-plain")])
+    (row,) = await sql(ledger, "SELECT * FROM usage_events WHERE usage_id = 'r-all#m3'")
+    assert row == entry_row(entry)  # every column, in COLUMNS' order; metadata as JSON text
+    assert row[COLUMNS.index("end_user")] == "end-user-42"
+    # read back: metadata a dict again, and an event without any gets {}
+    assert await stored_entries(ledger) == [entry, make("r-plain")]
 
-        assert isinstance(ledger, PostgresLedger)
-        conn_pg = await asyncpg.connect(ledger._dsn)
-        row = tuple(await conn_pg.fetchrow("SELECT * FROM usage_events"))
-        await conn_pg.close()
-    assert tuple(row) == tuple(getattr(entry, f) for f in entry.__slots__)
+
+# ---- schema versions ----------------------------------------------------------------------
+# The tables as schema 1 created them (before end_user and metadata), for the upgrade test.
+V1_SQLITE = (
+    """CREATE TABLE usage_events (
+    usage_id TEXT PRIMARY KEY NOT NULL,
+    request_id TEXT NOT NULL,
+    org TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    status TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    reserved_tokens INTEGER NOT NULL,
+    migrations INTEGER NOT NULL,
+    arrival_time REAL NOT NULL,
+    first_token_time REAL NOT NULL,
+    finish_time REAL NOT NULL,
+    error TEXT NOT NULL,
+    schema_v INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    recorded_at REAL NOT NULL,
+    stream_seq INTEGER NOT NULL,
+    price_input_nano INTEGER NOT NULL,
+    price_cached_nano INTEGER NOT NULL,
+    price_output_nano INTEGER NOT NULL,
+    spend_nano INTEGER NOT NULL
+)""",
+    "CREATE INDEX usage_events_ts ON usage_events (ts)",
+    "CREATE INDEX usage_events_org_ts ON usage_events (org, ts)",
+    "CREATE INDEX usage_events_key_ts ON usage_events (key_id, ts)",
+    "CREATE TABLE ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)",
+    "INSERT INTO ledger_meta (name, value) VALUES ('schema', '1')",
+)
+V1_POSTGRES = (
+    "CREATE TABLE usage_events (usage_id text NOT NULL PRIMARY KEY, request_id text NOT NULL, org text NOT NULL, "
+    "key_id text NOT NULL, model text NOT NULL, worker_id text NOT NULL, tier text NOT NULL, status text NOT NULL, "
+    "prompt_tokens bigint NOT NULL, cached_tokens bigint NOT NULL, completion_tokens bigint NOT NULL, "
+    "reserved_tokens bigint NOT NULL, migrations bigint NOT NULL, arrival_time double precision NOT NULL, "
+    "first_token_time double precision NOT NULL, finish_time double precision NOT NULL, error text NOT NULL, "
+    "schema_v bigint NOT NULL, ts double precision NOT NULL, recorded_at double precision NOT NULL, "
+    "stream_seq bigint NOT NULL, price_input_nano bigint NOT NULL, price_cached_nano bigint NOT NULL, "
+    "price_output_nano bigint NOT NULL, spend_nano bigint NOT NULL)",
+    "CREATE INDEX usage_events_ts ON usage_events (ts)",
+    "CREATE INDEX usage_events_org_ts ON usage_events (org, ts)",
+    "CREATE INDEX usage_events_key_ts ON usage_events (key_id, ts)",
+    "CREATE TABLE ledger_meta (name text PRIMARY KEY, value text NOT NULL)",
+    "INSERT INTO ledger_meta (name, value) VALUES ('schema', '1')",
+)
+V1_COLUMNS = COLUMNS[:COLUMNS.index("spend_nano") + 1]
+
+
+async def schema_version(ledger: Ledger) -> str:
+    (row,) = await sql(ledger, "SELECT value FROM ledger_meta WHERE name = 'schema'")
+    return str(row[0])
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRequest, tmp_path: Path,
+                                                       backend: str) -> None:
+    old = make("old", prompt=11, completion=3, at=T0 + 5)
+    ledger = await unopened(backend, request, tmp_path, "v1")
+    is_sqlite = isinstance(ledger, SqliteLedger)
+    insert_old = (f"INSERT INTO usage_events ({', '.join(V1_COLUMNS)}) VALUES ("
+                  + ", ".join("?" if is_sqlite else f"${i + 1}" for i in range(len(V1_COLUMNS))) + ")")
+    await sql(ledger, *(V1_SQLITE if is_sqlite else V1_POSTGRES), insert_old,
+              params=entry_row(old)[:len(V1_COLUMNS)])
+
+    await ledger.open()
+    try:
+        assert await schema_version(ledger) == str(SCHEMA_VERSION) == "2"
+        assert await stored_entries(ledger) == [old]  # user '' and metadata {}
+        new = make("new", prompt=7, completion=2, user="u-1", metadata={"team": "search"})
+        assert await ledger.record([new, old]) == 1  # the old row still dedups
+        assert await stored_entries(ledger) == [new, old]
+        (row,) = await ledger.totals(group_by=[])
+        assert (row.requests, row.prompt_tokens, row.completion_tokens) == (2, 18, 5)
+        # the upgraded table is the one a new ledger gets: same columns, order, types, defaults
+        fresh = await unopened(backend, request, tmp_path, "fresh")
+        await fresh.open()
+        try:
+            assert await table_shape(ledger) == await table_shape(fresh)
+        finally:
+            await fresh.close()
+    finally:
+        await ledger.close()
+    await ledger.open()  # a second open finds nothing to do
+    try:
+        assert await schema_version(ledger) == "2"
+        assert [e.usage_id for e in await stored_entries(ledger)] == ["new", "old"]
+    finally:
+        await ledger.close()
+
+
+async def test_a_newer_ledger_is_refused_untouched(ledger: Ledger) -> None:
+    await ledger.record([make("r1")])
+    await ledger.close()
+    await sql(ledger, f"UPDATE ledger_meta SET value = '{SCHEMA_VERSION + 1}' WHERE name = 'schema'")
+    with pytest.raises(LedgerRejected, match="ledger schema 3"):
+        await ledger.open()
+    assert await schema_version(ledger) == str(SCHEMA_VERSION + 1)
+    assert [e.usage_id for e in await stored_entries(ledger)] == ["r1"]
 
 
 async def test_totals_grouping_and_spend(ledger: Ledger) -> None:

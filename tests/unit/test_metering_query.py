@@ -146,7 +146,7 @@ def event(**overrides: object) -> UsageEvent:
 
 def test_entry_carries_every_event_field_and_the_charge() -> None:
     e = event(worker_id="w", tier="premium", status="cancelled", first_token_time=101.0, reserved_tokens=500,
-              migrations=2, error="boom")
+              migrations=2, error="boom", user="end-user-7", metadata={"project": "x", "trace": "t-1"})
     entry = entry_from_event(e, PRICES, recorded_at=200.0, stream_seq=17)
     assert entry.usage_id == "r1#m2"  # proto.usage_dedup_id
     for name in msgspec.structs.fields(UsageEvent):
@@ -165,8 +165,14 @@ def test_entry_time_falls_back_to_arrival_then_recording() -> None:
 
 
 def test_entry_strips_nul_characters() -> None:
-    entry = entry_from_event(event(org="ac\x00me", error="a\x00b"), PRICES, recorded_at=1.0)
-    assert entry.org == "acme" and entry.error == "ab"
+    entry = entry_from_event(event(org="ac\x00me", error="a\x00b", user="u\x001", metadata={"k\x00": "v\x00"}),
+                             PRICES, recorded_at=1.0)
+    assert entry.org == "acme" and entry.error == "ab" and entry.user == "u1" and entry.metadata == {"k": "v"}
+
+
+def test_entry_takes_metadata_at_openais_limits() -> None:
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    assert entry_from_event(event(metadata=metadata), PRICES, recorded_at=1.0).metadata == metadata
 
 
 @pytest.mark.parametrize(
@@ -179,6 +185,11 @@ def test_entry_strips_nul_characters() -> None:
         {"reserved_tokens": -1},
         {"migrations": -1},
         {"org": "o" * 5000},
+        {"user": "u" * 5000},
+        {"metadata": {f"k{i}": "v" for i in range(17)}},
+        {"metadata": {"k" * 65: "v"}},
+        {"metadata": {"k": "v" * 513}},
+        {"metadata": {"k": "1", "k\x00": "2"}},  # the same key once NUL is stripped
     ],
 )
 def test_invalid_events_are_refused(bad: dict[str, object]) -> None:

@@ -50,6 +50,17 @@ def test_an_engine_error_output_keeps_the_engines_message_else_says_none_came() 
     assert o.finish == "error" and o.error_text == "engine ended the request without a finish reason"
 
 
+def test_a_request_the_engine_refused_is_the_clients_error() -> None:
+    # An engine that checks a request itself (prompt past max_model_len, vLLM's own
+    # sampling checks, a structured output it cannot build) refuses it: a 400, not a 500.
+    refused = EngineOutput(request_id="r", finish_reason="error", error="empty prompt", rejected=True)
+    o = request_outcome(refused, prompt_tokens=0, prior_tokens=0, streamed=0, migrations=0)
+    assert o.error == ErrorInfo(code="bad_request", message="empty prompt") and o.status == "failed"
+    # a failure after the refusal came (the worker's own) stays internal
+    o = request_outcome(refused, prompt_tokens=0, prior_tokens=0, streamed=0, migrations=0, engine_error="boom")
+    assert o.error is not None and o.error.code == "internal"
+
+
 def test_the_drain_timeout_overrides_the_engines_finish() -> None:
     o = request_outcome(output("abort"), prompt_tokens=10, prior_tokens=0, streamed=4, migrations=0,
                         drain_error="worker w shut down before the request finished (drain timeout)")

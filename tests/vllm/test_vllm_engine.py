@@ -18,6 +18,7 @@ import pytest
 from proto.hashing import block_hashes
 from proto.messages import BlockStored, KvEvent, SamplingParams
 from services.worker.engines.base import EngineOutput, EngineRequest, create_engine
+from tests.vllm.meshes import COMPACT_JSON
 
 
 def vllm_installed() -> bool:
@@ -147,3 +148,66 @@ async def test_engine_lora_predicted_kv_and_early_endings(tiny_model: Path, tmp_
         await engine.shutdown()
     assert (await last)[-1].finish_reason == "abort"
     await asyncio.wait_for(reader, 5)  # kv_events ends after shutdown
+
+
+async def test_engine_logprobs_guided_decoding_and_bias(tiny_model: Path) -> None:
+    """Issue 16's engine side on vLLM itself: per-token and prompt logprobs read back into
+    ``EngineOutput``, guided decoding from ``StructuredOutput`` (the random weights still
+    spell a valid instance), ``logit_bias``, and a bad schema ending as an error output."""
+    import re
+
+    import jsonschema
+
+    from proto.messages import StructuredOutput
+
+    engine = create_engine("vllm", model=str(tiny_model), served_model_name="tiny", block_size=BLOCK, max_model_len=512,
+                           max_num_seqs=4, enforce_eager=True, cpu_kvcache_space_gib=1, kv_events="predicted",
+                           engine_args={"structured_outputs_config": COMPACT_JSON})
+    await engine.start()
+    try:
+        prompt = list(range(10, 40))
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+        outs = await collect(engine, EngineRequest(request_id="lp", prompt_token_ids=prompt, sampling=greedy))
+        ids = [t for o in outs for t in o.new_token_ids]
+        lps = [lp for o in outs for lp in (o.logprobs or [])]
+        assert all(o.logprobs is not None and len(o.logprobs) == len(o.new_token_ids) for o in outs if o.new_token_ids)
+        assert [lp.token_id for lp in lps] == ids and len(ids) == 6
+        for lp in lps:
+            assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id  # greedy: the sampled is the most likely
+            assert lp.logprob == lp.top[0].logprob <= 0.0
+            assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+            # vLLM's decoded_token: a piece of a multi-byte character is "" (the character goes
+            # with the token completing it), never U+FFFD as the token decoded alone would be.
+            assert "\ufffd" not in lp.token
+        with_prompt = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        assert len(with_prompt) == 1 and outs[0].prompt_logprobs is not None  # once, on the first output
+        (plps,) = with_prompt
+        assert len(plps) == len(prompt) and plps[0] is None
+        assert [p.token_id for p in plps[1:] if p is not None] == prompt[1:]
+        assert all(p is not None and len(p.top) == 2 and p.logprob <= p.top[0].logprob for p in plps[1:])
+        plain = await collect(engine, EngineRequest(request_id="plain", prompt_token_ids=prompt,
+                                                    sampling=SamplingParams(max_tokens=3, temperature=0.0)))
+        assert all(o.logprobs is None and o.prompt_logprobs is None for o in plain)
+
+        async def text_of(rid: str, structured: StructuredOutput, max_tokens: int = 48) -> str:
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, structured=structured)
+            got = await collect(engine, EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling))
+            assert got[-1].finish_reason == "stop", (rid, got[-1])  # the constraint ended it, not the length
+            return "".join(o.text for o in got)
+
+        assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", await text_of("regex", StructuredOutput(regex=r"[a-z]{3}-[0-9]{2}")))
+        assert await text_of("choice", StructuredOutput(choice=["alpha", "beta"])) in ("alpha", "beta")
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
+                  "required": ["ok", "n"], "additionalProperties": False}
+        jsonschema.validate(json.loads(await text_of("json", StructuredOutput(json=json.dumps(schema)), 64)), schema)
+
+        # A bias of +100 makes one token all the sampler sees.
+        biased = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True, logit_bias={77: 100.0})
+        got = await collect(engine, EngineRequest(request_id="bias", prompt_token_ids=prompt, sampling=biased))
+        assert [t for o in got for t in o.new_token_ids] == [77] * 4
+
+        bad = await collect(engine, EngineRequest(request_id="bad", prompt_token_ids=prompt, sampling=SamplingParams(
+            structured=StructuredOutput(json='{"type": "object", "properties": 5}'))))
+        assert bad[-1].finish_reason == "error" and bad[-1].error
+    finally:
+        await engine.shutdown()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import itertools
 import random
 import time
 from collections import defaultdict
@@ -44,16 +43,13 @@ if not vllm_installed():  # not imported here: the worker process runs it
 import openai  # noqa: E402
 
 from bus import Bus  # noqa: E402
-from ops.natsserver import free_port  # noqa: E402
-from ops.up import Mesh, MeshConfig  # noqa: E402
+from ops.up import Mesh  # noqa: E402
 from proto import KvEventBatch, TokenChunk, WorkerGauge  # noqa: E402
 from proto.hashing import block_hashes  # noqa: E402
 from proto.messages import BlockStored  # noqa: E402
 from services.common.tokenizer import HFTokenizer  # noqa: E402
+from tests.vllm.meshes import BLOCK, MAX_MODEL_LEN, MODEL, vllm_mesh  # noqa: E402
 
-MODEL = "tiny-llama"
-BLOCK = 128  # vLLM's CPU build caches prefixes with 128-token blocks
-MAX_MODEL_LEN = 2048
 # As long as the context allows after the cancel test's 300-token prompt: ~3 s of decoding
 # on CPU, against the ~0.1 s a cancel takes to reach the engine. (A longer context made
 # this 2-core VM stall for seconds after the engine started, often enough to fail runs.)
@@ -61,79 +57,10 @@ CANCELLED_MAX_TOKENS = MAX_MODEL_LEN - 300 - 8
 pytestmark = pytest.mark.timeout(600)
 
 
-def _cpu_supported() -> str | None:
-    """Why vLLM's CPU build cannot run here, or None."""
-    import platform
-
-    machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64"):
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-        if " avx2" not in flags and " avx512f" not in flags:
-            return "this x86 processor has neither AVX2 nor AVX-512, which vLLM's CPU build needs"
-    return None
-
-
 @pytest.fixture(scope="module")
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    reason = _cpu_supported()
-    if reason:
-        pytest.skip(reason)
-    worker_args = [
-        "--engine", "vllm", "--model-dir", str(tiny_model), "--block-size", str(BLOCK), "--max-model-len",
-        str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--enforce-eager", "--cpu-kvcache-space", "1",
-        "--kv-events", "engine", "--gauge-interval", "0.1",
-    ]
-    config = MeshConfig(
-        state_dir=tmp_path_factory.mktemp("mesh"), nats_port=0, http_port=free_port(), model=MODEL, workers=1,
-        worker_args=worker_args, services=("worker", "router", "gateway", "metering"),
-        gateway_args=["--stall-timeout", "60"],
-        # vLLM's own CPU binding: OMP threads leave a core to its scheduler (and, here, to the
-        # rest of the mesh); OMP_NUM_THREADS=all cores starved nats, router and gateway for seconds.
-        extra_env={"VLLM_LOGGING_LEVEL": "WARNING"},
-    )
-    m = Mesh(config)
-    t0 = time.monotonic()
-    try:
-        asyncio.run(m.start(timeout=300))
-    except BaseException as exc:
-        m.stop(timeout=20)
-        log = m.log_dir / "worker-1.log"
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-        if "Illegal instruction" in tail or "not supported on this CPU" in tail.lower():
-            pytest.skip(f"vLLM's CPU build cannot run on this processor: {tail[-500:]}")
-        raise RuntimeError(f"mesh with a vLLM worker did not start: {exc}\n--- worker log tail ---\n{tail}") from exc
-    m.start_seconds = time.monotonic() - t0  # type: ignore[attr-defined]
-    asyncio.run(_settled(m))
-    print(f"\nmesh with a vLLM worker ready in {m.start_seconds:.1f}s")  # type: ignore[attr-defined]
-    yield m
-    codes = m.stop(timeout=60)
-    assert codes.get("worker-1") == 0, f"vLLM worker exited {codes.get('worker-1')} (logs in {m.log_dir})"
-
-
-async def _settled(mesh: Mesh, steady_s: float = 3.0, timeout_s: float = 60.0) -> None:
-    """Wait until the worker's 0.1 s gauges arrive steadily for ``steady_s``. On this 2-core
-    VM the seconds after vLLM's start can starve every other process of CPU (gauges,
-    heartbeats and clients stall for 5-20 s); the timing-sensitive tests start after."""
-    arrivals: list[float] = []
-
-    async def on_gauge(_gauge: WorkerGauge, _msg: object) -> None:
-        arrivals.append(time.monotonic())
-
-    bus = await Bus.open(mesh.settings, "test-vllm-settle", initial_attempts=10)
-    try:
-        await bus.subscribe(bus.subjects.gauges_all, WorkerGauge, on_gauge, answer_decode_errors=False)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            recent = [t for t in arrivals if t >= time.monotonic() - steady_s]
-            gaps = [b - a for a, b in itertools.pairwise(recent)]
-            if recent and recent[0] - (time.monotonic() - steady_s) < 0.5 and gaps and max(gaps) < 0.5:
-                return
-    finally:
-        await bus.close()
+    with vllm_mesh(tiny_model, tmp_path_factory.mktemp("mesh")) as m:
+        yield m
 
 
 @pytest.fixture
@@ -212,7 +139,7 @@ async def watch(mesh: Mesh) -> AsyncIterator[Watch]:
     await bus.subscribe(s.tokens_all, TokenChunk, on_chunk, answer_decode_errors=False)
     await bus.subscribe(s.gauges_all, WorkerGauge, on_gauge, answer_decode_errors=False)
     await bus.subscribe(s.kv_events_all, KvEventBatch, on_kv, answer_decode_errors=False)
-    await bus.nc.flush()
+    await bus.confirm_subscriptions()
     try:
         yield w
     finally:

@@ -287,6 +287,135 @@ def test_sampling_parameters_map_one_to_one() -> None:
     assert engine.sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams())).top_k == 0
 
 
+def test_new_sampling_fields_map_onto_vllm_names() -> None:
+    from proto.messages import SamplingParams, StructuredOutput
+    from services.worker.engines.vllm_args import sampling_kwargs
+
+    sampling = SamplingParams(max_tokens=20, min_p=0.05, logit_bias={5: -100.0, 9: 2.5}, logprobs=3, prompt_logprobs=1,
+                              skip_special_tokens=False, spaces_between_special_tokens=False,
+                              include_stop_str_in_output=True, n=3, structured=StructuredOutput(regex="a+"))
+    kw = sampling_kwargs(sampling)
+    assert kw["n"] == 1  # the worker fans n choices out; vLLM sees one sequence each
+    assert (kw["min_p"], kw["logit_bias"], kw["logprobs"], kw["prompt_logprobs"]) == (0.05, {5: -100.0, 9: 2.5}, 3, 1)
+    assert (kw["skip_special_tokens"], kw["spaces_between_special_tokens"], kw["include_stop_str_in_output"]) == (
+        False, False, True)
+    assert "structured_outputs" not in kw and "output_kind" not in kw  # vLLM objects, built by the engine
+    # Defaults stay vLLM's: no bias, no logprobs.
+    plain = sampling_kwargs(SamplingParams())
+    assert (plain["logit_bias"], plain["logprobs"], plain["prompt_logprobs"], plain["min_p"]) == (None, None, None, 0.0)
+    assert plain["skip_special_tokens"] and plain["spaces_between_special_tokens"]
+    assert not plain["include_stop_str_in_output"]
+    # A migrated continuation: its prompt holds output, and the prompt's logprobs went out already.
+    assert sampling_kwargs(sampling, output_offset=4)["prompt_logprobs"] is None
+    assert sampling_kwargs(sampling, output_offset=4)["logprobs"] == 3
+
+
+def test_structured_outputs_take_exactly_one_constraint() -> None:
+    from proto.messages import StructuredOutput
+    from services.worker.engines.vllm_args import structured_kwargs
+
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    assert structured_kwargs(None) is None
+    assert structured_kwargs(StructuredOutput()) is None
+    assert structured_kwargs(StructuredOutput(json=schema)) == {"json": schema}
+    assert structured_kwargs(StructuredOutput(json_object=True)) == {"json_object": True}
+    assert structured_kwargs(StructuredOutput(regex=r"\d+")) == {"regex": r"\d+"}
+    assert structured_kwargs(StructuredOutput(choice=["yes", "no"])) == {"choice": ["yes", "no"]}
+    assert structured_kwargs(StructuredOutput(grammar='root ::= "a"')) == {"grammar": 'root ::= "a"'}
+    with pytest.raises(ValueError, match="json, regex"):
+        structured_kwargs(StructuredOutput(json=schema, regex="a"))
+
+
+@dataclass
+class LogprobV:
+    """vllm.logprobs.Logprob's fields."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def test_logprobs_from_vllm_positions() -> None:
+    from proto.messages import TokenLogprob, TopLogprob
+    from services.worker.engines.vllm_args import prompt_logprobs, sample_logprobs
+
+    def decode(token_id: int) -> str:
+        return f"<{token_id}>"
+
+    # vLLM's dict per position: the sampled token first, then the top k by rank.
+    outside = {9: LogprobV(-5.0, 7, "z"), 1: LogprobV(-0.5, 1, "a"), 2: LogprobV(-1.0, 2, "b")}  # k=2, sampled rank 7
+    inside = {2: LogprobV(-1.0, 2, "b"), 1: LogprobV(-0.5, 1, "a")}  # k=2, sampled rank 2
+    masked = {3: LogprobV(float("-inf"), 1, None)}  # k=0, no decoded text, -inf (masked by a bias)
+    assert sample_logprobs([9, 2], [outside, inside], 2, decode) == [
+        TokenLogprob(9, "z", -5.0, [TopLogprob(1, "a", -0.5), TopLogprob(2, "b", -1.0)], rank=7),
+        TokenLogprob(2, "b", -1.0, [TopLogprob(1, "a", -0.5), TopLogprob(2, "b", -1.0)], rank=2),
+    ]
+    assert sample_logprobs([3], [masked], 0, decode) == [TokenLogprob(3, "<3>", -9999.0, [], rank=1)]
+    assert sample_logprobs([9], [outside], 0, decode)[0].top == []
+    with pytest.raises(ValueError, match="token 4"):
+        sample_logprobs([4], [outside], 2, decode)
+    with pytest.raises(ValueError):
+        sample_logprobs([9, 2], [outside], 2, decode)  # one dict per token, never fewer
+    # The prompt's first token has none (nothing precedes it).
+    assert prompt_logprobs([5, 9], [None, outside], 1, decode) == [
+        None, TokenLogprob(9, "z", -5.0, [TopLogprob(1, "a", -0.5)], rank=7)]
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_logprobs_from_vllm_own_containers() -> None:
+    """The dict order assumed above is the one vLLM's own logprobs processor builds (list and flat)."""
+    from vllm.logprobs import (
+        append_logprobs_for_next_position,
+        create_prompt_logprobs,
+        create_sample_logprobs,
+    )
+
+    from proto.messages import TokenLogprob, TopLogprob
+    from services.worker.engines.vllm_args import prompt_logprobs, sample_logprobs
+
+    for flat in (False, True):
+        sample = create_sample_logprobs(flat)
+        # As the sampler hands them over: the sampled token, then the top k (k=2).
+        append_logprobs_for_next_position(sample, [9, 1, 2], [-5.0, -0.5, -1.0], ["z", "a", "b"], 7, 2)
+        append_logprobs_for_next_position(sample, [2, 1, 2], [-1.0, -0.5, -1.0], ["b", "a", "b"], 2, 2)
+        assert sample_logprobs([9, 2], list(sample), 2, str) == [
+            TokenLogprob(9, "z", -5.0, [TopLogprob(1, "a", -0.5), TopLogprob(2, "b", -1.0)], rank=7),
+            TokenLogprob(2, "b", -1.0, [TopLogprob(1, "a", -0.5), TopLogprob(2, "b", -1.0)], rank=2),
+        ]
+        prompt = create_prompt_logprobs(flat)
+        append_logprobs_for_next_position(prompt, [4, 4], [-0.1, -0.1], ["d", "d"], 1, 1)
+        assert prompt_logprobs([8, 4], list(prompt), 1, str) == [
+            None, TokenLogprob(4, "d", -0.1, [TopLogprob(4, "d", -0.1)], rank=1)]
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_new_sampling_fields_reach_vllm_sampling_params() -> None:
+    from proto.messages import SamplingParams, StructuredOutput
+    from services.worker.engines.base import EngineRequest
+    from services.worker.engines.vllm import VllmEngine
+
+    engine = VllmEngine(model="/nonexistent/tiny")
+
+    def params(**fields: Any) -> Any:
+        return engine.sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                                                    sampling=SamplingParams(max_tokens=8, **fields)))
+
+    p = params(min_p=0.1, logit_bias={5: -100.0}, logprobs=2, prompt_logprobs=0, skip_special_tokens=False,
+               spaces_between_special_tokens=False, include_stop_str_in_output=True, n=4, seed=1)
+    assert (p.n, p.min_p, p.logit_bias, p.logprobs, p.prompt_logprobs) == (1, 0.1, {5: -100.0}, 2, 0)
+    assert (p.skip_special_tokens, p.spaces_between_special_tokens, p.include_stop_str_in_output) == (False, False, True)
+    assert p.structured_outputs is None and params().logit_bias is None
+    schema = '{"type": "object"}'
+    for structured, field_name, value in (
+        (StructuredOutput(json=schema), "json", schema), (StructuredOutput(json_object=True), "json_object", True),
+        (StructuredOutput(regex="[ab]+"), "regex", "[ab]+"), (StructuredOutput(choice=["x", "y"]), "choice", ["x", "y"]),
+        (StructuredOutput(grammar='root ::= "a"'), "grammar", 'root ::= "a"'),
+    ):
+        so = params(structured=structured).structured_outputs
+        assert getattr(so, field_name) == value, field_name
+        assert so.all_constraints_none() is False
+
+
 def test_cpu_build_kv_cache_default_is_bounded_by_free_memory() -> None:
     from services.worker.engines.vllm_args import default_cpu_kvcache_gib
 

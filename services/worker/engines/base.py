@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
-from proto.messages import FinishReason, KvEvent, SamplingParams, Timings
+from proto.messages import FinishReason, KvEvent, SamplingParams, Timings, TokenLogprob
 
 # Engines the factory can build; ``vllm`` is imported only when asked for, because it
 # pulls in torch and CUDA, which laptops and CI do not have.
@@ -79,6 +79,14 @@ class EngineOutput:
     completion_tokens: int = 0
     timings: Timings = field(default_factory=Timings)  # epoch s; 0.0 where not reached yet
     error: str | None = None
+    # The engine refused the request as sent (never started it): the client's error, not
+    # the engine's (a 400, where an engine failure is a 500).
+    rejected: bool = False
+    # When ``sampling.logprobs`` is set: one entry per id in ``new_token_ids``.
+    logprobs: list[TokenLogprob] | None = None
+    # When ``sampling.prompt_logprobs`` is set, on the request's first output: one entry
+    # per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -178,7 +186,9 @@ class Engine(ABC):
         """Stream the outputs of one request; the last output has ``finish_reason`` set.
 
         Implementations are async generators: the request enters the engine at the
-        first ``__anext__``, not when ``generate`` is called. Invalid requests (prompt longer than
+        first ``__anext__``, not when ``generate`` is called, and counts in ``stats()``
+        before that call first suspends (the worker's gauges rely on it: a gauge that
+        names a request must count its tokens). Invalid requests (prompt longer than
         ``max_model_len``, unknown LoRA adapter, ...) yield one output with
         ``finish_reason="error"`` rather than raising, so the worker always has a final
         chunk to publish; a ``request_id`` already in flight raises ``ValueError``.

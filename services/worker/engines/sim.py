@@ -12,6 +12,12 @@ piling up; when Python falls further behind (very high speeds) it re-anchors to 
 wall clock. Output timings are converted to epoch seconds; rates and step times in
 ``stats()`` are converted to wall-clock seconds (simulated rate × speed), because the
 rest of the mesh compares them with latencies it measures on the wall clock.
+
+What a request generates is the core's alone (``sim_core``): pseudo-text, or with
+``sampling.structured`` a valid instance of the schema, regex, choice or grammar
+(``guided``); log probabilities, ``logit_bias``, stop strings and special-token text
+as ``sim_sampling`` and ``SimCore._sample`` describe. The shell only moves outputs,
+``logprobs`` and ``prompt_logprobs`` included, to the request's stream.
 """
 
 from __future__ import annotations

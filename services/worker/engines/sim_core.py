@@ -18,7 +18,11 @@ behaviour without a GPU:
   the same outputs and timings.
 - Output tokens are pseudo-text derived only from the request's seed (or id), its
   original prompt and the output position, so batching, preemption and migration never
-  change what is generated. Temperature, top-p/k and penalties are accepted and ignored.
+  change what is generated. With ``sampling.structured`` they spell a valid instance of
+  the schema, regex, choice or grammar (``guided``), then EOS. ``logit_bias`` forces and
+  bans tokens, and log probabilities are plausible and consistent with the sampling
+  parameters (``sim_sampling``); temperature, top-p/k, min-p and penalties otherwise
+  leave the text unchanged.
 
 Times inside the core are whatever clock the caller passes (the async shell passes
 simulated seconds); nothing here sleeps or does I/O.
@@ -26,8 +30,10 @@ simulated seconds); nothing here sleeps or does I/O.
 
 from __future__ import annotations
 
+import codecs
 import heapq
 import math
+import random
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,11 +42,21 @@ from typing import Literal
 import xxhash
 
 from proto.hashing import extend_block_hashes, pack_tokens, root_hash
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams, Timings
+from proto.messages import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    SamplingParams,
+    StructuredOutput,
+    Timings,
+)
 from services.common.tokenizer import ByteTokenizer
 
+from . import guided
 from .base import EngineOutput, EngineRequest, EngineStats, FinishReason
 from .sim_profile import DEFAULT_PROFILE, MemoryBudget, SimProfile, load_profile
+from .sim_sampling import SPECIAL_TEXT, Bias, prompt_logprobs, sampled_logprob
 
 _TOK = ByteTokenizer()
 EOS = _TOK.EOS
@@ -231,6 +247,10 @@ class TokenStream:
         self._buf: list[int] = []
         self._words = 0
 
+    @property
+    def key(self) -> bytes:
+        return self._key
+
     @staticmethod
     def key_for(engine_seed: int, seed: int | None, request_id: str, prompt: Sequence[int]) -> bytes:
         h = xxhash.xxh64()
@@ -252,6 +272,42 @@ class TokenStream:
         return buf[i]
 
 
+class GuidedStream:
+    """The output of a structured request: the UTF-8 bytes of one instance of
+    ``structured``, then EOS at every later position. The instance is drawn from a
+    ``random.Random`` seeded by the same key as ``TokenStream``, so a migrated request
+    continues the very instance an uninterrupted run spells."""
+
+    __slots__ = ("_key", "_tokens", "prefix_only", "text")
+
+    def __init__(self, key: bytes, structured: StructuredOutput, max_len: int) -> None:
+        self._key = key
+        # Work bounded by a few times what the engine could ever emit (max_model_len).
+        work = min(max(4 * max_len, 1 << 12), guided.MAX_WORK)
+        self.prefix_only = False
+        try:
+            self.text = guided.generate(structured, random.Random(int.from_bytes(key, "little")), work)
+        except guided.GuidedError:
+            # Its shortest instance is longer than any output (a{100000000}): spell the start
+            # of one, which max_tokens cuts ("length"), as a real engine's would be. In prefix
+            # mode the work bound ends the text rather than failing, so nested minimums
+            # (minItems 10⁹ of minItems 10⁹) cost no more than one (bounded) attempt.
+            # Each step spells at least a character: max_len steps are all a prefix needs.
+            self.prefix_only = True
+            self.text = guided.generate(structured, random.Random(int.from_bytes(key, "little")),
+                                        max(max_len, 1 << 12), prefix_cap=max_len)
+        self._tokens = _TOK.encode(self.text)
+
+    @property
+    def key(self) -> bytes:
+        return self._key
+
+    def token(self, i: int) -> int:
+        if i < len(self._tokens):
+            return self._tokens[i]
+        return self._tokens[-1] if self.prefix_only and self._tokens else EOS  # a prefix never ends
+
+
 # ------------------------------------------------------------------------- sequences
 
 Status = Literal["waiting", "running", "finished"]
@@ -263,9 +319,11 @@ class _Sequence:
     __slots__ = (
         "admit_seq",
         "arrival",
+        "bias",
         "block_hashes",
         "blocks",
         "cached_tokens",
+        "decoder",
         "first_token_at",
         "lora",
         "max_stop_len",
@@ -281,6 +339,7 @@ class _Sequence:
         "salt",
         "sampling",
         "scheduled_at",
+        "special_gap",
         "status",
         "stop_context",
         "stream",
@@ -289,7 +348,9 @@ class _Sequence:
         "token_ids",
     )
 
-    def __init__(self, req: EngineRequest, now: float, order: int, stream: TokenStream) -> None:
+    def __init__(
+        self, req: EngineRequest, now: float, order: int, stream: TokenStream | GuidedStream
+    ) -> None:
         self.request_id = req.request_id
         self.sampling: SamplingParams = req.sampling
         self.priority = req.priority
@@ -315,11 +376,19 @@ class _Sequence:
         self.text = ""  # generated text (this engine's part), stop strings cut off
         self.text_sent = 0
         self.max_stop_len = max((len(s) for s in self.sampling.stop), default=0)
+        # A structured instance is what it is: the bias steers only free text (a real
+        # engine would pick among the grammar's allowed tokens; the sim has no logits).
+        self.bias = Bias({} if isinstance(stream, GuidedStream) else self.sampling.logit_bias)
         # Tail of the output a previous worker produced, so a stop string spanning the
         # migration point is still found.
         prior = req.prompt_token_ids[len(req.prompt_token_ids) - req.output_offset :]
         tail = _TOK.decode(prior) if self.max_stop_len and prior else ""
         self.stop_context = tail[-(self.max_stop_len - 1) :] if self.max_stop_len > 1 else ""
+        # Bytes become text a whole UTF-8 character at a time; primed with the prior
+        # output's last bytes so a character split by the migration point completes here.
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.decoder.decode(_TOK.decode_bytes(prior[-3:]))
+        self.special_gap = False  # a special token's text was last: space the next text
 
     @property
     def num_tokens(self) -> int:
@@ -532,6 +601,7 @@ class SimCore:
                 prompt_tokens=n,
                 timings=Timings(arrival=now, finished=now),
                 error=error,
+                rejected=True,
             )
         if req.output_offset >= sp.max_tokens:
             return EngineOutput(
@@ -542,8 +612,21 @@ class SimCore:
             )
         original_prompt = req.prompt_token_ids[: n - req.output_offset]
         key = TokenStream.key_for(self.config.seed, sp.seed, req.request_id, original_prompt)
+        stream: TokenStream | GuidedStream = TokenStream(key)
+        if sp.structured is not None:
+            try:
+                stream = GuidedStream(key, sp.structured, self.config.max_model_len)
+            except guided.GuidedError as exc:  # the gateway checks; a direct caller may not
+                return EngineOutput(
+                    request_id=req.request_id,
+                    finish_reason="error",
+                    prompt_tokens=n,
+                    timings=Timings(arrival=now, finished=now),
+                    error=f"structured output: {exc}",
+                    rejected=True,
+                )
         self._order += 1
-        seq = _Sequence(req, now, self._order, TokenStream(key))
+        seq = _Sequence(req, now, self._order, stream)
         self._extend_hashes(seq)
         self._seqs[seq.request_id] = seq
         self._push_waiting(seq)
@@ -669,7 +752,15 @@ class SimCore:
                 seq.first_token_at = end
             if finish is not None:
                 self._finish(seq)
-            outputs.append(self._output(seq, [token], delta, finish, end))
+            out = self._output(seq, [token], delta, finish, end)
+            sp = seq.sampling
+            if out.logprobs is not None:
+                pos = seq.output_offset + len(seq.output_ids) - 1
+                out.logprobs.append(sampled_logprob(seq.stream.key, pos, token, sp, seq.bias))
+            if sp.prompt_logprobs is not None and len(seq.output_ids) == 1:
+                original = seq.token_ids[: seq.num_prompt_tokens - seq.output_offset]
+                out.prompt_logprobs = prompt_logprobs(self.config.seed, original, sp.prompt_logprobs)
+            outputs.append(out)
 
         self._window.steps.append(_StepRecord(end, duration, prefill_tokens, sampled))
         self._window.prune(end)
@@ -871,31 +962,43 @@ class SimCore:
 
         Order of checks follows vLLM: length cap first, then (past ``min_tokens``) EOS
         and stop token ids, whose text is not output, then stop strings, which cut the
-        text before the match and win over a length cap.
+        text before the match and win over a length cap. With
+        ``include_stop_str_in_output`` the stop token's text and the matched stop string
+        stay in the text, and nothing is held back (vLLM's detokenizer does the same).
         """
         sp = seq.sampling
         pos = seq.output_offset + len(seq.output_ids)  # absolute output position
         token = seq.stream.token(pos)
-        if token == EOS and (sp.ignore_eos or pos < sp.min_tokens):
-            token = SPACE  # vLLM masks EOS; the stream's separator is the natural stand-in
+        eos_masked = sp.ignore_eos or pos < sp.min_tokens
+        if seq.bias:
+            token = seq.bias.apply(token, eos_masked)
+        if token == EOS and eos_masked:
+            # vLLM masks EOS; the stream's separator is the natural stand-in.
+            token = SPACE if SPACE not in seq.bias.banned else seq.bias.substitute(EOS, True)
         seq.output_ids.append(token)
         seq.token_ids.append(token)
         n_out = pos + 1
         finish: FinishReason | None = None
-        text_token = True
+        stop_token = False
         if n_out >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             finish = "length"
         elif n_out >= sp.min_tokens and (token == EOS or token in sp.stop_token_ids):
             finish = "stop"
-            text_token = False
-        if text_token and ByteTokenizer.OFFSET <= token < _TOK.vocab_size:
-            seq.text += chr(token - ByteTokenizer.OFFSET)  # the stream is ASCII only
-        if sp.stop and n_out > sp.min_tokens and text_token:
-            cut = self._find_stop(seq)
-            if cut is not None:
-                seq.text = seq.text[:cut]
+            stop_token = True
+        added = ""
+        if not stop_token or sp.include_stop_str_in_output:
+            added = self._token_text(seq, token)
+            seq.text += added
+        include = sp.include_stop_str_in_output
+        if sp.stop and n_out > sp.min_tokens and added:
+            hit = self._find_stop(seq, len(added))
+            if hit is not None:
+                start, stop_end = hit
+                seq.text = seq.text[: stop_end if include else start]
                 finish = "stop"
         if finish is not None:
+            upto = len(seq.text)
+        elif include:
             upto = len(seq.text)
         else:
             # Hold back what could still turn out to be the start of a stop string.
@@ -905,20 +1008,44 @@ class SimCore:
         return token, delta, finish
 
     @staticmethod
-    def _find_stop(seq: _Sequence) -> int | None:
-        """Index in ``seq.text`` where the earliest stop string ending in the newest
-        character starts (negative starts, inside the prior output, clamp to 0)."""
+    def _token_text(seq: _Sequence, token: int) -> str:
+        """The text ``token`` adds. Bytes join into UTF-8 characters. Special tokens have
+        text only with ``skip_special_tokens`` off; ``spaces_between_special_tokens``
+        then sets them apart from the text around them by a space, as Hugging Face's
+        decoding joins special tokens and text runs with spaces."""
+        sp = seq.sampling
+        if ByteTokenizer.OFFSET <= token < _TOK.vocab_size:
+            text = seq.decoder.decode(bytes((token - ByteTokenizer.OFFSET,)))
+            if text and seq.special_gap:
+                seq.special_gap = False
+                text = " " + text
+            return text
+        name = SPECIAL_TEXT.get(token)
+        if name is None or sp.skip_special_tokens:
+            return ""
+        if sp.spaces_between_special_tokens:
+            if seq.text or seq.output_offset:
+                name = " " + name
+            seq.special_gap = True
+        return name
+
+    @staticmethod
+    def _find_stop(seq: _Sequence, new_chars: int) -> tuple[int, int] | None:
+        """(start, end) in ``seq.text`` of the stop string that completes earliest within
+        the newest ``new_chars`` characters, ties in list order (vLLM's rule); starts
+        inside the prior output clamp to 0."""
         full = seq.stop_context + seq.text
-        best: int | None = None
+        best: tuple[int, int] | None = None
         for stop in seq.sampling.stop:
             if not stop:
                 continue
-            at = full.find(stop, max(0, len(full) - len(stop)))
-            if at >= 0 and (best is None or at < best):
-                best = at
+            at = full.find(stop, max(0, len(full) - new_chars - len(stop) + 1))
+            if at >= 0 and (best is None or at + len(stop) < best[1]):
+                best = (at, at + len(stop))
         if best is None:
             return None
-        return max(0, best - len(seq.stop_context))
+        ctx = len(seq.stop_context)
+        return max(0, best[0] - ctx), max(0, best[1] - ctx)
 
     def _output(
         self, seq: _Sequence, tokens: list[int], delta: str, finish: FinishReason | None, t: float
@@ -937,4 +1064,6 @@ class SimCore:
                 first_token=seq.first_token_at,
                 finished=t if finish is not None else 0.0,
             ),
+            # A list whenever asked for (empty on an abort), so "present" means "asked".
+            logprobs=[] if seq.sampling.logprobs is not None else None,
         )

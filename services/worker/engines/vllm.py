@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto.messages import AllCleared, BlockStored, KvEvent, Timings
+from proto.messages import AllCleared, BlockStored, KvEvent, Timings, TokenLogprob
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats, FinishReason
 from .vllm_args import (
@@ -51,8 +51,12 @@ from .vllm_args import (
     engine_arguments,
     local_model_dir,
     parse_lora_adapters,
+    prompt_logprobs,
     resolve_model,
+    sample_logprobs,
+    sampling_kwargs,
     scheduled_epoch,
+    structured_kwargs,
     token_prompt,
 )
 from .vllm_kv import KvEventBridge, KvPredictor
@@ -328,27 +332,19 @@ class VllmEngine(Engine):
 
     def sampling_params(self, req: EngineRequest) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        s = req.sampling
-        max_tokens = max(1, s.max_tokens - req.output_offset)
+        structured = structured_kwargs(req.sampling.structured)
         return SamplingParams(
-            n=1,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else 0,
-            min_tokens=min(max(0, s.min_tokens - req.output_offset), max_tokens),
-            max_tokens=max_tokens,
-            stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
-            seed=s.seed,
-            ignore_eos=s.ignore_eos,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            repetition_penalty=s.repetition_penalty,
+            **sampling_kwargs(req.sampling, req.output_offset),
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             output_kind=RequestOutputKind.DELTA,
-            skip_special_tokens=True,
         )
+
+    def _decode(self, token_id: int) -> str:
+        """A token's text alone, where vLLM's logprobs carry none (detokenizing off)."""
+        tokenizer = getattr(self._llm, "tokenizer", None)
+        return str(tokenizer.decode([token_id])) if tokenizer is not None else ""
 
     def _check(self, req: EngineRequest) -> str | None:
         prompt = len(req.prompt_token_ids)
@@ -377,18 +373,28 @@ class VllmEngine(Engine):
             raise ValueError(f"request {rid!r} is already in flight")
         prompt_ids = list(req.prompt_token_ids)
         problem = self._check(req)
+        params: Any = None
+        if problem is None:
+            try:
+                params = self.sampling_params(req)
+            except Exception as exc:  # vLLM's own validation (VLLMValidationError is no ValueError)
+                problem = f"bad sampling parameters: {exc}"
         if problem is not None:
-            yield EngineOutput(request_id=rid, finish_reason="error", error=problem, prompt_tokens=len(prompt_ids),
+            yield EngineOutput(request_id=rid, finish_reason="error", error=problem, rejected=True, prompt_tokens=len(prompt_ids),
                                timings=Timings(arrival=req.arrival_time, finished=time.time()))
             return
         flight = _Flight(rid, len(prompt_ids))
         self._flights[rid] = flight
         self._stats.add(rid, len(prompt_ids))
         stream = self._llm.generate(
-            token_prompt(prompt_ids, req.arrival_time), self.sampling_params(req), rid,
+            token_prompt(prompt_ids, req.arrival_time), params, rid,
             lora_request=self._lora_request(req.lora), priority=-req.priority,  # vLLM: lower runs first
         )
         output_ids: list[int] = []
+        top = req.sampling.logprobs
+        # vLLM sends the prompt's logprobs once, when prefill ends: they ride on the next output.
+        pending_prompt: list[TokenLogprob | None] | None = None
+        prompt_seen = 0
         cached = 0
         scheduled = first_token = 0.0
         finished = False  # a final output was yielded
@@ -408,6 +414,13 @@ class VllmEngine(Engine):
                         self._push_kv(self._predictor.observe(prompt_ids, req.lora))
                 output_ids += new_ids
                 self._stats.progress(rid, len(new_ids))
+                if out.prompt_logprobs:
+                    part = prompt_logprobs(prompt_ids[prompt_seen:prompt_seen + len(out.prompt_logprobs)],
+                                           out.prompt_logprobs, req.sampling.prompt_logprobs or 0, self._decode)
+                    prompt_seen += len(part)
+                    pending_prompt = (pending_prompt or []) + part
+                logprobs = (sample_logprobs(new_ids, completion.logprobs or [], top, self._decode)
+                            if top is not None and completion is not None and new_ids else None)
                 finish: FinishReason | None = None
                 if out.finished:
                     engine_done = True
@@ -420,11 +433,13 @@ class VllmEngine(Engine):
                     continue
                 yield EngineOutput(
                     request_id=rid, new_token_ids=new_ids, text=text, finish_reason=finish,
+                    logprobs=logprobs, prompt_logprobs=pending_prompt,
                     prompt_tokens=len(prompt_ids), cached_tokens=cached, completion_tokens=len(output_ids),
                     timings=Timings(arrival=req.arrival_time, scheduled=scheduled, first_token=first_token,
                                     finished=now if finish else 0.0),
                     error="vLLM ended the request with an error" if finish == "error" else None,
                 )
+                pending_prompt = None
                 if finish is not None:
                     finished = True
                     break

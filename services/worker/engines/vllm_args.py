@@ -1,15 +1,22 @@
 """What crosses into vLLM and back, as plain functions: the engine's arguments, the
-served name and weights, LoRA adapter specs, a prompt as token ids, and when vLLM first
-scheduled a request. No vLLM import at module level (``token_prompt`` imports it when
-called), so these are unit-tested without vLLM.
+served name and weights, LoRA adapter specs, a prompt as token ids, sampling parameters
+(``SamplingParams`` keyword arguments, guided decoding), when vLLM first scheduled a
+request, and its log probabilities as ``proto.TokenLogprob``. No vLLM import at module
+level (``token_prompt`` imports it when called), so these are unit-tested without vLLM.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from proto.messages import SamplingParams, StructuredOutput, TokenLogprob, TopLogprob
+
+# vLLM's OpenAI server reports -inf (a token masked by guided decoding or logit_bias) as
+# this, since JSON has no infinity; the same here, so every API path can serialise it.
+LOGPROB_FLOOR = -9999.0
 
 
 def parse_lora_adapters(spec: Mapping[str, str] | Iterable[str] | str | None) -> dict[str, str]:
@@ -107,3 +114,116 @@ def scheduled_epoch(out: Any, arrival: float, first_token: float) -> float:
         return first_token
     epoch = time.time() - time.monotonic() + ts
     return min(max(epoch, arrival), first_token)
+
+
+def sampling_kwargs(s: SamplingParams, output_offset: int = 0) -> dict[str, Any]:
+    """Keyword arguments of vLLM's ``SamplingParams`` for one sequence (``n=1``: the worker
+    fans n choices out), without ``output_kind`` and ``structured_outputs``.
+
+    ``output_offset`` continues a migrated generation: those tokens count toward
+    ``max_tokens`` and ``min_tokens``, and the prompt's logprobs went out with the first
+    chunk already (the continuation's prompt holds output too), so none are asked again.
+    """
+    max_tokens = max(1, s.max_tokens - output_offset)
+    return {
+        "n": 1,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else 0,
+        "min_p": s.min_p,
+        "min_tokens": min(max(0, s.min_tokens - output_offset), max_tokens),
+        "max_tokens": max_tokens,
+        "stop": list(s.stop) or None,
+        "stop_token_ids": list(s.stop_token_ids) or None,
+        "seed": s.seed,
+        "ignore_eos": s.ignore_eos,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "logit_bias": {int(k): float(v) for k, v in s.logit_bias.items()} or None,
+        "logprobs": s.logprobs,
+        "prompt_logprobs": s.prompt_logprobs if output_offset == 0 else None,
+        "skip_special_tokens": s.skip_special_tokens,
+        "spaces_between_special_tokens": s.spaces_between_special_tokens,
+        "include_stop_str_in_output": s.include_stop_str_in_output,
+    }
+
+
+def structured_kwargs(structured: StructuredOutput | None) -> dict[str, Any] | None:
+    """Keyword arguments of vLLM's ``StructuredOutputsParams`` (None: no guided decoding).
+
+    vLLM takes exactly one constraint; ``json_object`` is ``True`` or unset (``None``), never
+    ``False``, which vLLM would count as a constraint.
+    """
+    if structured is None:
+        return None
+    kinds: dict[str, Any] = {
+        "json": structured.json,
+        "regex": structured.regex,
+        "choice": list(structured.choice) if structured.choice is not None else None,
+        "grammar": structured.grammar,
+        "json_object": True if structured.json_object else None,
+    }
+    chosen = {name: value for name, value in kinds.items() if value is not None}
+    if len(chosen) > 1:
+        raise ValueError(f"structured output sets {', '.join(chosen)}: exactly one is allowed")
+    return chosen or None
+
+
+def sample_logprobs(
+    token_ids: Sequence[int], positions: Sequence[Mapping[int, Any] | None], top: int, decode: Callable[[int], str],
+) -> list[TokenLogprob]:
+    """vLLM's logprobs of generated tokens (one ``{token_id: Logprob}`` dict per id of
+    ``token_ids``) → ``proto.TokenLogprob``, each with the ``top`` most likely tokens."""
+    out: list[TokenLogprob] = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        if not position:
+            raise ValueError(f"vLLM returned no logprobs for generated token {token_id}")
+        out.append(position_logprob(token_id, position, top, decode))
+    return out
+
+
+def prompt_logprobs(
+    token_ids: Sequence[int], positions: Sequence[Mapping[int, Any] | None], top: int, decode: Callable[[int], str],
+) -> list[TokenLogprob | None]:
+    """The same for the prompt: None where vLLM has none (the first token: nothing precedes
+    it), which its flat container gives as an empty dict."""
+    return [None if not position else position_logprob(token_id, position, top, decode)
+            for token_id, position in zip(token_ids, positions, strict=True)]
+
+
+def position_logprob(token_id: int, position: Mapping[int, Any], top: int, decode: Callable[[int], str]) -> TokenLogprob:
+    """One position's ``{token_id: Logprob}`` → ``TokenLogprob`` of ``token_id``.
+
+    vLLM puts the sampled (or prompt) token first, then the ``top`` most likely by rank;
+    when the sampled one is among them the dict holds ``top`` entries, else ``top + 1``.
+    ``TokenLogprob.top`` is the ``top`` most likely alone, most likely first. Token strings
+    are vLLM's ``decoded_token`` (what its own server answers in ``token``), ``decode``
+    where vLLM has none.
+    """
+    entry = position.get(token_id)
+    if entry is None:
+        raise ValueError(f"vLLM returned no logprob for token {token_id}")
+    items = list(position.items())
+    ranked = items[1:] if len(items) > top else sorted(items, key=lambda item: _rank(item[1]))
+    rank = getattr(entry, "rank", None)
+    return TokenLogprob(
+        token_id=token_id, token=_decoded(entry, token_id, decode), logprob=_logprob(entry),
+        top=[TopLogprob(token_id=tid, token=_decoded(lp, tid, decode), logprob=_logprob(lp))
+             for tid, lp in ranked[:top]],
+        rank=int(rank) if rank is not None else 0,
+    )
+
+
+def _rank(lp: Any) -> int:
+    rank = getattr(lp, "rank", None)
+    return int(rank) if rank is not None else 1 << 62
+
+
+def _decoded(lp: Any, token_id: int, decode: Callable[[int], str]) -> str:
+    token = getattr(lp, "decoded_token", None)
+    return str(token) if token is not None else decode(token_id)
+
+
+def _logprob(lp: Any) -> float:
+    return max(float(lp.logprob), LOGPROB_FLOOR)

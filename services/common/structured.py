@@ -1,0 +1,286 @@
+"""Structured outputs: check what a client asks for and build ``proto.StructuredOutput``.
+
+The gateway calls these on ``response_format`` and vLLM's ``structured_outputs`` (or the
+legacy ``guided_*`` fields); the engines enforce the result (vLLM through its guided
+decoding, the sim by spelling an instance, ``services.worker.engines.guided``). Every
+check happens here, before any engine sees the request, so a bad schema, regex or
+grammar is a 400 naming the parameter rather than an engine failure.
+
+Pure and synchronous. Grammars are parsed by ``services.common.gbnf``: the gateway
+rejects garbage with it and the sim engine walks the same parse tree to generate.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.validators
+
+from proto.messages import StructuredOutput
+
+from .gbnf import GrammarError, parse_grammar
+
+MAX_SCHEMA_DEPTH = 64  # deeper is hostile, not a real schema (and would exhaust the stack)
+MAX_CHOICES = 1024
+
+
+class StructuredOutputError(ValueError):
+    """A structured-output request the engines cannot take; ``param`` is the OpenAI
+    parameter path to name in the 400 (e.g. ``response_format.json_schema.schema``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# ------------------------------------------------------------------------- JSON Schema
+
+
+def check_json_schema(schema: object, param: str) -> str:
+    """Check ``schema`` (a dict, or JSON text of one) is a valid JSON Schema whose local
+    ``$ref``s resolve; return it as compact JSON text (``StructuredOutput.json``)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError) as exc:
+            raise StructuredOutputError(f"{param} is not valid JSON: {exc}", param) from None
+    if not isinstance(schema, dict):
+        raise StructuredOutputError(f"{param} must be a JSON Schema object.", param)
+    _check_depth(schema, param)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        at = f" at '{where}'" if where else ""
+        raise StructuredOutputError(f"{param} is not a valid JSON Schema{at}: {exc.message}", param) from None
+    except RecursionError:  # pragma: no cover - _check_depth bounds this first
+        raise StructuredOutputError(f"{param} is nested too deeply.", param) from None
+    _check_refs(schema, schema, param)
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _check_depth(node: object, param: str) -> None:
+    stack: list[tuple[object, int]] = [(node, 0)]
+    while stack:
+        cur, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise StructuredOutputError(f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels.", param)
+        if isinstance(cur, dict):
+            stack.extend((v, depth + 1) for v in cur.values())
+        elif isinstance(cur, list):
+            stack.extend((v, depth + 1) for v in cur)
+
+
+def resolve_pointer(root: object, ref: str) -> object:
+    """The node a local ``$ref`` (``#``, ``#/$defs/x``) names; KeyError if none."""
+    if ref == "#" or ref == "":
+        return root
+    if not ref.startswith("#/"):
+        raise KeyError(ref)
+    node = root
+    for raw in ref[2:].split("/"):
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise KeyError(ref)
+    return node
+
+
+def _check_refs(node: object, root: object, param: str) -> None:
+    """Every ``$ref`` must be local and resolve: neither engine fetches remote schemas."""
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, dict):
+            ref = cur.get("$ref")
+            if isinstance(ref, str):
+                if not (ref == "#" or ref.startswith("#/")):
+                    raise StructuredOutputError(
+                        f"{param}: only local $ref ('#/...') is supported, not {ref!r}.", param
+                    )
+                try:
+                    resolve_pointer(root, ref)
+                except KeyError:
+                    raise StructuredOutputError(f"{param}: $ref {ref!r} does not resolve.", param) from None
+            stack.extend(cur.values())
+        elif isinstance(cur, list):
+            stack.extend(cur)
+
+
+def from_json_schema(schema: object, param: str) -> StructuredOutput:
+    return StructuredOutput(json=check_json_schema(schema, param))
+
+
+# ------------------------------------------------------------------------------ regex
+
+# Constructs the guided-decoding backends compile to automata cannot express.
+_REGEX_UNSUPPORTED = {
+    "GROUPREF": "backreferences",
+    "GROUPREF_EXISTS": "conditional groups",
+    "ASSERT": "lookaround assertions",
+    "ASSERT_NOT": "lookaround assertions",
+}
+
+
+def check_regex(pattern: object, param: str) -> str:
+    """``pattern`` must be a string that compiles and uses no backreference or
+    lookaround (which regex-to-automaton backends reject)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise StructuredOutputError(f"{param} must be a non-empty string.", param)
+    try:
+        re.compile(pattern)
+        parsed = parse_regex(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise StructuredOutputError(f"{param} is not a valid regular expression: {exc}", param) from None
+    stack: list[Any] = [parsed]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, (list, tuple)) or type(cur).__name__ == "SubPattern":
+            for item in cur:
+                stack.append(item)
+            continue
+        name = str(cur)
+        if name in _REGEX_UNSUPPORTED:
+            raise StructuredOutputError(f"{param}: {_REGEX_UNSUPPORTED[name]} are not supported.", param)
+    return pattern
+
+
+def parse_regex(pattern: str) -> Any:
+    """The stdlib's own parse of a pattern (``re._parser``; ``sre_parse`` before 3.11)."""
+    try:
+        from re import _parser  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - Python < 3.11
+        import sre_parse as _parser
+    return _parser.parse(pattern)
+
+
+def from_regex(pattern: object, param: str) -> StructuredOutput:
+    return StructuredOutput(regex=check_regex(pattern, param))
+
+
+# ----------------------------------------------------------------------------- choice
+
+
+def check_choice(choices: object, param: str) -> list[str]:
+    if not isinstance(choices, list) or not choices:
+        raise StructuredOutputError(f"{param} must be a non-empty list of strings.", param)
+    if len(choices) > MAX_CHOICES:
+        raise StructuredOutputError(f"{param} has more than {MAX_CHOICES} choices.", param)
+    for i, c in enumerate(choices):
+        if not isinstance(c, str) or not c:
+            raise StructuredOutputError(f"{param}[{i}] must be a non-empty string.", param)
+    return list(choices)
+
+
+def from_choice(choices: object, param: str) -> StructuredOutput:
+    return StructuredOutput(choice=check_choice(choices, param))
+
+
+def check_grammar(grammar: object, param: str) -> str:
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise StructuredOutputError(f"{param} must be a non-empty grammar string.", param)
+    try:
+        parse_grammar(grammar)
+    except GrammarError as exc:
+        raise StructuredOutputError(f"{param} is not a valid grammar: {exc}", param) from None
+    return grammar
+
+
+def from_grammar(grammar: object, param: str) -> StructuredOutput:
+    return StructuredOutput(grammar=check_grammar(grammar, param))
+
+
+# ----------------------------------------------------------------- request fields
+
+
+def from_response_format(response_format: object, param: str = "response_format") -> StructuredOutput | None:
+    """OpenAI ``response_format``: ``text`` → None, ``json_object``, or ``json_schema``
+    with ``{"name", "schema", "strict"?, "description"?}``."""
+    if not isinstance(response_format, dict):
+        raise StructuredOutputError(f"{param} must be an object.", param)
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise StructuredOutputError(
+            f"{param}.type must be 'text', 'json_object' or 'json_schema', not {kind!r}.", f"{param}.type"
+        )
+    js = response_format.get("json_schema")
+    where = f"{param}.json_schema"
+    if not isinstance(js, dict):
+        raise StructuredOutputError(f"{where} must be an object with 'name' and 'schema'.", where)
+    name = js.get("name")
+    if not isinstance(name, str) or not name:
+        # OpenAI also restricts the characters; vLLM takes any name, and so do we.
+        raise StructuredOutputError(f"{where}.name must be a non-empty string.", f"{where}.name")
+    if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
+        raise StructuredOutputError(f"{where}.strict must be a boolean.", f"{where}.strict")
+    if "description" in js and not isinstance(js["description"], (str, type(None))):
+        raise StructuredOutputError(f"{where}.description must be a string.", f"{where}.description")
+    if "schema" not in js:
+        raise StructuredOutputError(f"{where}.schema is required.", f"{where}.schema")
+    return from_json_schema(js["schema"], f"{where}.schema")
+
+
+_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def from_structured_outputs(value: object, param: str = "structured_outputs") -> StructuredOutput:
+    """vLLM's ``structured_outputs`` object: exactly one of json, regex, choice,
+    grammar, json_object (``structural_tag`` and whitespace options are refused)."""
+    if not isinstance(value, dict):
+        raise StructuredOutputError(f"{param} must be an object.", param)
+    for key in value:
+        if key not in _FIELDS and value[key] is not None:
+            raise StructuredOutputError(f"{param}.{key} is not supported.", f"{param}.{key}")
+    given = [k for k in _FIELDS if value.get(k) is not None and value.get(k) is not False]
+    if len(given) != 1:
+        raise StructuredOutputError(
+            f"{param} must set exactly one of {', '.join(_FIELDS)} (got {len(given)}).", param
+        )
+    key = given[0]
+    where = f"{param}.{key}"
+    if key == "json":
+        return from_json_schema(value[key], where)
+    if key == "regex":
+        return from_regex(value[key], where)
+    if key == "choice":
+        return from_choice(value[key], where)
+    if key == "grammar":
+        return from_grammar(value[key], where)
+    if value[key] is not True:
+        raise StructuredOutputError(f"{where} must be true.", where)
+    return StructuredOutput(json_object=True)
+
+
+def from_guided_fields(fields: Mapping[str, object]) -> StructuredOutput | None:
+    """The legacy ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar`` fields (None values are absent); at most one may be set."""
+    present = {k: v for k, v in fields.items() if v is not None}
+    if not present:
+        return None
+    if len(present) > 1:
+        names = sorted(present)
+        raise StructuredOutputError(f"Only one of {', '.join(names)} may be set.", names[1])
+    key, value = next(iter(present.items()))
+    if key == "guided_json":
+        return from_json_schema(value, key)
+    if key == "guided_regex":
+        return from_regex(value, key)
+    if key == "guided_choice":
+        return from_choice(value, key)
+    if key == "guided_grammar":
+        return from_grammar(value, key)
+    raise StructuredOutputError(f"{key} is not a guided decoding field.", key)

