@@ -49,6 +49,7 @@ from .messages import (
     UsageEvent,
     WorkerGauge,
     WorkerInfo,
+    placement_expired,
     segment_usage,
     usage_dedup_id,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "encode",
     "extend_block_hashes",
     "pack_tokens",
+    "placement_expired",
     "root_hash",
     "segment_usage",
     "subject_token",

@@ -111,6 +111,15 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     reserved_tokens: int = 0  # what admission reserved, reconciled from the usage event
     user: str = ""  # OpenAI ``user``: carried to the usage record
     metadata: dict[str, str] = {}  # OpenAI ``metadata``: carried to the usage record
+    # The placement's deadline (epoch seconds; 0: none), set by the gateway for each
+    # placement: past it the router forwards nothing and no worker takes the request
+    # (``timeout``), so a gateway that stopped waiting for its router may place it itself.
+    place_by: float = 0.0
+
+
+def placement_expired(request: GenerateRequest, now: float) -> bool:
+    """Whether ``request``'s placement deadline passed at wall-clock time ``now``."""
+    return 0.0 < request.place_by <= now
 
 
 class Usage(Struct, kw_only=True, omit_defaults=True):

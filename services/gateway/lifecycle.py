@@ -183,7 +183,7 @@ class ActiveRequest:
             with tracer.start_as_current_span("gateway.route"):
                 placement = await g.upstream.place(RouteRequest(
                     request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
-                ))
+                ), arrived_from=lambda: stream.arrived_from)
             phases.mark("route")
         except BaseException as exc:
             g.dispatcher.close(request_id)
@@ -297,11 +297,12 @@ class ActiveRequest:
         log.warning("request %s: %s; migrating (%d tokens so far)", self.request_id, plan.why, self.completion_tokens)
         self.stream.retire(plan.retire, plan.cutoff)
         self.stream.worker_id = ""  # the next worker's chunks may come before its placement does
+        self.stream.arrived_from = ""
         self._prior_tokens = self.received_tokens
         self.segment_tokens = []
         self.generate = plan.generate
         try:
-            worker_id = await migrate(self.gateway, plan, self.record)
+            worker_id = await migrate(self.gateway, plan, self.record, arrived_from=lambda: self.stream.arrived_from)
         except MeshError as exc:
             return self._error_chunk(ErrorCode.WORKER_LOST, f"{plan.why}; no replica could take the request over: {exc.message}")
         self.span.add_event("migrated", {"from": plan.retire, "to": worker_id, "at_token": len(self.received_tokens)})
@@ -402,9 +403,11 @@ class ActiveRequest:
         return assembler.response(final.usage)
 
 
-async def migrate(g: GatewayService, plan: Migrate, record: RequestRecord) -> str:
+async def migrate(g: GatewayService, plan: Migrate, record: RequestRecord, *,
+                  arrived_from: Callable[[], str] | None = None) -> str:
     """Carry out a migration plan (whoever watches the stream: the request's gateway, or the
     one its client resumed on) and store it in the resume record; the new worker's id.
+    ``arrived_from``: the worker whose chunks of the next segment arrived already, if any.
     Raises MeshError when no replica takes the request."""
     g.spawn(g.upstream.cancel(plan.retire, record.request_id, "migrated away"))  # a stalled worker frees its blocks
     await g.publish_usage(plan.lost_usage, plan.lost_usage_id)
@@ -412,7 +415,8 @@ async def migrate(g: GatewayService, plan: Migrate, record: RequestRecord) -> st
     if record.segment is not None:
         record.segment = plan.generate
     await g.records.save(record)
-    placement = await g.upstream.place(RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers))
+    placement = await g.upstream.place(RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers),
+                                       arrived_from=arrived_from)
     g.metrics.migrations.inc()
     record.worker_id = placement.worker_id
     await g.records.save(record)

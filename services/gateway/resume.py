@@ -124,8 +124,9 @@ class ResumedStream:
             return self._error(plan.message)
         self.stream.retire(plan.retire, plan.cutoff)
         self.stream.worker_id = ""  # the next worker's chunks may come before its placement does
+        self.stream.arrived_from = ""
         try:
-            await migrate(g, plan, record)
+            await migrate(g, plan, record, arrived_from=lambda: self.stream.arrived_from)
         except MeshError as exc:
             return self._error(f"{plan.why}; no replica could take the request over: {exc.message}")
         self.stream.worker_id = record.worker_id

@@ -53,6 +53,9 @@ class RequestStream:
         # The worker streaming it now (empty while it is being placed): only its chunks, and
         # those of retired workers before their cut-off, are taken; asked to resend gaps.
         self.worker_id = ""
+        # While it is being placed: the worker whose chunks arrived (the placement's worker,
+        # should the router's answer never come).
+        self.arrived_from = ""
         self.foreign = 0  # chunks dropped from workers the request was never placed on
         self.gap_checks = 0  # looks into TOKENS (then the worker) since the gap opened
 
@@ -88,6 +91,8 @@ class RequestStream:
         if chunk.seq < self.next_seq or chunk.seq in self._out_of_order:
             self.duplicates += 1
             return
+        if not self.worker_id and chunk.worker_id:
+            self.arrived_from = chunk.worker_id
         self.last_chunk_at = time.monotonic()
         if chunk.seq > self.next_seq:
             self._out_of_order[chunk.seq] = chunk

@@ -2,19 +2,28 @@
 
 ``admit`` asks admission (``mesh.admission.check``), ``place`` asks the router
 (``mesh.router.route``, which forwards the request to the chosen worker), ``cancel``
-tells the serving worker to stop. While no router answers, ``place`` falls back to
+tells the serving worker to stop. While no router is subscribed, ``place`` falls back to
 placing directly on a ready worker of the model from the registry, so a mesh without a
 router still serves; when admission is unreachable the gateway fails open for a grace
 window, then closed (configurable), and counts every such decision.
+
+Each placement carries a deadline (``GenerateRequest.place_by``, the route timeout from
+now): past it the router forwards nothing and no worker takes the request. So when a
+router does not answer in time (stalled, paused), the request is either on the worker
+it was forwarded to, which holds it (its chunks arrived, or a probe finds it), or on no
+worker and never will be: the gateway adopts that worker, or places the request itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from bus import Bus
 from bus.registry import WorkerRegistry
@@ -24,6 +33,7 @@ from proto import (
     CancelRequest,
     ControlReply,
     ErrorCode,
+    GenerateRequest,
     MeshError,
     NoResponders,
     Placement,
@@ -37,6 +47,20 @@ from proto import (
 from .errors import from_mesh_error
 
 log = logging.getLogger(__name__)
+
+
+# A worker's answers that mean "not me, try another": nothing started there.
+DIRECT_REFUSALS = frozenset({ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.TIMEOUT})
+
+
+def pick_holder(probes: Sequence[RequestProbeReply]) -> tuple[str, list[str]]:
+    """Of the workers' answers to a probe for one request, the worker to adopt ("" when
+    none holds it) and any others holding it too (stale copies, to stop): one that has
+    streamed output before one still waiting, then by id (every gateway picks the same)."""
+    holders = sorted((p for p in probes if p.state != "unknown"), key=lambda p: (p.state != "running", p.worker_id))
+    if not holders:
+        return "", []
+    return holders[0].worker_id, [p.worker_id for p in holders[1:]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +77,21 @@ class UpstreamClient:
     def __init__(
         self, bus: Bus, registry: WorkerRegistry, config: UpstreamConfig | None = None,
         clock: Callable[[], float] = time.monotonic, on_unreachable: Callable[[str], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.bus = bus
         self.registry = registry
         self.config = config or UpstreamConfig()
         self.clock = clock
+        self.wall_clock = wall_clock  # placement deadlines (``place_by``) are epoch seconds
         self.on_unreachable = on_unreachable  # told "open" or "closed" for each decision made without admission
         self._admission_seen_at = clock()
         self._round_robin = itertools.count()
         self.admission_fail_open = 0
         self.admission_fail_closed = 0
         self.direct_placements = 0
+        self.router_timeouts = 0  # placements the router did not answer in time
+        self.adopted_placements = 0  # of those, requests found on a worker (the others were placed directly)
 
     async def admit(self, request: AdmissionRequest) -> AdmissionDecision:
         try:
@@ -99,11 +127,47 @@ class UpstreamClient:
             message="admission service unreachable; failing closed",
         )
 
-    async def place(self, route: RouteRequest) -> Placement:
+    def _with_deadline(self, request: GenerateRequest) -> GenerateRequest:
+        return msgspec.structs.replace(request, place_by=self.wall_clock() + self.config.route_timeout_s)
+
+    async def place(self, route: RouteRequest, *, arrived_from: Callable[[], str] | None = None) -> Placement:
+        """Place ``route.request``. ``arrived_from``: the worker whose chunks for it already
+        arrived, if any (adopted when the router does not answer in time)."""
+        route = msgspec.structs.replace(route, request=self._with_deadline(route.request))
         try:
             return await self.bus.request(self.bus.subjects.router_route, route, Placement, timeout=self.config.route_timeout_s)
         except NoResponders:
             return await self._place_directly(route)
+        except RequestTimeout:
+            return await self._after_silent_router(route, arrived_from)
+
+    async def _after_silent_router(self, route: RouteRequest, arrived_from: Callable[[], str] | None) -> Placement:
+        """The router did not answer by the request's deadline: adopt the worker holding
+        the request, or (none took it, and none will) place it directly."""
+        request = route.request
+        self.router_timeouts += 1
+        # The deadline is on the wall clock the router and workers read, the wait was not.
+        if (left := request.place_by - self.wall_clock()) > 0:
+            await asyncio.sleep(left)
+        worker_id = arrived_from() if arrived_from is not None else ""
+        if not worker_id:
+            candidates = [w for w in self.registry.workers if w not in route.exclude_workers]
+            probes = await asyncio.gather(*(
+                self.probe(w, request.request_id, timeout_s=min(1.0, self.config.route_timeout_s)) for w in candidates
+            ))
+            worker_id, others = pick_holder([p for p in probes if p is not None])
+            for other in others:  # cannot happen unless a forward timed out and its cancel is late
+                await self.cancel(other, request.request_id, "superseded")
+        if worker_id:
+            log.warning("router gave no placement for %s in %.1fs; %s holds it", request.request_id,
+                        self.config.route_timeout_s, worker_id)
+            self.adopted_placements += 1
+            info = self.registry.workers.get(worker_id)
+            return Placement(request_id=request.request_id, worker_id=worker_id,
+                             model=info.model if info is not None else request.model, policy="adopted")
+        log.warning("router gave no placement for %s in %.1fs and no worker holds it; placing it directly",
+                    request.request_id, self.config.route_timeout_s)
+        return await self._place_directly(route)
 
     async def _place_directly(self, route: RouteRequest) -> Placement:
         """No router: round robin over ready workers, skipping one that refuses."""
@@ -116,11 +180,10 @@ class UpstreamClient:
         for i in range(min(2, len(candidates))):
             worker = candidates[(start + i) % len(candidates)]
             try:
-                await self.bus.request(
-                    self.bus.subjects.worker_generate(worker.worker_id), request, ControlReply, timeout=self.config.route_timeout_s
-                )
+                await self.bus.request(self.bus.subjects.worker_generate(worker.worker_id), self._with_deadline(request),
+                                       ControlReply, timeout=self.config.route_timeout_s)
             except RemoteError as exc:
-                if exc.code is not ErrorCode.DRAINING:
+                if exc.code not in DIRECT_REFUSALS:
                     raise
                 last = exc
                 continue

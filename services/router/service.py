@@ -15,7 +15,8 @@ the gateway with a ``Placement``. A worker that refuses (draining, no responders
 timeout) costs one retry on a new decision without it (``retry.py`` decides); then the
 gateway gets a typed error (``no_capacity``; ``unknown_model`` for a model nobody ever served).
 On a timeout the first worker is also told to cancel, in case it did take the request
-and only its answer was late, so the request never runs twice.
+and only its answer was late, so the request never runs twice. Past the request's
+``place_by`` (its gateway stopped waiting and places it itself) nothing is forwarded.
 
 Metrics (own Prometheus registry, served on ``metrics_port`` when set, also in
 ``stats()``): placements per worker and policy, prefix-hit and prompt tokens, retries,
@@ -57,6 +58,7 @@ from proto import (
     RequestTimeout,
     RouteRequest,
     WorkerInfo,
+    placement_expired,
 )
 from services.common.feed import FleetFeed
 from services.common.fleet import FleetView
@@ -327,6 +329,8 @@ class RouterService(Service):
                 self.router.release(request.request_id)
                 if not is_refusal(exc.code):
                     raise  # the request itself is at fault: another worker would refuse it too
+                if placement_expired(request, time.time()):
+                    raise  # its gateway stopped waiting and may have placed it itself
                 refusals.append(Refusal(decision.worker_id, exc.code, exc.message))
                 give_up = after_refusal(refusals)
                 if give_up is not None:
@@ -341,6 +345,10 @@ class RouterService(Service):
 
     async def _forward(self, decision: RouteDecision, request: GenerateRequest) -> None:
         """Hand the request to the decision's worker; raises MeshError when it does not take it."""
+        if placement_expired(request, time.time()):
+            # Its gateway stopped waiting for us (we were stalled): it places the request
+            # itself, so forwarding it now could run it twice.
+            raise MeshError(f"request {request.request_id} is past its placement deadline", code=ErrorCode.TIMEOUT)
         forward = request if decision.model == request.model else msgspec.structs.replace(request, model=decision.model)
         s = self.bus.subjects
         try:

@@ -53,6 +53,7 @@ from proto import (
     WorkerGauge,
     WorkerInfo,
     encode,
+    placement_expired,
     unpack_tokens,
     usage_dedup_id,
 )
@@ -267,6 +268,10 @@ class WorkerService(Service):
         if self.state != "ready":
             # Retryable: the router places it elsewhere. No chunk, no usage: nothing started here.
             raise MeshError(f"worker {self.worker_id} is {self.state}", code=ErrorCode.DRAINING)
+        if placement_expired(request, time.time()):
+            # Whoever placed it stopped waiting (a stalled router): the gateway may have
+            # placed it elsewhere. Retryable, nothing started here.
+            raise MeshError(f"request {request.request_id} is past its placement deadline", code=ErrorCode.TIMEOUT)
         try:
             prompt = unpack_tokens(request.prompt) + unpack_tokens(request.prior_output)
             self._validate(request, prompt)
@@ -275,13 +280,16 @@ class WorkerService(Service):
             await self.bus.respond_error(msg, error, status=400)
             await self._finish_rejected(request, error)
             return
-        await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state="ready", in_flight=len(self._requests)))
+        # Held before the reply (and in the same step as the deadline check): a gateway that
+        # stopped waiting for its router probes the workers, and finds every request one took.
         task = asyncio.current_task()
         assert task is not None
         self._requests[request.request_id] = task
         self._state_changed.set()
         self._arrived_at[request.request_id] = time.monotonic()
         try:
+            await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state="ready",
+                                                     in_flight=len(self._requests) - 1))
             with tracer.start_as_current_span(
                 "worker.generate",
                 context=self.bus.remote_context(msg),

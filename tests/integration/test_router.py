@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from nats.aio.msg import Msg
 
@@ -18,6 +22,7 @@ from proto import (
     ControlReply,
     ErrorCode,
     GenerateRequest,
+    MeshError,
     Placement,
     RemoteError,
     RouteRequest,
@@ -27,6 +32,7 @@ from proto import (
 )
 from services.common.fleet import FleetConfig
 from services.gateway.service import GatewayConfig, GatewayService
+from services.gateway.upstream import UpstreamConfig
 from services.router.policy import PolicyConfig, RouterConfig
 from services.router.service import RouterService, RouterServiceConfig
 from services.worker.engines.sim import SimEngine
@@ -83,7 +89,9 @@ RouterFactory = Callable[..., Awaitable[RouterService]]
 async def start_worker(bus_settings: BusSettings) -> AsyncIterator[WorkerFactory]:
     started: list[WorkerService] = []
 
-    async def start(worker_id: str, **engine: object) -> WorkerService:
+    async def start(worker_id: str, *, prepare: Callable[[WorkerService], None] | None = None,
+                    **engine: object) -> WorkerService:
+        """``prepare``: change the worker before it starts (its endpoints bind its handlers then)."""
         options: dict[str, object] = {"speed": 50.0, "max_model_len": 8192, "num_kv_blocks": 4096}
         options.update(engine)
         service = WorkerService(
@@ -91,6 +99,8 @@ async def start_worker(bus_settings: BusSettings) -> AsyncIterator[WorkerFactory
             WorkerConfig(worker_id=worker_id, gauge_interval_s=0.05, drain_timeout_s=5),
             bus_settings,
         )
+        if prepare is not None:
+            prepare(service)
         await service.start()
         started.append(service)
         return service
@@ -322,3 +332,133 @@ async def test_prometheus_metrics(bus: Bus, bus_settings: BusSettings, start_wor
         assert 'meshserve:router_workers{state="placeable"} 1.0' in text
     finally:
         await router.drain_and_close()
+
+
+Post = Callable[[dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+@contextlib.asynccontextmanager
+async def http_gateway(bus: Bus, bus_settings: BusSettings, **upstream: Any) -> AsyncIterator[tuple[GatewayService, Post]]:
+    """A gateway (``upstream``: its ``UpstreamConfig``) and a completions POST with a new key."""
+    gateway = GatewayService(GatewayConfig(port=0, upstream=UpstreamConfig(**upstream)), bus_settings)
+    await gateway.start()
+    try:
+        key, _ = await create_key(bus, org="acme")
+        headers = {"Authorization": f"Bearer {key}"}
+        url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            async def post(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+                for _ in range(50):  # the gateway's key watcher sees the new key
+                    async with http.post(url, json=body, headers=headers) as r:
+                        status, data = r.status, await r.json()
+                    if status != 401:
+                        break
+                    await asyncio.sleep(0.05)
+                return status, data
+
+            yield gateway, post
+    finally:
+        await gateway.drain_and_close()
+
+
+def count_runs(worker: WorkerService, runs: list[tuple[str, str]], hold: asyncio.Event | None = None) -> None:
+    """Record (worker, request) for each request ``worker`` runs (``hold``: output waits for it)."""
+    run = worker._stream
+
+    async def counted(request: GenerateRequest, prompt: list[int], span: Any) -> None:
+        runs.append((worker.worker_id, request.request_id))
+        if hold is not None:
+            await hold.wait()
+        await run(request, prompt, span)
+
+    worker._stream = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("stall", ["before_forwarding", "after_forwarding", "after_forwarding_no_output_yet"])
+async def test_a_router_that_never_answers_neither_loses_nor_doubles_the_request(
+    bus: Bus, bus_settings: BusSettings, start_worker: WorkerFactory, start_router: RouterFactory, stall: str
+) -> None:
+    """A stalled router (SIGSTOP in the chaos soak) gives the gateway no placement. Past the
+    request's ``place_by`` the gateway adopts the worker it was forwarded to (its chunks
+    arrived, or a probe finds it holding the request) or places it itself; the router,
+    waking up, forwards nothing, and no worker would take it."""
+    runs: list[tuple[str, str]] = []
+    output = asyncio.Event()  # the worker's output waits for it (the probe finds the request)
+    for wid in ("w1", "w2"):
+        await start_worker(wid, prepare=lambda w: count_runs(w, runs, output if stall.endswith("no_output_yet") else None))
+    router = await start_router("round_robin")
+    await placeable(router, 2)
+    forward = router._forward
+    wake = asyncio.Event()
+    late_forward: list[str] = []  # how the router's forward ended
+
+    async def stalled(decision: Any, request: GenerateRequest) -> None:
+        if stall == "before_forwarding":
+            await wake.wait()
+        try:
+            await forward(decision, request)
+        except MeshError as exc:
+            late_forward.append(exc.code.value)
+            raise
+        late_forward.append("forwarded")
+        if stall != "before_forwarding":
+            await wake.wait()  # never answers the gateway (until the test ends)
+
+    router._forward = stalled  # type: ignore[method-assign]
+    async with http_gateway(bus, bus_settings, route_timeout_s=1.0) as (gateway, post):
+        body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 8,
+                "ignore_eos": True}
+        answer = asyncio.create_task(post(body))
+        if not output.is_set() and stall.endswith("no_output_yet"):
+            await eventually(lambda: gateway.upstream.adopted_placements > 0 or answer.done(), what="the adoption")
+            output.set()
+        status, data = await answer
+        wake.set()  # the router wakes up
+        await eventually(lambda: bool(late_forward), what="the router's late forward to end")
+        assert status == 200, data
+        assert data["usage"]["completion_tokens"] == 8 and data["choices"][0]["finish_reason"] == "length"
+        assert len(runs) == 1, runs  # one worker ran it, once
+        assert gateway.upstream.router_timeouts == 1
+        if stall == "before_forwarding":
+            assert late_forward == ["timeout"]  # past place_by: not forwarded
+            assert gateway.upstream.direct_placements == 1 and gateway.upstream.adopted_placements == 0
+        else:
+            assert late_forward == ["forwarded"]
+            assert gateway.upstream.adopted_placements == 1 and gateway.upstream.direct_placements == 0
+
+
+async def test_a_worker_refuses_a_request_past_its_placement_deadline(bus: Bus, start_worker: WorkerFactory) -> None:
+    runs: list[tuple[str, str]] = []
+    await start_worker("w1", prepare=lambda w: count_runs(w, runs))
+    late = msgspec.structs.replace(generate(bus, "late", [1, 2, 3]), place_by=time.time() - 1)
+    with pytest.raises(RemoteError) as info:
+        await bus.request(bus.subjects.worker_generate("w1"), late, ControlReply)
+    assert info.value.code is ErrorCode.TIMEOUT and info.value.retryable
+    chunks = await Chunks(bus).start()
+    in_time = msgspec.structs.replace(generate(bus, "in-time", [1, 2, 3]), place_by=time.time() + 60)
+    await bus.request(bus.subjects.worker_generate("w1"), in_time, ControlReply)
+    assert (await chunks.final("in-time")).finish_reason == "length"
+    assert runs == [("w1", "in-time")]
+
+
+@pytest.mark.parametrize("refusal", [ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.TIMEOUT])
+async def test_direct_placement_moves_on_from_a_refusing_worker(
+    bus: Bus, bus_settings: BusSettings, start_worker: WorkerFactory, refusal: ErrorCode
+) -> None:
+    """No router: a worker that answers draining, overloaded or timeout (past ``place_by``)
+    started nothing; the gateway places the request on the next worker."""
+    refused: list[str] = []
+
+    async def refuse(request: GenerateRequest, msg: Msg) -> None:
+        refused.append(request.request_id)
+        raise MeshError(f"w1 says {refusal.value}", code=refusal)
+
+    await start_worker("w1", prepare=lambda w: setattr(w, "handle_generate", refuse))
+    await start_worker("w2")
+    async with http_gateway(bus, bus_settings) as (gateway, post):
+        await eventually(lambda: len(gateway.registry.ready_workers(MODEL)) == 2, what="both workers in the registry")
+        for i in range(4):  # round robin: w1 is asked first at least once
+            status, data = await post({"model": MODEL, "prompt": f"request {i}", "max_tokens": 3, "ignore_eos": True})
+            assert status == 200, data
+            assert data["usage"]["completion_tokens"] == 3
+        assert refused and gateway.upstream.direct_placements == 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proto import AdmissionRequest, NoResponders
-from services.gateway.upstream import UpstreamClient, UpstreamConfig
+from proto import AdmissionRequest, NoResponders, RequestProbeReply
+from services.gateway.upstream import UpstreamClient, UpstreamConfig, pick_holder
 
 
 def test_grace_then_closed_and_every_decision_reported() -> None:
@@ -22,3 +22,14 @@ def test_grace_then_closed_and_every_decision_reported() -> None:
     assert not closed.admitted and closed.reason == "no_capacity"
     assert seen == ["open", "closed"]
     assert (client.admission_fail_open, client.admission_fail_closed) == (1, 1)
+
+
+def test_a_silent_router_s_request_goes_to_the_worker_holding_it() -> None:
+    def reply(worker_id: str, state: Any) -> RequestProbeReply:
+        return RequestProbeReply(worker_id=worker_id, request_id="r", state=state)
+
+    assert pick_holder([]) == ("", [])
+    assert pick_holder([reply("a", "unknown"), reply("b", "unknown")]) == ("", [])
+    assert pick_holder([reply("a", "unknown"), reply("b", "waiting")]) == ("b", [])
+    # two copies (a timed-out forward's cancel still on its way): the one with output wins
+    assert pick_holder([reply("a", "waiting"), reply("c", "running"), reply("b", "waiting")]) == ("c", ["a", "b"])
