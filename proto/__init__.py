@@ -15,6 +15,7 @@ from .hashing import block_hashes, extend_block_hashes, pack_tokens, root_hash, 
 from .messages import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
+    SUPERSEDED,
     AdmissionDecision,
     AdmissionRequest,
     AllCleared,
@@ -58,6 +59,7 @@ from .subjects import Subjects, subject_token, unescape_token
 __all__ = [
     "MESSAGE_TYPES",
     "SCHEMA_VERSION",
+    "SUPERSEDED",
     "AdmissionDecision",
     "AdmissionRequest",
     "AllCleared",

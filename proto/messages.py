@@ -411,10 +411,16 @@ class ControlReply(Struct, kw_only=True, omit_defaults=True):
     message: str = ""
 
 
+# CancelRequest.reason of a copy its placer gave up on (a timed-out forward, a second
+# holder): it must not run, and a copy already running stops and streams and bills nothing.
+SUPERSEDED = "superseded"
+
+
 class CancelRequest(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
     request_id: str
     reason: str = "client disconnected"
+    migrations: int = 0  # the segment cancelled (GenerateRequest.migrations); read with SUPERSEDED
 
 
 class RequestProbe(Struct, kw_only=True, omit_defaults=True):

@@ -28,6 +28,7 @@ import msgspec
 from bus import Bus
 from bus.registry import WorkerRegistry
 from proto import (
+    SUPERSEDED,
     AdmissionDecision,
     AdmissionRequest,
     CancelRequest,
@@ -157,7 +158,7 @@ class UpstreamClient:
             ))
             worker_id, others = pick_holder([p for p in probes if p is not None])
             for other in others:  # cannot happen unless a forward timed out and its cancel is late
-                await self.cancel(other, request.request_id, "superseded")
+                await self.cancel(other, request.request_id, SUPERSEDED, migrations=request.migrations)
         if worker_id:
             log.warning("router gave no placement for %s in %.1fs; %s holds it", request.request_id,
                         self.config.route_timeout_s, worker_id)
@@ -187,7 +188,12 @@ class UpstreamClient:
                     raise
                 last = exc
                 continue
-            except (NoResponders, RequestTimeout) as exc:
+            except NoResponders as exc:
+                last = exc
+                continue
+            except RequestTimeout as exc:
+                # It may have taken it and answered late: that copy is stale (the next worker runs it).
+                await self.cancel(worker.worker_id, request.request_id, SUPERSEDED, migrations=request.migrations)
                 last = exc
                 continue
             self.direct_placements += 1
@@ -203,8 +209,11 @@ class UpstreamClient:
             log.info("probe of %s on %s got no answer: %s", request_id, worker_id, exc)
             return None
 
-    async def cancel(self, worker_id: str, request_id: str, reason: str = "client disconnected") -> None:
+    async def cancel(self, worker_id: str, request_id: str, reason: str = "client disconnected", *,
+                     migrations: int = 0) -> None:
+        """``migrations``: the segment cancelled, which a ``SUPERSEDED`` cancel names."""
         try:
-            await self.bus.publish(self.bus.subjects.worker_cancel(worker_id), CancelRequest(request_id=request_id, reason=reason))
+            await self.bus.publish(self.bus.subjects.worker_cancel(worker_id),
+                                   CancelRequest(request_id=request_id, reason=reason, migrations=migrations))
         except MeshError as exc:
             log.warning("cancel of %s on %s failed: %s", request_id, worker_id, exc)

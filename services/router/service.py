@@ -14,8 +14,9 @@ model rewritten to the resolved pool when an alias or cascade resolved it), and 
 the gateway with a ``Placement``. A worker that refuses (draining, no responders,
 timeout) costs one retry on a new decision without it (``retry.py`` decides); then the
 gateway gets a typed error (``no_capacity``; ``unknown_model`` for a model nobody ever served).
-On a timeout the first worker is also told to cancel, in case it did take the request
-and only its answer was late, so the request never runs twice. Past the request's
+On a timeout the first worker is told its copy is ``superseded``, in case it did take the
+request and only its answer was late (or the request reaches it later still): that copy
+stops, or is refused, and streams and bills nothing, so the request never runs twice. Past the request's
 ``place_by`` (its gateway stopped waiting and places it itself) nothing is forwarded.
 
 Metrics (own Prometheus registry, served on ``metrics_port`` when set, also in
@@ -50,6 +51,7 @@ from prometheus_client import (
 from bus import BusSettings, Service
 from bus.metrics import MetricsServer
 from proto import (
+    SUPERSEDED,
     CancelRequest,
     ControlReply,
     ErrorCode,
@@ -355,10 +357,13 @@ class RouterService(Service):
             await self.bus.request(s.worker_generate(decision.worker_id), forward, ControlReply,
                                    timeout=self.config.forward_timeout_s)
         except RequestTimeout:
-            # It may have started it and only answered late: make sure it stops.
+            if placement_expired(request, time.time()):
+                raise  # its gateway stopped waiting: it adopts the worker holding the request, if any
+            # It may have started it and only answered late, or get it later still: that copy
+            # is stale (the request goes elsewhere), it stops or is refused, and bills nothing.
             with contextlib.suppress(MeshError):
-                await self.bus.publish(s.worker_cancel(decision.worker_id),
-                                       CancelRequest(request_id=request.request_id, reason="router timed out"))
+                await self.bus.publish(s.worker_cancel(decision.worker_id), CancelRequest(
+                    request_id=request.request_id, reason=SUPERSEDED, migrations=request.migrations))
             raise
 
     def _count(self, d: RouteDecision) -> None:

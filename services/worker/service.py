@@ -7,6 +7,11 @@ the request ends. SIGTERM or a drain command drains: the state becomes ``drainin
 new requests are refused with a retryable error, in-flight requests finish (bounded by
 the drain timeout, after which they end with an explicit error chunk), then the worker
 deregisters and exits 0.
+
+A request is held (probes find it) before its placement is answered, and refused past
+its ``place_by``. A copy its placer gave up on (a ``superseded`` cancel, or a later
+segment of the same request arriving) is refused, or stops and streams and bills
+nothing: the copy that runs on reports the request.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from bus.metrics import MetricsServer
 from bus.provision import StreamLimits, workers_bucket
 from bus.runner import MESHSERVE_VERSION
 from proto import (
+    SUPERSEDED,
     CancelRequest,
     ChunkResend,
     ControlCommand,
@@ -71,6 +77,9 @@ tracer = trace.get_tracer("meshserve.worker")
 # so a lost gauge does not lose a name), at most this many of the newest.
 ARRIVALS_WINDOW_S = 2.0
 ARRIVALS_REPORTED = 256
+# How long a superseded copy (request id, segment) is remembered: its cancel may come
+# before the request itself (a router's timed-out forward), which is then refused.
+SUPERSEDED_MEMORY_S = 120.0
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -121,6 +130,8 @@ class _ChunkPublisher:
         self.lock = asyncio.Lock()
 
     async def publish(self, chunk: TokenChunk, *, ack: bool = False) -> None:
+        if self.worker.superseded(self.request):
+            return  # a stale copy: the request's chunks come from the worker it runs on
         async with self.lock:
             chunk.seq = self.seq
             await self.worker._publish_chunk(self.request, chunk, ack=ack)
@@ -149,6 +160,9 @@ class WorkerService(Service):
         self._engine_output_at = time.monotonic()
         self._drain_errors: set[str] = set()  # requests ended by the drain timeout
         self._engine_ids: dict[str, list[str]] = {}  # request id → its engine requests (n choices)
+        self._segments: dict[str, int] = {}  # request id → the segment (migrations) running here
+        # (request id, segment) of copies their placer gave up on → until when remembered
+        self._superseded: dict[tuple[str, int], float] = {}
         self._kv: KeyValue | None = None
         self._kv_seq = -1
         self._state_changed = asyncio.Event()
@@ -268,6 +282,13 @@ class WorkerService(Service):
         if self.state != "ready":
             # Retryable: the router places it elsewhere. No chunk, no usage: nothing started here.
             raise MeshError(f"worker {self.worker_id} is {self.state}", code=ErrorCode.DRAINING)
+        if self.superseded(request):
+            # Its placer gave up on this copy before it came (a timed-out forward): it runs elsewhere.
+            raise MeshError(f"request {request.request_id} was superseded", code=ErrorCode.CANCELLED)
+        running = self._segments.get(request.request_id)
+        if running is not None and request.migrations > running:
+            # A later segment of a request whose earlier copy still runs here: that copy is stale.
+            await self._supersede(request.request_id, running, wait=True)
         if placement_expired(request, time.time()):
             # Whoever placed it stopped waiting (a stalled router): the gateway may have
             # placed it elsewhere. Retryable, nothing started here.
@@ -287,6 +308,7 @@ class WorkerService(Service):
         self._requests[request.request_id] = task
         self._state_changed.set()
         self._arrived_at[request.request_id] = time.monotonic()
+        self._segments[request.request_id] = request.migrations
         try:
             await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state="ready",
                                                      in_flight=len(self._requests) - 1))
@@ -301,6 +323,9 @@ class WorkerService(Service):
         finally:
             self._requests.pop(request.request_id, None)
             self._arrived_at.pop(request.request_id, None)
+            self._segments.pop(request.request_id, None)
+            if self.superseded(request):
+                self._sent.pop(request.request_id, None)  # never to be sent again
             self._forget_sent(request.request_id)
             self._output_at.pop(request.request_id, None)
             self._drain_errors.discard(request.request_id)
@@ -324,6 +349,8 @@ class WorkerService(Service):
         return choices
 
     async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
+        if self.superseded(request):
+            return  # superseded between its arrival and now: nothing to stream or bill
         choices = self._choices(request, prompt)
         self._engine_ids[request.request_id] = [c.engine_id for c in choices]
         publisher = _ChunkPublisher(self, request)
@@ -365,6 +392,8 @@ class WorkerService(Service):
             "meshserve.finish_reason": outcome.finish,
         })
         _phase_spans(timings)
+        if self.superseded(request):
+            return  # a stale copy bills nothing: the copy that runs on reports the request's usage
         await self._publish_usage(request, outcome.billed, outcome.status, timings, outcome.error_text)
 
     async def _run_choice(self, request: GenerateRequest, choice: _Choice, publisher: _ChunkPublisher,
@@ -476,7 +505,32 @@ class WorkerService(Service):
         for engine_id in self._engine_ids.get(request_id, [request_id]):
             await self.engine.abort(engine_id)
 
+    def superseded(self, request: GenerateRequest) -> bool:
+        """Whether this copy of ``request`` (its segment) was superseded: it runs elsewhere."""
+        return (request.request_id, request.migrations) in self._superseded
+
+    async def _supersede(self, request_id: str, segment: int, *, wait: bool) -> bool:
+        """Remember that copy as stale, whether or not it came yet (one still on its way is
+        refused); one running here stops (``wait``: until it ended). Whether one ran."""
+        now = time.monotonic()
+        for key, until in list(self._superseded.items()):
+            if until <= now and self._segments.get(key[0]) != key[1]:  # kept while the copy runs
+                del self._superseded[key]
+        self._superseded[(request_id, segment)] = now + SUPERSEDED_MEMORY_S
+        task = self._requests.get(request_id)
+        if task is None or self._segments.get(request_id) != segment:
+            return False
+        await self._abort(request_id)
+        if wait:
+            await asyncio.wait({task})
+        return True
+
     async def handle_cancel(self, cancel: CancelRequest, msg: Msg) -> None:
+        if cancel.reason == SUPERSEDED:
+            running = await self._supersede(cancel.request_id, cancel.migrations, wait=False)
+            await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state,  # type: ignore[arg-type]
+                                                     message="superseded" if running else "unknown request"))
+            return
         known = cancel.request_id in self._requests
         if known:
             await self._abort(cancel.request_id)

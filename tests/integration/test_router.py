@@ -18,6 +18,8 @@ from nats.aio.msg import Msg
 from bus import Bus, BusSettings
 from ops.keys import create_key
 from proto import (
+    SUPERSEDED,
+    CancelRequest,
     ControlCommand,
     ControlReply,
     ErrorCode,
@@ -462,3 +464,66 @@ async def test_direct_placement_moves_on_from_a_refusing_worker(
             assert status == 200, data
             assert data["usage"]["completion_tokens"] == 3
         assert refused and gateway.upstream.direct_placements == 4
+
+
+async def test_a_superseded_copy_is_refused_or_stops_and_streams_and_bills_nothing(
+    bus: Bus, start_worker: WorkerFactory
+) -> None:
+    """A copy its placer gave up on (the router's timed-out forward): refused when its cancel
+    comes first, stopped when running, with no final chunk and no usage either way (the copy
+    that runs on reports the request); a later segment of the request is no stale copy."""
+    finals: list[tuple[str, int]] = []  # (request, segment) of each final chunk published
+    billed: list[tuple[str, int]] = []  # (request, segment) of each usage event
+
+    def spy(w: WorkerService) -> None:
+        publish_chunk, publish_usage = w._publish_chunk, w._publish_usage
+
+        async def chunk(request: GenerateRequest, chunk: TokenChunk, *, ack: bool = False) -> None:
+            if chunk.finish_reason is not None:
+                finals.append((request.request_id, request.migrations))
+            await publish_chunk(request, chunk, ack=ack)
+
+        async def usage(request: GenerateRequest, *args: Any) -> None:
+            billed.append((request.request_id, request.migrations))
+            await publish_usage(request, *args)
+
+        w._publish_chunk = chunk  # type: ignore[method-assign]
+        w._publish_usage = usage  # type: ignore[method-assign]
+
+    worker = await start_worker("w1", speed=20.0, prepare=spy)
+    chunks = await Chunks(bus).start()
+
+    async def send(request: GenerateRequest) -> ControlReply:
+        return await bus.request(bus.subjects.worker_generate("w1"), request, ControlReply)
+
+    async def supersede(request_id: str, migrations: int = 0) -> ControlReply:
+        return await bus.request(bus.subjects.worker_cancel("w1"), CancelRequest(
+            request_id=request_id, reason=SUPERSEDED, migrations=migrations), ControlReply)
+
+    def segment(request_id: str, migrations: int, max_tokens: int) -> GenerateRequest:
+        return msgspec.structs.replace(generate(bus, request_id, long_prompt(len(request_id), 64), max_tokens),
+                                       migrations=migrations, first_seq=100 * migrations)
+
+    # its cancel came first: refused; a later segment of it is not that copy
+    assert (await supersede("early")).message == "unknown request"
+    with pytest.raises(RemoteError) as info:
+        await send(segment("early", 0, 3))
+    assert info.value.code is ErrorCode.CANCELLED
+    await send(segment("early", 1, 3))
+    assert (await chunks.final("early")).finish_reason == "length"
+
+    # running when its cancel comes: it stops, without a final chunk or usage
+    await send(segment("running", 0, 400))
+    await eventually(lambda: bool(chunks.chunks["running"]), what="the copy's first chunk")
+    assert (await supersede("running")).message == "superseded"
+    await eventually(lambda: "running" not in worker._requests, what="the stale copy to stop")
+
+    # a later segment arriving while a stale copy runs: the copy stops, the segment runs
+    await send(segment("moved", 0, 400))
+    await eventually(lambda: bool(chunks.chunks["moved"]), what="the first segment's first chunk")
+    await send(segment("moved", 1, 3))
+    final = await chunks.final("moved")
+    assert final.finish_reason == "length" and final.seq >= 100
+
+    assert finals == [("early", 1), ("moved", 1)]
+    assert billed == [("early", 1), ("moved", 1)]
