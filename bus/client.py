@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -52,6 +54,34 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream de-duplication
 # Headers carry a few hundred bytes besides the payload; keep that much slack.
 _HEADER_SLACK = 1024
+# JetStream's 409 "duplicate message id is in process": another publisher's message with
+# this Nats-Msg-Id is being stored (an R3 stream) right now. Asked again, the server
+# answers with the ack of the stored duplicate.
+DUPLICATE_IN_PROCESS = 10158
+_DUPLICATE_WAIT_S = 0.02
+_MAX_DUPLICATE_WAITS = 100  # 2 s: storing one message in an R3 stream takes milliseconds
+
+
+def _duplicate_in_process(exc: Exception) -> bool:
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code == DUPLICATE_IN_PROCESS
+
+
+# js_publish's few quick attempts retry these.
+_JS_RETRYABLE = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.ConnectionClosedError)
+
+
+def _retryable_until_stored(exc: Exception) -> bool:
+    """Worth retrying for minutes: the stream is without a leader (an election), missing
+    (being recreated), or did not answer in time. A closed connection stays closed."""
+    return isinstance(exc, TimeoutError | nats.js.errors.NoStreamResponseError
+                      | nats.js.errors.ServiceUnavailableError | nats.js.errors.ServerError) or _duplicate_in_process(exc)
+
+
+def backoff_delay(attempt: int, first_s: float, max_s: float, rand: Callable[[], float] = random.random) -> float:
+    """The wait before retry ``attempt`` (0-based): doubling from ``first_s`` up to ``max_s``,
+    each drawn from its upper half, so publishers failing together do not retry together."""
+    ceiling = min(max_s, first_s * 2 ** min(attempt, 30))
+    return ceiling * (0.5 + 0.5 * rand())
 
 
 def _ssl_context(settings: BusSettings) -> ssl.SSLContext | None:
@@ -141,6 +171,11 @@ class Bus:
         self.subjects: Subjects = settings.subjects
         self.js: JetStreamContext = nc.jetstream()
         self.decode_errors = 0  # bad messages received and dropped (counted, logged)
+        # js_publish_until_stored: publishes waiting for JetStream now, and since when one
+        # has been failing (None: no outage; each outage is logged once, not per attempt)
+        self.js_publishes_waiting = 0
+        self.js_publishes_given_up = 0
+        self._js_outage_since: float | None = None
         # Called after every reconnect: state that may have missed messages re-checks itself.
         self.reconnect_listeners: list[Callable[[], None]] = []
 
@@ -209,14 +244,87 @@ class Bus:
         if msg_id:
             headers[MSG_ID_HEADER] = msg_id
         last: Exception | None = None
-        for attempt in range(attempts):
+        attempt = duplicates = 0
+        while attempt < attempts:
             try:
                 await self.js.publish(subject, data, timeout=timeout, headers=headers)
                 return
-            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.ConnectionClosedError) as exc:
+            except nats.js.errors.APIError as exc:
+                if not _duplicate_in_process(exc) or duplicates >= _MAX_DUPLICATE_WAITS:
+                    raise
+                # Not a failure: another publisher's copy is being stored; ask again for its ack.
+                duplicates += 1
+                await asyncio.sleep(_DUPLICATE_WAIT_S)
+                continue
+            except _JS_RETRYABLE as exc:
                 last = exc
                 await asyncio.sleep(0.1 * (2**attempt))
+            attempt += 1
         raise RequestTimeout(f"JetStream publish to {subject} not acknowledged after {attempts} attempts: {last!r}")
+
+    async def js_publish_until_stored(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        *,
+        msg_id: str,
+        give_up_after_s: float = 600.0,
+        timeout: float = 5.0,
+        first_delay_s: float = 0.1,
+        max_delay_s: float = 10.0,
+    ) -> bool:
+        """Publish into JetStream until the server acks it, for up to ``give_up_after_s``
+        (exponential backoff with jitter); False when it gave up. For messages whose loss
+        matters and that can wait (usage events), run in the background: their stream may
+        be without a leader, or missing, for a while. ``msg_id`` makes every attempt, and
+        any other publisher of the same message, store it once.
+
+        An outage is logged once per Bus (when publishes start failing, and when one is
+        stored again), not per attempt nor per message; a message given up on is logged."""
+        data = encode(message)
+        self.check_payload(data, subject)
+        headers = inject_headers({MSG_ID_HEADER: msg_id})
+        deadline = time.monotonic() + give_up_after_s
+        attempt = 0
+        self.js_publishes_waiting += 1
+        try:
+            while True:
+                try:
+                    await self.js.publish(subject, data, timeout=timeout, headers=headers)
+                except (nats.errors.Error, OSError) as exc:
+                    if not _retryable_until_stored(exc):
+                        self.js_publishes_given_up += 1
+                        log.error("JetStream publish to %s (msg id %s) refused: %r", subject, msg_id, exc)
+                        return False
+                    if _duplicate_in_process(exc):  # not a failure: the other publisher's ack comes next
+                        delay = _DUPLICATE_WAIT_S
+                    else:
+                        if self._js_outage_since is None:
+                            self._js_outage_since = time.monotonic()
+                            log.warning("JetStream publishes failing (%s: %r); retrying in the background for up to %.0fs",
+                                        subject, exc, give_up_after_s)
+                        delay = backoff_delay(attempt, first_delay_s, max_delay_s)
+                        attempt += 1
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.js_publishes_given_up += 1
+                        log.error("JetStream publish to %s (msg id %s) given up after %d attempts over %.0fs: %r",
+                                  subject, msg_id, attempt, give_up_after_s, exc)
+                        return False
+                    await asyncio.sleep(min(delay, remaining))
+                    continue
+                if self._js_outage_since is not None:
+                    log.warning("JetStream publishes stored again after %.1fs of failures (%d still waiting)",
+                                time.monotonic() - self._js_outage_since, self.js_publishes_waiting - 1)
+                    self._js_outage_since = None
+                return True
+        except asyncio.CancelledError:
+            if attempt:
+                log.warning("JetStream publish to %s (msg id %s) abandoned after %d failed attempts (shutting down)",
+                            subject, msg_id, attempt)
+            raise
+        finally:
+            self.js_publishes_waiting -= 1
 
     # ---- request / reply --------------------------------------------------------------
     async def request(

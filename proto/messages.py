@@ -160,7 +160,8 @@ class TokenChunk(Struct, kw_only=True, omit_defaults=True):
     """worker → gateway over TOKENS: a coalesced run of generated tokens.
 
     ``seq`` counts chunks from 0 (or the request's ``first_seq`` after migration); the
-    last chunk of a request has ``finish_reason`` set and carries usage and timings.
+    last chunk of a request has ``finish_reason`` set and carries usage and timings (and,
+    from a worker, its ``usage_event``).
 
     With ``SamplingParams.n`` > 1 each chunk holds one choice's tokens (``index``) and a
     choice's end is a chunk with ``choice_finish_reason``; ``finish_reason`` still marks
@@ -184,6 +185,10 @@ class TokenChunk(Struct, kw_only=True, omit_defaults=True):
     timings: Timings | None = None
     error: ErrorInfo | None = None
     worker_id: str = ""
+    # On the request's last chunk: the usage event its worker publishes into USAGE. The
+    # gateway publishes it too, under the same de-duplication id, so the request is billed
+    # even when the worker dies before its own publish is stored (a USAGE election).
+    usage_event: UsageEvent | None = None
 
 
 class WorkerInfo(Struct, kw_only=True, omit_defaults=True):

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.js import api
 
 from bus import Bus, BusSettings
 from ops.natsserver import NatsServer, cluster, free_port
 from ops.up import Mesh, MeshConfig
+from proto import UsageEvent, decode
 
 
 @pytest.fixture
@@ -55,6 +57,22 @@ async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def read_usage(bus: Bus) -> list[UsageEvent]:
+    """Every event in the USAGE stream."""
+    info = await bus.js.stream_info(bus.subjects.usage_stream)
+    events: list[UsageEvent] = []
+    if info.state.messages == 0:
+        return events
+    sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
+                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+    while len(events) < info.state.messages:
+        for msg in await sub.fetch(info.state.messages - len(events), timeout=5):
+            events.append(decode(msg.data, UsageEvent))
+            await msg.ack()
+    await sub.unsubscribe()
+    return events
 
 
 async def _wait_for_jetstream(urls: list[str], timeout: float = 20.0) -> None:

@@ -45,6 +45,11 @@ class GatewayConfig:
     # A request its client stopped waits this long for the worker's final chunk (the
     # usage it billed) before the gateway ends it with its own count.
     stop_grace_s: float = 5.0
+    # The worker's usage event rides on a request's final chunk; the gateway publishes it
+    # too (same dedup id) this long after that chunk, so the worker's copy usually wins,
+    # retrying until USAGE stores it for up to usage_retry_s.
+    usage_echo_delay_s: float = 0.5
+    usage_retry_s: float = 600.0
     # Stored Responses API responses (``store``, the default) can be retrieved and
     # continued (``previous_response_id``) this long: the TTL of their KV bucket. OpenAI
     # keeps them 30 days; a week bounds the bucket's disk at a rate a mesh sustains.

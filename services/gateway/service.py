@@ -25,7 +25,7 @@ from bus import BusSettings, Service
 from bus.keys import KeyStore
 from bus.provision import requests_bucket
 from bus.registry import WorkerRegistry
-from proto import MeshError, RequestRecord, UsageEvent
+from proto import MeshError, RequestRecord, UsageEvent, usage_dedup_id
 
 from .auth import Authenticator
 from .config import GatewayConfig
@@ -70,7 +70,8 @@ class GatewayService(Service):
         self.models = ModelCatalog(self.registry, self.config.model_limits, self.config.aliases)
         kv = await requests_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
         self.records = ResumeRecords(kv)
-        self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks)
+        self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks,
+                                          on_usage=self.echo_usage)
         await self.dispatcher.start()
         # A worker gone from the registry: its streams check on it now, not at their next
         # quiet second (they migrate at once; the others find their worker listed).
@@ -144,6 +145,19 @@ class GatewayService(Service):
             await self.bus.js_publish(self.bus.subjects.usage(event.org), event, msg_id=dedup_id)
         except MeshError as exc:
             log.warning("request %s: usage event not published (%s)", event.request_id, exc)
+
+    def echo_usage(self, event: UsageEvent) -> None:
+        """A worker's usage event, off a request's final chunk: published here too, under the
+        same dedup id, so the request is billed once even when its worker dies before USAGE
+        stores its own copy (a leader election). Off the request's path, and a little after
+        the worker's publish, which usually wins: this copy is then a cheap duplicate."""
+        self.spawn(self._echo_usage(event), name=f"usage-{event.request_id}")
+
+    async def _echo_usage(self, event: UsageEvent) -> None:
+        await asyncio.sleep(self.config.usage_echo_delay_s)
+        await self.bus.js_publish_until_stored(self.bus.subjects.usage(event.org), event,
+                                               msg_id=usage_dedup_id(event.request_id, event.migrations),
+                                               give_up_after_s=self.config.usage_retry_s)
 
     def keep_for_resume(self, record: RequestRecord) -> None:
         """The client of a resumable request went away: its worker generates on for the resume

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -21,9 +22,13 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from bus import Bus
-from proto import ChunkResend, ControlReply, DecodeError, TokenChunk, decode
+from proto import ChunkResend, ControlReply, DecodeError, TokenChunk, UsageEvent, decode, usage_dedup_id
 
 log = logging.getLogger(__name__)
+
+# Usage events lately handed to ``on_usage`` (by dedup id): a final chunk seen again
+# (live, then from TOKENS; on a resume) is handed on once.
+USAGE_SEEN = 4096
 
 
 def is_void(chunk: TokenChunk, retired: dict[str, int]) -> bool:
@@ -158,8 +163,12 @@ class RequestStream:
 
 
 class TokenDispatcher:
-    def __init__(self, bus: Bus, gateway_id: str, *, gap_fill_after_s: float = 0.5, max_buffered: int = 4096) -> None:
+    def __init__(self, bus: Bus, gateway_id: str, *, gap_fill_after_s: float = 0.5, max_buffered: int = 4096,
+                 on_usage: Callable[[UsageEvent], None] | None = None) -> None:
         self.bus = bus
+        # Told the usage event a final chunk carries (whether or not anyone reads its stream).
+        self.on_usage = on_usage
+        self._usage_seen: OrderedDict[str, None] = OrderedDict()
         self.max_buffered = max_buffered
         self.gateway_id = gateway_id
         self.gap_fill_after_s = gap_fill_after_s
@@ -198,11 +207,25 @@ class TokenDispatcher:
             self.bus.decode_errors += 1
             log.warning("dropped bad token chunk on %s: %s", msg.subject, exc)
             return
+        if chunk.usage_event is not None:
+            self._usage(chunk)
         stream = self.streams.get(chunk.request_id)
         if stream is None:
             self.unroutable += 1
             return
         stream.deliver(chunk)
+
+    def _usage(self, chunk: TokenChunk) -> None:
+        event = chunk.usage_event
+        if event is None or self.on_usage is None or event.request_id != chunk.request_id:
+            return
+        key = usage_dedup_id(event.request_id, event.migrations)
+        if key in self._usage_seen:
+            return
+        self._usage_seen[key] = None
+        if len(self._usage_seen) > USAGE_SEEN:
+            self._usage_seen.popitem(last=False)
+        self.on_usage(event)
 
     async def _gap_watch(self) -> None:
         while True:
@@ -275,9 +298,13 @@ class TokenDispatcher:
 
         async def on_message(msg: Msg) -> None:
             try:
-                queue.put_nowait(decode(msg.data, TokenChunk))
+                chunk = decode(msg.data, TokenChunk)
             except DecodeError:
                 self.bus.decode_errors += 1
+                return
+            if chunk.usage_event is not None:  # a final chunk missed live, or one a resume replays
+                self._usage(chunk)
+            queue.put_nowait(chunk)
 
         sub = await self.bus.js.subscribe(
             subject,

@@ -98,6 +98,9 @@ class WorkerConfig:
     # a gap TOKENS cannot fill (a chunk lost in a dying NATS node's socket) can have them
     # sent again (``ChunkResend``); 0 keeps none.
     chunk_retention_s: float = 10.0
+    # A usage event is published in the background until USAGE stores it, for this long
+    # (the gateway publishes the copy on the final chunk too).
+    usage_retry_s: float = 600.0
 
 
 def default_worker_id(model: str) -> str:
@@ -372,19 +375,24 @@ class WorkerService(Service):
             outcomes, migrations=request.migrations,
             finished_before=len(request.finished_choices))
         usage, timings = outcome.usage, outcome.timings
+        event = self._usage_event(request, outcome.billed, outcome.status, timings, outcome.error_text)
         if request.sampling.n <= 1:
             # One choice: its last tokens ride on the request's final chunk.
             token_ids, text, logprobs = choices[0].tail
             final = TokenChunk(request_id=request.request_id, seq=0, token_ids=token_ids, text=text, logprobs=logprobs,
                                finish_reason=outcome.finish, usage=usage, timings=timings, error=outcome.error,
-                               worker_id=self.worker_id)
+                               worker_id=self.worker_id, usage_event=event)
         else:
             final = TokenChunk(request_id=request.request_id, seq=0, finish_reason=outcome.finish, usage=usage,
-                               timings=timings, error=outcome.error, worker_id=self.worker_id)
+                               timings=timings, error=outcome.error, worker_id=self.worker_id, usage_event=event)
         streamed = sum(c.streamed for c in choices)
         # Metrics before the final chunk: whoever sees the request end sees it counted.
         self.metrics.observe_request(outcome.finish, usage.prompt_tokens, usage.cached_tokens, streamed, timings)
-        await publisher.publish(final, ack=True)
+        try:
+            await publisher.publish(final, ack=True)
+        finally:  # billed even when the final chunk's ack never came; a stale copy bills nothing
+            if not self.superseded(request):
+                self._publish_usage(request, event)
         span.set_attributes({
             "gen_ai.usage.input_tokens": usage.prompt_tokens,
             "gen_ai.usage.output_tokens": usage.completion_tokens,
@@ -392,9 +400,6 @@ class WorkerService(Service):
             "meshserve.finish_reason": outcome.finish,
         })
         _phase_spans(timings)
-        if self.superseded(request):
-            return  # a stale copy bills nothing: the copy that runs on reports the request's usage
-        await self._publish_usage(request, outcome.billed, outcome.status, timings, outcome.error_text)
 
     async def _run_choice(self, request: GenerateRequest, choice: _Choice, publisher: _ChunkPublisher,
                           *, single: bool) -> None:
@@ -462,9 +467,9 @@ class WorkerService(Service):
         if self.config.chunk_retention_s > 0:
             self._sent.setdefault(request.request_id, (request.token_subject, {}))[1][chunk.seq] = chunk
 
-    async def _publish_usage(self, request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None,
-                             error: str) -> None:
-        event = UsageEvent(
+    def _usage_event(self, request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None,
+                     error: str) -> UsageEvent:
+        return UsageEvent(
             request_id=request.request_id,
             org=request.org,
             key_id=request.key_id,
@@ -484,21 +489,30 @@ class WorkerService(Service):
             user=request.user,
             metadata=request.metadata,
         )
-        await self.bus.js_publish(
-            self.bus.subjects.usage(request.org), event, msg_id=usage_dedup_id(request.request_id, request.migrations)
-        )
+
+    def _publish_usage(self, request: GenerateRequest, event: UsageEvent) -> None:
+        """Publish ``event`` in the background, off the request's path, until USAGE stores it
+        (it may be without a leader for a while); the drain waits for it like a request."""
+        self.spawn(self.bus.js_publish_until_stored(
+            self.bus.subjects.usage(request.org), event, msg_id=usage_dedup_id(request.request_id, request.migrations),
+            give_up_after_s=self.config.usage_retry_s,
+        ), name=f"usage-{request.request_id}")
 
     async def _finish_rejected(self, request: GenerateRequest, error: MeshError) -> None:
         """A request refused for what it is: an error chunk and a usage record, never silence."""
         if not request.token_subject:
             return
+        event = self._usage_event(request, Usage(), "failed", None, error.message)
         chunk = TokenChunk(
             request_id=request.request_id, seq=request.first_seq, finish_reason="error",
             error=ErrorInfo(code=error.code.value, message=error.message), usage=Usage(), worker_id=self.worker_id,
+            usage_event=event,
         )
-        with contextlib.suppress(MeshError):
-            await self._publish_chunk(request, chunk, ack=True)
-            await self._publish_usage(request, Usage(), "failed", None, error.message)
+        try:
+            with contextlib.suppress(MeshError):
+                await self._publish_chunk(request, chunk, ack=True)
+        finally:
+            self._publish_usage(request, event)
 
     async def _abort(self, request_id: str) -> None:
         """Stop every engine request of ``request_id`` (its n choices)."""

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
-from nats.js import api
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from bus import Bus, BusSettings
@@ -27,13 +26,12 @@ from proto import (
     RemoteError,
     SamplingParams,
     TokenChunk,
-    UsageEvent,
     WorkerGauge,
-    decode,
     pack_tokens,
 )
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
+from tests.conftest import read_usage
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-llama-8b"
@@ -85,22 +83,6 @@ async def collector(bus: Bus) -> ChunkCollector:
     c = ChunkCollector(bus)
     await c.start()
     return c
-
-
-async def read_usage(bus: Bus) -> list[UsageEvent]:
-    """Every event in the USAGE stream."""
-    info = await bus.js.stream_info(bus.subjects.usage_stream)
-    events: list[UsageEvent] = []
-    if info.state.messages == 0:
-        return events
-    sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
-                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
-    while len(events) < info.state.messages:
-        for msg in await sub.fetch(info.state.messages - len(events), timeout=5):
-            events.append(decode(msg.data, UsageEvent))
-            await msg.ack()
-    await sub.unsubscribe()
-    return events
 
 
 def assert_complete(chunks: list[TokenChunk], max_tokens: int) -> None:
