@@ -332,3 +332,37 @@ async def test_a_worker_whose_connection_closes_leaves_the_registry_at_once(bus:
         await registry.stop()
 
 
+async def test_two_publishers_of_one_message_id_both_succeed(nats_cluster: list[NatsServer]) -> None:
+    """Two publishers of one message (a worker and its gateway, the same usage event) race on
+    an R3 stream: the one whose copy arrives while the other's is being stored gets a 409
+    "duplicate message id is in process"; it asks again and gets the stored one's ack."""
+    setup = await Bus.open(BusSettings(servers=tuple(n.url for n in nats_cluster)), "setup", initial_attempts=20)
+    publishers: list[Bus] = []
+    try:
+        await provision(setup.js, setup.subjects, replicas=3)
+        info = await setup.js.stream_info(setup.subjects.usage_stream)
+        assert info.cluster is not None
+        # One publisher on each follower of the stream's leader: their copies reach the
+        # leader one hop away each, so one often arrives while the other is being replicated.
+        followers = [n for n in nats_cluster if n.server_name != info.cluster.leader]
+        publishers = [await Bus.open(BusSettings(servers=(node.url,)), f"publisher-{i}", initial_attempts=20)
+                      for i, node in enumerate(followers)]
+        ids = [f"race-{i}" for i in range(1500)]
+
+        async def publish(bus: Bus, msg_id: str, until_stored: bool) -> None:
+            event = TokenChunk(request_id=msg_id, seq=0)
+            if until_stored:
+                assert await bus.js_publish_until_stored(setup.subjects.usage("o"), event, msg_id=msg_id)
+            else:
+                await bus.js_publish(setup.subjects.usage("o"), event, msg_id=msg_id, attempts=1)
+
+        # Each publisher uses each method for half the messages; neither raises nor gives up.
+        # In rounds: the race is won by chance, and each round gives it many chances.
+        for start in range(0, len(ids), 300):
+            await asyncio.gather(*(publish(bus, msg_id, (i + j) % 2 == 0)
+                                   for i, msg_id in enumerate(ids[start:start + 300]) for j, bus in enumerate(publishers)))
+        info = await setup.js.stream_info(setup.subjects.usage_stream)
+        assert info.state.messages == len(ids)  # each stored once
+    finally:
+        for client in (*publishers, setup):
+            await client.close()
