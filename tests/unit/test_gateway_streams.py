@@ -1,9 +1,13 @@
-"""RequestStream: ordering, duplicates, gaps, voided chunks of a lost worker, the slow-client bound."""
+"""RequestStream: ordering, duplicates, gaps, voided chunks of a lost worker, the slow-client bound;
+the dispatcher handing on final chunks' usage events."""
 
 from __future__ import annotations
 
-from proto import TokenChunk
-from services.gateway.streams import RequestStream
+from types import SimpleNamespace
+from typing import Any, cast
+
+from proto import TokenChunk, UsageEvent, encode
+from services.gateway.streams import RequestStream, TokenDispatcher
 
 
 def chunk(seq: int, worker: str = "w1", final: bool = False) -> TokenChunk:
@@ -114,3 +118,19 @@ def test_only_the_placed_worker_and_retired_history_are_taken() -> None:
     stream.worker_id = ""  # being placed: whoever streams is taken
     stream.deliver(chunk(2, "next"))
     assert drain(stream) == [2]
+
+
+async def test_a_final_chunks_usage_event_is_handed_on_once() -> None:
+    """Live, again from TOKENS, or for a request nobody reads any more: once per dedup id."""
+    handed: list[UsageEvent] = []
+    dispatcher = TokenDispatcher(cast(Any, None), "gw", on_usage=handed.append)
+    event = UsageEvent(request_id="r", org="o", key_id="k", model="m", completion_tokens=3)
+    final = TokenChunk(request_id="r", seq=3, finish_reason="length", usage_event=event)
+    for _ in range(2):  # no stream is open for "r": its client went away
+        await dispatcher._on_message(cast(Any, SimpleNamespace(data=encode(final), subject="t")))
+    segment = UsageEvent(request_id="r", org="o", key_id="k", model="m", completion_tokens=2, migrations=1)
+    await dispatcher._on_message(cast(Any, SimpleNamespace(data=encode(TokenChunk(
+        request_id="r", seq=5, finish_reason="length", usage_event=segment)), subject="t")))
+    forged = TokenChunk(request_id="other", seq=0, finish_reason="length", usage_event=event)
+    await dispatcher._on_message(cast(Any, SimpleNamespace(data=encode(forged), subject="t")))
+    assert handed == [event, segment]
