@@ -30,6 +30,7 @@ from proto import (
     RouteRequest,
     SamplingParams,
     TokenChunk,
+    UsageEvent,
     pack_tokens,
 )
 from services.common.fleet import FleetConfig
@@ -483,9 +484,9 @@ async def test_a_superseded_copy_is_refused_or_stops_and_streams_and_bills_nothi
                 finals.append((request.request_id, request.migrations))
             await publish_chunk(request, chunk, ack=ack)
 
-        async def usage(request: GenerateRequest, *args: Any) -> None:
+        def usage(request: GenerateRequest, event: UsageEvent) -> None:
             billed.append((request.request_id, request.migrations))
-            await publish_usage(request, *args)
+            publish_usage(request, event)
 
         w._publish_chunk = chunk  # type: ignore[method-assign]
         w._publish_usage = usage  # type: ignore[method-assign]
