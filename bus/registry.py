@@ -11,6 +11,11 @@ heartbeat expires: a killed worker is gone from every service within about a sec
 The heartbeat stays the fallback for a worker that hangs while connected, and for a NATS
 server that publishes no advisories. The entry it left is ignored until a newer
 heartbeat (a restarted or reconnected worker) arrives.
+
+When every heartbeat goes stale at once, the bucket is what failed (a NATS node died and
+the bucket has no leader, so no heartbeat is stored), not every worker: no worker expires
+until ``OUTAGE_TTLS`` TTLs have passed (``expired_heartbeats``). A silent worker among
+live ones still expires at one TTL.
 """
 
 from __future__ import annotations
@@ -36,6 +41,28 @@ log = logging.getLogger(__name__)
 
 Listener = Callable[[str, WorkerInfo | None], None]
 
+# How many TTLs every heartbeat may be stale at once before workers expire: a JetStream
+# leader election takes seconds, but a bucket left without a leader for a while (a node
+# restarting) must not drop the whole fleet, whose requests would then all migrate.
+OUTAGE_TTLS = 3.0
+
+
+def expired_heartbeats(heartbeats: dict[str, float], now: float, ttl_s: float,
+                       outage_ttls: float = OUTAGE_TTLS) -> list[str]:
+    """The workers whose heartbeat (``worker id → heartbeat_at``, 0 = none yet) has expired.
+
+    Workers heartbeat every ttl/4 (staggered), so while the bucket stores heartbeats the
+    newest is younger than ttl/2: then a heartbeat older than ``ttl_s`` expires. When none
+    is that young, heartbeats stopped being stored (not every worker died at once), and
+    only those older than ``outage_ttls`` TTLs expire.
+    """
+    beats = {worker_id: at for worker_id, at in heartbeats.items() if at}
+    if not beats:
+        return []
+    stored = now - max(beats.values()) < ttl_s / 2
+    limit = ttl_s if stored else ttl_s * outage_ttls
+    return [worker_id for worker_id, at in beats.items() if now - at > limit]
+
 
 class WorkerRegistry:
     def __init__(self, bus: Bus, *, ttl_s: float | None = None, clock: Callable[[], float] = time.time,
@@ -56,6 +83,7 @@ class WorkerRegistry:
         self._kv: KeyValue | None = None
         self._synced = asyncio.Event()
         self._last_entry_at = time.monotonic()  # any watch update; workers heartbeat every ttl/4
+        self._heartbeats_stalled = False  # every heartbeat stale at once: logged once
 
     def on_change(self, listener: Listener) -> None:
         """``listener(worker_id, info)``; ``info`` is None when the worker is gone."""
@@ -182,9 +210,17 @@ class WorkerRegistry:
                 continue
             self.reap()
 
-    def reap(self) -> None:
-        cutoff = self.clock() - self.ttl_s
-        for worker_id, info in list(self.workers.items()):
-            if info.heartbeat_at and info.heartbeat_at < cutoff:
-                log.info("worker %s heartbeat expired", worker_id)
-                self._set(worker_id, None)
+    def reap(self) -> list[str]:
+        """Drop the workers whose heartbeat expired (``expired_heartbeats``); their ids."""
+        now = self.clock()
+        newest = max((info.heartbeat_at for info in self.workers.values()), default=0.0)
+        stalled = bool(newest) and now - newest >= self.ttl_s / 2
+        if stalled and not self._heartbeats_stalled:
+            log.warning("no worker heartbeat stored for %.0fs (the bucket may have no leader): "
+                        "workers expire only after %.0fs", now - newest, self.ttl_s * OUTAGE_TTLS)
+        self._heartbeats_stalled = stalled
+        gone = expired_heartbeats({w: info.heartbeat_at for w, info in self.workers.items()}, now, self.ttl_s)
+        for worker_id in gone:
+            log.info("worker %s heartbeat expired (%.0fs old)", worker_id, now - self.workers[worker_id].heartbeat_at)
+            self._set(worker_id, None)
+        return gone
