@@ -7,6 +7,10 @@ let in-flight work finish within a timeout, then close the connection cleanly.
 
 A service subclasses ``Service``, registers endpoints and subscriptions in
 ``on_start``, and runs its long work through ``spawn`` so the drain can wait for it.
+
+A service that cannot start for want of JetStream (a cluster electing a leader, a server
+still coming up) is built again and retried for ``JETSTREAM_WAIT_S`` by ``run_service``:
+nothing restarts a service under ``meshserve up``, so exiting would leave it down.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import nats.micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -44,6 +49,27 @@ log = logging.getLogger(__name__)
 T = TypeVar("T", bound=msgspec.Struct)
 
 MESHSERVE_VERSION = "0.1.0"
+
+# How long run_service keeps building a service again while JetStream is unavailable
+# (a leader election takes seconds; a node restarting, tens of seconds).
+JETSTREAM_WAIT_S = 120.0
+
+
+def jetstream_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) says JetStream did not answer: no
+    responders on its API (not enabled, no leader), a 503, or a request nobody answered
+    in time (``nats: timeout``, what an election looks like to a client)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                                nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError)):
+            return True
+        if isinstance(current, nats.js.errors.APIError) and current.code == 503:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class Service:
@@ -234,6 +260,28 @@ class Service:
         """Begin a drain (what SIGTERM does); safe to call from tests."""
         self._stop.set()
 
+    async def stop_requested(self, within_s: float) -> bool:
+        """Whether a stop is (or within ``within_s`` becomes) requested."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), within_s)
+        return self._stop.is_set()
+
+    async def abandon_start(self) -> None:
+        """Undo what a failed ``start`` began (tasks, ``on_start``'s resources, the
+        connection), best effort: the instance is not used again."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.on_stop(), self.drain_timeout_s)
+        except Exception as exc:  # on_start may have got only part of the way
+            log.debug("%s: on_stop after a failed start: %r", self.name, exc)
+        with contextlib.suppress(Exception):
+            await self.stop_endpoints()
+        if self._bus is not None:
+            with contextlib.suppress(Exception):
+                await self._bus.close()
+
     async def start(self) -> None:
         """Connect, provision, register with NATS micro, run ``on_start``; then ready."""
         setup_tracing(self.name)
@@ -292,16 +340,54 @@ class Service:
         return 0 if finished else 3
 
 
-def run_service(service_factory: Callable[[], Service], options: RunOptions | None = None) -> int:
+def _reason(exc: BaseException) -> str:
+    """One line saying why JetStream did not answer."""
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError) and not exc.description:
+        return "no JetStream answered: not enabled, or no leader"
+    return " ".join((str(exc) or type(exc).__name__).split())
+
+
+def run_service(service_factory: Callable[[], Service], options: RunOptions | None = None, *,
+                jetstream_wait_s: float = JETSTREAM_WAIT_S) -> int:
     """Process entry point: uvloop, logging (``options``' level and format), then ``Service.serve``.
 
-    ``options.settings`` are the factory's to pass to the service it builds.
+    ``options.settings`` are the factory's to pass to the service it builds. A start that
+    fails for want of JetStream (``jetstream_unavailable``) builds the service again and
+    retries, with backoff, for up to ``jetstream_wait_s``; any other failure, or the last
+    one, ends the process as before.
     """
     import uvloop
 
     async def main() -> int:
+        began = time.monotonic()
+        delay = 0.5
+        attempt = 1
         service = service_factory()
         setup_logging(service.name, level=options.log_level if options else None, fmt=options.log_format if options else None)
-        return await service.serve()
+        while True:
+            try:
+                return await service.serve()
+            except Exception as exc:
+                waited = time.monotonic() - began
+                if service.started_at or not jetstream_unavailable(exc):
+                    raise
+                if waited + delay > jetstream_wait_s:
+                    log.error("%s could not start: JetStream did not answer for %.0fs; giving up", service.name, waited)
+                    raise
+                reason = _reason(exc)
+                log.warning("%s could not start for want of JetStream (%s); starting it again in %.1fs "
+                            "(attempt %d failed, %.0fs of %.0fs waited)", service.name, reason, delay, attempt, waited, jetstream_wait_s)
+                await service.abandon_start()
+                # Whatever the failed instance left running (on_start got part of the way, and
+                # its on_stop may not know) goes too: this process runs only the service.
+                leftovers = asyncio.all_tasks() - {asyncio.current_task()}
+                for task in leftovers:
+                    task.cancel()
+                await asyncio.gather(*leftovers, return_exceptions=True)
+                if await service.stop_requested(delay):  # SIGTERM while waiting: nothing to drain
+                    return 0
+            attempt += 1
+            delay = min(delay * 2, 10.0)
+            service = service_factory()
 
     return uvloop.run(main())

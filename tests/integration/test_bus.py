@@ -228,6 +228,57 @@ async def test_service_subprocess_drains_on_sigterm(bus: Bus, nats_url: str) -> 
             proc.kill()
 
 
+class NoJetStreamServer(NatsServer):
+    """A nats-server without JetStream: its API has no responders, as in an election."""
+
+    def config_text(self) -> str:
+        text = super().config_text()
+        start = text.index("jetstream {")
+        return text[:start] + text[text.index("}\n", start) + 2:]
+
+
+async def test_a_service_that_cannot_start_for_want_of_jetstream_comes_up_once_it_can(tmp_path: Path) -> None:
+    # Under `meshserve up` nothing restarts a service that exits: one started while
+    # JetStream is unavailable (a NATS node killed, a leader being elected) must keep
+    # trying, and come up once JetStream answers (here: the server restarted with it).
+    server: NatsServer = NoJetStreamServer(store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log").start()
+    env = {**os.environ, "MESHSERVE_NATS_URL": server.url, "PYTHONPATH": str(ROOT)}
+    log_path = tmp_path / "service.log"
+    with open(log_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests/integration/slow_service.py")], env=env, cwd=ROOT, stderr=err)
+    bus: Bus | None = None
+    try:
+        from tests.conftest import eventually
+
+        retried = lambda: "for want of JetStream" in log_path.read_text()  # noqa: E731
+        await eventually(lambda: retried() or proc.poll() is not None, timeout=60, what="the service to fail to start")
+        assert proc.poll() is None, f"the service exited ({proc.returncode}):\n{log_path.read_text()}"
+        retry_lines = [line for line in log_path.read_text().splitlines() if "for want of JetStream" in line]
+        assert "starting it again in" in retry_lines[0]
+        server.stop()
+        server = NatsServer(store_dir=tmp_path / "nats", port=server.port, log_file=tmp_path / "nats.log").start()
+        bus = await Bus.open(BusSettings(servers=(server.url,)), "test-client", initial_attempts=20)
+        reply = None
+        for _ in range(300):
+            assert proc.poll() is None, f"the service exited ({proc.returncode}):\n{log_path.read_text()}"
+            try:
+                reply = await bus.request("test.slow.work", ControlCommand(command="status", reason="up"), ControlReply, timeout=5)
+                break
+            except NoResponders:
+                await asyncio.sleep(0.2)
+        assert reply is not None and reply.message == "up", log_path.read_text()
+        assert (await bus.js.stream_info(bus.subjects.tokens_stream)).config.name  # it provisioned its streams
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30) == 0
+    finally:
+        if bus is not None:
+            await bus.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.stop()
+
+
 async def test_kv_event_batches_decode_on_the_far_side(bus: Bus) -> None:
     from proto import AllCleared, BlockRemoved, BlockStored
 
