@@ -31,6 +31,8 @@ class GatewayConfig:
     liveness_check_s: float = 1.0  # how often a silent stream checks on its worker
     silence_fill_s: float = 2.0  # a stream this quiet re-reads TOKENS for chunks it missed
     max_migrations: int = 2  # a request moves to another replica at most this often
+    # A migrating request that finds no replica ready waits this long for one to come (back).
+    migration_wait_s: float = 15.0
     stream_buffer_chunks: int = 4096  # chunks held for one slow client before it is cut
     # A resumable request (header X-Meshserve-Resumable: true) whose client vanished keeps
     # generating this long, waiting for a resume, before its worker is told to stop.

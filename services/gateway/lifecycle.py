@@ -35,6 +35,7 @@ from proto import (
     ErrorInfo,
     GenerateRequest,
     MeshError,
+    Placement,
     RemoteError,
     RequestRecord,
     RouteRequest,
@@ -47,7 +48,7 @@ from proto import (
 )
 
 from .errors import from_admission, from_mesh_error, overloaded
-from .migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration
+from .migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration, replica_wait
 from .openai_api import new_request_id
 from .output import ChoiceAssembler
 from .streams import RequestStream
@@ -415,12 +416,46 @@ async def migrate(g: GatewayService, plan: Migrate, record: RequestRecord, *,
     if record.segment is not None:
         record.segment = plan.generate
     await g.records.save(record)
-    placement = await g.upstream.place(RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers),
+    placement = await place_when_ready(g, RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers),
                                        arrived_from=arrived_from)
     g.metrics.migrations.inc()
     record.worker_id = placement.worker_id
     await g.records.save(record)
     return placement.worker_id
+
+
+async def place_when_ready(g: GatewayService, route: RouteRequest, *,
+                           arrived_from: Callable[[], str] | None = None) -> Placement:
+    """Place a migrating request; while no replica can take it (``migration.replica_wait``),
+    wait for one to be listed and ask again, up to ``migration_wait_s``. Raises MeshError.
+    ``arrived_from``: as for ``UpstreamClient.place``."""
+    began = time.monotonic()
+    waiting = False
+    while True:
+        try:
+            return await g.upstream.place(route, arrived_from=arrived_from)
+        except MeshError as exc:
+            waited = time.monotonic() - began
+            pause = replica_wait(str(exc.code), waited, g.config.migration_wait_s)
+            if pause is None and waiting:
+                raise MeshError(f"{exc.message} (waited {waited:.0f}s for a replica)", code=exc.code) from exc
+            if pause is None:
+                raise
+            if not waiting:
+                log.warning("request %s: no replica can take it over (%s); waiting up to %.0fs for one",
+                            route.request.request_id, exc.message, g.config.migration_wait_s)
+                waiting = True
+        await _replica_listed(g, route, pause)
+
+
+async def _replica_listed(g: GatewayService, route: RouteRequest, within_s: float) -> None:
+    """Until the registry lists a ready worker that may take ``route`` (at most ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    await asyncio.sleep(min(0.2, within_s))  # not a tight loop while the router lags the registry
+    while time.monotonic() < deadline:
+        if any(w.worker_id not in route.exclude_workers for w in g.registry.ready_workers(route.request.model)):
+            return
+        await asyncio.sleep(0.1)
 
 
 async def give_up(g: GatewayService, plan: GiveUp, request_id: str) -> None:

@@ -27,6 +27,7 @@ DEV_KEY_FILE_ENV = "MESHSERVE_DEV_KEY_FILE"
 _OPTIONS = {"host": "host", "port": "port", "gateway_id": "gateway_id", "tls_cert": "tls_cert", "tls_key": "tls_key",
             "max_body_bytes": "max_body_bytes", "max_in_flight": "max_in_flight", "stall_timeout": "stall_timeout_s",
             "stream_buffer": "stream_buffer_chunks", "max_migrations": "max_migrations",
+            "migration_wait": "migration_wait_s",
             "resume_window": "resume_window_s", "responses_ttl": "responses_ttl_s"}
 # option dest → OidcConfig field (the rest of the section comes from --oidc-config)
 _OIDC_OPTIONS = {"oidc_issuer": "issuer", "oidc_audience": "audience", "oidc_jwks_uri": "jwks_uri",
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"chunks buffered for one slow client before it is cut {_default('stream_buffer_chunks')}")
     parser.add_argument("--max-migrations", type=int, default=None,
                         help=f"times one request may move to another replica {_default('max_migrations')}")
+    parser.add_argument("--migration-wait", type=_seconds, default=None,
+                        help="seconds a migrating request waits for a replica when none is ready "
+                             + _default("migration_wait_s"))
     parser.add_argument("--resume-window", type=float, default=None,
                         help="seconds a resumable request (X-Meshserve-Resumable) outlives its lost client "
                              + _default("resume_window_s"))

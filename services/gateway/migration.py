@@ -13,6 +13,11 @@ and the limits. The verdict is one of:
   to any other worker.
 
 No I/O and no clock: the shell passes ``now`` (wall clock, for the usage event).
+
+Placing the next segment can find no replica ready (a 1-worker pool whose worker is
+restarting, every worker of a pool down at once): ``replica_wait`` says how long the
+shell waits before asking again, up to the gateway's ``migration_wait_s``, rather than
+failing the request at once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import msgspec
 
 from proto import (
+    ErrorCode,
     GenerateRequest,
     RequestProbeReply,
     Usage,
@@ -33,6 +39,20 @@ from proto import (
 )
 
 from .stall import queued_on_live_worker
+
+# Placement errors that mean no replica can take the request now, though one may come (a
+# restart, a scale-up; "unknown model" from a router that has not seen the pool back yet).
+NO_REPLICA_YET = frozenset({ErrorCode.NO_CAPACITY.value, ErrorCode.UNKNOWN_MODEL.value})
+REPLICA_POLL_S = 1.0  # at most this long between placement attempts while waiting
+
+
+def replica_wait(code: str, waited_s: float, wait_limit_s: float) -> float | None:
+    """Seconds to wait before placing a migrating request again after placement failed with
+    ``code``, having waited ``waited_s`` so far; None: give up (another error, or waited
+    ``wait_limit_s``)."""
+    if code not in NO_REPLICA_YET or waited_s >= wait_limit_s:
+        return None
+    return min(REPLICA_POLL_S, wait_limit_s - waited_s)
 
 
 @dataclass(frozen=True, slots=True)

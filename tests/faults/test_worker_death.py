@@ -172,3 +172,38 @@ async def _resume_after_worker_death(mesh: Mesh) -> None:
         assert report.rows and report.rows[0].completion_tokens == expected
     finally:
         await bus.close()
+
+
+def test_requests_wait_for_a_restarting_worker_when_no_other_can_take_them(tmp_path: Path) -> None:
+    # A 1-worker pool: its worker dies mid-stream and nothing else can take the requests.
+    # They wait (--migration-wait) for the worker to come back, then finish identically.
+    with running_mesh(tmp_path / "mesh", workers=1, speed=2.0,
+                      gateway_args=["--stall-timeout", "2", "--migration-wait", "60"]) as mesh:
+        asyncio.run(_wait_for_restart(mesh))
+
+
+async def _wait_for_restart(mesh: Mesh) -> None:
+    key = mesh.dev_key
+    gateway_log = mesh.log_dir / "gateway.log"
+    async with aiohttp.ClientSession(mesh.gateway_url, timeout=aiohttp.ClientTimeout(total=180)) as http:
+        reference = {seed: sse_text((await _stream(http, key, seed))[1]) for seed in range(2)}
+        tasks = [asyncio.create_task(_stream(http, key, seed % 2)) for seed in range(4)]
+        await asyncio.sleep(1.0)  # every stream is under way
+        victim = next(p for p in mesh.processes if p.label == "worker-1")
+        victim.kill()
+        # The requests find no replica: wait until the gateway says they wait for one (without
+        # the wait they fail at once), then the worker comes back (a new process, a new id).
+        deadline = time.monotonic() + 60
+        while "no replica can take it over" not in gateway_log.read_text() and not all(t.done() for t in tasks):
+            assert time.monotonic() < deadline, "the gateway never waited for a replica"
+            await asyncio.sleep(0.1)
+        mesh.add_process(mesh.worker_process(2))
+        results = await asyncio.gather(*tasks)
+
+    for i, (_, events, _) in enumerate(results):
+        ids = [e for e, _ in events]
+        assert len(ids) == len(set(ids)), "an event id repeated"
+        assert events[-1][1] == "[DONE]", events[-3:]
+        assert sse_text(events) == reference[i % 2], f"request {i}: text differs from the uninterrupted run"
+        usage = sse_usage(events)
+        assert usage is not None and usage["completion_tokens"] == TOKENS

@@ -8,7 +8,16 @@ import asyncio
 import msgspec
 
 from proto import GenerateRequest, RequestProbeReply, SamplingParams, TokenChunk, pack_tokens, unpack_tokens
-from services.gateway.migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration
+from services.gateway.migration import (
+    REPLICA_POLL_S,
+    GiveUp,
+    Migrate,
+    MigrationLimits,
+    Segment,
+    Stay,
+    plan_migration,
+    replica_wait,
+)
 from services.gateway.streams import RequestStream
 
 LIMITS = MigrationLimits(stall_timeout_s=30.0, max_migrations=2)
@@ -109,3 +118,15 @@ def test_n_choices_continue_each_from_its_own_tokens() -> None:
     assert [unpack_tokens(p) for p in nxt.prior_outputs] == [[1, 2], [], [3, 4, 5]]
     assert nxt.finished_choices == [2] and nxt.prior_output == b"" and nxt.first_seq == 9
     assert plan.lost_usage.completion_tokens == 5  # every choice's streamed tokens, billed once
+
+
+def test_a_migration_that_finds_no_replica_waits_for_one_up_to_the_limit() -> None:
+    # No replica ready (a 1-worker pool whose worker restarts): ask again, at most every
+    # REPLICA_POLL_S, until the wait limit; other placement errors fail at once.
+    assert replica_wait("no_capacity", 0.0, 15.0) == REPLICA_POLL_S
+    assert replica_wait("unknown_model", 3.0, 15.0) == REPLICA_POLL_S
+    assert replica_wait("no_capacity", 14.5, 15.0) == 0.5
+    assert replica_wait("no_capacity", 15.0, 15.0) is None
+    assert replica_wait("no_capacity", 0.0, 0.0) is None  # --migration-wait 0: the old behaviour
+    assert replica_wait("bad_request", 0.0, 15.0) is None
+    assert replica_wait("timeout", 0.0, 15.0) is None
