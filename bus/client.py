@@ -432,5 +432,12 @@ class Bus:
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()
-            except (TimeoutError, nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError):
-                await self.nc.close()
+            except (TimeoutError, nats.errors.ConnectionClosedError, nats.errors.FlushTimeoutError,
+                    nats.errors.ConnectionReconnectingError):  # no server to drain to (it died): just close
+                try:
+                    await self.nc.close()
+                except (RuntimeError, OSError):
+                    # While reconnecting, nats-py writes its unsent buffer into the dead socket
+                    # (uvloop: "the handler is closed"; asyncio: "Connection lost") after
+                    # marking the client closed: closed it is.
+                    log.debug("NATS connection closed while reconnecting; unsent messages dropped")

@@ -201,6 +201,12 @@ class NatsServer:
             raise RuntimeError(f"nats-server exited at start-up (code {self._proc.returncode})"
                                + (f": {said}" if said else "") + (f" (log: {self.log_file})" if self.log_file else ""))
 
+    def exit_report(self) -> str:
+        """``server name (exit N): its last log line`` for a server that has exited."""
+        code = self._proc.returncode if self._proc is not None else None
+        said = last_line(self.log_file)
+        return f"{self.server_name} (exit {code})" + (f": {said}" if said else "")
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None

@@ -356,6 +356,15 @@ class Mesh:
                     raise StartupError(f"no worker ready after {timeout:.0f}s (logs in {self.log_dir})")
                 await asyncio.sleep(0.5 if progress else 0.2)
 
+    def nats_lost(self) -> list[NatsServer] | None:
+        """The nats-servers started here that exited, when too many did for the mesh to work
+        on (the only one, or a majority of a cluster: JetStream has no quorum); else None.
+        A mesh on a NATS it did not start (``--nats-url``) never says so."""
+        dead = [node for node in self.nats_nodes if not node.running()]
+        if not self.nats_nodes or len(self.nats_nodes) - len(dead) > len(self.nats_nodes) // 2:
+            return None
+        return dead
+
     def add_process(self, process: ServiceProcess) -> ServiceProcess:
         """Start one more service process (an extra worker, a second gateway)."""
         process.start(self.env())

@@ -151,7 +151,19 @@ def run_up(args: argparse.Namespace) -> int:
         _print_banner(console, mesh)
         known = {w.worker_id for w in mesh.workers}
         watch_from = time.monotonic()
+        reported: set[str] = set()  # nats-servers whose exit was printed
         while not stop.is_set():
+            for node in mesh.nats_nodes:
+                if not node.running() and node.server_name not in reported:
+                    reported.add(node.server_name)
+                    console.print(f"exited: {node.exit_report()}", markup=False)
+            if mesh.nats_lost():
+                # Every service is cut off from the mesh, and nothing here restarts NATS:
+                # staying "up" would only hide that.
+                console.print(f"meshserve up: NATS is gone (logs in {mesh.log_dir}); stopping everything", markup=False)
+                codes = await asyncio.to_thread(mesh.stop)  # a worker's goodbyes to JetStream time out first
+                console.print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), markup=False)
+                return 1
             dead = [p for p in mesh.processes if not p.running()]
             if dead:
                 for p in dead:

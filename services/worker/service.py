@@ -627,8 +627,13 @@ class WorkerService(Service):
         while True:
             await self._publish_gauge()
             self._state_changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._state_changed.wait(), self.config.gauge_interval_s)
+            # Not wait_for: on Python 3.11 it swallows a cancel that arrives as the event is
+            # set, and on_stop then waits for this loop forever.
+            changed = asyncio.ensure_future(self._state_changed.wait())
+            try:
+                await asyncio.wait({changed}, timeout=self.config.gauge_interval_s)
+            finally:
+                changed.cancel()
 
     async def _heartbeat(self) -> None:
         if self._kv is None or self._info is None:

@@ -206,3 +206,25 @@ def test_a_mesh_that_fails_to_start_leaves_no_process_behind(tmp_path: Path) -> 
         asyncio.run(mesh.start(timeout=60))
     assert mesh.processes and all(p.proc is not None and p.proc.poll() is not None for p in mesh.processes)
     assert mesh.nats_nodes and not any(n.running() for n in mesh.nats_nodes)
+
+
+def test_up_stops_everything_when_its_nats_server_dies(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    # Every service is cut off without NATS and nothing restarts it: `up` must not stay "up".
+    run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--no-autoscaler",
+                   "--workers", "1")
+    run.wait_for("Ctrl-C stops everything")
+    config = tmp_path / ".meshserve" / "nats" / "meshserve-nats.conf"
+    pids = subprocess.run(["pgrep", "-f", str(config)], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids
+    os.kill(int(pids[0]), signal.SIGKILL)
+    code = run.finish(timeout=90)
+    text = run.text()
+    assert code == 1, text
+    assert "exited: meshserve-nats (exit -9)" in text, text  # which child, and how it ended
+    assert "NATS is gone" in text and "stopping everything" in text, text
+    stopped = next(line for line in text.splitlines() if line.startswith("stopped: "))
+    codes = dict(part.split("=") for part in stopped.removeprefix("stopped: ").split(", "))
+    assert set(codes) == {"gateway", "worker-1", "router", "admission", "metering"}, stopped
+    assert set(codes.values()) == {"0"}, stopped  # each drained and exited by itself, cut off or not
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], f"processes left running: {leftover}"
