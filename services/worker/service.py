@@ -23,10 +23,9 @@ import os
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry import trace
@@ -51,7 +50,6 @@ from proto import (
     MeshError,
     RequestProbe,
     RequestProbeReply,
-    SamplingParams,
     Timings,
     TokenChunk,
     Usage,
@@ -63,23 +61,16 @@ from proto import (
     unpack_tokens,
     usage_dedup_id,
 )
-from proto.messages import TokenLogprob, UsageStatus
 
+from .bookkeeping import Choice, RequestBook, request_choices, usage_event
 from .coalesce import Coalescer
-from .engines.base import Engine, EngineOutput, EngineRequest
+from .engines.base import Engine, EngineRequest
 from .metrics import WorkerMetrics
 from .outcome import combine_outcomes, request_outcome
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.worker")
 
-# Gauges name the requests the engine took in over this window (several gauge periods,
-# so a lost gauge does not lose a name), at most this many of the newest.
-ARRIVALS_WINDOW_S = 2.0
-ARRIVALS_REPORTED = 256
-# How long a superseded copy (request id, segment) is remembered: its cancel may come
-# before the request itself (a router's timed-out forward), which is then refused.
-SUPERSEDED_MEMORY_S = 120.0
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -106,21 +97,6 @@ class WorkerConfig:
 def default_worker_id(model: str) -> str:
     short = model.rsplit("/", 1)[-1].lower().replace(".", "-")[:24]
     return f"{short}-{socket.gethostname()[:16]}-{os.getpid()}"
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One sequence of a request on the engine (a request with n > 1 has n)."""
-
-    index: int
-    engine_id: str
-    prompt: list[int]  # prompt + the choice's prior output
-    prior: int  # tokens of prior output at the end of ``prompt`` (a migrated request's)
-    sampling: SamplingParams
-    last: EngineOutput | None = None
-    streamed: int = 0
-    error_text: str = ""
-    tail: tuple[list[int], str, list[TokenLogprob] | None] = field(default_factory=lambda: ([], "", None))
 
 
 class _ChunkPublisher:
@@ -154,18 +130,7 @@ class WorkerService(Service):
         self.worker_id = worker_id
         self.state = "starting"
         self._requests: dict[str, asyncio.Task[None]] = {}
-        # For probes: when each in-flight request (arrival, then last output) and the engine
-        # as a whole last made progress.
-        self._arrived_at: dict[str, float] = {}
-        # (monotonic, request id) of what the engine took in lately: gauges name them
-        self._engine_arrivals: deque[tuple[float, str]] = deque(maxlen=ARRIVALS_REPORTED)
-        self._output_at: dict[str, float] = {}
-        self._engine_output_at = time.monotonic()
-        self._drain_errors: set[str] = set()  # requests ended by the drain timeout
-        self._engine_ids: dict[str, list[str]] = {}  # request id → its engine requests (n choices)
-        self._segments: dict[str, int] = {}  # request id → the segment (migrations) running here
-        # (request id, segment) of copies their placer gave up on → until when remembered
-        self._superseded: dict[tuple[str, int], float] = {}
+        self.book = RequestBook(time.monotonic)  # what is known of each request, superseded copies
         self._kv: KeyValue | None = None
         self._kv_seq = -1
         self._state_changed = asyncio.Event()
@@ -234,7 +199,7 @@ class WorkerService(Service):
         if not await self.wait_in_flight(self.drain_timeout_s):
             log.warning("drain timeout: ending %d requests with an error", len(self._requests))
             for request_id in list(self._requests):
-                self._drain_errors.add(request_id)
+                self.book.drain_errors.add(request_id)
                 await self._abort(request_id)
             await self.wait_in_flight(10.0)
 
@@ -288,10 +253,10 @@ class WorkerService(Service):
         if self.superseded(request):
             # Its placer gave up on this copy before it came (a timed-out forward): it runs elsewhere.
             raise MeshError(f"request {request.request_id} was superseded", code=ErrorCode.CANCELLED)
-        running = self._segments.get(request.request_id)
-        if running is not None and request.migrations > running:
+        stale = self.book.stale_segment(request.request_id, request.migrations)
+        if stale is not None:
             # A later segment of a request whose earlier copy still runs here: that copy is stale.
-            await self._supersede(request.request_id, running, wait=True)
+            await self._supersede(request.request_id, stale, wait=True)
         if placement_expired(request, time.time()):
             # Whoever placed it stopped waiting (a stalled router): the gateway may have
             # placed it elsewhere. Retryable, nothing started here.
@@ -310,8 +275,7 @@ class WorkerService(Service):
         assert task is not None
         self._requests[request.request_id] = task
         self._state_changed.set()
-        self._arrived_at[request.request_id] = time.monotonic()
-        self._segments[request.request_id] = request.migrations
+        self.book.hold(request.request_id, request.migrations)
         try:
             await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state="ready",
                                                      in_flight=len(self._requests) - 1))
@@ -325,44 +289,24 @@ class WorkerService(Service):
                 await self._stream(request, prompt, span)
         finally:
             self._requests.pop(request.request_id, None)
-            self._arrived_at.pop(request.request_id, None)
-            self._segments.pop(request.request_id, None)
+            self.book.release(request.request_id)
             if self.superseded(request):
                 self._sent.pop(request.request_id, None)  # never to be sent again
             self._forget_sent(request.request_id)
-            self._output_at.pop(request.request_id, None)
-            self._drain_errors.discard(request.request_id)
             self._state_changed.set()
-
-    def _choices(self, request: GenerateRequest, prompt: list[int]) -> list[_Choice]:
-        """The engine requests of ``request``: itself when n = 1; else one per unfinished
-        choice, ``<id>/<index>`` seeded ``seed + index`` (vLLM's parallel sampling does
-        the same, so a seeded n gives vLLM's tokens), each continuing its own prior output."""
-        sampling = request.sampling
-        if sampling.n <= 1:
-            return [_Choice(0, request.request_id, prompt, len(request.prior_output) // 4, sampling)]
-        choices = []
-        for i in range(sampling.n):
-            if i in request.finished_choices:
-                continue
-            prior = unpack_tokens(request.prior_outputs[i]) if i < len(request.prior_outputs) else []
-            seed = None if sampling.seed is None else sampling.seed + i
-            choices.append(_Choice(i, f"{request.request_id}/{i}", prompt + prior, len(prior),
-                                   msgspec.structs.replace(sampling, n=1, seed=seed)))
-        return choices
 
     async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
         if self.superseded(request):
             return  # superseded between its arrival and now: nothing to stream or bill
-        choices = self._choices(request, prompt)
-        self._engine_ids[request.request_id] = [c.engine_id for c in choices]
+        choices = request_choices(request, prompt)
+        self.book.engine_ids[request.request_id] = [c.engine_id for c in choices]
         publisher = _ChunkPublisher(self, request)
         try:
             await asyncio.gather(*(self._run_choice(request, c, publisher, single=len(choices) == 1
                                                     and request.sampling.n <= 1) for c in choices))
         finally:
-            self._engine_ids.pop(request.request_id, None)
-        drained = request.request_id in self._drain_errors
+            self.book.engine_ids.pop(request.request_id, None)
+        drained = request.request_id in self.book.drain_errors
         drain_error = f"worker {self.worker_id} shut down before the request finished (drain timeout)" if drained else ""
         # The request's own prompt: a migrated single choice got its prior output appended.
         prompt_tokens = len(prompt) - (choices[0].prior if request.sampling.n <= 1 else 0)
@@ -375,7 +319,8 @@ class WorkerService(Service):
             outcomes, migrations=request.migrations,
             finished_before=len(request.finished_choices))
         usage, timings = outcome.usage, outcome.timings
-        event = self._usage_event(request, outcome.billed, outcome.status, timings, outcome.error_text)
+        event = usage_event(request, outcome.billed, outcome.status, timings, outcome.error_text,
+                            worker_id=self.worker_id, now=time.time())
         if request.sampling.n <= 1:
             # One choice: its last tokens ride on the request's final chunk.
             token_ids, text, logprobs = choices[0].tail
@@ -401,7 +346,7 @@ class WorkerService(Service):
         })
         _phase_spans(timings)
 
-    async def _run_choice(self, request: GenerateRequest, choice: _Choice, publisher: _ChunkPublisher,
+    async def _run_choice(self, request: GenerateRequest, choice: Choice, publisher: _ChunkPublisher,
                           *, single: bool) -> None:
         """Stream one choice's engine outputs as coalesced chunks. ``single``: the request's
         only choice, whose last tokens the final chunk carries (``choice.tail``); else its
@@ -419,14 +364,14 @@ class WorkerService(Service):
         prompt_logprobs = None
         # The engine counts the request from the first iteration's start (before it first
         # suspends), so no gauge can name it without counting its tokens.
-        self._engine_arrivals.append((time.monotonic(), request.request_id))
+        self.book.engine_took(request.request_id)
         try:
             async with contextlib.aclosing(self.engine.generate(engine_request)) as stream:
                 async for output in stream:
                     choice.last = output
                     now = time.monotonic()
                     if output.new_token_ids:
-                        self._output_at[request.request_id] = self._engine_output_at = now
+                        self.book.output(request.request_id)
                     if output.prompt_logprobs is not None and choice.index == 0 and request.first_seq == 0:
                         prompt_logprobs = output.prompt_logprobs
                     coalescer.add(output.new_token_ids, output.text, now, output.logprobs)
@@ -467,29 +412,6 @@ class WorkerService(Service):
         if self.config.chunk_retention_s > 0:
             self._sent.setdefault(request.request_id, (request.token_subject, {}))[1][chunk.seq] = chunk
 
-    def _usage_event(self, request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None,
-                     error: str) -> UsageEvent:
-        return UsageEvent(
-            request_id=request.request_id,
-            org=request.org,
-            key_id=request.key_id,
-            model=request.model,
-            worker_id=self.worker_id,
-            tier=request.tier,
-            prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.cached_tokens,
-            completion_tokens=usage.completion_tokens,
-            status=status,
-            arrival_time=request.arrival_time or (timings.arrival if timings else 0.0),
-            first_token_time=timings.first_token if timings else 0.0,
-            finish_time=timings.finished if timings else time.time(),
-            reserved_tokens=request.reserved_tokens,
-            migrations=request.migrations,
-            error=error,
-            user=request.user,
-            metadata=request.metadata,
-        )
-
     def _publish_usage(self, request: GenerateRequest, event: UsageEvent) -> None:
         """Publish ``event`` in the background, off the request's path, until USAGE stores it
         (it may be without a leader for a while); the drain waits for it like a request."""
@@ -502,7 +424,7 @@ class WorkerService(Service):
         """A request refused for what it is: an error chunk and a usage record, never silence."""
         if not request.token_subject:
             return
-        event = self._usage_event(request, Usage(), "failed", None, error.message)
+        event = usage_event(request, Usage(), "failed", None, error.message, worker_id=self.worker_id, now=time.time())
         chunk = TokenChunk(
             request_id=request.request_id, seq=request.first_seq, finish_reason="error",
             error=ErrorInfo(code=error.code.value, message=error.message), usage=Usage(), worker_id=self.worker_id,
@@ -516,23 +438,18 @@ class WorkerService(Service):
 
     async def _abort(self, request_id: str) -> None:
         """Stop every engine request of ``request_id`` (its n choices)."""
-        for engine_id in self._engine_ids.get(request_id, [request_id]):
+        for engine_id in self.book.engine_ids.get(request_id, [request_id]):
             await self.engine.abort(engine_id)
 
     def superseded(self, request: GenerateRequest) -> bool:
         """Whether this copy of ``request`` (its segment) was superseded: it runs elsewhere."""
-        return (request.request_id, request.migrations) in self._superseded
+        return self.book.superseded(request.request_id, request.migrations)
 
     async def _supersede(self, request_id: str, segment: int, *, wait: bool) -> bool:
-        """Remember that copy as stale, whether or not it came yet (one still on its way is
-        refused); one running here stops (``wait``: until it ended). Whether one ran."""
-        now = time.monotonic()
-        for key, until in list(self._superseded.items()):
-            if until <= now and self._segments.get(key[0]) != key[1]:  # kept while the copy runs
-                del self._superseded[key]
-        self._superseded[(request_id, segment)] = now + SUPERSEDED_MEMORY_S
+        """Remember that copy as stale (``RequestBook.supersede``); one running here stops
+        (``wait``: until it ended). Whether one ran."""
         task = self._requests.get(request_id)
-        if task is None or self._segments.get(request_id) != segment:
+        if not self.book.supersede(request_id, segment) or task is None:
             return False
         await self._abort(request_id)
         if wait:
@@ -551,17 +468,7 @@ class WorkerService(Service):
         await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state, message="cancelled" if known else "unknown request"))  # type: ignore[arg-type]
 
     async def handle_probe(self, probe: RequestProbe, msg: Msg) -> None:
-        now = time.monotonic()
-        state: Literal["unknown", "waiting", "running"] = "unknown"
-        since_output = engine_idle = 0.0
-        if probe.request_id in self._arrived_at:
-            output_at = self._output_at.get(probe.request_id)
-            state = "running" if output_at is not None else "waiting"
-            since_output = now - (output_at if output_at is not None else self._arrived_at[probe.request_id])
-        if self._arrived_at:
-            # Idle since its last output or since the oldest request it owes output arrived,
-            # whichever is later: a worker idle for an hour is not hung the moment work arrives.
-            engine_idle = now - max(self._engine_output_at, min(self._arrived_at.values()))
+        state, since_output, engine_idle = self.book.progress(probe.request_id)
         await self.bus.respond(msg, RequestProbeReply(
             worker_id=self.worker_id, request_id=probe.request_id, state=state, since_output_s=since_output,
             engine_idle_s=engine_idle,
@@ -612,11 +519,9 @@ class WorkerService(Service):
 
     # ---- telemetry loops --------------------------------------------------------------
     def gauge(self) -> WorkerGauge:
-        since = time.monotonic() - ARRIVALS_WINDOW_S
-        arrived = list(dict.fromkeys(rid for at, rid in self._engine_arrivals if at >= since))
         return WorkerGauge(
             worker_id=self.worker_id, model=self.engine.model, ts=time.time(), draining=self.state != "ready",
-            kv_event_seq=self._kv_seq, arrived=arrived, **self.engine.stats().gauge_fields(),
+            kv_event_seq=self._kv_seq, arrived=self.book.arrived(), **self.engine.stats().gauge_fields(),
         )
 
     async def _publish_gauge(self) -> None:

@@ -315,7 +315,7 @@ async def test_probe_tells_queued_from_running_and_unknown(bus: Bus, bus_setting
         for rid in ("first", "second"):
             await bus.request(bus.subjects.worker_cancel("w-probe"), CancelRequest(request_id=rid), ControlReply)
         await service.drain_and_close()
-    assert not service._arrived_at and not service._output_at  # nothing kept for ended requests
+    assert service.book.empty  # nothing kept for ended requests
 
 
 async def test_a_chunk_that_never_reached_tokens_is_sent_again(bus: Bus, worker: WorkerService,

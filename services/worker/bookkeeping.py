@@ -1,0 +1,178 @@
+"""What the worker remembers of its requests, their choices, and the usage event a
+request bills. Pure.
+
+``RequestBook`` holds the per-request state the shell reads and writes: which requests
+are held here and which segment (migration) of each, when each arrived and last made
+progress (probes), which engine requests each runs (n choices), which the drain timeout
+ended, what the engine took in lately (gauges name them), and the copies their placers
+gave up on (superseded). The clock (monotonic seconds) is passed in; the asyncio tasks
+stay in the shell.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from proto import GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens
+from proto.messages import TokenLogprob, UsageStatus
+
+from .engines.base import EngineOutput
+
+# Gauges name the requests the engine took in over this window (several gauge periods,
+# so a lost gauge does not lose a name), at most this many of the newest.
+ARRIVALS_WINDOW_S = 2.0
+ARRIVALS_REPORTED = 256
+# How long a superseded copy (request id, segment) is remembered: its cancel may come
+# before the request itself (a router's timed-out forward), which is then refused.
+SUPERSEDED_MEMORY_S = 120.0
+
+ProbeState = Literal["unknown", "waiting", "running"]
+
+
+@dataclass(slots=True)
+class Choice:
+    """One sequence of a request on the engine (a request with n > 1 has n); the shell
+    fills in what the engine gave it."""
+
+    index: int
+    engine_id: str
+    prompt: list[int]  # prompt + the choice's prior output
+    prior: int  # tokens of prior output at the end of ``prompt`` (a migrated request's)
+    sampling: SamplingParams
+    last: EngineOutput | None = None
+    streamed: int = 0
+    error_text: str = ""
+    tail: tuple[list[int], str, list[TokenLogprob] | None] = field(default_factory=lambda: ([], "", None))
+
+
+def request_choices(request: GenerateRequest, prompt: list[int]) -> list[Choice]:
+    """The engine requests of ``request``: itself when n = 1; else one per unfinished
+    choice, ``<id>/<index>`` seeded ``seed + index`` (vLLM's parallel sampling does
+    the same, so a seeded n gives vLLM's tokens), each continuing its own prior output."""
+    sampling = request.sampling
+    if sampling.n <= 1:
+        return [Choice(0, request.request_id, prompt, len(request.prior_output) // 4, sampling)]
+    choices = []
+    for i in range(sampling.n):
+        if i in request.finished_choices:
+            continue
+        prior = unpack_tokens(request.prior_outputs[i]) if i < len(request.prior_outputs) else []
+        seed = None if sampling.seed is None else sampling.seed + i
+        choices.append(Choice(i, f"{request.request_id}/{i}", prompt + prior, len(prior),
+                              msgspec.structs.replace(sampling, n=1, seed=seed)))
+    return choices
+
+
+class RequestBook:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.arrived_at: dict[str, float] = {}  # held requests: when each arrived
+        self.output_at: dict[str, float] = {}  # ... and when each last had output
+        self.engine_output_at = clock()  # when the engine as a whole last had output
+        # (clock, request id) of what the engine took in lately
+        self.engine_arrivals: deque[tuple[float, str]] = deque(maxlen=ARRIVALS_REPORTED)
+        self.segments: dict[str, int] = {}  # request id → the segment (migrations) held here
+        self.engine_ids: dict[str, list[str]] = {}  # request id → its engine requests (n choices)
+        self.drain_errors: set[str] = set()  # requests ended by the drain timeout
+        # (request id, segment) of copies their placer gave up on → until when remembered
+        self._superseded: dict[tuple[str, int], float] = {}
+
+    # ---- a request's life here --------------------------------------------------------
+    def hold(self, request_id: str, segment: int) -> None:
+        """``request_id`` (that segment of it) runs here from now on: probes find it."""
+        self.arrived_at[request_id] = self.clock()
+        self.segments[request_id] = segment
+
+    def release(self, request_id: str) -> None:
+        """The request ended here: nothing of it is kept (but a superseded mark, which expires)."""
+        self.arrived_at.pop(request_id, None)
+        self.segments.pop(request_id, None)
+        self.output_at.pop(request_id, None)
+        self.engine_ids.pop(request_id, None)
+        self.drain_errors.discard(request_id)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.arrived_at or self.output_at or self.segments or self.engine_ids or self.drain_errors)
+
+    def engine_took(self, request_id: str) -> None:
+        self.engine_arrivals.append((self.clock(), request_id))
+
+    def output(self, request_id: str) -> None:
+        """The engine produced tokens for ``request_id``."""
+        self.output_at[request_id] = self.engine_output_at = self.clock()
+
+    def arrived(self) -> list[str]:
+        """What the engine took in over the last ``ARRIVALS_WINDOW_S``, once each, oldest first."""
+        since = self.clock() - ARRIVALS_WINDOW_S
+        return list(dict.fromkeys(rid for at, rid in self.engine_arrivals if at >= since))
+
+    def progress(self, request_id: str) -> tuple[ProbeState, float, float]:
+        """(state, seconds since its last output or arrival, seconds the engine has been idle)
+        of ``request_id``, for a probe."""
+        now = self.clock()
+        state: ProbeState = "unknown"
+        since_output = engine_idle = 0.0
+        if request_id in self.arrived_at:
+            output_at = self.output_at.get(request_id)
+            state = "running" if output_at is not None else "waiting"
+            since_output = now - (output_at if output_at is not None else self.arrived_at[request_id])
+        if self.arrived_at:
+            # Idle since its last output or since the oldest request it owes output arrived,
+            # whichever is later: a worker idle for an hour is not hung the moment work arrives.
+            engine_idle = now - max(self.engine_output_at, min(self.arrived_at.values()))
+        return state, since_output, engine_idle
+
+    # ---- superseded copies ------------------------------------------------------------
+    def superseded(self, request_id: str, segment: int) -> bool:
+        """Whether this copy (that segment of the request) was superseded: it runs elsewhere."""
+        return (request_id, segment) in self._superseded
+
+    def stale_segment(self, request_id: str, segment: int) -> int | None:
+        """The earlier segment of ``request_id`` held here that ``segment`` arriving makes
+        stale, if any."""
+        running = self.segments.get(request_id)
+        return running if running is not None and segment > running else None
+
+    def supersede(self, request_id: str, segment: int) -> bool:
+        """Remember that copy as stale, whether or not it came yet (one still on its way is
+        refused); whether it is held here (the shell stops it). Expired marks are forgotten,
+        except that of a copy still held."""
+        now = self.clock()
+        for key, until in list(self._superseded.items()):
+            if until <= now and self.segments.get(key[0]) != key[1]:
+                del self._superseded[key]
+        self._superseded[(request_id, segment)] = now + SUPERSEDED_MEMORY_S
+        return self.segments.get(request_id) == segment
+
+
+def usage_event(request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None, error: str,
+                *, worker_id: str, now: float) -> UsageEvent:
+    """What one segment of ``request`` bills (``usage``: ``Outcome.billed``); ``now``: the
+    wall clock, the finish time of a request without engine timings."""
+    return UsageEvent(
+        request_id=request.request_id,
+        org=request.org,
+        key_id=request.key_id,
+        model=request.model,
+        worker_id=worker_id,
+        tier=request.tier,
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+        status=status,
+        arrival_time=request.arrival_time or (timings.arrival if timings else 0.0),
+        first_token_time=timings.first_token if timings else 0.0,
+        finish_time=timings.finished if timings else now,
+        reserved_tokens=request.reserved_tokens,
+        migrations=request.migrations,
+        error=error,
+        user=request.user,
+        metadata=request.metadata,
+    )
