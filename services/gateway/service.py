@@ -25,7 +25,7 @@ from bus import BusSettings, Service
 from bus.keys import KeyStore
 from bus.provision import requests_bucket
 from bus.registry import WorkerRegistry
-from proto import MeshError, RequestRecord, UsageEvent, usage_dedup_id
+from proto import RequestRecord, UsageEvent, usage_dedup_id
 
 from .auth import Authenticator
 from .config import GatewayConfig
@@ -140,11 +140,19 @@ class GatewayService(Service):
 
     # ---- what outlives a request's relay ----------------------------------------------
     async def publish_usage(self, event: UsageEvent, dedup_id: str) -> None:
-        """A usage event the gateway bills itself (a request no worker took, a lost segment)."""
-        try:
-            await self.bus.js_publish(self.bus.subjects.usage(event.org), event, msg_id=dedup_id)
-        except MeshError as exc:
-            log.warning("request %s: usage event not published (%s)", event.request_id, exc)
+        """A usage event the gateway bills itself (a request no worker took, a lost segment):
+        published in the background until USAGE stores it, so a bill survives an election
+        and the request path never waits on it. Returns at once (a coroutine only so that
+        its callers need not change); the drain waits for the publish like a request.
+
+        No caller needs the bill stored before it goes on: each event has its own dedup id
+        (the refused request's, or the lost segment's: the one its worker would have used),
+        so any copy counts once, and metering bills events in any order. Only admission's
+        token bucket could see a lost first segment after the next one's event, and only
+        after an outage, in which the quick attempts lost that bill outright."""
+        self.spawn(self.bus.js_publish_until_stored(self.bus.subjects.usage(event.org), event, msg_id=dedup_id,
+                                                    give_up_after_s=self.config.usage_retry_s),
+                   name=f"usage-{dedup_id}")
 
     def echo_usage(self, event: UsageEvent) -> None:
         """A worker's usage event, off a request's final chunk: published here too, under the

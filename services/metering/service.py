@@ -186,6 +186,26 @@ class MeteringService(Service):
             # keep consuming with the existing consumer rather than lose our position.
             log.warning("metering consumer %s keeps its existing configuration: %s", self.config.durable, exc)
 
+    async def _restore_consumer(self) -> None:
+        """After a failed fetch: when the durable is gone with its stream (USAGE deleted and
+        recreated, by an operator or a recovery), create it again on the new stream, or
+        billing would stop for good. USAGE itself missing: the next failed fetch tries again."""
+        s = self.bus.subjects
+        try:
+            await self.bus.js.consumer_info(s.usage_stream, self.config.durable)
+            return  # still there: the failure was something else (no leader, a disconnect)
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.Error, OSError):
+            return
+        try:
+            await self._ensure_consumer()
+        except (nats.errors.Error, OSError) as exc:
+            log.debug("metering consumer %s not created again yet: %r", self.config.durable, exc)
+            return
+        log.warning("metering consumer %s was gone (USAGE recreated?): created again, from the stream's start",
+                    self.config.durable)
+
     async def _open_ledger(self) -> bool:
         try:
             await self.ledger.open()
@@ -223,6 +243,7 @@ class MeteringService(Service):
                 if self._stopping.is_set():
                     break
                 log.warning("fetching usage events failed: %r; retrying in %.1fs", exc, backoff)
+                await self._restore_consumer()
                 await self._pause(backoff)
                 backoff = min(backoff * 2, self.config.backoff_max_s)
                 continue

@@ -152,6 +152,29 @@ async def test_gateway_alone_bills_once_when_the_worker_died_after_its_final_chu
         assert event.org == "outage-org" and event.worker_id == "w-outage"
 
 
+async def test_gateway_bills_a_request_no_worker_took_once_when_usage_comes_back(
+    bus: Bus, worker: WorkerService, gateway: GatewayService
+) -> None:
+    """A request no worker takes (its only worker refuses it as draining: nothing started
+    there, so the worker bills nothing) is billed by its gateway alone, to release what
+    admission reserved. During the outage the refusal is answered while that bill waits in
+    the background, and USAGE stores it once, when it is back."""
+    key, _ = await create_key(bus, org="refused-org")
+    worker.state = "draining"  # refuses every request (its registry entry may still read ready)
+    await bus.js.delete_stream(bus.subjects.usage_stream)
+    async with aiohttp.ClientSession() as http:
+        status, payload = await _post(http, gateway, key, {"model": MODEL, "prompt": "refuse me", "max_tokens": 4})
+    assert status == 503, payload
+    assert gateway.bus.js_publishes_waiting == 1  # the bill waits, the request path did not
+    await asyncio.sleep(OUTAGE_S)
+    await _recreate_usage(bus)
+
+    await eventually(lambda: gateway.bus.js_publishes_waiting == 0 and gateway.in_flight == 0, timeout=30,
+                     what="the gateway's usage publish to end")
+    [event] = await read_usage(bus)
+    assert (event.org, event.status, event.worker_id, event.completion_tokens) == ("refused-org", "rejected", "", 0)
+
+
 async def test_resumable_request_waits_out_its_record_bucket(
     bus: Bus, worker: WorkerService, gateway: GatewayService
 ) -> None:

@@ -416,3 +416,17 @@ async def test_restart_with_new_limits_updates_the_durable_consumer(provisioned:
         assert second.duplicates == 0
     finally:
         await second.drain_and_close()
+
+
+async def test_usage_stream_recreated_the_durable_is_created_again(provisioned: Bus, metering: MeteringService) -> None:
+    """USAGE deleted and provisioned again (an operator, a recovery) takes metering's durable
+    consumer with it: metering creates it again and bills what the new stream holds."""
+    bus = provisioned
+    await publish(bus, make_events(3, seed=12, prefix="before"))
+    await eventually(lambda: metering.events_written == 3, what="the first events written")
+    await bus.js.delete_stream(bus.subjects.usage_stream)
+    await asyncio.sleep(0.5)  # a few fetches (0.2 s each) find no stream
+    await provision(bus.js, bus.subjects)
+    await publish(bus, make_events(4, seed=13, prefix="after"))
+    await eventually(lambda: metering.events_written == 7, what="the new stream's events written")
+    assert (await consumer(bus)).config.durable_name == metering.config.durable
