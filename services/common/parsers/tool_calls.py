@@ -1,6 +1,8 @@
 """Tool-call parsers: a model's output text → OpenAI ``tool_calls``, whole or streamed.
 
-One incremental machine per format; the whole-text :meth:`ToolCallParser.parse` runs the
+One state loop (:meth:`ToolCallParser._advance`) for every format, each format adding
+its own states (markers, separators); each call's JSON object is read by
+:class:`.callobject.CallObject`. The whole-text :meth:`ToolCallParser.parse` runs the
 same machine over the whole text, so a streamed response reassembles to exactly the
 non-streamed one however the text was split. Formats (vLLM's parser names):
 
@@ -44,13 +46,14 @@ behaviour for both, since a streamed delta cannot be taken back:
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
 from collections.abc import Callable
 from typing import ClassVar
 
+from services.common.parsers.callobject import WS as _WS
+from services.common.parsers.callobject import CallObject
 from services.common.parsers.events import (
     ContentDelta,
     FunctionCall,
@@ -59,11 +62,9 @@ from services.common.parsers.events import (
     ToolCallDelta,
     ToolEvent,
 )
-from services.common.parsers.jsonstream import JsonStream
 
 IdFactory = Callable[[], str]
 
-_WS = " \t\n\r"
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -119,177 +120,10 @@ def assemble(events: list[ToolEvent]) -> tuple[str | None, list[ToolCall]]:
     return text, calls
 
 
-# ------------------------------------------------------------------ one call object
-
-_C_OPEN = 0  # expecting "{"
-_C_FIRST = 1  # after "{": a key or "}"
-_C_KEY = 2  # after ",": a key
-_C_IN_KEY = 3
-_C_COLON = 4
-_C_VALUE = 5  # expecting a value
-_C_IN_VALUE = 6
-_C_AFTER = 7  # after a member: "," or "}"
-_C_DONE = 8
-_C_FAILED = 9
-
-
-class _CallObject:
-    """Reads one ``{"name": "...", "<arguments key>": value, ...}`` object incrementally.
-
-    ``name`` is set once the name string is complete; the arguments' canonical text is
-    collected as it is read (:meth:`take_args`), whatever the key order. Other keys are
-    validated and ignored, as vLLM ignores them.
-    """
-
-    def __init__(self, arg_keys: tuple[str, ...], args_optional: bool, raw_string_args: bool) -> None:
-        self._arg_keys = arg_keys
-        self._args_optional = args_optional
-        self._raw_string_args = raw_string_args
-        self._mode = _C_OPEN
-        self._stream: JsonStream | None = None
-        self._role = ""  # of the value being read: "name", "args" or "skip"
-        self._text: list[str] = []  # canonical text of the key or name being read
-        self._have_args = False
-        self._args: list[str] = []
-        self.name: str | None = None
-        self.args_started = False
-
-    @classmethod
-    def bare_args(cls, name: str, raw_string_args: bool) -> _CallObject:
-        """Only the arguments value, the name being known (Mistral v11+ ``name[ARGS]{...}``)."""
-        call = cls((), args_optional=False, raw_string_args=raw_string_args)
-        call.name = name
-        call._have_args = True
-        call._role = "args"
-        call._mode = _C_VALUE
-        return call
-
-    @property
-    def done(self) -> bool:
-        return self._mode == _C_DONE
-
-    @property
-    def failed(self) -> bool:
-        return self._mode == _C_FAILED
-
-    def take_args(self) -> str:
-        out = "".join(self._args)
-        self._args.clear()
-        return out
-
-    def _collect(self) -> None:
-        assert self._stream is not None
-        out = self._stream.take()
-        if self._role == "args":
-            self._args.append(out)
-            self.args_started = self._stream.started
-        elif self._role in ("name", "key"):
-            self._text.append(out)
-
-    def _value_read(self) -> None:
-        if self._role == "name":
-            self.name = json.loads("".join(self._text))
-        # A bare arguments value (no enclosing object) ends the call with it.
-        self._mode = _C_DONE if not self._arg_keys and self._role == "args" else _C_AFTER
-
-    def _key_read(self) -> None:
-        key = json.loads("".join(self._text))
-        self._text = []
-        if key == "name" and self.name is None:
-            self._role = "name"
-        elif key in self._arg_keys and not self._have_args:
-            self._role = "args"
-            self._have_args = True
-        else:
-            self._role = "skip"
-        self._mode = _C_COLON
-
-    def _close(self) -> None:
-        if self.name is None:
-            self._mode = _C_FAILED
-            return
-        if not self._have_args:
-            if not self._args_optional:
-                self._mode = _C_FAILED
-                return
-            self._args.append("{}")
-            self.args_started = True
-        self._mode = _C_DONE
-
-    def feed(self, text: str, pos: int) -> int:
-        n = len(text)
-        while pos < n:
-            mode = self._mode
-            if mode in (_C_DONE, _C_FAILED):
-                return pos
-            if mode in (_C_IN_KEY, _C_IN_VALUE):
-                assert self._stream is not None
-                pos = self._stream.feed(text, pos)
-                self._collect()
-                if self._stream.failed:
-                    self._mode = _C_FAILED
-                elif self._stream.done:
-                    self._stream = None
-                    if mode == _C_IN_KEY:
-                        self._key_read()
-                    else:
-                        self._value_read()
-                continue
-            ch = text[pos]
-            if ch in _WS:
-                pos += 1
-                continue
-            if mode == _C_OPEN:
-                if ch != "{":
-                    self._mode = _C_FAILED
-                    return pos
-                self._mode = _C_FIRST
-                pos += 1
-            elif mode in (_C_FIRST, _C_KEY):
-                if ch == '"':
-                    self._role = "key"
-                    self._text = []
-                    self._stream = JsonStream()
-                    self._mode = _C_IN_KEY
-                elif ch == "}" and mode == _C_FIRST:
-                    self._close()
-                    pos += 1
-                else:
-                    self._mode = _C_FAILED
-                    return pos
-            elif mode == _C_COLON:
-                if ch != ":":
-                    self._mode = _C_FAILED
-                    return pos
-                self._mode = _C_VALUE
-                pos += 1
-            elif mode == _C_VALUE:
-                if self._role == "name" and ch != '"':  # a name must be a string
-                    self._mode = _C_FAILED
-                    return pos
-                self._text = []
-                self._stream = JsonStream(raw_string=self._role == "args" and self._raw_string_args)
-                self._mode = _C_IN_VALUE
-            elif mode == _C_AFTER:
-                if ch == ",":
-                    self._mode = _C_KEY
-                    pos += 1
-                elif ch == "}":
-                    self._close()
-                    pos += 1
-                else:
-                    self._mode = _C_FAILED
-                    return pos
-        return pos
-
-    def end(self) -> None:
-        """No more input: a truncated arguments value yields what was generated of it."""
-        if self._mode == _C_IN_VALUE and self._role == "args" and self._stream is not None:
-            self._stream.end()
-            self._collect()
-
-
 # ------------------------------------------------------------------ the parsers
+
+# States every format shares; each format adds its own (strings, so they read in a debugger).
+_CALL, _DROP, _FALLBACK = "call", "drop", "fallback"
 
 # Outcomes of feeding the current call.
 _MORE = 0  # needs more text
@@ -311,6 +145,7 @@ class ToolCallParser:
     _args_optional: ClassVar[bool] = False
     _raw_string_args: ClassVar[bool] = False
     _default_id: ClassVar[IdFactory] = staticmethod(openai_call_id)
+    _initial_state: ClassVar[str]
 
     def __init__(self, id_factory: IdFactory | None = None) -> None:
         self._id_factory = id_factory
@@ -322,10 +157,11 @@ class ToolCallParser:
         self._ws = ""  # whitespace-only leading content, dropped if calls follow
         self._content_started = False
         self._index = 0  # announced calls so far
-        self._call: _CallObject | None = None
+        self._call: CallObject | None = None
         self._announced = False
         self._fallback = False  # the first call was not one: everything is content
         self._finished = False
+        self._state = self._initial_state
 
     # -- public
 
@@ -349,10 +185,48 @@ class ToolCallParser:
         fresh = type(self)(self._id_factory)
         return assemble(fresh.feed(text) + fresh.finish())
 
-    # -- for the formats
+    # -- the state loop
 
     def _advance(self, final: bool) -> None:
+        """Run the states until one needs more text. The states after a fallback, after
+        a dropped tail and inside a call are the same in every format; the format's own
+        states (markers, separators) are its :meth:`_step`."""
+        while True:
+            state = self._state
+            if state == _FALLBACK:
+                self._content(self._consume(len(self._buf)))
+                return
+            if state == _DROP:
+                self._buf = ""
+                return
+            if state == _CALL:
+                outcome = self._feed_call(final)
+                if outcome == _MORE:
+                    return
+                if outcome == _CALL_INVALID and self._index == 0:
+                    self._fall_back()
+                else:
+                    self._state = self._after_call(outcome)
+            elif not self._step(state, final):
+                return
+
+    # -- for the formats
+
+    def _step(self, state: str, final: bool) -> bool:
+        """Advance one of the format's own states; False when it needs more text."""
         raise NotImplementedError
+
+    def _after_call(self, outcome: int) -> str:
+        """The state after a call ended (``outcome``), unless it was an invalid first call."""
+        raise NotImplementedError
+
+    def _invalid(self) -> None:
+        """Not a call where one must be: the first falls back to content, a later one
+        drops the rest of the output."""
+        if self._index == 0:
+            self._fall_back()
+        else:
+            self._state = _DROP
 
     def _consume(self, n: int) -> str:
         text, self._buf = self._buf[:n], self._buf[n:]
@@ -392,13 +266,15 @@ class ToolCallParser:
         self._held = []
         self._holding = False
         self._fallback = True
+        self._state = _FALLBACK
         self._call = None
         self._content(self._ws + text)
         self._ws = ""
 
-    def _start_call(self, call: _CallObject | None = None) -> None:
-        self._call = call or _CallObject(self._arg_keys, self._args_optional, self._raw_string_args)
+    def _start_call(self, call: CallObject | None = None) -> None:
+        self._call = call or CallObject(self._arg_keys, self._args_optional, self._raw_string_args)
         self._announced = False
+        self._state = _CALL
 
     def _feed_call(self, final: bool) -> int:
         call = self._call
@@ -457,7 +333,7 @@ class ToolCallParser:
         return out
 
 
-_SCAN, _CALL, _AFTER, _DROP, _FALLBACK = "scan", "call", "after", "drop", "fallback"
+_SCAN, _AFTER = "scan", "after"
 
 
 class HermesToolParser(ToolCallParser):
@@ -470,49 +346,35 @@ class HermesToolParser(ToolCallParser):
     name = "hermes"
     START = "<tool_call>"
     END = "</tool_call>"
+    _initial_state = _SCAN
 
-    def __init__(self, id_factory: IdFactory | None = None) -> None:
-        super().__init__(id_factory)
+    def _after_call(self, outcome: int) -> str:
+        return _AFTER  # a later call that is not one is skipped, and the next one read
+
+    def _step(self, state: str, final: bool) -> bool:
+        if state == _SCAN:
+            if not self._scan(self.START, final):
+                return False
+            self._start_call()
+            return True
+        # _AFTER: skip the rest of the call block up to "</tool_call>" (or the next
+        # "<tool_call>": some models leave a block unclosed).
+        ends = [i for i in (self._buf.find(self.END), self._buf.find(self.START)) if i >= 0]
+        if not ends:
+            keep = (
+                0
+                if final
+                else max(
+                    partial_tag_overlap(self._buf, self.END),
+                    partial_tag_overlap(self._buf, self.START),
+                )
+            )
+            self._consume(len(self._buf) - keep)
+            return False
+        i = min(ends)
+        self._consume(i + len(self.END) if self._buf.startswith(self.END, i) else i)
         self._state = _SCAN
-
-    def _advance(self, final: bool) -> None:
-        while True:
-            state = self._state
-            if state == _FALLBACK:
-                self._content(self._consume(len(self._buf)))
-                return
-            if state == _SCAN:
-                if not self._scan(self.START, final):
-                    return
-                self._start_call()
-                self._state = _CALL
-            elif state == _CALL:
-                outcome = self._feed_call(final)
-                if outcome == _MORE:
-                    return
-                if outcome == _CALL_INVALID and self._index == 0:
-                    self._fall_back()
-                    self._state = _FALLBACK
-                else:
-                    self._state = _AFTER
-            elif state == _AFTER:
-                # Skip the rest of the call block up to "</tool_call>" (or the next
-                # "<tool_call>": some models leave a block unclosed).
-                ends = [i for i in (self._buf.find(self.END), self._buf.find(self.START)) if i >= 0]
-                if not ends:
-                    keep = (
-                        0
-                        if final
-                        else max(
-                            partial_tag_overlap(self._buf, self.END),
-                            partial_tag_overlap(self._buf, self.START),
-                        )
-                    )
-                    self._consume(len(self._buf) - keep)
-                    return
-                i = min(ends)
-                self._consume(i + len(self.END) if self._buf.startswith(self.END, i) else i)
-                self._state = _SCAN
+        return True
 
 
 _START, _CONTENT, _BETWEEN = "start", "content", "between"
@@ -525,65 +387,47 @@ class Llama3JsonToolParser(ToolCallParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
     _arg_keys = ("parameters", "arguments")
+    _initial_state = _START
 
-    def __init__(self, id_factory: IdFactory | None = None) -> None:
-        super().__init__(id_factory)
-        self._state = _START
+    def _after_call(self, outcome: int) -> str:
+        return _BETWEEN if outcome == _CALL_DONE else _DROP
 
-    def _advance(self, final: bool) -> None:
-        while True:
-            state = self._state
-            if state == _FALLBACK:
-                self._content(self._consume(len(self._buf)))
-                return
-            if state == _DROP:
-                self._buf = ""
-                return
-            if state == _START:
-                # A call is a JSON object at the very start (after whitespace) or follows the tag.
-                j = _skip_ws(self._buf)
-                rest = self._buf[j:]
-                if not rest:
-                    if final:
-                        self._content(self._consume(len(self._buf)))
-                    return
-                if rest.startswith("{"):
-                    self._holding = True
-                    self._consume(j)
-                    self._start_call()
-                    self._state = _CALL
-                elif self.TAG.startswith(rest) and not final:
-                    return
-                else:
-                    self._state = _CONTENT
-            elif state == _CONTENT:
-                if not self._scan(self.TAG, final):
-                    return
-                self._start_call()
-                self._state = _CALL
-            elif state == _CALL:
-                outcome = self._feed_call(final)
-                if outcome == _MORE:
-                    return
-                if outcome == _CALL_INVALID and self._index == 0:
-                    self._fall_back()
-                    self._state = _FALLBACK
-                else:
-                    self._state = _BETWEEN if outcome == _CALL_DONE else _DROP
-            elif state == _BETWEEN:
-                j = len(self._buf) - len(self._buf.lstrip(_WS + ";"))
+    def _step(self, state: str, final: bool) -> bool:
+        if state == _START:
+            # A call is a JSON object at the very start (after whitespace) or follows the tag.
+            j = _skip_ws(self._buf)
+            rest = self._buf[j:]
+            if not rest:
+                if final:
+                    self._content(self._consume(len(self._buf)))
+                return False
+            if rest.startswith("{"):
+                self._holding = True
                 self._consume(j)
-                if not self._buf:
-                    return
-                if self._buf.startswith("{"):
-                    self._start_call()
-                    self._state = _CALL
-                elif self._buf.startswith(self.TAG):
-                    self._consume(len(self.TAG))
-                elif self.TAG.startswith(self._buf) and not final:
-                    return
-                else:
-                    self._state = _DROP
+                self._start_call()
+            elif self.TAG.startswith(rest) and not final:
+                return False
+            else:
+                self._state = _CONTENT
+            return True
+        if state == _CONTENT:
+            if not self._scan(self.TAG, final):
+                return False
+            self._start_call()
+            return True
+        # _BETWEEN: separators, then another call (or the tag before one), else the end.
+        self._consume(len(self._buf) - len(self._buf.lstrip(_WS + ";")))
+        if not self._buf:
+            return False
+        if self._buf.startswith("{"):
+            self._start_call()
+        elif self._buf.startswith(self.TAG):
+            self._consume(len(self.TAG))
+        elif self.TAG.startswith(self._buf) and not final:
+            return False
+        else:
+            self._state = _DROP
+        return True
 
 
 _MARKER, _ARRAY_FIRST, _ARRAY_ELEM, _ARRAY_NEXT, _V11_NAME, _V11_NEXT = (
@@ -611,19 +455,12 @@ class MistralToolParser(ToolCallParser):
     _args_optional = True  # vLLM: a call without arguments gets "{}"
     _raw_string_args = True  # vLLM: string arguments are kept as they are
     _default_id = staticmethod(mistral_call_id)
+    _initial_state = _CONTENT
 
     def __init__(self, id_factory: IdFactory | None = None) -> None:
         super().__init__(id_factory)
-        self._state = _CONTENT
         self._in_array = False
         self._call_was_v11 = False
-
-    def _invalid(self) -> None:
-        if self._index == 0:
-            self._fall_back()
-            self._state = _FALLBACK
-        else:
-            self._state = _DROP
 
     def _next_char(self, final: bool) -> str:
         """Skip whitespace; the next character, or "" when there is none yet."""
@@ -632,88 +469,70 @@ class MistralToolParser(ToolCallParser):
             self._invalid()
         return self._buf[:1]
 
-    def _advance(self, final: bool) -> None:
-        while True:
-            state = self._state
-            if state == _FALLBACK:
-                self._content(self._consume(len(self._buf)))
-                return
-            if state == _DROP:
-                self._buf = ""
-                return
-            if state == _CONTENT:
-                if not self._scan(self.BOT, final):
-                    return
-                self._state = _MARKER
-            elif state == _MARKER:
-                ch = self._next_char(final)
-                if not ch:
-                    return
-                if ch == "[":
-                    self._consume(1)
-                    self._in_array = True
-                    self._state = _ARRAY_FIRST
-                elif ch == "{":
-                    self._start_call()
-                    self._state = _CALL
-                else:
-                    self._state = _V11_NAME
-            elif state in (_ARRAY_FIRST, _ARRAY_ELEM):
-                ch = self._next_char(final)
-                if not ch:
-                    return
-                if ch == "{":
-                    self._start_call()
-                    self._state = _CALL
-                elif ch == "]" and state == _ARRAY_FIRST:
-                    self._consume(1)
-                    self._invalid()  # an empty list of calls
-                else:
-                    self._invalid()
-            elif state == _ARRAY_NEXT:
-                ch = self._next_char(final)
-                if not ch:
-                    return
+    def _after_call(self, outcome: int) -> str:
+        if outcome != _CALL_DONE:
+            return _DROP
+        if self._in_array:
+            return _ARRAY_NEXT
+        return _V11_NEXT if self._call_was_v11 else _DROP
+
+    def _step(self, state: str, final: bool) -> bool:
+        if state == _CONTENT:
+            if not self._scan(self.BOT, final):
+                return False
+            self._state = _MARKER
+        elif state == _MARKER:
+            ch = self._next_char(final)
+            if not ch:
+                return False
+            if ch == "[":
                 self._consume(1)
-                self._state = _ARRAY_ELEM if ch == "," else _DROP
-            elif state == _CALL:
-                outcome = self._feed_call(final)
-                if outcome == _MORE:
-                    return
-                if outcome == _CALL_INVALID:
+                self._in_array = True
+                self._state = _ARRAY_FIRST
+            elif ch == "{":
+                self._start_call()
+            else:
+                self._state = _V11_NAME
+        elif state in (_ARRAY_FIRST, _ARRAY_ELEM):
+            ch = self._next_char(final)
+            if not ch:
+                return False
+            if ch == "{":
+                self._start_call()
+            elif ch == "]" and state == _ARRAY_FIRST:
+                self._consume(1)
+                self._invalid()  # an empty list of calls
+            else:
+                self._invalid()
+        elif state == _ARRAY_NEXT:
+            ch = self._next_char(final)
+            if not ch:
+                return False
+            self._consume(1)
+            self._state = _ARRAY_ELEM if ch == "," else _DROP
+        elif state == _V11_NAME:
+            i = self._buf.find(self.ARGS)
+            head = self._buf if i < 0 else self._buf[:i]
+            if i < 0:
+                keep = partial_tag_overlap(self._buf, self.ARGS)
+                if _V11_NAME_RE.fullmatch(self._buf[: len(self._buf) - keep]) is None or final:
                     self._invalid()
-                elif outcome == _CALL_BROKEN:
-                    self._state = _DROP
-                elif self._in_array:
-                    self._state = _ARRAY_NEXT
-                elif self._call_was_v11:
-                    self._state = _V11_NEXT
-                else:
-                    self._state = _DROP
-            elif state == _V11_NAME:
-                i = self._buf.find(self.ARGS)
-                head = self._buf if i < 0 else self._buf[:i]
-                name_ok = _V11_NAME_RE.fullmatch(head) is not None
-                if i < 0:
-                    keep = partial_tag_overlap(self._buf, self.ARGS)
-                    if _V11_NAME_RE.fullmatch(self._buf[: len(self._buf) - keep]) is None or final:
-                        self._invalid()
-                    return
-                if not name_ok or not head:
-                    self._invalid()
-                    continue
-                self._consume(i + len(self.ARGS))
-                self._start_call(_CallObject.bare_args(head, self._raw_string_args))
-                self._call_was_v11 = True
-                self._state = _CALL
-            elif state == _V11_NEXT:
-                ch = self._next_char(final=False)
-                if not ch:
-                    return
-                if self._buf.startswith(self.BOT):
-                    self._consume(len(self.BOT))
-                    self._state = _V11_NAME
-                elif self.BOT.startswith(self._buf) and not final:
-                    return
-                else:
-                    self._state = _DROP
+                return False
+            if _V11_NAME_RE.fullmatch(head) is None or not head:
+                self._invalid()
+                return True
+            self._consume(i + len(self.ARGS))
+            self._start_call(CallObject.bare_args(head, self._raw_string_args))
+            self._call_was_v11 = True
+        else:  # _V11_NEXT
+            ch = self._next_char(final=False)
+            if not ch:
+                return False
+            if self._buf.startswith(self.BOT):
+                self._consume(len(self.BOT))
+                self._state = _V11_NAME
+            elif self.BOT.startswith(self._buf) and not final:
+                return False
+            else:
+                self._state = _DROP
+        return True
