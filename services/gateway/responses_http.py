@@ -3,7 +3,7 @@
 Thin, like ``http_api``: a Responses body becomes a chat completions body
 (``responses_api.plan_chat``), which goes through ``validation.parse_request`` and
 ``ActiveRequest`` exactly as ``/v1/chat/completions`` does; the chat answer is
-translated back (``responses_api``). Stored responses live in the ``response_store``
+translated back (``responses_output``). Stored responses live in the ``response_store``
 KV bucket, under the caller's org: another org's id is a 404 like an unknown one.
 """
 
@@ -28,10 +28,12 @@ from .response_store import ResponseStore, StoredResponse, responses_bucket
 from .responses_api import (
     RESPONSE_ID,
     ChatPlan,
-    ResponseContext,
-    ResponseStream,
     parse_responses_request,
     plan_chat,
+)
+from .responses_output import (
+    ResponseContext,
+    ResponseStream,
     response_from_chat,
     stored_history,
 )

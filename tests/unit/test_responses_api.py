@@ -24,10 +24,12 @@ from services.gateway.openai_api import encode_json
 from services.gateway.response_store import StoredResponse, decode_stored, encode_stored, store_key
 from services.gateway.responses_api import (
     ChatPlan,
-    ResponseContext,
-    ResponseStream,
     parse_responses_request,
     plan_chat,
+)
+from services.gateway.responses_output import (
+    ResponseContext,
+    ResponseStream,
     response_from_chat,
     stored_history,
 )
