@@ -34,7 +34,8 @@ from proto.messages import KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.worker.engines.base import EngineRequest
-from services.worker.engines.sim_core import SimConfig, SimCore, StepResult
+from services.worker.engines.sim_core import SimCore, StepResult
+from services.worker.engines.sim_profile import SimConfig
 
 MODEL = "sim"
 TOKEN_BASE = 300  # above the byte tokenizer's specials and bytes: any id is a valid token

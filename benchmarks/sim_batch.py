@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proto.messages import SamplingParams
 from services.worker.engines.base import EngineRequest
 from services.worker.engines.sim import SimEngine
-from services.worker.engines.sim_core import SimConfig, SimCore
-from services.worker.engines.sim_profile import IntendedPoint, load_profile
+from services.worker.engines.sim_core import SimCore
+from services.worker.engines.sim_profile import IntendedPoint, SimConfig, load_profile
 
 
 @dataclass

@@ -15,8 +15,9 @@ from proto.hashing import block_hashes
 from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
 from services.common.tokenizer import ByteTokenizer
 from services.worker.engines.base import EngineOutput, EngineRequest
-from services.worker.engines.sim_core import EOS, WORDS, SimConfig, SimCore, StepResult
-from services.worker.engines.sim_profile import available_profiles, load_profile
+from services.worker.engines.sim_core import SimCore, StepResult
+from services.worker.engines.sim_profile import SimConfig, available_profiles, load_profile
+from services.worker.engines.sim_sequence import EOS, WORDS
 
 TOK = ByteTokenizer()
 

@@ -16,7 +16,8 @@ from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, Sampl
 from services.common.tokenizer import load_tokenizer
 from services.worker.engines import Engine, EngineOutput, EngineRequest, EngineStats, create_engine
 from services.worker.engines.sim import SimEngine
-from services.worker.engines.sim_core import SimConfig, SimCore
+from services.worker.engines.sim_core import SimCore
+from services.worker.engines.sim_profile import SimConfig
 
 SPEED = 200.0
 

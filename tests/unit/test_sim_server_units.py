@@ -26,7 +26,8 @@ from proto.hashing import block_hashes
 from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
 from services.gateway.errors import ApiError
 from services.worker.engines.base import EngineRequest
-from services.worker.engines.sim_core import SimConfig, SimCore
+from services.worker.engines.sim_core import SimCore
+from services.worker.engines.sim_profile import SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

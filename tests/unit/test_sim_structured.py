@@ -15,7 +15,9 @@ from services.common.structured import from_json_schema
 from services.common.tokenizer import ByteTokenizer
 from services.worker.engines.base import EngineOutput, EngineRequest
 from services.worker.engines.sim import SimEngine
-from services.worker.engines.sim_core import EOS, SimConfig, SimCore
+from services.worker.engines.sim_core import SimCore
+from services.worker.engines.sim_profile import SimConfig
+from services.worker.engines.sim_sequence import EOS
 
 TOK = ByteTokenizer()
 SCHEMA = {
@@ -417,7 +419,7 @@ def test_a_hostile_nested_minimum_costs_two_bounded_attempts(monkeypatch: pytest
     # with ever smaller cuts took a worker's event loop for 20 s and more per request, and
     # the migrations that followed took every other worker down with it.
     from services.worker.engines import guided
-    from services.worker.engines.sim_core import GuidedStream
+    from services.worker.engines.sim_sequence import GuidedStream
 
     calls: list[int | None] = []
     real = guided.generate

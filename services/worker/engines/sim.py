@@ -13,10 +13,10 @@ wall clock. Output timings are converted to epoch seconds; rates and step times 
 ``stats()`` are converted to wall-clock seconds (simulated rate × speed), because the
 rest of the mesh compares them with latencies it measures on the wall clock.
 
-What a request generates is the core's alone (``sim_core``): pseudo-text, or with
+What a request generates is the core's alone (``sim_core``, ``sim_sequence``): pseudo-text, or with
 ``sampling.structured`` a valid instance of the schema, regex, choice or grammar
 (``guided``); log probabilities, ``logit_bias``, stop strings and special-token text
-as ``sim_sampling`` and ``SimCore._sample`` describe. The shell only moves outputs,
+as ``sim_sampling`` and ``SimSequence.sample`` describe. The shell only moves outputs,
 ``logprobs`` and ``prompt_logprobs`` included, to the request's stream.
 """
 
@@ -32,8 +32,8 @@ from pathlib import Path
 from proto.messages import AllCleared, BlockStored, KvEvent, Timings
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats
-from .sim_core import SimConfig, SimCore, StepResult
-from .sim_profile import DEFAULT_PROFILE, SimProfile
+from .sim_core import SimCore, StepResult
+from .sim_profile import DEFAULT_PROFILE, SimConfig, SimProfile
 
 log = logging.getLogger(__name__)
 

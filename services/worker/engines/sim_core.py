@@ -4,19 +4,22 @@ The shape follows vLLM v1 (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py
 ``sched/scheduler.py``) so that everything upstream of the worker sees realistic
 behaviour without a GPU:
 
-- ``BlockPool``: a fixed number of KV blocks, a free queue in LRU eviction order, a map
-  block hash → cached block and reference counts. Freed blocks keep their hash and stay
-  reusable as prefix-cache hits until a new allocation evicts them from the queue head.
+- ``BlockPool`` (``sim_blocks``): a fixed number of KV blocks, a free queue in LRU
+  eviction order, a map block hash → cached block and reference counts. Freed blocks
+  keep their hash and stay reusable as prefix-cache hits until a new allocation evicts
+  them from the queue head.
 - ``SimCore.step(now)``: continuous batching. Each step spends ``max_num_batched_tokens``
   on one decode token per running sequence first, then on prefill chunks of running
   sequences, then admits waiting requests (higher priority first, then arrival order) up
   to ``max_num_seqs``, reusing cached prefix blocks. When a running sequence needs a
   block and none is free, the lowest-priority, most recently admitted running sequence
   is preempted by recompute (blocks freed, back to waiting), as vLLM does.
-- Step time comes from the profile (``sim_profile.StepCosts``); the caller owns the
-  clock (``now`` is passed in, the core never reads one), so the same inputs always give
-  the same outputs and timings.
-- Output tokens are pseudo-text derived only from the request's seed (or id), its
+- Step time comes from the profile (``sim_profile.StepCosts``; ``sim_profile.SimConfig``
+  is a profile with the replica's overrides); the caller owns the clock (``now`` is
+  passed in, the core never reads one), so the same inputs always give the same
+  outputs and timings.
+- Output tokens (``sim_sequence``: the streams, and each sequence's next token and the
+  text it releases) are pseudo-text derived only from the request's seed (or id), its
   original prompt and the output position, so batching, preemption and migration never
   change what is generated. With ``sampling.structured`` they spell a valid instance of
   the schema, regex, choice or grammar (``guided``), then EOS. ``logit_bias`` forces and
@@ -30,459 +33,20 @@ simulated seconds); nothing here sleeps or does I/O.
 
 from __future__ import annotations
 
-import codecs
 import heapq
 import math
-import random
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
-import xxhash
-
-from proto.hashing import extend_block_hashes, pack_tokens, root_hash
-from proto.messages import (
-    AllCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEvent,
-    SamplingParams,
-    StructuredOutput,
-    Timings,
-)
-from services.common.tokenizer import ByteTokenizer
+from proto.hashing import extend_block_hashes, root_hash
+from proto.messages import KvEvent, Timings
 
 from . import guided
 from .base import EngineOutput, EngineRequest, EngineStats, FinishReason
-from .sim_profile import DEFAULT_PROFILE, MemoryBudget, SimProfile, load_profile
-from .sim_sampling import SPECIAL_TEXT, Bias, prompt_logprobs, sampled_logprob
-
-_TOK = ByteTokenizer()
-EOS = _TOK.EOS
-SPACE = ord(" ") + ByteTokenizer.OFFSET
-
-# ---------------------------------------------------------------------------- block pool
-
-
-class KVBlock:
-    """One KV cache block. ``block_hash`` is set while the block is in the cache map."""
-
-    __slots__ = ("block_hash", "block_id", "ref_cnt")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: int | None = None
-
-    def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
-
-
-class BlockPool:
-    """vLLM's block pool: free queue (LRU head first), hash → block map, refcounts.
-
-    Every block with ``ref_cnt == 0`` sits in the free queue, cached or not; allocation
-    takes from the head and evicts the block's hash if it had one. Freeing appends to
-    the tail, so the least recently freed cached block is evicted first. The pool also
-    records the KV events (stored with parent hash / removed / cleared) its changes mean.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError("num_blocks must be positive")
-        self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # OrderedDict keyed by block id: O(1) pop from the head, append to the tail and
-        # removal from the middle (a cache hit on a free block), like vLLM's linked list.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[int, KVBlock] = {}
-        self._events: list[KvEvent] = []
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
-    def cached_hashes(self) -> list[int]:
-        return list(self._cached)
-
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
-        return self._cached.get(block_hash)
-
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the head of the free queue, evicting their hashes."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        out: list[KVBlock] = []
-        removed: list[int] = []
-        for _ in range(n):
-            _, blk = self._free.popitem(last=False)
-            if blk.block_hash is not None:
-                del self._cached[blk.block_hash]
-                removed.append(blk.block_hash)
-                blk.block_hash = None
-            blk.ref_cnt = 1
-            out.append(blk)
-        if removed:
-            self._events.append(BlockRemoved(block_hashes=removed))
-        return out
-
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on cache-hit blocks, pulling free ones out of the queue."""
-        for blk in blocks:
-            if blk.ref_cnt == 0:
-                del self._free[blk.block_id]
-            blk.ref_cnt += 1
-
-    def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the tail in the given order,
-        so callers pass a sequence's blocks last-first: its tail is evicted before the
-        prefix other requests are more likely to share."""
-        for blk in ordered:
-            blk.ref_cnt -= 1
-            if blk.ref_cnt < 0:
-                raise RuntimeError(f"block {blk.block_id} freed more often than taken")
-            if blk.ref_cnt == 0:
-                self._free[blk.block_id] = blk
-
-    def cache_blocks(
-        self,
-        blocks: Sequence[KVBlock],
-        hashes: Sequence[int],
-        start: int,
-        end: int,
-        block_size: int,
-        lora: str | None,
-    ) -> None:
-        """Enter ``blocks[start:end]`` (now full of computed tokens) into the cache map.
-
-        A hash already cached by another block (two identical prompts prefilled in the
-        same step) leaves this block uncached: one block per hash keeps the map, the
-        events and the snapshot in exact agreement.
-        """
-        run: list[int] = []
-        parent: int | None = None
-        for j in range(start, end):
-            blk, h = blocks[j], hashes[j]
-            if blk.block_hash is not None or h in self._cached:
-                self._flush_stored(run, parent, block_size, lora)
-                run = []
-                continue
-            blk.block_hash = h
-            self._cached[h] = blk
-            if not run:
-                parent = hashes[j - 1] if j > 0 else None
-            run.append(h)
-        self._flush_stored(run, parent, block_size, lora)
-
-    def _flush_stored(self, run: list[int], parent: int | None, block_size: int, lora: str | None) -> None:
-        if run:
-            self._events.append(
-                BlockStored(block_hashes=run, parent_hash=parent, block_size=block_size, lora=lora)
-            )
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only possible when no block is in use (as in vLLM)."""
-        if self.num_used:
-            return False
-        for blk in self._cached.values():
-            blk.block_hash = None
-        self._cached.clear()
-        self._events.append(AllCleared())
-        return True
-
-    def take_events(self) -> list[KvEvent]:
-        events, self._events = self._events, []
-        return events
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the pool's structures disagree (tests, debugging)."""
-        free_ids = set(self._free)
-        for blk in self.blocks:
-            assert blk.ref_cnt >= 0, blk
-            assert (blk.ref_cnt == 0) == (blk.block_id in free_ids), blk
-            if blk.block_hash is not None:
-                assert self._cached.get(blk.block_hash) is blk, blk
-        assert all(b.block_hash == h for h, b in self._cached.items())
-
-
-# ----------------------------------------------------------------------- pseudo-text
-
-
-# Short, common, ASCII-only words: readable output, and every byte is one token of the
-# byte tokenizer, so text length and token count agree.
-WORDS: tuple[str, ...] = (
-    "the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as",
-    "was", "at", "by", "this", "from", "are", "or", "be", "an", "not", "we", "can",
-    "time", "model", "token", "cache", "block", "queue", "batch", "request", "mesh",
-    "stream", "latency", "prefix", "worker", "router", "engine", "memory", "river",
-    "stone", "light", "small", "large", "quick", "quiet", "north", "south", "green",
-    "paper", "garden", "window", "signal", "answer", "number", "simple", "moment",
-    "people", "water", "world", "house", "story", "music",
-)  # fmt: skip
-EOS_ONE_IN = 16  # a word is followed by EOS instead of a space once in this many words
-
-
-class TokenStream:
-    """The deterministic output of one request: token i depends on (key, i) only.
-
-    The stream is a sequence of words from ``WORDS``, each followed by a space or, now
-    and then, EOS; word w is chosen by xxh64(key ‖ w). Tokens are produced lazily and
-    remembered, so continuing at output position k (a migrated request) regenerates the
-    k earlier tokens once and then matches an uninterrupted run exactly.
-    """
-
-    __slots__ = ("_buf", "_key", "_words")
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-        self._buf: list[int] = []
-        self._words = 0
-
-    @property
-    def key(self) -> bytes:
-        return self._key
-
-    @staticmethod
-    def key_for(engine_seed: int, seed: int | None, request_id: str, prompt: Sequence[int]) -> bytes:
-        h = xxhash.xxh64()
-        h.update(engine_seed.to_bytes(16, "little", signed=True))
-        if seed is not None:
-            h.update(b"seed" + seed.to_bytes(16, "little", signed=True))
-        else:
-            h.update(b"id" + request_id.encode())
-        h.update(pack_tokens(prompt))
-        return h.digest()
-
-    def token(self, i: int) -> int:
-        buf = self._buf
-        while len(buf) <= i:
-            h = xxhash.xxh64_intdigest(self._key + self._words.to_bytes(8, "little"))
-            self._words += 1
-            buf.extend(b + ByteTokenizer.OFFSET for b in WORDS[h % len(WORDS)].encode())
-            buf.append(EOS if (h >> 32) % EOS_ONE_IN == 0 else SPACE)
-        return buf[i]
-
-
-class GuidedStream:
-    """The output of a structured request: the UTF-8 bytes of one instance of
-    ``structured``, then EOS at every later position. The instance is drawn from a
-    ``random.Random`` seeded by the same key as ``TokenStream``, so a migrated request
-    continues the very instance an uninterrupted run spells."""
-
-    __slots__ = ("_key", "_tokens", "prefix_only", "text")
-
-    def __init__(self, key: bytes, structured: StructuredOutput, max_len: int) -> None:
-        self._key = key
-        # Work bounded by a few times what the engine could ever emit (max_model_len).
-        work = min(max(4 * max_len, 1 << 12), guided.MAX_WORK)
-        self.prefix_only = False
-        try:
-            self.text = guided.generate(structured, random.Random(int.from_bytes(key, "little")), work)
-        except guided.GuidedError:
-            # Its shortest instance is longer than any output (a{100000000}): spell the start
-            # of one, which max_tokens cuts ("length"), as a real engine's would be. In prefix
-            # mode the work bound ends the text rather than failing, so nested minimums
-            # (minItems 10⁹ of minItems 10⁹) cost no more than one (bounded) attempt.
-            # Each step spells at least a character: max_len steps are all a prefix needs.
-            self.prefix_only = True
-            self.text = guided.generate(structured, random.Random(int.from_bytes(key, "little")),
-                                        max(max_len, 1 << 12), prefix_cap=max_len)
-        self._tokens = _TOK.encode(self.text)
-
-    @property
-    def key(self) -> bytes:
-        return self._key
-
-    def token(self, i: int) -> int:
-        if i < len(self._tokens):
-            return self._tokens[i]
-        return self._tokens[-1] if self.prefix_only and self._tokens else EOS  # a prefix never ends
-
-
-# ------------------------------------------------------------------------- sequences
-
-Status = Literal["waiting", "running", "finished"]
-
-
-class _Sequence:
-    """The core's state of one request."""
-
-    __slots__ = (
-        "admit_seq",
-        "arrival",
-        "bias",
-        "block_hashes",
-        "blocks",
-        "cached_tokens",
-        "decoder",
-        "first_token_at",
-        "lora",
-        "max_stop_len",
-        "num_cached_blocks",
-        "num_computed",
-        "num_preemptions",
-        "num_prompt_tokens",
-        "order",
-        "output_ids",
-        "output_offset",
-        "priority",
-        "request_id",
-        "salt",
-        "sampling",
-        "scheduled_at",
-        "special_gap",
-        "status",
-        "stop_context",
-        "stream",
-        "text",
-        "text_sent",
-        "token_ids",
-    )
-
-    def __init__(
-        self, req: EngineRequest, now: float, order: int, stream: TokenStream | GuidedStream
-    ) -> None:
-        self.request_id = req.request_id
-        self.sampling: SamplingParams = req.sampling
-        self.priority = req.priority
-        self.lora = req.lora or None
-        self.salt = req.lora or ""
-        self.arrival = now
-        self.order = order
-        self.output_offset = req.output_offset
-        self.num_prompt_tokens = len(req.prompt_token_ids)
-        self.token_ids: list[int] = list(req.prompt_token_ids)  # prompt + output so far
-        self.output_ids: list[int] = []
-        self.block_hashes: list[int] = []  # of the full blocks of token_ids, filled lazily
-        self.blocks: list[KVBlock] = []
-        self.num_cached_blocks = 0  # leading blocks already offered to the cache map
-        self.num_computed = 0
-        self.status: Status = "waiting"
-        self.admit_seq = 0
-        self.cached_tokens: int | None = None  # prefix hit at first scheduling
-        self.scheduled_at = 0.0
-        self.first_token_at = 0.0
-        self.num_preemptions = 0
-        self.stream = stream
-        self.text = ""  # generated text (this engine's part), stop strings cut off
-        self.text_sent = 0
-        self.max_stop_len = max((len(s) for s in self.sampling.stop), default=0)
-        # A structured instance is what it is: the bias steers only free text (a real
-        # engine would pick among the grammar's allowed tokens; the sim has no logits).
-        self.bias = Bias({} if isinstance(stream, GuidedStream) else self.sampling.logit_bias)
-        # Tail of the output a previous worker produced, so a stop string spanning the
-        # migration point is still found.
-        prior = req.prompt_token_ids[len(req.prompt_token_ids) - req.output_offset :]
-        tail = _TOK.decode(prior) if self.max_stop_len and prior else ""
-        self.stop_context = tail[-(self.max_stop_len - 1) :] if self.max_stop_len > 1 else ""
-        # Bytes become text a whole UTF-8 character at a time; primed with the prior
-        # output's last bytes so a character split by the migration point completes here.
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.decoder.decode(_TOK.decode_bytes(prior[-3:]))
-        self.special_gap = False  # a special token's text was last: space the next text
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def is_decoding(self) -> bool:
-        """One token left to compute: the one sampled last step."""
-        return bool(self.output_ids) and self.num_computed == len(self.token_ids) - 1
-
-
-# ----------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    profile: SimProfile
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    lora_adapters: tuple[str, ...] = ()
-    rate_window_s: float = 5.0  # simulated seconds of steps the rates in stats cover
-
-    @classmethod
-    def build(
-        cls,
-        profile: str | SimProfile = DEFAULT_PROFILE,
-        *,
-        block_size: int | None = None,
-        num_kv_blocks: int | None = None,
-        hbm_bytes: int | None = None,
-        weights_bytes: int | None = None,
-        reserve_bytes: int | None = None,
-        kv_bytes_per_token: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        lora_adapters: Iterable[str] = (),
-        rate_window_s: float = 5.0,
-    ) -> SimConfig:
-        """Profile defaults, overridden by whatever is given.
-
-        The block count is ``num_kv_blocks`` if given, else the profile's memory budget
-        with any of its four figures overridden. ``max_model_len`` defaults to the
-        profile's, capped by what the KV cache holds; asking for more than the cache
-        holds is an error, as in vLLM (one sequence must always fit, else a lone long
-        sequence could never make progress).
-        """
-        prof = load_profile(profile)
-        bs = block_size or prof.block_size
-        if num_kv_blocks is None:
-            mem = prof.memory
-            budget = MemoryBudget(
-                hbm_bytes=mem.hbm_bytes if hbm_bytes is None else hbm_bytes,
-                weights_bytes=mem.weights_bytes if weights_bytes is None else weights_bytes,
-                reserve_bytes=mem.reserve_bytes if reserve_bytes is None else reserve_bytes,
-                kv_bytes_per_token=mem.kv_bytes_per_token
-                if kv_bytes_per_token is None
-                else kv_bytes_per_token,
-            )
-            num_kv_blocks = budget.num_blocks(bs)
-        if num_kv_blocks <= 0 or bs <= 0:
-            raise ValueError("block_size and the KV block count must be positive")
-        capacity = num_kv_blocks * bs
-        if max_model_len is None:
-            max_model_len = min(prof.max_model_len, capacity)
-        elif max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the KV cache ({num_kv_blocks} blocks of {bs} "
-                f"= {capacity} tokens)"
-            )
-        seqs = max_num_seqs or prof.max_num_seqs
-        batched = max_num_batched_tokens or prof.max_num_batched_tokens
-        if seqs <= 0 or batched <= 0 or max_model_len <= 0:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
-        return cls(
-            profile=prof,
-            num_blocks=num_kv_blocks,
-            block_size=bs,
-            max_num_seqs=seqs,
-            max_num_batched_tokens=batched,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            lora_adapters=tuple(lora_adapters),
-            rate_window_s=rate_window_s,
-        )
-
+from .sim_blocks import BlockPool, KVBlock
+from .sim_profile import SimConfig
+from .sim_sampling import prompt_logprobs, sampled_logprob
+from .sim_sequence import GuidedStream, SimSequence, TokenStream
 
 # ------------------------------------------------------------------------------- core
 
@@ -548,9 +112,9 @@ class SimCore:
         self.config = config
         self.pool = BlockPool(config.num_blocks)
         self._bs = config.block_size
-        self._seqs: dict[str, _Sequence] = {}
-        self._running: list[_Sequence] = []  # in admission order
-        self._waiting: list[tuple[int, float, int, _Sequence]] = []  # heap; stale entries skipped
+        self._seqs: dict[str, SimSequence] = {}
+        self._running: list[SimSequence] = []  # in admission order
+        self._waiting: list[tuple[int, float, int, SimSequence]] = []  # heap; stale entries skipped
         self._num_waiting = 0
         self._order = 0
         self._admit_counter = 0
@@ -626,7 +190,7 @@ class SimCore:
                     rejected=True,
                 )
         self._order += 1
-        seq = _Sequence(req, now, self._order, stream)
+        seq = SimSequence(req, now, self._order, stream)
         self._extend_hashes(seq)
         self._seqs[seq.request_id] = seq
         self._push_waiting(seq)
@@ -664,7 +228,7 @@ class SimCore:
             return None
         cfg, pool = self.config, self.pool
         budget = cfg.max_num_batched_tokens
-        sched: dict[_Sequence, int] = {}  # insertion order = batch order
+        sched: dict[SimSequence, int] = {}  # insertion order = batch order
         preempted = 0
 
         # 1) Running sequences: decodes first, so a long prefill chunk never takes the
@@ -746,7 +310,7 @@ class SimCore:
             self._cache_full_blocks(seq)
             if seq.num_computed < seq.num_tokens:
                 continue  # chunked prefill: more of the prompt next step
-            token, delta, finish = self._sample(seq)
+            token, delta, finish = seq.sample(self.config.max_model_len)
             sampled += 1
             if not seq.first_token_at:
                 seq.first_token_at = end
@@ -864,13 +428,13 @@ class SimCore:
 
     # ------------------------------------------------------------------ internals
 
-    def _push_waiting(self, seq: _Sequence) -> None:
+    def _push_waiting(self, seq: SimSequence) -> None:
         # Preempted sequences keep their key, so they go back ahead of later arrivals.
         heapq.heappush(self._waiting, (-seq.priority, seq.arrival, seq.order, seq))
         seq.status = "waiting"
         self._num_waiting += 1
 
-    def _peek_waiting(self) -> _Sequence | None:
+    def _peek_waiting(self) -> SimSequence | None:
         while self._waiting:
             seq = self._waiting[0][3]
             if seq.status == "waiting":
@@ -884,7 +448,7 @@ class SimCore:
             root = self._roots[salt] = root_hash(salt)
         return root
 
-    def _extend_hashes(self, seq: _Sequence) -> None:
+    def _extend_hashes(self, seq: SimSequence) -> None:
         """Hash every full block of the sequence's tokens not hashed yet."""
         have = len(seq.block_hashes)
         full = len(seq.token_ids) // self._bs
@@ -894,7 +458,7 @@ class SimCore:
                 extend_block_hashes(parent, seq.token_ids[have * self._bs : full * self._bs], self._bs)
             )
 
-    def _lookup_prefix(self, seq: _Sequence) -> list[KVBlock]:
+    def _lookup_prefix(self, seq: SimSequence) -> list[KVBlock]:
         """Longest run of cached leading blocks, leaving at least one token to compute
         (the step needs it to produce logits), as vLLM does."""
         if not self.config.enable_prefix_caching:
@@ -909,7 +473,7 @@ class SimCore:
             hit.append(blk)
         return hit
 
-    def _allocate(self, seq: _Sequence, num_new: int) -> bool:
+    def _allocate(self, seq: SimSequence, num_new: int) -> bool:
         need = math.ceil((seq.num_computed + num_new) / self._bs) - len(seq.blocks)
         if need <= 0:
             return True
@@ -918,12 +482,12 @@ class SimCore:
         seq.blocks.extend(self.pool.get_new_blocks(need))
         return True
 
-    def _pick_victim(self) -> _Sequence:
+    def _pick_victim(self) -> SimSequence:
         # vLLM: FCFS pops the newest running request; with priorities the least important,
         # newest first among equals. Here higher ``priority`` is more important.
         return min(self._running, key=lambda s: (s.priority, -s.admit_seq))
 
-    def _preempt(self, seq: _Sequence) -> None:
+    def _preempt(self, seq: SimSequence) -> None:
         """Recompute preemption: blocks freed (they stay cached), back to waiting."""
         self._running.remove(seq)
         self.pool.free_blocks(reversed(seq.blocks))
@@ -934,7 +498,7 @@ class SimCore:
         self.preemptions += 1
         self._push_waiting(seq)
 
-    def _cache_full_blocks(self, seq: _Sequence) -> None:
+    def _cache_full_blocks(self, seq: SimSequence) -> None:
         if not self.config.enable_prefix_caching:
             return
         full = seq.num_computed // self._bs
@@ -944,7 +508,7 @@ class SimCore:
         self.pool.cache_blocks(seq.blocks, seq.block_hashes, seq.num_cached_blocks, full, self._bs, seq.lora)
         seq.num_cached_blocks = full
 
-    def _finish(self, seq: _Sequence) -> None:
+    def _finish(self, seq: SimSequence) -> None:
         if seq.status == "running":
             self._running.remove(seq)
         self.pool.free_blocks(reversed(seq.blocks))
@@ -957,98 +521,8 @@ class SimCore:
         self._queries_total += queries
         self._hits_total += hits
 
-    def _sample(self, seq: _Sequence) -> tuple[int, str, FinishReason | None]:
-        """Produce the next token and the text delta that may be released now.
-
-        Order of checks follows vLLM: length cap first, then (past ``min_tokens``) EOS
-        and stop token ids, whose text is not output, then stop strings, which cut the
-        text before the match and win over a length cap. With
-        ``include_stop_str_in_output`` the stop token's text and the matched stop string
-        stay in the text, and nothing is held back (vLLM's detokenizer does the same).
-        """
-        sp = seq.sampling
-        pos = seq.output_offset + len(seq.output_ids)  # absolute output position
-        token = seq.stream.token(pos)
-        eos_masked = sp.ignore_eos or pos < sp.min_tokens
-        if seq.bias:
-            token = seq.bias.apply(token, eos_masked)
-        if token == EOS and eos_masked:
-            # vLLM masks EOS; the stream's separator is the natural stand-in.
-            token = SPACE if SPACE not in seq.bias.banned else seq.bias.substitute(EOS, True)
-        seq.output_ids.append(token)
-        seq.token_ids.append(token)
-        n_out = pos + 1
-        finish: FinishReason | None = None
-        stop_token = False
-        if n_out >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            finish = "length"
-        elif n_out >= sp.min_tokens and (token == EOS or token in sp.stop_token_ids):
-            finish = "stop"
-            stop_token = True
-        added = ""
-        if not stop_token or sp.include_stop_str_in_output:
-            added = self._token_text(seq, token)
-            seq.text += added
-        include = sp.include_stop_str_in_output
-        if sp.stop and n_out > sp.min_tokens and added:
-            hit = self._find_stop(seq, len(added))
-            if hit is not None:
-                start, stop_end = hit
-                seq.text = seq.text[: stop_end if include else start]
-                finish = "stop"
-        if finish is not None:
-            upto = len(seq.text)
-        elif include:
-            upto = len(seq.text)
-        else:
-            # Hold back what could still turn out to be the start of a stop string.
-            upto = max(seq.text_sent, len(seq.text) - max(seq.max_stop_len - 1, 0))
-        delta = seq.text[seq.text_sent : upto]
-        seq.text_sent = upto
-        return token, delta, finish
-
-    @staticmethod
-    def _token_text(seq: _Sequence, token: int) -> str:
-        """The text ``token`` adds. Bytes join into UTF-8 characters. Special tokens have
-        text only with ``skip_special_tokens`` off; ``spaces_between_special_tokens``
-        then sets them apart from the text around them by a space, as Hugging Face's
-        decoding joins special tokens and text runs with spaces."""
-        sp = seq.sampling
-        if ByteTokenizer.OFFSET <= token < _TOK.vocab_size:
-            text = seq.decoder.decode(bytes((token - ByteTokenizer.OFFSET,)))
-            if text and seq.special_gap:
-                seq.special_gap = False
-                text = " " + text
-            return text
-        name = SPECIAL_TEXT.get(token)
-        if name is None or sp.skip_special_tokens:
-            return ""
-        if sp.spaces_between_special_tokens:
-            if seq.text or seq.output_offset:
-                name = " " + name
-            seq.special_gap = True
-        return name
-
-    @staticmethod
-    def _find_stop(seq: _Sequence, new_chars: int) -> tuple[int, int] | None:
-        """(start, end) in ``seq.text`` of the stop string that completes earliest within
-        the newest ``new_chars`` characters, ties in list order (vLLM's rule); starts
-        inside the prior output clamp to 0."""
-        full = seq.stop_context + seq.text
-        best: tuple[int, int] | None = None
-        for stop in seq.sampling.stop:
-            if not stop:
-                continue
-            at = full.find(stop, max(0, len(full) - new_chars - len(stop) + 1))
-            if at >= 0 and (best is None or at + len(stop) < best[1]):
-                best = (at, at + len(stop))
-        if best is None:
-            return None
-        ctx = len(seq.stop_context)
-        return max(0, best[0] - ctx), max(0, best[1] - ctx)
-
     def _output(
-        self, seq: _Sequence, tokens: list[int], delta: str, finish: FinishReason | None, t: float
+        self, seq: SimSequence, tokens: list[int], delta: str, finish: FinishReason | None, t: float
     ) -> EngineOutput:
         return EngineOutput(
             request_id=seq.request_id,

@@ -13,12 +13,16 @@ growing GEMM), and ``per_kv_token_s`` attention reading one cached token's K and
 Profiles live in ``profiles/<name>.json``; a path to any JSON file of the same shape
 works too. The file also states the figures it was fitted to (``intended``), which
 ``benchmarks/sim_batch.py`` prints next to what the simulation produces.
+
+``SimConfig`` is one replica's configuration: a profile's defaults, overridden by the
+worker's flags (block size, KV block count or memory figures, batch limits).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,3 +168,84 @@ def load_profile(spec: str | Path | SimProfile = DEFAULT_PROFILE) -> SimProfile:
     if not path.is_file():
         raise ValueError(f"unknown sim profile {str(spec)!r}; known: {', '.join(available_profiles())}")
     return profile_from_dict(json.loads(path.read_text()), where=str(path))
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    profile: SimProfile
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    lora_adapters: tuple[str, ...] = ()
+    rate_window_s: float = 5.0  # simulated seconds of steps the rates in stats cover
+
+    @classmethod
+    def build(
+        cls,
+        profile: str | SimProfile = DEFAULT_PROFILE,
+        *,
+        block_size: int | None = None,
+        num_kv_blocks: int | None = None,
+        hbm_bytes: int | None = None,
+        weights_bytes: int | None = None,
+        reserve_bytes: int | None = None,
+        kv_bytes_per_token: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        lora_adapters: Iterable[str] = (),
+        rate_window_s: float = 5.0,
+    ) -> SimConfig:
+        """Profile defaults, overridden by whatever is given.
+
+        The block count is ``num_kv_blocks`` if given, else the profile's memory budget
+        with any of its four figures overridden. ``max_model_len`` defaults to the
+        profile's, capped by what the KV cache holds; asking for more than the cache
+        holds is an error, as in vLLM (one sequence must always fit, else a lone long
+        sequence could never make progress).
+        """
+        prof = load_profile(profile)
+        bs = block_size or prof.block_size
+        if num_kv_blocks is None:
+            mem = prof.memory
+            budget = MemoryBudget(
+                hbm_bytes=mem.hbm_bytes if hbm_bytes is None else hbm_bytes,
+                weights_bytes=mem.weights_bytes if weights_bytes is None else weights_bytes,
+                reserve_bytes=mem.reserve_bytes if reserve_bytes is None else reserve_bytes,
+                kv_bytes_per_token=mem.kv_bytes_per_token
+                if kv_bytes_per_token is None
+                else kv_bytes_per_token,
+            )
+            num_kv_blocks = budget.num_blocks(bs)
+        if num_kv_blocks <= 0 or bs <= 0:
+            raise ValueError("block_size and the KV block count must be positive")
+        capacity = num_kv_blocks * bs
+        if max_model_len is None:
+            max_model_len = min(prof.max_model_len, capacity)
+        elif max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the KV cache ({num_kv_blocks} blocks of {bs} "
+                f"= {capacity} tokens)"
+            )
+        seqs = max_num_seqs or prof.max_num_seqs
+        batched = max_num_batched_tokens or prof.max_num_batched_tokens
+        if seqs <= 0 or batched <= 0 or max_model_len <= 0:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
+        return cls(
+            profile=prof,
+            num_blocks=num_kv_blocks,
+            block_size=bs,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            lora_adapters=tuple(lora_adapters),
+            rate_window_s=rate_window_s,
+        )
