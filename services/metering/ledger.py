@@ -31,34 +31,64 @@ error) and the caller should write the batch event by event to isolate the bad o
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import sqlite3
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from proto.messages import UsageEvent, usage_dedup_id
 from proto.metering import DEFAULT_GROUP_BY, UsageRow
 
-from .prices import PriceTable
+from .ledger_rows import (
+    ADDED_COLUMNS,
+    COLUMN_DEFAULTS,
+    COLUMNS,
+    FLOAT_COLUMNS,
+    INT_COLUMNS,
+    MAX_TOKENS,
+    SCHEMA_VERSION,
+    InvalidEvent,
+    LedgerEntry,
+    TotalsSql,
+    columns_at,
+    entry_from_event,
+    entry_from_row,
+    entry_row,
+    fold_totals,
+    totals_sql,
+)
+
+# The ledger's public names, the rows' (ledger_rows) included: importers need only this module.
+__all__ = [
+    "COLUMNS",
+    "DEFAULT_LEDGER_PATH",
+    "MAX_TOKENS",
+    "SCHEMA_VERSION",
+    "InvalidEvent",
+    "Ledger",
+    "LedgerEntry",
+    "LedgerError",
+    "LedgerRejected",
+    "LedgerUnavailable",
+    "PostgresLedger",
+    "SqliteLedger",
+    "columns_at",
+    "entry_from_event",
+    "entry_from_row",
+    "entry_row",
+    "fold_totals",
+    "ledger_from_url",
+    "postgres_schema",
+    "redact_url",
+    "sqlite_schema",
+    "totals_sql",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEDGER_PATH = Path(".meshserve") / "ledger.sqlite3"
-SCHEMA_VERSION = 2  # 2: end_user, metadata
-MAX_TOKENS = 1 << 32  # per event; beyond any context window, and keeps SUM() far from int64 overflow
-MAX_ID_CHARS = 1024
-MAX_ERROR_CHARS = 4096
-# OpenAI's limits on a request's ``metadata``; the gateway refuses more, so more is a bad producer.
-MAX_METADATA_KEYS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
-
 
 class LedgerError(Exception):
     pass
@@ -70,215 +100,6 @@ class LedgerUnavailable(LedgerError):
 
 class LedgerRejected(LedgerError):
     """Permanent: the ledger refuses this data (constraint or data error)."""
-
-
-class InvalidEvent(ValueError):
-    """A decodable usage event that must not be billed (negative tokens, no request id...)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LedgerEntry:
-    """One ledger row: every UsageEvent field, the event time, the charge and provenance."""
-
-    usage_id: str
-    request_id: str
-    org: str
-    key_id: str
-    model: str
-    worker_id: str
-    tier: str
-    status: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    reserved_tokens: int
-    migrations: int
-    arrival_time: float
-    first_token_time: float
-    finish_time: float
-    error: str
-    schema_v: int
-    ts: float  # the event's time for ranges: finish, else arrival, else recorded_at
-    recorded_at: float
-    stream_seq: int  # USAGE stream sequence, to find the event in the stream again
-    price_input_nano: int  # the prices it was charged at (nano per million tokens)
-    price_cached_nano: int
-    price_output_nano: int
-    spend_nano: int
-    # Schema 2. Last, as ALTER TABLE appends them: a migrated table and a new one agree.
-    user: str  # OpenAI's ``user`` / ``safety_identifier``; column ``end_user`` (``user`` is reserved in SQL)
-    metadata: dict[str, str]  # the request's ``metadata``; column ``metadata``, JSON text
-
-
-FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerEntry))
-_COLUMN_OF_FIELD = {"user": "end_user"}
-COLUMNS: tuple[str, ...] = tuple(_COLUMN_OF_FIELD.get(name, name) for name in FIELDS)  # in FIELDS' order
-_METADATA_INDEX = FIELDS.index("metadata")
-_INT_COLUMNS = frozenset(
-    ("prompt_tokens", "cached_tokens", "completion_tokens", "reserved_tokens", "migrations", "schema_v", "stream_seq",
-     "price_input_nano", "price_cached_nano", "price_output_nano", "spend_nano")
-)
-_FLOAT_COLUMNS = frozenset(("arrival_time", "first_token_time", "finish_time", "ts", "recorded_at"))
-
-
-def _text(value: str, what: str, limit: int = MAX_ID_CHARS) -> str:
-    # PostgreSQL text cannot hold NUL; strip it in both backends so they agree.
-    value = value.replace("\x00", "")
-    if len(value) > limit:
-        raise InvalidEvent(f"{what} longer than {limit} characters")
-    return value
-
-
-def _metadata(metadata: dict[str, str]) -> dict[str, str]:
-    if len(metadata) > MAX_METADATA_KEYS:
-        raise InvalidEvent(f"metadata has {len(metadata)} keys, more than {MAX_METADATA_KEYS}")
-    clean = {_text(k, "metadata key", MAX_METADATA_KEY_CHARS): _text(v, "metadata value", MAX_METADATA_VALUE_CHARS)
-             for k, v in metadata.items()}
-    if len(clean) != len(metadata):  # keys differing only by NUL: keeping either would drop the other silently
-        raise InvalidEvent("metadata keys collide once NUL characters are removed")
-    return clean
-
-
-def entry_row(entry: LedgerEntry) -> tuple[Any, ...]:
-    """The row for ``COLUMNS``: the entry's values, metadata as JSON text."""
-    row = [getattr(entry, name) for name in FIELDS]
-    row[_METADATA_INDEX] = json.dumps(entry.metadata, ensure_ascii=False, separators=(",", ":"))
-    return tuple(row)
-
-
-def entry_from_row(row: Sequence[Any]) -> LedgerEntry:
-    """The inverse of ``entry_row``: a row selected as ``COLUMNS`` back into an entry."""
-    values = list(row)
-    values[_METADATA_INDEX] = json.loads(values[_METADATA_INDEX])
-    return LedgerEntry(**dict(zip(FIELDS, values, strict=True)))
-
-
-def _time(value: float) -> float:
-    # SQLite stores NaN as NULL; a non-finite time is no time.
-    return value if math.isfinite(value) else 0.0
-
-
-def entry_from_event(event: UsageEvent, prices: PriceTable, *, recorded_at: float, stream_seq: int = 0) -> LedgerEntry:
-    """Validate an event and price it. Raises ``InvalidEvent``."""
-    if not event.request_id:
-        raise InvalidEvent("usage event without request_id")
-    for name in ("prompt_tokens", "cached_tokens", "completion_tokens", "reserved_tokens"):
-        value = getattr(event, name)
-        if not 0 <= value <= MAX_TOKENS:
-            raise InvalidEvent(f"{name}={value} out of range")
-    if not 0 <= event.migrations <= 1_000_000:
-        raise InvalidEvent(f"migrations={event.migrations} out of range")
-    charge = prices.charge(event.model, event.status, event.prompt_tokens, event.cached_tokens, event.completion_tokens)
-    finish, arrival = _time(event.finish_time), _time(event.arrival_time)
-    return LedgerEntry(
-        usage_id=_text(usage_dedup_id(event.request_id, event.migrations), "usage id", MAX_ID_CHARS + 16),
-        request_id=_text(event.request_id, "request_id"),
-        org=_text(event.org, "org"),
-        key_id=_text(event.key_id, "key_id"),
-        model=_text(event.model, "model"),
-        worker_id=_text(event.worker_id, "worker_id"),
-        tier=_text(event.tier, "tier"),
-        status=_text(event.status, "status"),
-        prompt_tokens=event.prompt_tokens,
-        cached_tokens=event.cached_tokens,
-        completion_tokens=event.completion_tokens,
-        reserved_tokens=event.reserved_tokens,
-        migrations=event.migrations,
-        arrival_time=arrival,
-        first_token_time=_time(event.first_token_time),
-        finish_time=finish,
-        error=event.error.replace("\x00", "")[:MAX_ERROR_CHARS],
-        schema_v=event.v,
-        ts=finish if finish > 0 else arrival if arrival > 0 else recorded_at,
-        recorded_at=recorded_at,
-        stream_seq=stream_seq,
-        price_input_nano=charge.price.input_nano,
-        price_cached_nano=charge.price.cached_input_nano,
-        price_output_nano=charge.price.output_nano,
-        spend_nano=charge.spend_nano,
-        user=_text(event.user, "user"),
-        metadata=_metadata(event.metadata),
-    )
-
-
-# ---- totals: one SQL shape for both backends --------------------------------------------
-_DIMENSION_COLUMNS = {"org": "org", "key": "key_id", "model": "model", "tier": "tier", "worker": "worker_id",
-                      "status": "status"}
-_BUCKET_SECONDS = {"hour": 3600, "day": 86400}
-_ROW_FIELD = {"org": "org", "key": "key_id", "model": "model", "tier": "tier", "worker": "worker_id",
-              "status": "status", "hour": "bucket", "day": "bucket"}
-
-
-@dataclass(frozen=True, slots=True)
-class TotalsSql:
-    sql: str
-    params: list[Any]
-
-
-def totals_sql(
-    *,
-    org: str | None,
-    key_id: str | None,
-    model: str | None,
-    since: float | None,
-    until: float | None,
-    group_by: Sequence[str],
-    placeholder: Any,
-    bucket_expr: Any,
-) -> TotalsSql:
-    """``SELECT dims..., status, sums GROUP BY dims, status``; statuses fold into rows later.
-
-    Dimension names are whitelisted (never interpolated from the caller); values are
-    bound parameters. ``placeholder(i)`` spells the i-th parameter (``?`` / ``$i``),
-    ``bucket_expr(seconds)`` the start of a time bucket.
-    """
-    exprs: list[str] = []
-    for name in group_by:
-        if name in _DIMENSION_COLUMNS:
-            exprs.append(_DIMENSION_COLUMNS[name])
-        elif name in _BUCKET_SECONDS:
-            exprs.append(bucket_expr(_BUCKET_SECONDS[name]))
-        else:
-            raise ValueError(f"unknown group_by {name!r}")
-    where: list[str] = []
-    params: list[Any] = []
-    for column, op, value in (("org", "=", org), ("key_id", "=", key_id), ("model", "=", model),
-                              ("ts", ">=", since), ("ts", "<", until)):
-        if value is not None:
-            params.append(value)
-            where.append(f"{column} {op} {placeholder(len(params))}")
-    select = [*exprs, "status", "COUNT(*)", "SUM(prompt_tokens)", "SUM(cached_tokens)", "SUM(completion_tokens)",
-              "SUM(spend_nano)", "MIN(ts)", "MAX(ts)"]
-    sql = f"SELECT {', '.join(select)} FROM usage_events"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " GROUP BY " + ", ".join([*exprs, "status"])
-    return TotalsSql(sql, params)
-
-
-def fold_totals(records: Sequence[Sequence[Any]], group_by: Sequence[str]) -> list[UsageRow]:
-    """Rows of (dims..., status, count, sums..., min ts, max ts) → one UsageRow per group."""
-    n = len(group_by)
-    groups: dict[tuple[Any, ...], UsageRow] = {}
-    for record in records:
-        dims = tuple(float(v) if group_by[i] in _BUCKET_SECONDS else v for i, v in enumerate(record[:n]))
-        status, count, prompt, cached, completion, spend, first, last = record[n:]
-        row = groups.get(dims)
-        if row is None:
-            row = UsageRow(by_status={}, first_at=float(first), last_at=float(last))
-            for i, name in enumerate(group_by):
-                setattr(row, _ROW_FIELD[name], dims[i])
-            groups[dims] = row
-        row.requests += int(count)
-        row.prompt_tokens += int(prompt or 0)
-        row.cached_tokens += int(cached or 0)
-        row.completion_tokens += int(completion or 0)
-        row.spend_nano += int(spend or 0)
-        row.by_status[status] = row.by_status.get(status, 0) + int(count)
-        row.first_at = min(row.first_at, float(first))
-        row.last_at = max(row.last_at, float(last))
-    # Deterministic order: by the grouped dimensions, in the order asked for.
-    return [groups[k] for k in sorted(groups, key=lambda k: tuple((v is None, v) for v in k))]
 
 
 class Ledger(ABC):
@@ -322,46 +143,30 @@ class Ledger(ABC):
 
 
 # ---- SQLite ------------------------------------------------------------------------------
-_SQLITE_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS usage_events (
-    usage_id TEXT PRIMARY KEY NOT NULL,
-    request_id TEXT NOT NULL,
-    org TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    model TEXT NOT NULL,
-    worker_id TEXT NOT NULL,
-    tier TEXT NOT NULL,
-    status TEXT NOT NULL,
-    prompt_tokens INTEGER NOT NULL,
-    cached_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL,
-    reserved_tokens INTEGER NOT NULL,
-    migrations INTEGER NOT NULL,
-    arrival_time REAL NOT NULL,
-    first_token_time REAL NOT NULL,
-    finish_time REAL NOT NULL,
-    error TEXT NOT NULL,
-    schema_v INTEGER NOT NULL,
-    ts REAL NOT NULL,
-    recorded_at REAL NOT NULL,
-    stream_seq INTEGER NOT NULL,
-    price_input_nano INTEGER NOT NULL,
-    price_cached_nano INTEGER NOT NULL,
-    price_output_nano INTEGER NOT NULL,
-    spend_nano INTEGER NOT NULL,
-    end_user TEXT NOT NULL DEFAULT '',
-    metadata TEXT NOT NULL DEFAULT '{}'
-)""",
+def _sqlite_column(name: str) -> str:
+    kind = "INTEGER" if name in INT_COLUMNS else "REAL" if name in FLOAT_COLUMNS else "TEXT"
+    return (f"{name} {kind}" + (" PRIMARY KEY" if name == "usage_id" else "") + " NOT NULL"
+            + (f" DEFAULT {COLUMN_DEFAULTS[name]}" if name in COLUMN_DEFAULTS else ""))
+
+
+_INDEXES = (
     "CREATE INDEX IF NOT EXISTS usage_events_ts ON usage_events (ts)",
     "CREATE INDEX IF NOT EXISTS usage_events_org_ts ON usage_events (org, ts)",
     "CREATE INDEX IF NOT EXISTS usage_events_key_ts ON usage_events (key_id, ts)",
-    "CREATE TABLE IF NOT EXISTS ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)",
 )
+
+
+def sqlite_schema(version: int = SCHEMA_VERSION) -> tuple[str, ...]:
+    """The statements that create a SQLite ledger of schema ``version`` (an older one: the
+    upgrade tests)."""
+    table = ",\n    ".join(_sqlite_column(name) for name in columns_at(version))
+    return (f"CREATE TABLE IF NOT EXISTS usage_events (\n    {table}\n)", *_INDEXES,
+            "CREATE TABLE IF NOT EXISTS ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)")
+
+
 # What upgrades a ledger of version v - 1 to version v; new tables are created at the latest.
-_SQLITE_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    2: ("ALTER TABLE usage_events ADD COLUMN end_user TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE usage_events ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'"),
-}
+_SQLITE_MIGRATIONS = {version: tuple(f"ALTER TABLE usage_events ADD COLUMN {_sqlite_column(name)}" for name in added)
+                      for version, added in ADDED_COLUMNS.items()}
 
 
 def _sqlite_error(exc: BaseException) -> LedgerError:
@@ -401,7 +206,7 @@ class SqliteLedger(Ledger):
             # One transaction: a crash mid-upgrade leaves the old version whole, never half of each.
             writer.execute("BEGIN IMMEDIATE")
             try:
-                for statement in _SQLITE_SCHEMA:
+                for statement in sqlite_schema():
                     writer.execute(statement)
                 writer.execute("INSERT OR IGNORE INTO ledger_meta (name, value) VALUES ('schema', ?)",
                                (str(SCHEMA_VERSION),))
@@ -487,33 +292,30 @@ class SqliteLedger(Ledger):
 
 
 # ---- PostgreSQL --------------------------------------------------------------------------
-_PG_TYPES = {name: ("bigint" if name in _INT_COLUMNS else "double precision" if name in _FLOAT_COLUMNS else "text")
+_PG_TYPES = {name: ("bigint" if name in INT_COLUMNS else "double precision" if name in FLOAT_COLUMNS else "text")
              for name in COLUMNS}
-_PG_DEFAULTS = {"end_user": "''", "metadata": "'{}'"}  # schema 2's columns: what version 1's rows get
 
 
 def _pg_column(name: str) -> str:
     return (f"{name} {_PG_TYPES[name]} NOT NULL" + (" PRIMARY KEY" if name == "usage_id" else "")
-            + (f" DEFAULT {_PG_DEFAULTS[name]}" if name in _PG_DEFAULTS else ""))
+            + (f" DEFAULT {COLUMN_DEFAULTS[name]}" if name in COLUMN_DEFAULTS else ""))
 
 
-_PG_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS usage_events (" + ", ".join(_pg_column(name) for name in COLUMNS) + ")",
-    "CREATE INDEX IF NOT EXISTS usage_events_ts ON usage_events (ts)",
-    "CREATE INDEX IF NOT EXISTS usage_events_org_ts ON usage_events (org, ts)",
-    "CREATE INDEX IF NOT EXISTS usage_events_key_ts ON usage_events (key_id, ts)",
-    "CREATE TABLE IF NOT EXISTS ledger_meta (name text PRIMARY KEY, value text NOT NULL)",
-)
+def postgres_schema(version: int = SCHEMA_VERSION) -> tuple[str, ...]:
+    """As ``sqlite_schema``, for PostgreSQL."""
+    table = ", ".join(_pg_column(name) for name in columns_at(version))
+    return (f"CREATE TABLE IF NOT EXISTS usage_events ({table})", *_INDEXES,
+            "CREATE TABLE IF NOT EXISTS ledger_meta (name text PRIMARY KEY, value text NOT NULL)")
+
+
 # One statement per batch: arrays of every column, unnested into rows (atomic on its own).
 _PG_INSERT = (
     f"INSERT INTO usage_events ({', '.join(COLUMNS)}) SELECT * FROM unnest("
     + ", ".join(f"${i + 1}::{_PG_TYPES[name]}[]" for i, name in enumerate(COLUMNS))
     + ") ON CONFLICT (usage_id) DO NOTHING"
 )
-_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # as _SQLITE_MIGRATIONS
-    2: (f"ALTER TABLE usage_events ADD COLUMN {_pg_column('end_user')}",
-        f"ALTER TABLE usage_events ADD COLUMN {_pg_column('metadata')}"),
-}
+_PG_MIGRATIONS = {version: tuple(f"ALTER TABLE usage_events ADD COLUMN {_pg_column(name)}" for name in added)
+                  for version, added in ADDED_COLUMNS.items()}  # as _SQLITE_MIGRATIONS
 _PG_MIGRATION_LOCK = 0x6D65746572  # "meter": serialises schema creation across instances
 
 
@@ -557,7 +359,7 @@ class PostgresLedger(Ledger):
         try:
             async with pool.acquire() as conn, conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _PG_MIGRATION_LOCK)
-                for statement in _PG_SCHEMA:
+                for statement in postgres_schema():
                     await conn.execute(statement)
                 await conn.execute("INSERT INTO ledger_meta (name, value) VALUES ('schema', $1) ON CONFLICT DO NOTHING",
                                    str(SCHEMA_VERSION))

@@ -28,9 +28,12 @@ from services.metering.ledger import (
     LedgerUnavailable,
     PostgresLedger,
     SqliteLedger,
+    columns_at,
     entry_from_event,
     entry_from_row,
     entry_row,
+    postgres_schema,
+    sqlite_schema,
 )
 from services.metering.pgserver import PostgresServer, postgres_bin_dir
 from services.metering.prices import ModelPrice, PriceTable
@@ -166,57 +169,12 @@ async def test_every_field_is_stored(ledger: Ledger, tmp_path: Path) -> None:
 
 
 # ---- schema versions ----------------------------------------------------------------------
-# The tables as schema 1 created them (before end_user and metadata), for the upgrade test.
-V1_SQLITE = (
-    """CREATE TABLE usage_events (
-    usage_id TEXT PRIMARY KEY NOT NULL,
-    request_id TEXT NOT NULL,
-    org TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    model TEXT NOT NULL,
-    worker_id TEXT NOT NULL,
-    tier TEXT NOT NULL,
-    status TEXT NOT NULL,
-    prompt_tokens INTEGER NOT NULL,
-    cached_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL,
-    reserved_tokens INTEGER NOT NULL,
-    migrations INTEGER NOT NULL,
-    arrival_time REAL NOT NULL,
-    first_token_time REAL NOT NULL,
-    finish_time REAL NOT NULL,
-    error TEXT NOT NULL,
-    schema_v INTEGER NOT NULL,
-    ts REAL NOT NULL,
-    recorded_at REAL NOT NULL,
-    stream_seq INTEGER NOT NULL,
-    price_input_nano INTEGER NOT NULL,
-    price_cached_nano INTEGER NOT NULL,
-    price_output_nano INTEGER NOT NULL,
-    spend_nano INTEGER NOT NULL
-)""",
-    "CREATE INDEX usage_events_ts ON usage_events (ts)",
-    "CREATE INDEX usage_events_org_ts ON usage_events (org, ts)",
-    "CREATE INDEX usage_events_key_ts ON usage_events (key_id, ts)",
-    "CREATE TABLE ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)",
-    "INSERT INTO ledger_meta (name, value) VALUES ('schema', '1')",
-)
-V1_POSTGRES = (
-    "CREATE TABLE usage_events (usage_id text NOT NULL PRIMARY KEY, request_id text NOT NULL, org text NOT NULL, "
-    "key_id text NOT NULL, model text NOT NULL, worker_id text NOT NULL, tier text NOT NULL, status text NOT NULL, "
-    "prompt_tokens bigint NOT NULL, cached_tokens bigint NOT NULL, completion_tokens bigint NOT NULL, "
-    "reserved_tokens bigint NOT NULL, migrations bigint NOT NULL, arrival_time double precision NOT NULL, "
-    "first_token_time double precision NOT NULL, finish_time double precision NOT NULL, error text NOT NULL, "
-    "schema_v bigint NOT NULL, ts double precision NOT NULL, recorded_at double precision NOT NULL, "
-    "stream_seq bigint NOT NULL, price_input_nano bigint NOT NULL, price_cached_nano bigint NOT NULL, "
-    "price_output_nano bigint NOT NULL, spend_nano bigint NOT NULL)",
-    "CREATE INDEX usage_events_ts ON usage_events (ts)",
-    "CREATE INDEX usage_events_org_ts ON usage_events (org, ts)",
-    "CREATE INDEX usage_events_key_ts ON usage_events (key_id, ts)",
-    "CREATE TABLE ledger_meta (name text PRIMARY KEY, value text NOT NULL)",
-    "INSERT INTO ledger_meta (name, value) VALUES ('schema', '1')",
-)
-V1_COLUMNS = COLUMNS[:COLUMNS.index("spend_nano") + 1]
+# A ledger as schema 1 created it (before end_user and metadata), for the upgrade test.
+V1_MARK = "INSERT INTO ledger_meta (name, value) VALUES ('schema', '1')"
+V1_SQLITE = (*sqlite_schema(1), V1_MARK)
+V1_POSTGRES = (*postgres_schema(1), V1_MARK)
+V1_COLUMNS = columns_at(1)
+assert V1_COLUMNS == COLUMNS[: COLUMNS.index("spend_nano") + 1]  # what schema 1 had: its last column
 
 
 async def schema_version(ledger: Ledger) -> str:
