@@ -26,7 +26,7 @@ from services.common.structured import (
     from_response_format,
     from_structured_outputs,
 )
-from services.worker.engines import guided
+from services.worker.engines import guided, guided_text
 
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
@@ -434,7 +434,7 @@ num ::= [1-9] [0-9]{0,2}
 def test_recursive_grammar_instances_are_sentences() -> None:
     g = parse_grammar(ARITH)
     for seed in range(200):
-        sentence = guided.grammar_instance(g, random.Random(seed))
+        sentence = guided_text.grammar_instance(g, random.Random(seed))
         assert re.fullmatch(r"[0-9+\-*()]+", sentence)
         assert eval(sentence, {"__builtins__": {}}) is not None  # parses as arithmetic
 
@@ -454,4 +454,4 @@ def test_mutually_recursive_alternatives_still_end() -> None:
     # Equal shortest lengths through a cycle: the walk must descend by derivation height.
     g = parse_grammar('root ::= a\na ::= b | "xy"\nb ::= a | "x"')
     for seed in range(50):
-        assert guided.grammar_instance(g, random.Random(seed)) in {"x", "xy"}
+        assert guided_text.grammar_instance(g, random.Random(seed)) in {"x", "xy"}
