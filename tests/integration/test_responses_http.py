@@ -16,13 +16,11 @@ import pydantic
 import pytest
 
 from bus import Bus, BusSettings
-from ops.keys import create_key
 from services.gateway.response_store import ResponseStore, StoredResponse, responses_bucket
-from services.gateway.service import GatewayConfig, GatewayService
+from services.gateway.service import GatewayService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
-
-MODEL = "sim-llama-8b"
+from tests.gateway_mesh import MODEL, gateway_service, known_key, sim_worker
 
 
 class City(pydantic.BaseModel):
@@ -32,31 +30,20 @@ class City(pydantic.BaseModel):
 
 @pytest.fixture
 async def worker(bus_settings: BusSettings) -> AsyncIterator[WorkerService]:
-    service = WorkerService(SimEngine(model=MODEL, speed=50.0, max_model_len=4096), WorkerConfig(worker_id="w1"),
-                            bus_settings)
-    await service.start()
-    yield service
-    await service.drain_and_close()
+    async with sim_worker(bus_settings, speed=50.0, max_model_len=4096) as service:
+        yield service
 
 
 @pytest.fixture
 async def gateway(bus_settings: BusSettings, worker: WorkerService) -> AsyncIterator[GatewayService]:
-    service = GatewayService(GatewayConfig(port=0), bus_settings)
-    await service.start()
-    yield service
-    await service.drain_and_close()
+    async with gateway_service(bus_settings) as service:
+        yield service
 
 
 async def _client(bus: Bus, gateway: GatewayService, org: str) -> openai.AsyncOpenAI:
     """A stock client with a new key of ``org``, once the gateway knows the key and the worker."""
-    key, _ = await create_key(bus, org=org)
-    async with aiohttp.ClientSession() as http:
-        for _ in range(100):
-            async with http.get(f"{gateway.http_url}/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
-                if r.status == 200 and (await r.json())["data"]:
-                    return openai.AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key=key, max_retries=0)
-            await asyncio.sleep(0.1)
-    pytest.fail("the gateway never accepted the new key or saw the worker")
+    key = await known_key(bus, gateway, org)
+    return openai.AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture

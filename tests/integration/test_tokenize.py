@@ -4,7 +4,6 @@ completion bills, and OpenAI-shaped errors."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,42 +12,26 @@ import openai
 import pytest
 
 from bus import Bus, BusSettings
-from ops.keys import create_key
-from services.gateway.service import GatewayConfig, GatewayService
-from services.worker.engines.sim import SimEngine
-from services.worker.service import WorkerConfig, WorkerService
-
-MODEL = "sim-llama-8b"
+from services.gateway.service import GatewayService
+from services.worker.service import WorkerService
+from tests.gateway_mesh import MODEL, gateway_service, known_key, sim_worker
 
 
 @pytest.fixture
 async def worker(bus_settings: BusSettings) -> AsyncIterator[WorkerService]:
-    service = WorkerService(SimEngine(model=MODEL, speed=20.0, max_model_len=2048), WorkerConfig(worker_id="w1"),
-                            bus_settings)
-    await service.start()
-    yield service
-    await service.drain_and_close()
+    async with sim_worker(bus_settings) as service:
+        yield service
 
 
 @pytest.fixture
 async def gateway(bus_settings: BusSettings, worker: WorkerService) -> AsyncIterator[GatewayService]:
-    service = GatewayService(GatewayConfig(port=0), bus_settings)
-    await service.start()
-    yield service
-    await service.drain_and_close()
+    async with gateway_service(bus_settings) as service:
+        yield service
 
 
 @pytest.fixture
 async def key(bus: Bus, gateway: GatewayService) -> str:
-    """A key the gateway already knows, for a model it already serves."""
-    made, _ = await create_key(bus, org="tokenize-org")
-    async with aiohttp.ClientSession() as http:
-        for _ in range(100):
-            async with http.get(f"{gateway.http_url}/v1/models", headers={"Authorization": f"Bearer {made}"}) as r:
-                if r.status == 200 and (await r.json())["data"]:
-                    return made
-            await asyncio.sleep(0.1)
-    pytest.fail("the gateway never accepted the new key or saw the worker")
+    return await known_key(bus, gateway, "tokenize-org")
 
 
 async def post(url: str, key: str | None, payload: Any = None, data: bytes | None = None) -> tuple[int, Any]:
