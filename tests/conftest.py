@@ -59,20 +59,20 @@ async def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str
         await asyncio.sleep(0.02)
 
 
-async def read_usage(bus: Bus) -> list[UsageEvent]:
-    """Every event in the USAGE stream."""
+async def usage_events(bus: Bus) -> list[UsageEvent]:
+    """Every event in the USAGE stream, read by an ephemeral consumer (the stream's own
+    consumers, metering's included, are left as they are)."""
     info = await bus.js.stream_info(bus.subjects.usage_stream)
-    events: list[UsageEvent] = []
-    if info.state.messages == 0:
-        return events
+    n = info.state.messages
+    if not n:
+        return []
     sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
                                       config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
-    while len(events) < info.state.messages:
-        for msg in await sub.fetch(info.state.messages - len(events), timeout=5):
-            events.append(decode(msg.data, UsageEvent))
-            await msg.ack()
+    out: list[UsageEvent] = []
+    while len(out) < n:
+        out.extend(decode(m.data, UsageEvent) for m in await sub.fetch(n - len(out), timeout=5))
     await sub.unsubscribe()
-    return events
+    return out
 
 
 async def _wait_for_jetstream(urls: list[str], timeout: float = 20.0) -> None:

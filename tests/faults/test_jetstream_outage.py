@@ -28,7 +28,7 @@ from proto import ControlReply, GenerateRequest, SamplingParams, TokenChunk, pac
 from services.gateway.service import GatewayConfig, GatewayService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
-from tests.conftest import eventually, read_usage
+from tests.conftest import eventually, usage_events
 from tests.sse import read_sse, sse_usage
 
 MODEL = "sim-llama-8b"
@@ -120,7 +120,7 @@ async def test_worker_alone_bills_once_when_usage_comes_back(bus: Bus, worker: W
     await _recreate_usage(bus)
 
     await eventually(lambda: worker.in_flight == 0, timeout=30, what="the worker's usage publishes to end")
-    billed = _one_each(await read_usage(bus), {r.request_id for r in requests})
+    billed = _one_each(await usage_events(bus), {r.request_id for r in requests})
     for request in requests:
         event = billed[request.request_id]
         assert (event.prompt_tokens, event.completion_tokens) == (10 + int(request.request_id[1:]), request.sampling.max_tokens)
@@ -145,7 +145,7 @@ async def test_gateway_alone_bills_once_when_the_worker_died_after_its_final_chu
     expected = {payload["id"].removeprefix("cmpl-"): payload["usage"] for _, payload in answers}
     await eventually(lambda: gateway.bus.js_publishes_waiting == 0 and gateway.in_flight == 0, timeout=30,
                      what="the gateway's usage publishes to end")
-    billed = _one_each(await read_usage(bus), set(expected))
+    billed = _one_each(await usage_events(bus), set(expected))
     for request_id, usage in expected.items():
         event = billed[request_id]
         assert (event.prompt_tokens, event.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
@@ -171,7 +171,7 @@ async def test_gateway_bills_a_request_no_worker_took_once_when_usage_comes_back
 
     await eventually(lambda: gateway.bus.js_publishes_waiting == 0 and gateway.in_flight == 0, timeout=30,
                      what="the gateway's usage publish to end")
-    [event] = await read_usage(bus)
+    [event] = await usage_events(bus)
     assert (event.org, event.status, event.worker_id, event.completion_tokens) == ("refused-org", "rejected", "", 0)
 
 

@@ -11,12 +11,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import openai
 import pytest
-from nats.js import api
 
 from bus import Bus, BusSettings
 from bus.keys import KeyStore
 from ops.keys import create_key
-from proto import AdmissionDecision, AdmissionRequest, UsageEvent, decode, usage_dedup_id
+from proto import AdmissionDecision, AdmissionRequest, UsageEvent, usage_dedup_id
 from services.admission.buckets import LimiterConfig
 from services.admission.service import AdmissionConfig, AdmissionService
 from services.gateway.apikeys import generate_key
@@ -25,7 +24,7 @@ from services.gateway.upstream import UpstreamConfig
 from services.router.service import RouterService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
-from tests.conftest import eventually
+from tests.conftest import eventually, usage_events
 
 MODEL = "sim-llama-8b"
 
@@ -87,20 +86,6 @@ async def mesh(bus_settings: BusSettings) -> AsyncIterator[dict[str, Callable[..
 
 async def wait_for_key(gateway: GatewayService, key_id: str) -> None:
     await eventually(lambda: key_id in gateway.keys.records, what="the gateway to see the new key")
-
-
-async def usage_events(bus: Bus) -> list[UsageEvent]:
-    info = await bus.js.stream_info(bus.subjects.usage_stream)
-    n = info.state.messages
-    if not n:
-        return []
-    sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
-                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
-    out: list[UsageEvent] = []
-    while len(out) < n:
-        out.extend(decode(m.data, UsageEvent) for m in await sub.fetch(n - len(out), timeout=5))
-    await sub.unsubscribe()
-    return out
 
 
 def crash(service: AdmissionService) -> Awaitable[None]:

@@ -19,17 +19,16 @@ import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
-from nats.js import api
 
 from bus import Bus, BusSettings
 from ops.keys import create_key
-from proto import UsageEvent, decode
 from services.admission.service import AdmissionService
 from services.gateway.jwks import JwksUnavailable, jwks_fetcher
 from services.gateway.oidc import OidcConfig, TierLimits, synthetic_key_id
 from services.gateway.service import GatewayConfig, GatewayService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
+from tests.conftest import usage_events
 
 MODEL = "sim-llama-8b"
 AUDIENCE = "meshserve-test"
@@ -189,20 +188,6 @@ async def test_an_unreachable_issuer_leaves_known_keys_working(gateway: GatewayS
     assert "is not one the issuer publishes" in info.value.message
 
 
-async def _usage_events(bus: Bus) -> list[UsageEvent]:
-    info = await bus.js.stream_info(bus.subjects.usage_stream)
-    n = info.state.messages
-    if not n:
-        return []
-    sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
-                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
-    out: list[UsageEvent] = []
-    while len(out) < n:
-        out.extend(decode(m.data, UsageEvent) for m in await sub.fetch(n - len(out), timeout=5))
-    await sub.unsubscribe()
-    return out
-
-
 async def _eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not await check():
@@ -235,10 +220,10 @@ async def test_a_jwt_caller_is_limited_and_billed_under_its_own_key_id(
     bob_id = synthetic_key_id(issuer.url, "bob")
 
     async def billed() -> bool:
-        return len([e for e in await _usage_events(bus) if e.key_id == bob_id and e.status == "length"]) == 2
+        return len([e for e in await usage_events(bus) if e.key_id == bob_id and e.status == "length"]) == 2
 
     await _eventually(billed, "bob's usage events")
-    events = [e for e in await _usage_events(bus) if e.key_id == bob_id]
+    events = [e for e in await usage_events(bus) if e.key_id == bob_id]
     assert {e.org for e in events} == {"bob-org"} and {e.tier for e in events} == {"standard"}
     assert sum(e.completion_tokens for e in events) == 10  # the refused third one generated nothing
 

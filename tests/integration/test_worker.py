@@ -31,7 +31,7 @@ from proto import (
 )
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
-from tests.conftest import read_usage
+from tests.conftest import usage_events
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-llama-8b"
@@ -103,7 +103,7 @@ async def test_64_concurrent_streams_complete_in_order(bus: Bus, worker: WorkerS
     assert worker.chunks_published < total_tokens
     # exactly one usage event per request, counts equal to what was streamed
     await asyncio.sleep(0.2)
-    usage = await read_usage(bus)
+    usage = await usage_events(bus)
     by_id = {u.request_id: u for u in usage}
     assert len(usage) == len(by_id) == 64
     for r in requests:
@@ -141,7 +141,7 @@ async def test_cancel_frees_kv_blocks_by_next_gauge(bus: Bus, worker: WorkerServ
     # freed blocks stay cached (prefix cache) but are no longer in use
     assert gauges[0].running == 0 and gauges[0].kv_blocks_used == baseline
     await asyncio.sleep(0.2)
-    usage = {u.request_id: u for u in await read_usage(bus)}
+    usage = {u.request_id: u for u in await usage_events(bus)}
     assert usage["long"].status == "cancelled"
     assert usage["long"].completion_tokens == sum(len(c.token_ids) for c in chunks)
 
@@ -198,7 +198,7 @@ async def test_requests_it_cannot_serve_get_an_error_chunk(bus: Bus, worker: Wor
     await bus.request(bus.subjects.worker_generate("w-test"), ok, ControlReply)
     assert_complete(await collector.wait("after"), 8)
     await asyncio.sleep(0.2)
-    usage = {u.request_id: u for u in await read_usage(bus)}
+    usage = {u.request_id: u for u in await usage_events(bus)}
     assert usage["wrong-model"].status == "failed" and usage["too-long"].status == "failed"
 
 
