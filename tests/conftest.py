@@ -66,8 +66,12 @@ async def usage_events(bus: Bus) -> list[UsageEvent]:
     n = info.state.messages
     if not n:
         return []
-    sub = await bus.js.pull_subscribe(bus.subjects.usage_all, durable=None, stream=bus.subjects.usage_stream,
-                                      config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
+    sub = await bus.js.pull_subscribe(
+        bus.subjects.usage_all,
+        durable=None,
+        stream=bus.subjects.usage_stream,
+        config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL),
+    )
     out: list[UsageEvent] = []
     while len(out) < n:
         out.extend(decode(m.data, UsageEvent) for m in await sub.fetch(n - len(out), timeout=5))

@@ -20,10 +20,14 @@ MODEL = "sim-llama-8b"
 
 
 @asynccontextmanager
-async def sim_worker(bus_settings: BusSettings, *, speed: float = 20.0,
-                     max_model_len: int = 2048) -> AsyncIterator[WorkerService]:
-    service = WorkerService(SimEngine(model=MODEL, speed=speed, max_model_len=max_model_len),
-                            WorkerConfig(worker_id="w1"), bus_settings)
+async def sim_worker(
+    bus_settings: BusSettings, *, speed: float = 20.0, max_model_len: int = 2048
+) -> AsyncIterator[WorkerService]:
+    service = WorkerService(
+        SimEngine(model=MODEL, speed=speed, max_model_len=max_model_len),
+        WorkerConfig(worker_id="w1"),
+        bus_settings,
+    )
     await service.start()
     try:
         yield service
@@ -32,8 +36,9 @@ async def sim_worker(bus_settings: BusSettings, *, speed: float = 20.0,
 
 
 @asynccontextmanager
-async def gateway_service(bus_settings: BusSettings,
-                          config: GatewayConfig | None = None) -> AsyncIterator[GatewayService]:
+async def gateway_service(
+    bus_settings: BusSettings, config: GatewayConfig | None = None
+) -> AsyncIterator[GatewayService]:
     service = GatewayService(config or GatewayConfig(port=0), bus_settings)
     await service.start()
     try:
@@ -47,7 +52,9 @@ async def known_key(bus: Bus, gateway: GatewayService, org: str) -> str:
     made, _ = await create_key(bus, org=org)
     async with aiohttp.ClientSession() as http:
         for _ in range(100):
-            async with http.get(f"{gateway.http_url}/v1/models", headers={"Authorization": f"Bearer {made}"}) as r:
+            async with http.get(
+                f"{gateway.http_url}/v1/models", headers={"Authorization": f"Bearer {made}"}
+            ) as r:
                 if r.status == 200 and (await r.json())["data"]:
                     return made
             await asyncio.sleep(0.1)

@@ -111,8 +111,12 @@ class GuidedStream:
             # (minItems 10⁹ of minItems 10⁹) cost no more than one (bounded) attempt.
             # Each step spells at least a character: max_len steps are all a prefix needs.
             self.prefix_only = True
-            self.text = guided.generate(structured, random.Random(int.from_bytes(key, "little")),
-                                        max(max_len, 1 << 12), prefix_cap=max_len)
+            self.text = guided.generate(
+                structured,
+                random.Random(int.from_bytes(key, "little")),
+                max(max_len, 1 << 12),
+                prefix_cap=max_len,
+            )
         self._tokens = _TOK.encode(self.text)
 
     @property
