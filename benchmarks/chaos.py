@@ -64,6 +64,7 @@ from ops.natsserver import free_port
 from ops.up import Mesh, MeshConfig, ServiceProcess, discover, ready_workers
 from proto import UsageEvent, WorkerGauge, decode
 from proto.metering import UsageQuery, UsageReport
+from tests.sse import sse_events
 
 MODEL = "sim-llama-8b"
 ORG = "dev"  # the development key's org
@@ -172,18 +173,10 @@ def _apply_event(req: Req, data: str) -> None:
 
 async def _read_sse(response: aiohttp.ClientResponse, req: Req) -> None:
     """Applies each event as it arrives, so a stream cut midway keeps what it got."""
-    event_id, data = "", ""
-    async for raw in response.content:
-        line = raw.decode().rstrip("\n")
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            data = line[6:]
-        elif line == "" and data:
-            if event_id:
-                req.event_ids.append(event_id)
-            _apply_event(req, data)
-            event_id, data = "", ""
+    async for event_id, data in sse_events(response):
+        if event_id:
+            req.event_ids.append(event_id)
+        _apply_event(req, data)
 
 
 def _finish(req: Req) -> None:

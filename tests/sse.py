@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import aiohttp
 
 
-async def read_sse(response: aiohttp.ClientResponse, limit: int | None = None) -> list[tuple[str, str]]:
-    """(id, data) of each SSE event; stops after ``limit`` events."""
-    events: list[tuple[str, str]] = []
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, str]]:
+    """(id, data) of each SSE event as it arrives (benchmarks/chaos.py reads them so too)."""
     event_id, data = "", ""
     async for raw in response.content:
         line = raw.decode().rstrip("\n")
@@ -18,8 +19,16 @@ async def read_sse(response: aiohttp.ClientResponse, limit: int | None = None) -
         elif line.startswith("data: "):
             data = line[6:]
         elif line == "" and data:
-            events.append((event_id, data))
+            yield event_id, data
             event_id, data = "", ""
+
+
+async def read_sse(response: aiohttp.ClientResponse, limit: int | None = None) -> list[tuple[str, str]]:
+    """(id, data) of each SSE event; stops after ``limit`` events."""
+    events: list[tuple[str, str]] = []
+    async with aclosing(sse_events(response)) as stream:
+        async for event in stream:
+            events.append(event)
             if limit is not None and len(events) >= limit:
                 break
     return events
