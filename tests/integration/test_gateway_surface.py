@@ -130,7 +130,7 @@ async def test_an_empty_bearer_is_a_missing_key(gateway: GatewayService) -> None
 
 
 async def test_nats_api_and_websocket_take_the_same_headers(gateway: GatewayService, key: str, bus: Bus) -> None:
-    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2}' % MODEL.encode()
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "ignore_eos": true}' % MODEL.encode()
     reply = await bus.nc.request(bus.subjects.api_completions, body, headers={"api-key": key}, timeout=20)
     assert b'"completion_tokens":2' in reply.data
     reply = await bus.nc.request(bus.subjects.api_completions, body, headers={"Authorization": key}, timeout=20)
@@ -140,7 +140,8 @@ async def test_nats_api_and_websocket_take_the_same_headers(gateway: GatewayServ
             error = await ws.receive_json(timeout=10)
         assert error["type"] == "error" and error["error"]["code"] == "invalid_authorization_header"
         async with http.ws_connect(f"{gateway.http_url}/v1/ws", headers={"x-api-key": key}) as ws:
-            await ws.send_json({"type": "completion", "id": "a", "body": {"model": MODEL, "prompt": "x", "max_tokens": 2}})
+            await ws.send_json({"type": "completion", "id": "a", "body": {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                                                  "ignore_eos": True}})
             messages = [await ws.receive_json(timeout=20)]
             while messages[-1]["type"] == "token":
                 messages.append(await ws.receive_json(timeout=20))

@@ -117,7 +117,8 @@ async def _run(mesh: Mesh) -> None:
             return len(found) == 1 and found[0].get("leading", False)
 
         await until(standby_leads)
-        third = await client.completions.create(model=MODEL, prompt="after the failover", max_tokens=3)
+        third = await client.completions.create(model=MODEL, prompt="after the failover", max_tokens=3,
+                                                 extra_body={"ignore_eos": True})
         assert third.usage is not None and third.usage.completion_tokens == 3
         (adm,) = await stats(bus, "admission")
         assert adm["admitted"] == 1 and adm["takeovers"] == 1

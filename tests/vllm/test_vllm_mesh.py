@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -229,6 +229,11 @@ async def test_chat_and_completions_through_the_mesh(client: openai.AsyncOpenAI,
     assert [m.id for m in models.data] == [MODEL]
 
 
+def _ago(final: Any, field: str, left_at: float) -> str:
+    at = getattr(final.timings, field, 0.0) if final.timings else 0.0
+    return f"{left_at - at:.2f}s before" if at and at <= left_at else (f"{at - left_at:.2f}s after" if at else "never")
+
+
 async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, watch: Watch) -> None:
     idle = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0)
     baseline = idle.kv_usage
@@ -244,6 +249,7 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
             break
     # Leave at once: the engine decodes on regardless, so any wait here (for a gauge, say)
     # races the request's end on a slow or stalled machine.
+    left_at = time.time()
     await stream.close()  # the client goes away: the gateway cancels at the worker, vLLM aborts
     t_cancel = time.monotonic()
     freed = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0 and g.kv_usage <= baseline, timeout=20)
@@ -256,7 +262,8 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
     assert final.finish_reason == "abort", (
         f"the request ran to {final.finish_reason!r} after {len(watch.streamed(rid))} tokens: the cancel did not "
         f"reach the engine before it finished (the client left {t_cancel - t_start:.2f}s after the request; the "
-        f"worker sent {len(watch.chunks[rid])} chunks)")
+        f"worker sent {len(watch.chunks[rid])} chunks; the engine's first token came {_ago(final, 'first_token', left_at)} "
+        f"and its last {_ago(final, 'finished', left_at)} the client left)")
     # Billed what was streamed, far short of max_tokens.
     assert final.usage is not None
     assert final.usage.completion_tokens == len(watch.streamed(rid)) < CANCELLED_MAX_TOKENS

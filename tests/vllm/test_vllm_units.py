@@ -423,3 +423,81 @@ def test_cpu_build_kv_cache_default_is_bounded_by_free_memory() -> None:
     assert default_cpu_kvcache_gib(2 * gib) == 1  # never below one GiB
     assert default_cpu_kvcache_gib(13 * gib) == 3  # a quarter of what is free
     assert default_cpu_kvcache_gib(200 * gib) == 4  # never more than 4 GiB on a laptop's CPU build
+
+
+# ---- the CPU build's busy wait (services/worker/engines/vllm_plugin.py) ------------------
+class FakeSpinCondition:
+    """vLLM's SpinCondition as the patch sees it: a reader, its last read, its busy window."""
+
+    is_reader = True
+    busy_loop_s = 1.0
+
+    def __init__(self, last_read: float) -> None:
+        self.last_read = last_read
+        self.idle_waits: list[int | None] = []
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        self.idle_waits.append(timeout_ms)
+
+
+def test_the_busy_wait_sleeps_instead_of_yielding_and_the_idle_wait_stays_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from services.worker.engines import vllm_plugin
+
+    class Condition(FakeSpinCondition):
+        pass
+
+    vllm_plugin.patch_spin_condition(Condition, 0.0002)
+    slept: list[float] = []
+    monkeypatch.setattr(vllm_plugin.time, "sleep", slept.append)
+    busy = Condition(last_read=time.monotonic())  # read just now: inside the busy window
+    busy.wait(50)
+    assert slept == [0.0002] and busy.idle_waits == []
+    idle = Condition(last_read=time.monotonic() - 5.0)  # past it: vLLM's own wait on its notify socket
+    idle.wait(50)
+    assert slept == [0.0002] and idle.idle_waits == [50]
+    assert Condition.meshserve_spin_sleep_s == 0.0002  # type: ignore[attr-defined]
+
+
+def test_the_plugin_acts_only_when_the_worker_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker.engines import vllm_plugin
+
+    for value, expected in (("", 0.0), ("0", 0.0), ("-1", 0.0), ("junk", 0.0), ("0.0001", 0.0001)):
+        monkeypatch.setenv(vllm_plugin.SPIN_SLEEP_ENV, value)
+        assert vllm_plugin.spin_sleep_s() == expected
+    monkeypatch.delenv(vllm_plugin.SPIN_SLEEP_ENV)
+    patched: list[object] = []
+    monkeypatch.setattr(vllm_plugin, "patch_spin_condition", lambda *a: patched.append(a))
+    vllm_plugin.register()  # unset: vLLM as vLLM made it
+    assert patched == []
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_vllm_loads_the_plugin_and_has_what_it_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry point vLLM loads in each of its processes, and the SpinCondition fields
+    the patch relies on (a vLLM that renamed them must fail here, not starve CPU meshes)."""
+    import inspect
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    from services.worker.engines import vllm_plugin
+
+    assert "services.worker.engines.vllm_plugin:register" in {e.value for e in entry_points(group="vllm.general_plugins")}
+    condition = shm_broadcast.SpinCondition
+    assert list(inspect.signature(condition.wait).parameters) == ["self", "timeout_ms"]
+    source = inspect.getsource(condition)
+    assert "self.last_read" in source and "self.busy_loop_s" in source and "sched_yield()" in source
+
+    class Condition(condition):  # type: ignore[misc, valid-type]
+        pass
+
+    monkeypatch.setattr(shm_broadcast, "SpinCondition", Condition)
+    monkeypatch.setenv(vllm_plugin.SPIN_SLEEP_ENV, "0.0001")
+    vllm_plugin.register()
+    assert Condition.meshserve_spin_sleep_s == 0.0001
+    patched = Condition.wait
+    assert patched.__qualname__.endswith("patch_spin_condition.<locals>.wait")
+    vllm_plugin.register()  # loaded again in the same process: patched once
+    assert Condition.wait is patched

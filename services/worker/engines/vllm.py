@@ -60,6 +60,7 @@ from .vllm_args import (
     token_prompt,
 )
 from .vllm_kv import KvEventBridge, KvPredictor
+from .vllm_plugin import DEFAULT_CPU_SPIN_SLEEP_S, SPIN_SLEEP_ENV
 from .vllm_stats import VllmStatsTracker
 
 log = logging.getLogger(__name__)
@@ -228,14 +229,13 @@ class VllmEngine(Engine):
             return
         t0 = time.monotonic()
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self.cpu_kvcache_space_gib is not None:
             # Read (as whole GiB) by the CPU build's worker process, which inherits the environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(self.cpu_kvcache_space_gib)))
         elif self.engine_args.get("gpu_memory_utilization") is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            from vllm.platforms import current_platform
-
             if current_platform.is_cpu():
                 # vLLM's CPU default reserves 92 % of the machine's memory and refuses to start
                 # on any laptop running something else: a KV cache of a bounded size instead.
@@ -245,6 +245,9 @@ class VllmEngine(Engine):
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
                 log.info("vLLM CPU build: %d GiB of KV cache (set --cpu-kvcache-space or "
                          "--gpu-memory-utilization to choose)", gib)
+        if current_platform.is_cpu():
+            # Before vLLM loads its plugins (AsyncEngineArgs): its processes inherit this.
+            os.environ.setdefault(SPIN_SLEEP_ENV, str(DEFAULT_CPU_SPIN_SLEEP_S))
         kwargs = dict(self.engine_args)
         if self.kv_events_mode == "engine" and self.prefix_caching:
             endpoint = self._open_kv_socket()
