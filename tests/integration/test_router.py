@@ -527,4 +527,6 @@ async def test_a_superseded_copy_is_refused_or_stops_and_streams_and_bills_nothi
     assert final.finish_reason == "length" and final.seq >= 100
 
     assert finals == [("early", 1), ("moved", 1)]
+    # The usage event goes out once the final chunk is stored, a moment after the client saw it.
+    await eventually(lambda: len(billed) >= 2, what="the moved request's usage event")
     assert billed == [("early", 1), ("moved", 1)]
