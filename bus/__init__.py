@@ -4,5 +4,6 @@ from .client import Bus, connect
 from .provision import StreamLimits, provision
 from .runner import Service, run_service
 from .settings import BusSettings, RunOptions
+from .tasks import cancel_and_wait
 
-__all__ = ["Bus", "BusSettings", "RunOptions", "Service", "StreamLimits", "connect", "provision", "run_service"]
+__all__ = ["Bus", "BusSettings", "RunOptions", "Service", "StreamLimits", "cancel_and_wait", "connect", "provision", "run_service"]

@@ -42,6 +42,7 @@ from .logs import setup_logging
 from .micro import request_msg, stop_endpoint
 from .provision import provision
 from .settings import BusSettings, RunOptions
+from .tasks import cancel_and_wait
 from .tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -269,9 +270,7 @@ class Service:
     async def abandon_start(self) -> None:
         """Undo what a failed ``start`` began (tasks, ``on_start``'s resources, the
         connection), best effort: the instance is not used again."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
         try:
             await asyncio.wait_for(self.on_stop(), self.drain_timeout_s)
         except Exception as exc:  # on_start may have got only part of the way
@@ -316,9 +315,7 @@ class Service:
         finished = await self.wait_in_flight(self.drain_timeout_s)
         if not finished:
             log.warning("%s drain timeout: cancelling %d tasks", self.name, len(self._tasks))
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await cancel_and_wait(list(self._tasks))
         await self.on_stop()
         await self.stop_endpoints()
         if self._bus is not None:

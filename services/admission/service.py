@@ -69,7 +69,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from bus import BusSettings, Service
+from bus import BusSettings, Service, cancel_and_wait
 from bus.config import build, checked, read_file
 from bus.metrics import MetricsServer
 from bus.provision import ensure_kv
@@ -320,9 +320,7 @@ class AdmissionService(Service):
     async def on_drain(self) -> None:
         # Hand over at once: final checkpoint, then delete the lease so a standby's next
         # create succeeds without waiting for the TTL.
-        for task in self._loops:
-            task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_and_wait(self._loops)
         self._loops = []
         async with self._role_lock:
             if self.leading:
@@ -334,9 +332,7 @@ class AdmissionService(Service):
         await self.stop_endpoints()
 
     async def on_stop(self) -> None:
-        for task in self._loops:
-            task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_and_wait(self._loops)
         await self.feed.stop()
         if self._metrics_server is not None:
             await self._metrics_server.stop()

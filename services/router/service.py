@@ -48,7 +48,7 @@ from prometheus_client import (
     Histogram,
 )
 
-from bus import BusSettings, Service
+from bus import BusSettings, Service, cancel_and_wait
 from bus.metrics import MetricsServer
 from proto import (
     SUPERSEDED,
@@ -194,9 +194,7 @@ class RouterService(Service):
 
     async def on_stop(self) -> None:
         tasks = [t for t in (self._loop_task, *self._background) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await self.feed.stop()
         if self._metrics_server is not None:
             await self._metrics_server.stop()

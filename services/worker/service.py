@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry import trace
 
-from bus import BusSettings, Service
+from bus import BusSettings, Service, cancel_and_wait
 from bus.client import MSG_ID_HEADER
 from bus.metrics import MetricsServer
 from bus.provision import StreamLimits, workers_bucket
@@ -206,9 +206,7 @@ class WorkerService(Service):
     async def on_stop(self) -> None:
         self.state = "stopped"
         await self.stop_endpoints()
-        for task in getattr(self, "_loops", []):
-            task.cancel()
-        await asyncio.gather(*getattr(self, "_loops", []), return_exceptions=True)
+        await cancel_and_wait(getattr(self, "_loops", []))
         await self._publish_gauge()
         if self._kv is not None:
             with contextlib.suppress(Exception):

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from nats.aio.msg import Msg
 
-from bus import Bus, BusSettings
+from bus import Bus, BusSettings, cancel_and_wait
 from bus.provision import StreamLimits, ensure_stream, requests_bucket, usage_stream_config
 from ops.keys import create_key
 from ops.nats.accounts import kv_stream
@@ -44,9 +44,7 @@ async def _start_worker(bus_settings: BusSettings, worker_id: str) -> WorkerServ
 
 async def _kill(worker: WorkerService) -> None:
     """What kill -9 leaves: nothing of the worker runs, its connection is gone."""
-    for task in [*worker._tasks, *getattr(worker, "_loops", [])]:
-        task.cancel()
-    await asyncio.gather(*worker._tasks, *getattr(worker, "_loops", []), return_exceptions=True)
+    await cancel_and_wait([*worker._tasks, *getattr(worker, "_loops", [])])
     await worker.bus.nc.close()
     await worker.engine.shutdown()
 
