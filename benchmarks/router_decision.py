@@ -8,6 +8,11 @@ private blocks of its own. Requests reuse a document prefix with probability
 the policy, the optimistic accounting update); gauges arrive between samples, as in
 a running router, and are not timed. The garbage collector stays on, as in the service.
 
+Each policy runs twice on the same samples: with the prompt hashed by the router (a
+request without ``RouteRequest.block_hashes``: a migrated segment, a NATS client's own
+RouteRequest) and with the hashes the gateway computed for admission (every request
+through a gateway), hashed outside the timed region as the gateway does.
+
     .venv/bin/python benchmarks/router_decision.py
 """
 
@@ -50,7 +55,8 @@ def build(n_workers: int, blocks: int, docs: list[list[int]], rng: random.Random
 
 
 def measure(
-    view: FleetView, docs: list[list[int]], policy: str, samples: int, hit_rate: float, seed: int
+    view: FleetView, docs: list[list[int]], policy: str, samples: int, hit_rate: float, seed: int,
+    gateway_hashes: bool = False,
 ) -> tuple[float, float]:
     rng = random.Random(seed)
     pool = view.pool(MODEL)
@@ -65,7 +71,9 @@ def measure(
             prompt = rng.choice(docs) + suffix
         else:
             prompt = [rng.randrange(100_000) for _ in range(DOC_TOKENS)] + suffix
-        query = RouteQuery.of(f"r{k}", MODEL, prompt, max_tokens=256, session_key=f"user{k % 500}")
+        hashes = block_hashes(prompt, BLOCK) if gateway_hashes else []
+        query = RouteQuery.of(f"r{k}", MODEL, prompt, max_tokens=256, session_key=f"user{k % 500}",
+                              block_hashes=hashes, block_size=BLOCK if hashes else 0)
         t0 = time.perf_counter_ns()
         d = router.place(query, now)
         if k >= warmup:
@@ -102,8 +110,8 @@ def main() -> None:
         f"prefix reuse {args.hit_rate:.0%}, {args.samples} placements per row"
     )
     print()
-    print("| workers | policy | median µs | p99 µs | index entries | view memory MB |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| workers | policy | prompt hashed by | median µs | p99 µs | index entries | view memory MB |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for n in args.workers:
         rng = random.Random(args.seed)
         docs = [[rng.randrange(100_000) for _ in range(DOC_TOKENS)] for _ in range(64)]
@@ -114,8 +122,10 @@ def main() -> None:
         tracemalloc.stop()
         entries = len(view.pools[MODEL].index)
         for policy in args.policies:
-            med, p99 = measure(view, docs, policy, args.samples, args.hit_rate, args.seed)
-            print(f"| {n} | {policy} | {med:.0f} | {p99:.0f} | {entries:,} | {mem_mb:.0f} |")
+            for gateway_hashes in (False, True):
+                med, p99 = measure(view, docs, policy, args.samples, args.hit_rate, args.seed, gateway_hashes)
+                by = "gateway" if gateway_hashes else "router"
+                print(f"| {n} | {policy} | {by} | {med:.0f} | {p99:.0f} | {entries:,} | {mem_mb:.0f} |")
 
 
 if __name__ == "__main__":

@@ -354,6 +354,12 @@ class RouteRequest(Struct, kw_only=True, omit_defaults=True):
     # request (uncached prompt + queue) exceeds that replica's by at most the slack.
     prefer_worker: str = ""
     prefer_slack_tokens: int = 0
+    # The prompt's chained block hashes in the pool's block size (as AdmissionRequest's,
+    # which the gateway computes anyway): the router walks its prefix index with them
+    # instead of hashing the prompt again. Only for the request's own prompt (salt: the
+    # LoRA name or ""); a migrated segment, whose prompt grew, sends none.
+    block_hashes: list[int] = []
+    block_size: int = 0
 
 
 class Placement(Struct, kw_only=True, omit_defaults=True):

@@ -31,7 +31,7 @@ skew between hosts cannot make a worker look dead or a gauge look fresh.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from proto.hashing import pack_tokens
@@ -226,13 +226,16 @@ class Pool:
             m |= w.bit
         return m
 
-    def cached_prefix_blocks(self, prompt: bytes, salt: str, mask: int) -> dict[int, int]:
+    def cached_prefix_blocks(
+        self, prompt: bytes, salt: str, mask: int, hashed: tuple[int, Sequence[int]] | None = None
+    ) -> dict[int, int]:
         """Leading prompt blocks each worker in ``mask`` holds, as ``{slot: blocks}``.
 
         Workers holding no leading block are absent. ``prompt`` is packed token ids.
-        The prompt is hashed per block size present among ``mask``'s workers.
+        The prompt is hashed per block size present among ``mask``'s workers, except
+        the size of ``hashed`` (block size, the prompt's hashes in it with ``salt``).
         """
-        return self.kv.cached_prefix_blocks(prompt, salt, mask)
+        return self.kv.cached_prefix_blocks(prompt, salt, mask, hashed)
 
 
 class FleetView:

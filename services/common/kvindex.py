@@ -360,17 +360,25 @@ class KvIndex:
         return consistent
 
     # ---- queries ----
-    def cached_prefix_blocks(self, prompt: bytes, salt: str, mask: int) -> dict[int, int]:
+    def cached_prefix_blocks(
+        self, prompt: bytes, salt: str, mask: int, hashed: tuple[int, Sequence[int]] | None = None
+    ) -> dict[int, int]:
         """Leading prompt blocks each worker in ``mask`` holds, as ``{slot: blocks}``.
 
         ``prompt`` is packed token ids (``proto.hashing.pack_tokens``); it is hashed
-        lazily, per block size present among ``mask``'s workers. Workers holding no
-        leading block are absent.
+        lazily, per block size present among ``mask``'s workers, except for the block
+        size of ``hashed`` (``(block_size, hashes)``: the same prompt and salt hashed
+        by the caller), whose hashes are walked as they are. Workers holding no leading
+        block are absent.
         """
         out: dict[int, int] = {}
         for bs, bs_mask in self._bs_masks.items():
             alive = mask & bs_mask
-            if alive:
+            if not alive:
+                continue
+            if hashed is not None and hashed[0] == bs:
+                _flush(_walk(hashed[1], self.index, alive, 0, out), len(hashed[1]), out)
+            else:
                 self._walk_prompt(prompt, bs, salt, alive, out)
         return out
 

@@ -184,6 +184,7 @@ class ActiveRequest:
             with tracer.start_as_current_span("gateway.route"):
                 placement = await g.upstream.place(RouteRequest(
                     request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
+                    block_hashes=hashes, block_size=block_size,
                 ), arrived_from=lambda: stream.arrived_from)
             phases.mark("route")
         except BaseException as exc:

@@ -157,6 +157,10 @@ class RouteQuery:
     # Admission's replica and slack (RouteRequest): see PolicyConfig.admission_hints.
     prefer_worker: str | None = None
     prefer_slack_tokens: int = 0
+    # The prompt already hashed in ``block_size`` (RouteRequest.block_hashes): the prefix
+    # walk uses these for workers of that block size instead of hashing the prompt.
+    block_hashes: Sequence[int] = ()
+    block_size: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -173,11 +177,16 @@ class RouteQuery:
 
     @classmethod
     def from_generate(
-        cls, req: GenerateRequest, prefer_worker: str | None = None, prefer_slack_tokens: int = 0
+        cls, req: GenerateRequest, prefer_worker: str | None = None, prefer_slack_tokens: int = 0,
+        block_hashes: Sequence[int] = (), block_size: int = 0,
     ) -> RouteQuery:
-        # A migrated request resumes with the output so far appended to its prompt.
+        # A migrated request resumes with the output so far appended to its prompt; the
+        # hashes sent with it are of the prompt alone, so they are not used then.
         prompt = req.prompt + req.prior_output if req.prior_output else req.prompt
+        hashed = bool(block_hashes) and block_size > 0 and not req.prior_output
         return cls(
+            block_hashes=block_hashes if hashed else (),
+            block_size=block_size if hashed else 0,
             request_id=req.request_id,
             model=req.model,
             prompt=prompt,
@@ -542,7 +551,9 @@ class _Ctx:
         """Walk the index for the ``workers`` not walked yet; return slot → blocks."""
         mask = self.pool.mask_of(workers) & ~self.done
         if mask:
-            self.blocks.update(self.pool.cached_prefix_blocks(self.q.prompt, self.q.lora or "", mask))
+            q = self.q
+            hashed = (q.block_size, q.block_hashes) if q.block_hashes else None
+            self.blocks.update(self.pool.cached_prefix_blocks(q.prompt, q.lora or "", mask, hashed))
             self.done |= mask
         return self.blocks
 

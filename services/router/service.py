@@ -178,6 +178,7 @@ class RouterService(Service):
         self.cost_terms: dict[str, float] = dict.fromkeys(COST_TERMS, 0.0)
         self.failed = 0
         self.decision_s_total = 0.0
+        self.prehashed = 0  # requests whose prompt came hashed (RouteRequest.block_hashes)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -229,6 +230,7 @@ class RouterService(Service):
             "resyncs_requested": self.feed.resyncs_requested,
             "resyncs_applied": self.feed.resyncs_applied,
             "mean_decision_us": 1e6 * self.decision_s_total / self.placed if self.placed else 0.0,
+            "prompts_hashed_by_gateway": self.prehashed,
         }
 
     # ---- feeds (the view is fed by FleetFeed) -------------------------------------------
@@ -313,8 +315,10 @@ class RouterService(Service):
     async def _place(self, route: RouteRequest) -> RouteDecision:
         request = route.request
         query = RouteQuery.from_generate(
-            request, prefer_worker=route.prefer_worker or None, prefer_slack_tokens=route.prefer_slack_tokens
+            request, prefer_worker=route.prefer_worker or None, prefer_slack_tokens=route.prefer_slack_tokens,
+            block_hashes=route.block_hashes, block_size=route.block_size,
         )
+        self.prehashed += bool(query.block_hashes)
         exclude = list(route.exclude_workers)
         refusals: list[Refusal] = []
         while True:

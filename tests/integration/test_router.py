@@ -303,6 +303,7 @@ async def test_the_gateway_places_through_the_router(
                 second = await r.json()
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert router.stats()["placements"] == 2 and router.stats()["prefix_hit_tokens"] > 0
+        assert router.stats()["prompts_hashed_by_gateway"] == 2  # the router hashed neither prompt
         assert gateway.upstream.direct_placements == 0
     finally:
         await gateway.drain_and_close()

@@ -577,6 +577,45 @@ def test_from_generate_request() -> None:
     assert (rq.prompt_tokens, rq.max_tokens, rq.session_key, rq.expected_total_tokens) == (4, 9, "s", 13)
 
 
+def test_from_generate_keeps_the_gateways_hashes_only_for_the_prompt_they_hash() -> None:
+    req = GenerateRequest(request_id="g", model=MODEL, prompt=pack_tokens(SYSTEM), token_subject="t")
+    hashes = block_hashes(SYSTEM, 16)
+    rq = RouteQuery.from_generate(req, block_hashes=hashes, block_size=16)
+    assert (list(rq.block_hashes), rq.block_size) == (hashes, 16)
+    # a migrated segment's prompt has grown by its output: the hashes no longer describe it
+    moved = RouteQuery.from_generate(GenerateRequest(request_id="g", model=MODEL, prompt=pack_tokens(SYSTEM),
+                                                     prior_output=pack_tokens([1]), token_subject="t"),
+                                     block_hashes=hashes, block_size=16)
+    assert (list(moved.block_hashes), moved.block_size) == ([], 0)
+
+
+def test_the_gateways_hashes_give_the_decisions_of_hashing_the_prompt() -> None:
+    """Same fleet, same queries: walking the gateway's hashes places every request where
+    hashing the prompt in the router does, with the same cached tokens, for each block
+    size of a mixed pool (the other size is still hashed from the prompt)."""
+    rng = random.Random(5)
+    docs = [[rng.randrange(50_000) for _ in range(512)] for _ in range(6)]
+
+    def fleet() -> FleetView:
+        v = make_view(6)
+        add_workers(v, 2, block_size=32, start=6)
+        for i in range(8):
+            for d in rng_pick[i]:
+                cache(v, f"{MODEL}-{i}", docs[d], block_size=32 if i >= 6 else 16)
+        return v
+
+    rng_pick = [random.Random(i).sample(range(6), 2) for i in range(8)]
+    plain, hashed = router(fleet(), seed=3), router(fleet(), seed=3)
+    hits = 0
+    for k in range(60):
+        prompt = [*docs[k % 6][: 128 + 16 * (k % 20)], k, k + 1, k + 2]
+        a = decided(plain.place(q(f"r{k}", prompt), 0.5))
+        b = decided(hashed.place(q(f"r{k}", prompt, block_hashes=block_hashes(prompt, 16), block_size=16), 0.5))
+        assert (a.worker_id, a.cached_tokens, a.cost) == (b.worker_id, b.cached_tokens, b.cost)
+        hits += a.cached_tokens > 0
+    assert hits > 30  # the walks found cached prefixes, in both block sizes' workers
+
+
 def test_bad_policy_name_is_rejected() -> None:
     with pytest.raises(ValueError):
         PolicyConfig(policy="fastest")  # type: ignore[arg-type]
