@@ -135,7 +135,9 @@ class FleetWorker:
 
     @property
     def outstanding_tokens(self) -> int:
-        return self.queued_prefill_tokens + self.running_tokens
+        g = self.gauge  # inlined: read for every worker of a pool on each placement
+        base = g.queued_prefill_tokens + g.running_tokens if g is not None else 0
+        return base + self.opt_prefill_tokens + self.opt_running_tokens
 
     @property
     def kv_usage(self) -> float:

@@ -49,7 +49,7 @@ import math
 import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import xxhash
 
@@ -354,7 +354,7 @@ class Router:
             if isinstance(result, RouteDecision):
                 if i:
                     note = f"{note}; {models[0]} had no capacity" if note else f"{models[0]} had no capacity"
-                return replace(result, requested_model=query.model, note=_join(note, result.note))
+                return replace(result, note=_join(note, result.note)) if note else result
             first = first or result
         assert first is not None
         return first
@@ -440,10 +440,13 @@ class Router:
         if hinted is not None:
             if all(w is not hinted for _, w in scored):
                 scored.append((ctx.prefix_cost(hinted), hinted))
+        top = max(by_slot.values(), default=0)
+        # The holders the policy scored (every holder in a pool scanned whole), for the
+        # spill counters; before the slack filter, which may leave none of them.
+        holders = [(c, w) for c, w in scored if by_slot.get(w.slot, 0) == top] if top else []
+        if hinted is not None:
             scored = [(c, w) for c, w in scored if ctx.prefill_cost(w) <= budget]  # keeps hinted
         cost, best = self._pick(scored)
-        top = max(by_slot.values(), default=0)
-        holders = [w for w in eligible if top and by_slot.get(w.slot, 0) == top]
         held = False
         if cfg.spill_wait_tokens and top and by_slot.get(best.slot, 0) < top:
             kept = [(c, w) for c, w in scored if by_slot.get(w.slot, 0) == top]
@@ -452,21 +455,22 @@ class Router:
                 wait = max(cfg.spill_wait_tokens, ctx.prompt_tokens - ctx.cached(best))
                 if not (ctx.prefill_cost(holder) > wait >= ctx.prefill_cost(best)):
                     cost, best, held = hcost, holder, True
-        under = [w for w in self._underused(eligible, cfg) if ctx.prefill_cost(w) <= budget]
+        under = self._underused(eligible, cfg)
+        if under and budget < math.inf:
+            under = [w for w in under if ctx.prefill_cost(w) <= budget]
         if under and best not in under:
             cost, best = self._pick([(ctx.prefix_cost(w), w) for w in under])
             note = _join(note, f"{best.worker_id} underused")
-        decision = ctx.decision(model, policy, ctx.candidate(best, cost), note)
         hint = ""
         if ctx.q.prefer_worker and cfg.admission_hints:
             hint = "unavailable" if hinted is None else "kept" if best is hinted else "moved"
-        return replace(
-            decision,
+        return ctx.decision(
+            model, policy, ctx.candidate(best, cost), note,
             hint=hint,
             rebalanced=best in under,
             spill_held=held and best not in under,
-            holder_cached_tokens=ctx.cached(holders[0]) if holders else 0,
-            holder_cost=min((ctx.prefix_cost(w) for w in holders), default=0.0),
+            holder_cached_tokens=ctx.cached(holders[0][1]) if holders else 0,
+            holder_cost=min(c for c, _ in holders) if holders else 0.0,
             queued_tokens=best.queued_prefill_tokens,
             running_tokens=best.running_tokens,
         )
@@ -488,17 +492,17 @@ class Router:
         """Workers left underused by cache affinity (see ``PolicyConfig.balance_factor``)."""
         if not cfg.balance_factor or len(eligible) < 2:
             return []
+        n = len(eligible)
         avgs = [w.load_avg for w in eligible]
-        mean_avg = sum(a or 0.0 for a in avgs) / len(eligible)
+        mean_avg = sum([a for a in avgs if a]) / n
         if mean_avg < cfg.balance_min_tokens:
             return []
-        mean_now = sum(w.outstanding_tokens for w in eligible) / len(eligible)
         floor = mean_avg / cfg.balance_factor
-        return [
-            w
-            for w, a in zip(eligible, avgs, strict=True)
-            if a is not None and a < floor and w.outstanding_tokens <= mean_now
-        ]
+        low = [w for w, a in zip(eligible, avgs, strict=True) if a is not None and a < floor]
+        if not low:  # the common case: the pool's current load is not needed
+            return []
+        mean_now = sum([w.outstanding_tokens for w in eligible]) / n
+        return [w for w in low if w.outstanding_tokens <= mean_now]
 
     def _session(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
         key = ctx.q.session_key
@@ -568,12 +572,20 @@ class _Ctx:
         return self.prompt_tokens - self.cached(w) + w.queued_prefill_tokens
 
     def prefix_cost(self, w: FleetWorker) -> float:
-        return self.prefill_cost(w) + self.cfg.beta * w.running_tokens + self.lora_penalty(w)
+        # prefill_cost + β · running + LoRA penalty, inlined (the hot loop of a placement)
+        g = w.gauge
+        prompt = self.prompt_tokens
+        cached = min(self.blocks.get(w.slot, 0) * w.kv.block_size, prompt)
+        queued = (g.queued_prefill_tokens if g is not None else 0) + w.opt_prefill_tokens
+        running = (g.running_tokens if g is not None else 0) + w.opt_running_tokens
+        penalty = self.cfg.lora_load_penalty_tokens if self.lora_missing and w.worker_id in self.lora_missing else 0
+        return prompt - cached + queued + self.cfg.beta * running + penalty
 
     def candidate(self, w: FleetWorker, cost: float) -> Candidate:
         return Candidate(w.worker_id, cost, self.cached(w))
 
-    def decision(self, model: str, policy: str, best: Candidate, note: str = "") -> RouteDecision:
+    def decision(self, model: str, policy: str, best: Candidate, note: str = "", **counters: Any) -> RouteDecision:
+        """The decision for ``best``; ``counters``: the policy's own fields (hint, spill terms)."""
         return RouteDecision(
             request_id=self.q.request_id,
             model=model,
@@ -583,7 +595,9 @@ class _Ctx:
             cost=best.cost,
             prompt_tokens=self.prompt_tokens,
             expected_tokens=self.q.expected_total_tokens,
+            requested_model=self.q.model,
             note=note,
+            **counters,
         )
 
 
