@@ -222,8 +222,9 @@ class RouteDecision:
     hint: str = ""
     rebalanced: bool = False  # sent to an underused worker (PolicyConfig.balance_factor)
     # prefix policy: the longest prefix any eligible worker holds, and the cost of the
-    # cheapest worker holding it; a placement with fewer cached tokens is a spill, and
-    # ``holder_cost − cost`` is by how much the holder lost (issue 17's counters)
+    # cheapest worker holding it among those scored (every holder in a pool scanned
+    # whole; the sampled ones in a larger pool); a placement with fewer cached tokens is
+    # a spill, and ``holder_cost − cost`` is by how much the holder lost (issue 17's counters)
     holder_cached_tokens: int = 0
     holder_cost: float = 0.0
     # a cheaper worker without the prefix was passed over for a holder (spill_wait_tokens)
