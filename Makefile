@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Flags for `meshserve up`, e.g. make up ARGS="--http-port 8090 --nats-port 4223"
 ARGS ?=
 
-.PHONY: up test lint install clean vllm-cpu test-vllm bench-tools
+.PHONY: up test lint install clean vllm-cpu test-vllm bench-tools peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,7 +74,17 @@ $(TOOLS_VENV)/aiperf/.installed:
 	$(TOOLS_VENV)/aiperf/bin/python -m pip install --quiet 'aiperf>=0.13,<0.14'
 	touch $@
 
-bench-tools: $(TOOLS_VENV)/guidellm/.installed $(TOOLS_VENV)/aiperf/.installed
+# The routers benchmarks/peers.py compares with (vllm-router, sglang-router's smg): Rust
+# binaries in wheels, one venv for both.
+$(TOOLS_VENV)/peers/.installed:
+	$(PYTHON) -m venv $(TOOLS_VENV)/peers
+	$(TOOLS_VENV)/peers/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/peers/bin/python -m pip install --quiet 'vllm-router==0.1.17' 'sglang-router==0.3.2'
+	touch $@
+
+peers: $(TOOLS_VENV)/peers/.installed
+
+bench-tools: $(TOOLS_VENV)/guidellm/.installed $(TOOLS_VENV)/aiperf/.installed $(TOOLS_VENV)/peers/.installed
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -175,6 +175,40 @@ async def usage_events(bus: Bus) -> list[UsageEvent]:
     return out
 
 
+def no_reuse_capacity(sc: Scenario, args: argparse.Namespace) -> float:
+    """The fleet's capacity without prefix reuse (profile formula), wall req/s."""
+    per_worker = load_profile(DEFAULT_PROFILE).costs.requests_per_s(sc.prompt_tokens, sc.output_tokens)
+    return per_worker * args.workers * args.speed
+
+
+def bench_config(sc: Scenario, args: argparse.Namespace, endpoint: EndpointConfig, sim_rates: list[float],
+                 seed: int, trace: tuple[Path, int] | None = None) -> BenchConfig:
+    """The scenario's load against ``endpoint``: open loop at ``sim_rates`` (simulated
+    req/s, or sessions/s), or a burst ``trace``; the same arrivals and prompts for every
+    system at the same seed."""
+    if trace is not None:
+        workload = WorkloadConfig(kind="trace", trace=str(trace[0]), trace_block_size=BURST_BLOCK)
+    elif sc.kind == "multi-turn":
+        # rates are sessions/s; think times are wall seconds, hence / speed
+        workload = WorkloadConfig(kind="multi-turn", prefix_tokens=sc.prefix_tokens, input_tokens=sc.suffix_tokens,
+                                  output_tokens=str(sc.output_tokens), turns=sc.turns,
+                                  think_time=f"exponential:{sc.think_s / args.speed:g}")
+    else:
+        workload = WorkloadConfig(kind="shared-prefix", prefix_groups=sc.groups, prefix_tokens=sc.prefix_tokens,
+                                  input_tokens=sc.suffix_tokens, output_tokens=str(sc.output_tokens))
+    return BenchConfig(
+        endpoints=[endpoint],
+        workload=workload,
+        rates=None if trace is not None else [r * args.speed for r in sim_rates],
+        num_requests=trace[1] if trace is not None else None if sc.kind == "multi-turn"
+        else max(50, int(max(sim_rates) * args.speed * args.duration)),
+        duration=args.duration if sc.kind == "multi-turn" and trace is None else None,
+        seed=seed,
+        slo=SLOSpec(ttft_s=args.slo_ttft / args.speed, tpot_s=args.slo_tpot / args.speed),
+        request_timeout=120.0, label=f"{sc.name}-{endpoint.label}",
+    )
+
+
 async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
                      rates: list[float] | None = None, *, load: float | None = None,
                      seed: int | None = None, trace: tuple[Path, int] | None = None) -> dict[str, Any]:
@@ -195,32 +229,13 @@ async def run_policy(sc: Scenario, policy: str, args: argparse.Namespace,
     sampler = GaugeSampler(bus)
     try:
         await sampler.start()
-        no_reuse = load_profile(DEFAULT_PROFILE).costs.requests_per_s(sc.prompt_tokens, sc.output_tokens) * args.workers * args.speed
+        no_reuse = no_reuse_capacity(sc, args)
         fleet = (args.capacity or sc.capacity) * args.speed
         sim_rates = rates or [load * fleet / args.speed]
         rate = sim_rates[0] * args.speed
-        if trace is not None:
-            workload = WorkloadConfig(kind="trace", trace=str(trace[0]), trace_block_size=BURST_BLOCK)
-        elif sc.kind == "multi-turn":
-            # rates are sessions/s; think times are wall seconds, hence / speed
-            workload = WorkloadConfig(kind="multi-turn", prefix_tokens=sc.prefix_tokens, input_tokens=sc.suffix_tokens,
-                                      output_tokens=str(sc.output_tokens), turns=sc.turns,
-                                      think_time=f"exponential:{sc.think_s / args.speed:g}")
-        else:
-            workload = WorkloadConfig(kind="shared-prefix", prefix_groups=sc.groups, prefix_tokens=sc.prefix_tokens,
-                                      input_tokens=sc.suffix_tokens, output_tokens=str(sc.output_tokens))
-        config = BenchConfig(
-            endpoints=[EndpointConfig(mesh.gateway_url + "/v1", label=policy, api="completions", model=MODEL,
-                                      api_key=mesh.dev_key)],
-            workload=workload,
-            rates=None if trace is not None else [r * args.speed for r in sim_rates],
-            num_requests=trace[1] if trace is not None else None if sc.kind == "multi-turn"
-            else max(50, int(max(sim_rates) * args.speed * args.duration)),
-            duration=args.duration if sc.kind == "multi-turn" and trace is None else None,
-            seed=seed,
-            slo=SLOSpec(ttft_s=args.slo_ttft / args.speed, tpot_s=args.slo_tpot / args.speed),
-            request_timeout=120.0, label=f"{sc.name}-{policy}",
-        )
+        config = bench_config(sc, args, EndpointConfig(mesh.gateway_url + "/v1", label=policy, api="completions",
+                                                       model=MODEL, api_key=mesh.dev_key),
+                              sim_rates, seed, trace)
         t0 = time.monotonic()
         epoch0 = time.time()
         result = await run_bench(config)

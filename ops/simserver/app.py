@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgspec
 from aiohttp import web
@@ -321,8 +321,13 @@ class SimServer:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def get_load(self, http: web.Request) -> web.Response:
+        # ?format=vllm|sglang overrides --load-format: a harness reads the token count
+        # of servers that answer a vllm-router in its shape.
+        fmt = http.query.get("format", self.load_format)
+        if fmt not in ("vllm", "sglang"):
+            raise ApiError(400, f"format must be vllm or sglang, got {fmt[:20]!r}", "invalid_request_error", "format")
         s = self.engine.stats()
-        return web.json_response(load_body(self.load_format, s.running, s.waiting,
+        return web.json_response(load_body(cast(LoadFormat, fmt), s.running, s.waiting,
                                            s.running_tokens + s.queued_prefill_tokens))
 
     # ------------------------------------------------------------------ KV events

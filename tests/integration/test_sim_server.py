@@ -192,6 +192,12 @@ def test_get_load_counts_requests_in_flight_and_an_abandoned_stream_is_aborted(s
                                                 extra_body={"ignore_eos": True})
     next(iter(stream))
     eventually(lambda: load() == 1, "the streaming request to count")
+    # a harness asks for the other router's shape, with the tokens in flight
+    status, body = server.get("/get_load?format=sglang")
+    [rank] = json.loads(body)
+    assert status == 200 and rank["num_reqs"] == 1 and rank["num_tokens"] > 0
+    status, body = server.get("/get_load?format=xml")
+    assert status == 400 and "format must be vllm or sglang" in json.dumps(json.loads(body))
     stream.close()  # the client leaves: the engine drops the request
     eventually(lambda: load() == 0, "the abandoned request to be aborted")
 
@@ -297,7 +303,11 @@ def _requests_served(server: Server) -> float:
     return sum(float(v) for v in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.M))
 
 
-@pytest.mark.skipif(shutil.which("vllm-router") is None, reason="vllm-router is not on PATH (pip install vllm-router)")
+# On PATH, or where `make peers` (part of `make bench-tools`, as .ci/run runs it) installs it.
+VLLM_ROUTER = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(ROOT / ".venv-tools/peers/bin"))
+
+
+@pytest.mark.skipif(VLLM_ROUTER is None, reason="vllm-router is not installed (make peers)")
 def test_vllm_router_kv_aware_follows_our_kv_events() -> None:
     """vllm-router's kv_aware policy subscribes to two sim-servers' KV events and sends a
     prompt whose prefix one of them cached to that one, every time."""
@@ -305,7 +315,8 @@ def test_vllm_router_kv_aware_follows_our_kv_events() -> None:
               for _ in range(2)]
     workers = [next(g) for g in starts]
     port = _free_port()
-    argv = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[w.url for w in workers],
+    assert VLLM_ROUTER is not None
+    argv = [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[w.url for w in workers],
             "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", MODEL,
             "--worker-startup-check-interval", "1", "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(_free_port()), "--disable-retries", "--log-level", "warning"]
