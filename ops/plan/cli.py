@@ -10,8 +10,9 @@ from typing import Any
 from rich.console import Console
 
 from ops.plan.model import DTYPE_BYTES, PlanInputs, load_model, make_plan
+from ops.plan.multi import LOAD_SOURCES, FleetPolicy, parse_entries, plan_fleet
 from ops.plan.presets import GB, GPU_PRESETS, MODEL_PRESETS, lookup_gpu
-from ops.plan.report import plot_curve, render, to_json
+from ops.plan.report import fleet_json, plot_curve, render, render_fleet, to_json
 
 
 def _gb(value: str) -> int:
@@ -36,6 +37,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"preset ({', '.join(MODEL_PRESETS)}) or a config.json / model directory",
     )
     src.add_argument("--config", dest="model", help="a Hugging Face config.json (same as --model PATH)")
+    src.add_argument(
+        "--models",
+        type=Path,
+        metavar="FILE",
+        help="many models (YAML or JSON list: name, model or base, rate, weights_gb, adapter_mb, tp, "
+        "prompt_tokens, output_tokens, ttft_slo_s): recommend multiplex, time-share or a static pool for each",
+    )
     p.add_argument("--gpu", "-g", default="H100-80GB", help=f"GPU preset: {', '.join(GPU_PRESETS)}")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel GPUs per replica")
     p.add_argument(
@@ -89,6 +97,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-mfu", type=float, default=0.5, help="achieved fraction of peak FLOP/s in prefill"
     )
+    many = p.add_argument_group("many models (--models)")
+    many.add_argument(
+        "--load-from",
+        choices=sorted(LOAD_SOURCES),
+        default="nvme",
+        help="where a swapped-in model's weights come from: "
+        + ", ".join(f"{k} {v:g} GB/s" for k, v in LOAD_SOURCES.items()),
+    )
+    many.add_argument("--load-gbps", type=float, help="weights load bandwidth, GB/s (overrides --load-from)")
+    many.add_argument("--keep-s", type=float, default=600.0, help="a time-shared model idle this long is evicted")
+    many.add_argument(
+        "--static-load",
+        type=float,
+        default=0.5,
+        help="replicas of traffic (at ρ) from which a model gets a pool of its own (default 0.5)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", type=Path, metavar="FILE", help="write the queueing curve as a PNG")
     p.add_argument("--list", action="store_true", help="list model and GPU presets")
@@ -106,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{g.bandwidth_bytes_per_s / 1e12:.2f} TB/s"
             )
         return 0
+    if args.models is not None:
+        return run_many(args, console)
     try:
         inputs = PlanInputs(
             model=load_model(args.model),
@@ -143,3 +169,34 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(f"queueing curve written to {args.plot}")
     return 0 if plan.concurrent_per_replica > 0 else 1
+
+
+def run_many(args: argparse.Namespace, console: Console) -> int:
+    """``--models FILE``: the decision tree for every model of the file (ops.plan.multi)."""
+    import yaml
+
+    try:
+        text = args.models.read_text()
+        raw = yaml.safe_load(text)  # YAML is a superset of JSON: one reader for both
+        policy = FleetPolicy(
+            gpu=lookup_gpu(args.gpu),
+            utilization=args.utilization,
+            load_gb_per_s=args.load_gbps if args.load_gbps is not None else LOAD_SOURCES[args.load_from],
+            keep_s=args.keep_s,
+            static_load=args.static_load,
+        )
+        plan = plan_fleet(parse_entries(raw), policy)
+    except OSError as exc:
+        print(f"meshserve plan: cannot read {args.models}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:
+        print(f"meshserve plan: {args.models} is not YAML or JSON: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except (KeyError, ValueError) as exc:
+        print(f"meshserve plan: {args.models}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(fleet_json(plan))
+    else:
+        render_fleet(plan, console)
+    return 0

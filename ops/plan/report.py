@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from ops.console import print_table
 from ops.plan.model import Plan, gb
+from ops.plan.multi import FleetPlan
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -206,3 +208,70 @@ def plot_curve(plan: Plan, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- many models
+
+
+def fleet_table(plan: FleetPlan) -> Table:
+    """One row per model: its traffic, size, cold-start arithmetic, strategy and GPUs."""
+    pol = plan.policy
+    t = Table(
+        title=f"meshserve plan: {len(plan.decisions)} models on {pol.gpu.name} (ρ {pol.utilization:.0%}, weights "
+              f"loaded at {pol.load_gb_per_s:g} GB/s, evicted after {pol.keep_s:g} s idle)",
+        caption="load: replicas its traffic (a base's with its adapters') keeps busy at ρ, λ / (ρ·μ); cold: share of "
+                "its requests that find it evicted, e^(−λ·keep); alone: GPUs in one static pool per model",
+    )
+    for col, justify in (("model", "left"), ("req/s", "right"), ("load", "right"), ("weights GB", "right"),
+                         ("load time", "right"), ("cold", "right"), ("cold starts/h", "right"), ("strategy", "left"),
+                         ("GPUs", "right"), ("alone", "right"), ("why", "left")):
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for d in plan.decisions:
+        shared = d.strategy == "time-share"
+        t.add_row(
+            d.name, _num(d.rate, 3) + (f" + {_num(d.pool_rate - d.rate, 3)} adapters" if d.strategy != "multiplex"
+                                       and d.pool_rate > d.rate else ""), _num(d.load, 3), _num(gb(d.weights_bytes), 3), _seconds(d.load_time_s),
+            f"{d.cold_share:.1%}" if shared else "—", _num(d.cold_starts_per_hour, 1) if shared else "—",
+            d.strategy, str(d.gpus) if d.strategy == "static" else "pool" if shared else "base's", str(d.baseline_gpus),
+            d.why,
+        )
+    return t
+
+
+def fleet_summary(plan: FleetPlan) -> Table:
+    t = Table(title="the fleet under the plan, against one static pool per model")
+    t.add_column("")
+    t.add_column("GPUs", justify="right")
+    t.add_column("how", justify="left")
+    static = [d.name for d in plan.decisions if d.strategy == "static"]
+    shared = [d.name for d in plan.decisions if d.strategy == "time-share"]
+    t.add_row("static pools", str(plan.static_gpus), ", ".join(static) or "none")
+    if shared:
+        t.add_row("time-share pool", str(plan.timeshare_gpus),
+                  f"max(throughput ⌈Σ load⌉ = {plan.timeshare_throughput_gpus}, memory ⌈Σ P(resident)·weights / model "
+                  f"memory per GPU⌉ = {plan.timeshare_memory_gpus}) for {', '.join(shared)}")
+    t.add_row("plan", str(plan.plan_gpus), "adapters ride in their base's pool")
+    t.add_row("one static pool per model", str(plan.baseline_gpus), "each adapter as a merged model, each model ≥ 1 replica")
+    saved = plan.baseline_gpus - plan.plan_gpus
+    t.add_row("saved", str(saved), f"{saved / plan.baseline_gpus:.0%} of the static fleet" if plan.baseline_gpus else "")
+    return t
+
+
+def render_fleet(plan: FleetPlan, console: Console) -> None:
+    print_table(console, fleet_table(plan))
+    print_table(console, fleet_summary(plan))
+    for note in plan.notes:
+        console.print(f"note: {note}")
+
+
+def fleet_json(plan: FleetPlan) -> str:
+    def finite(v: Any) -> Any:  # JSON has no Infinity
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(plan.to_dict()), indent=2)
