@@ -502,7 +502,13 @@ class Router:
         low = [w for w, a in zip(eligible, avgs, strict=True) if a is not None and a < floor]
         if not low:  # the common case: the pool's current load is not needed
             return []
-        mean_now = sum([w.outstanding_tokens for w in eligible]) / n
+        total = 0  # Σ outstanding_tokens, inlined: one pass over the pool per placement
+        for w in eligible:
+            g = w.gauge
+            total += w.opt_prefill_tokens + w.opt_running_tokens
+            if g is not None:
+                total += g.queued_prefill_tokens + g.running_tokens
+        mean_now = total / n
         return [w for w in low if w.outstanding_tokens <= mean_now]
 
     def _session(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
