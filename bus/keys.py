@@ -20,6 +20,7 @@ from proto.messages import ApiKeyRecord
 
 from .client import Bus
 from .provision import keys_bucket
+from .tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ class KeyStore:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
 
     async def _watch(self) -> None:
         while True:

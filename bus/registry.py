@@ -36,6 +36,7 @@ from proto.messages import WorkerInfo
 from .client import Bus
 from .connections import ConnectionWatch, parse_advisory
 from .provision import StreamLimits, workers_bucket
+from .tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,7 @@ class WorkerRegistry:
 
     async def stop(self) -> None:
         self._stopped = True  # pending expiry checks do nothing
-        for task in (self._task, self._reaper):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._task, self._reaper) if t is not None), return_exceptions=True)
+        await cancel_and_wait(t for t in (self._task, self._reaper) if t is not None)
 
     def ready_workers(self, model: str | None = None) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.state == "ready" and (model is None or w.model == model)]

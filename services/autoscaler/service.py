@@ -45,7 +45,7 @@ import msgspec
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bus import BusSettings, Service
+from bus import BusSettings, Service, cancel_and_wait
 from bus.metrics import MetricsServer
 from proto.autoscaler import (
     AutoscalerStatus,
@@ -211,9 +211,7 @@ class AutoscalerService(Service):
     async def on_drain(self) -> None:
         # Stop deciding first: a scale-down begun now would outlive us unattended.
         if self._tick_task is not None:
-            self._tick_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tick_task
+            await cancel_and_wait([self._tick_task])
         await self.stop_endpoints()
 
     async def on_stop(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from bus import Service
+from bus import Service, cancel_and_wait
 from bus.registry import WorkerRegistry
 from proto.errors import MeshError
 from proto.messages import KvEventBatch, KvSnapshot, KvSnapshotRequest, WorkerGauge, WorkerInfo
@@ -75,9 +75,7 @@ class FleetFeed:
             await self.service.subscribe(bus.subjects.kv_events_all, KvEventBatch, self._on_kv_events)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         if self.registry is not None:
             await self.registry.stop()
 

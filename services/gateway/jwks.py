@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from bus import cancel_and_wait
 from proto import ApiKeyRecord
 
 from .errors import ApiError
@@ -62,8 +63,7 @@ class JwksCache:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
 
     async def refresh(self) -> bool:
         """Fetches the keys now; False (and the old keys kept) when that fails."""

@@ -21,7 +21,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js import api
 
-from bus import Bus
+from bus import Bus, cancel_and_wait
 from proto import ChunkResend, ControlReply, DecodeError, TokenChunk, UsageEvent, decode, usage_dedup_id
 
 log = logging.getLogger(__name__)
@@ -188,9 +188,7 @@ class TokenDispatcher:
         self._tasks.add(asyncio.create_task(self._gap_watch(), name="gap-watch"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
 
     def open(self, request_id: str, next_seq: int = 0) -> RequestStream:
         stream = RequestStream(request_id, self.subject_for(request_id), next_seq, self.max_buffered)
