@@ -82,7 +82,14 @@ $(TOOLS_VENV)/peers/.installed:
 	$(TOOLS_VENV)/peers/bin/python -m pip install --quiet 'vllm-router==0.1.17' 'sglang-router==0.3.2'
 	touch $@
 
-peers: $(TOOLS_VENV)/peers/.installed
+# LiteLLM's proxy, for benchmarks/frontdoor.py only (not in bench-tools: no test needs it).
+$(TOOLS_VENV)/litellm/.installed:
+	$(PYTHON) -m venv $(TOOLS_VENV)/litellm
+	$(TOOLS_VENV)/litellm/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/litellm/bin/python -m pip install --quiet 'litellm[proxy]'
+	touch $@
+
+peers: $(TOOLS_VENV)/peers/.installed $(TOOLS_VENV)/litellm/.installed
 
 bench-tools: $(TOOLS_VENV)/guidellm/.installed $(TOOLS_VENV)/aiperf/.installed $(TOOLS_VENV)/peers/.installed
 

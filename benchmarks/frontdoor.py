@@ -1,0 +1,275 @@
+"""The front door side by side (issue 18, part 3): what meshserve's gateway, vllm-router as a
+plain proxy and LiteLLM's proxy add on top of the same engine, in one run.
+
+- **direct**: a ``meshserve sim-server`` (the sim engine behind vLLM's HTTP surface), called
+  straight: the baseline every other path is set against.
+- **vllm-router**: the same sim-server behind vllm-router (``round_robin`` over one
+  backend: a plain proxy), retries off.
+- **litellm**: the same sim-server behind LiteLLM's proxy (an ``openai/`` model entry, no
+  database).
+- **meshserve**: the whole mesh (gateway, admission, router, one sim worker with the same
+  engine, profile and speed; NATS between them).
+
+Added latency = TTFT through the path − TTFT direct, as medians and 99th percentiles of
+streamed completions at 1 (sequential) and 64 concurrent streams, every path measured
+in turn within each round so they meet the same machine. Relay: closed-loop streams of
+long outputs from a fast sim (speed 50) through each path: output tokens/s delivered, and
+the proxy process's CPU per 1,000 tokens (meshserve: the gateway, the only process on the
+token path besides NATS).
+
+Everything shares this machine's cores (client, proxies, engines), so absolute figures are
+a floor; the comparison is what matters.
+
+    make peers                                                    # vllm-router and LiteLLM
+    .venv/bin/python benchmarks/frontdoor.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from gateway import _cpu_seconds
+
+from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
+from ops.natsserver import free_port
+from ops.up import Mesh, MeshConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / ".venv-tools"
+MODEL = "sim-llama-8b"
+PATHS = ("direct", "vllm-router", "litellm", "meshserve")
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], state: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        log = (state / f"{name}.log").open("wb")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env)
+
+    def cpu(self) -> float:
+        """CPU seconds of the process and its children (LiteLLM runs uvicorn workers)."""
+        total = _cpu_seconds(self.proc.pid)
+        try:
+            children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        except OSError:
+            children = []
+        for pid in children:
+            try:
+                total += _cpu_seconds(int(pid))
+            except (OSError, ValueError):
+                pass
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def wait_ready(url: str, proc: Proc, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while True:
+            try:
+                async with http.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            if proc.proc.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited ({proc.proc.returncode}); see its log")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.name} not ready at {url} after {timeout:.0f} s")
+            await asyncio.sleep(0.3)
+
+
+class Fleet:
+    """One sim-server and the proxies in front of it; the mesh beside them."""
+
+    def __init__(self, speed: float, state: Path) -> None:
+        self.speed, self.state = speed, state
+        self.procs: list[Proc] = []
+        self.urls: dict[str, str] = {}
+        self.cpu_of: dict[str, Proc] = {}
+        self.mesh: Mesh | None = None
+        self.key = "unused"
+
+    async def start(self, paths: list[str]) -> None:
+        port = free_port()
+        sim = Proc("sim-server", [sys.executable, "-m", "ops.cli", "sim-server", "--port", str(port), "--model", MODEL,
+                                  "--speed", str(self.speed), "--max-num-seqs", "512"], self.state)
+        self.procs.append(sim)
+        backend = f"http://127.0.0.1:{port}"
+        await wait_ready(backend + "/health", sim)
+        self.urls["direct"] = backend
+        if "vllm-router" in paths:
+            rport = free_port()
+            router = Proc("vllm-router", [str(TOOLS / "peers/bin/vllm-router"), "--host", "127.0.0.1", "--port",
+                                          str(rport), "--worker-urls", backend, "--policy", "round_robin",
+                                          "--worker-startup-check-interval", "1", "--disable-retries",
+                                          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                          "--log-level", "warning"], self.state)
+            self.procs.append(router)
+            self.urls["vllm-router"] = f"http://127.0.0.1:{rport}"
+            self.cpu_of["vllm-router"] = router
+            await wait_ready(self.urls["vllm-router"] + "/v1/models", router)
+        if "litellm" in paths:
+            lport = free_port()
+            config = self.state / "litellm.yaml"
+            config.write_text(
+                "model_list:\n"
+                f"  - model_name: {MODEL}\n"
+                "    litellm_params:\n"
+                f"      model: openai/{MODEL}\n"
+                f"      api_base: {backend}/v1\n"
+                "      api_key: unused\n"
+                "litellm_settings:\n"
+                "  drop_params: false\n"
+            )
+            env = {**os.environ, "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"}
+            lite = Proc("litellm", [str(TOOLS / "litellm/bin/litellm"), "--config", str(config), "--host", "127.0.0.1",
+                                    "--port", str(lport), "--num_workers", "1"], self.state, env)
+            self.procs.append(lite)
+            self.urls["litellm"] = f"http://127.0.0.1:{lport}"
+            self.cpu_of["litellm"] = lite
+            await wait_ready(self.urls["litellm"] + "/health/liveliness", lite)
+        if "meshserve" in paths:
+            self.mesh = Mesh(MeshConfig(state_dir=self.state / "mesh", nats_port=0, http_port=free_port(), model=MODEL,
+                                        workers=1, speed=self.speed, worker_args=["--max-num-seqs", "512"]))
+            await self.mesh.start(timeout=120)
+            self.urls["meshserve"] = self.mesh.gateway_url
+            self.key = self.mesh.dev_key
+
+    def gateway_cpu(self) -> float:
+        assert self.mesh is not None
+        gw = next(p for p in self.mesh.processes if p.name == "gateway")
+        assert gw.proc is not None
+        return _cpu_seconds(gw.proc.pid)
+
+    def cpu(self, path: str) -> float | None:
+        if path == "meshserve":
+            return self.gateway_cpu()
+        proc = self.cpu_of.get(path)
+        return proc.cpu() if proc is not None else None
+
+    def stop(self) -> None:
+        if self.mesh is not None:
+            self.mesh.stop(timeout=30)
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def endpoint(fleet: Fleet, path: str) -> EndpointConfig:
+    return EndpointConfig(fleet.urls[path] + "/v1", label=path, api="completions", model=MODEL,
+                          api_key=fleet.key if path == "meshserve" else "unused")
+
+
+async def ttfts(fleet: Fleet, path: str, concurrency: int, requests: int, seed: int) -> list[float]:
+    """TTFTs (ms) of ``requests`` streamed completions at ``concurrency`` (closed loop)."""
+    config = BenchConfig(endpoints=[endpoint(fleet, path)],
+                         workload=WorkloadConfig(kind="random", input_tokens="256", output_tokens="16"),
+                         concurrency=[concurrency], num_requests=requests, seed=seed, request_timeout=60)
+    result = await run_bench(config)
+    run = result.runs[0]
+    return [r.ttft_s * 1000 for r in run.requests if r.ttft_s is not None]
+
+
+def pct(values: list[float], q: float) -> float:
+    ranked = sorted(values)
+    return ranked[min(int(q * len(ranked)), len(ranked) - 1)]
+
+
+async def latency(fleet: Fleet, paths: list[str], concurrency: int, requests: int, rounds: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {p: [] for p in paths}
+    for r in range(rounds):
+        for path in paths if r % 2 == 0 else list(reversed(paths)):
+            out[path].extend(await ttfts(fleet, path, concurrency, requests, seed=r))
+    return out
+
+
+async def relay(fleet: Fleet, path: str, concurrency: int, duration: float) -> tuple[float, float | None]:
+    cpu0, t0 = fleet.cpu(path), time.monotonic()
+    config = BenchConfig(endpoints=[endpoint(fleet, path)],
+                         workload=WorkloadConfig(kind="random", input_tokens="64", output_tokens="2000"),
+                         concurrency=[concurrency], duration=duration, num_requests=10**6, request_timeout=120,
+                         drain_timeout=30, seed=1)
+    result = await run_bench(config)
+    cpu1 = fleet.cpu(path)
+    tokens = result.runs[0].summary.output_token_throughput
+    elapsed = time.monotonic() - t0
+    per_k = None
+    if cpu0 is not None and cpu1 is not None and tokens:
+        per_k = (cpu1 - cpu0) / (tokens * elapsed / 1000)
+    return tokens, per_k
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--requests", type=int, default=100, help="sequential requests per path and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--relay-streams", type=int, default=256)
+    ap.add_argument("--relay-duration", type=float, default=20.0)
+    args = ap.parse_args()
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if bad := [p for p in paths if p not in PATHS]:
+        ap.error(f"unknown path(s) {', '.join(bad)}; choose from {', '.join(PATHS)}")
+    if "direct" not in paths:
+        paths.insert(0, "direct")
+    for p, binary in (("vllm-router", TOOLS / "peers/bin/vllm-router"), ("litellm", TOOLS / "litellm/bin/litellm")):
+        if p in paths and not binary.exists():
+            ap.error(f"{binary} not found: run `make peers`")
+    state = Path(tempfile.mkdtemp(prefix="meshserve-frontdoor-"))
+    rows: dict[str, dict[str, Any]] = {p: {} for p in paths}
+    fleet = Fleet(1.0, state / "latency")
+    (state / "latency").mkdir()
+    try:
+        await fleet.start(paths)
+        for concurrency, n in ((1, args.requests), (64, args.requests * 4)):
+            await latency(fleet, paths, concurrency, 20, 1)  # warm-up
+            got = await latency(fleet, paths, concurrency, n, args.rounds)
+            base50, base99 = pct(got["direct"], 0.5), pct(got["direct"], 0.99)
+            for p in paths:
+                rows[p][f"c{concurrency}"] = (pct(got[p], 0.5) - base50, pct(got[p], 0.99) - base99,
+                                              statistics.median(got[p]))
+    finally:
+        fleet.stop()
+    fast = Fleet(50.0, state / "relay")
+    (state / "relay").mkdir()
+    try:
+        await fast.start(paths)
+        for p in paths:
+            rows[p]["relay"] = await relay(fast, p, args.relay_streams, args.relay_duration)
+    finally:
+        fast.stop()
+    print("\nadded latency = TTFT through the path − TTFT direct (ms; p50 of each minus p50 direct, p99 likewise); "
+          f"relay: {args.relay_streams} closed-loop streams of 2000-token outputs, sim at speed 50\n")
+    print("| path | added p50 ms (1 stream) | added p99 ms (1) | added p50 ms (64 streams) | added p99 ms (64) "
+          "| relay tokens/s | proxy CPU s per 1k tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for p in paths:
+        c1, c64 = rows[p]["c1"], rows[p]["c64"]
+        tokens, per_k = rows[p]["relay"]
+        print(f"| {p} | {c1[0]:.2f} | {c1[1]:.2f} | {c64[0]:.2f} | {c64[1]:.2f} | {tokens:,.0f} "
+              f"| {'—' if per_k is None else f'{per_k:.4f}'} |")
+    print(f"\ndirect TTFT p50: {rows['direct']['c1'][2]:.2f} ms (1 stream), {rows['direct']['c64'][2]:.2f} ms (64)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
