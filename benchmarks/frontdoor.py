@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / ".venv-tools"
 MODEL = "sim-llama-8b"
 PATHS = ("direct", "vllm-router", "litellm", "meshserve")
+LITELLM_KEY = "sk-meshserve-frontdoor"  # LiteLLM refuses to start without a master key
 
 
 class Proc:
@@ -141,6 +142,8 @@ class Fleet:
                 "      api_key: unused\n"
                 "litellm_settings:\n"
                 "  drop_params: false\n"
+                "general_settings:\n"
+                f"  master_key: {LITELLM_KEY}\n"
             )
             env = {**os.environ, "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true"}
             lite = Proc("litellm", [str(TOOLS / "litellm/bin/litellm"), "--config", str(config), "--host", "127.0.0.1",
@@ -176,8 +179,8 @@ class Fleet:
 
 
 def endpoint(fleet: Fleet, path: str) -> EndpointConfig:
-    return EndpointConfig(fleet.urls[path] + "/v1", label=path, api="completions", model=MODEL,
-                          api_key=fleet.key if path == "meshserve" else "unused")
+    key = {"meshserve": fleet.key, "litellm": LITELLM_KEY}.get(path, "unused")
+    return EndpointConfig(fleet.urls[path] + "/v1", label=path, api="completions", model=MODEL, api_key=key)
 
 
 async def ttfts(fleet: Fleet, path: str, concurrency: int, requests: int, seed: int) -> list[float]:
