@@ -104,6 +104,12 @@ class WorkerRegistry:
         self._stopped = True  # pending expiry checks do nothing
         await cancel_and_wait(t for t in (self._task, self._reaper) if t is not None)
 
+    @property
+    def synced(self) -> bool:
+        """The bucket's entries have been read once since start: until then an empty view
+        means "not known yet", not "no workers"."""
+        return self._synced.is_set()
+
     def ready_workers(self, model: str | None = None) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.state == "ready" and (model is None or w.model == model)]
 

@@ -37,16 +37,22 @@ class AdmissionPolicy:
         self.predictions: dict[str, tuple[str, float, bool, float, float, float]] = {}
         # (tier, point prediction, raw prediction, actual TTFT, bound) of recent admitted requests
         self.outcomes: deque[tuple[str, float, float, float, float]] = deque(maxlen=self.error_log_size)
+        self.slo_skipped = 0  # admitted on quota alone: the fleet was not known yet
 
     def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
         """``replicas``: the request's pool, with ``cached_tokens`` set when known."""
         return self.check_verdict(req, replicas, now)[0]
 
     def check_verdict(
-        self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float
+        self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad] | None, now: float
     ) -> tuple[AdmissionDecision, SloVerdict | None]:
-        """``check``, plus the SLO verdict (None when quota refused first): the shell
-        counts an admission on the replica the prediction used."""
+        """``check``, plus the SLO verdict (None when quota refused first, or when the
+        fleet is not known): the shell counts an admission on the replica the prediction used.
+
+        ``replicas`` None: the shell cannot see the fleet yet (its registry has not been read
+        since it started): the quotas still hold, the SLO check is skipped, as a gateway
+        that cannot reach admission fails open. An empty pool would otherwise read as "no
+        replica is serving this model" for every request until the registry is read."""
         reserve = req.prompt_tokens + req.max_tokens
         quota = self.limiter.reserve(req.request_id, req.key_id, req.org, reserve, limits_of(req), now)
         if not quota.admitted:
@@ -57,6 +63,10 @@ class AdmissionPolicy:
                 retry_after=quota.retry_after,
                 message=quota.message,
             ), None
+        if replicas is None:
+            self.slo_skipped += 1
+            return AdmissionDecision(request_id=req.request_id, admitted=True,
+                                     reserved_tokens=quota.reserved_tokens), None
         pool = list(replicas)
         verdict = self.slo.check(req.tier, req.prompt_tokens, pool, now)
         if not verdict.admitted:

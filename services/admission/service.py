@@ -348,6 +348,8 @@ class AdmissionService(Service):
             "takeovers": self.takeovers,
             "checkpoints": self.checkpoints,
             "replicas": len(self.book),
+            "registry_synced": self.feed.registry_synced,
+            "slo_skipped": self.policy.slo_skipped,  # admitted on quota alone, before the registry was read
             "ttft_calibration": {t.name: self.policy.slo.calibration.factor(t.name) for t in self.policy.slo.config.tiers},
             "ttft_overhead_s": self.policy.slo.overhead(),
             "prediction_error": self.policy.prediction_errors(),  # predicted / actual TTFT per tier
@@ -519,7 +521,9 @@ class AdmissionService(Service):
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         mono = self.monotonic()
-        replicas = self.book.loads(req, mono)
+        # Before the registry is read, the book's empty pool would refuse as "no replica"
+        # (a restarted admission during a NATS node's failover did, for 6 s, in the chaos soak).
+        replicas = self.book.loads(req, mono) if self.feed.registry_synced else None
         tier = self.policy.slo.tier(req.tier).name
         try:
             decision, verdict = self.policy.check_verdict(req, replicas, self.clock())
@@ -536,7 +540,7 @@ class AdmissionService(Service):
             if decision.predicted_ttft is not None:
                 self.metrics.predicted_ttft.labels(tier=tier).observe(decision.predicted_ttft)
             if verdict is not None and verdict.worker_id is not None:
-                cached = next((r.cached_tokens for r in replicas if r.worker_id == verdict.worker_id), 0)
+                cached = next((r.cached_tokens for r in replicas or () if r.worker_id == verdict.worker_id), 0)
                 self.book.note_admitted(req.request_id, verdict.worker_id, max(req.prompt_tokens - cached, 0), mono)
         else:
             reason = decision.reason or "unknown"

@@ -65,6 +65,11 @@ class FleetFeed:
         """The registry's entries (empty before ``start``)."""
         return self.registry.workers if self.registry is not None else {}
 
+    @property
+    def registry_synced(self) -> bool:
+        """The registry has been read since start (``WorkerRegistry.synced``)."""
+        return self.registry is not None and self.registry.synced
+
     async def start(self) -> None:
         bus = self.service.bus
         self.registry = WorkerRegistry(bus)

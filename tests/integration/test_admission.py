@@ -240,6 +240,8 @@ async def test_slo_sheds_standard_while_premium_is_kept(bus: Bus, mesh: dict[str
     assert any(status == 200 for status, _ in standard_results)  # shed the excess, not everything
     # The queue is at standard's threshold: at most one of the three fits before it is over again.
     assert late_standard.count((429, "slo_overloaded")) >= 2, late_standard
+    stats = admission.stats()  # every decision saw the fleet: none was admitted on quota alone
+    assert stats["registry_synced"] and stats["slo_skipped"] == 0, stats
 
 
 # ---- admission unreachable ----------------------------------------------------------------

@@ -102,6 +102,22 @@ def test_no_capacity() -> None:
     assert (d.admitted, d.reason, d.retry_after) == (False, "no_capacity", 5.0)
 
 
+def test_an_unknown_fleet_is_not_an_empty_one() -> None:
+    """Before admission has read the registry (``replicas`` None) it admits on quota alone,
+    with no prediction, where an empty pool refuses: a restarted admission whose registry
+    read met a NATS node's failover answered "no replica is serving this model" (chaos soak)."""
+    p = policy()
+    d, verdict = p.check_verdict(req("r1"), None, 0.0)
+    assert (d.admitted, d.reason, d.predicted_ttft, verdict, p.slo_skipped) == (True, None, None, None, 1)
+    assert d.reserved_tokens == 1500  # the quota still holds, and reserves as usual
+    assert p.on_usage(usage("r1", 1000, 100), 0.0) == 400
+    # the quota is checked first, fleet or not
+    for i in range(9):
+        p.check(req(f"q{i}", prompt=10, max_tokens=10), None, 0.0)
+    refused = p.check(req("over", prompt=10, max_tokens=10), None, 0.0)
+    assert (refused.admitted, refused.reason) == (False, "quota_requests")
+
+
 def test_usage_reconciles_exactly_once() -> None:
     p = policy()
     p.check(req("r1"), IDLE, 0.0)
