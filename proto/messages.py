@@ -237,7 +237,8 @@ class WorkerGauge(Struct, kw_only=True, omit_defaults=True):
     decode_tokens_per_s: float = 0.0
     step_time_s: float = 0.0
     draining: bool = False
-    lora_adapters: list[str] = []
+    lora_adapters: list[str] = []  # resident: usable without a load (static, or in a GPU slot)
+    lora_cached: list[str] = []  # in host memory only: a fast load (engines that load at run time)
     kv_event_seq: int = -1  # last KV event batch sequence published (gap detection)
     kv_events_mode: str = "engine"  # "engine" or "predicted" when the engine emits none
     preemptions: int = 0

@@ -232,7 +232,7 @@ async def test_stats_are_gauge_fields_in_wall_clock_units() -> None:
     assert names == {
         "waiting", "running", "queued_prefill_tokens", "running_tokens", "kv_blocks_total",
         "kv_blocks_used", "kv_usage", "prefix_hit_rate", "prefill_tokens_per_s",
-        "decode_tokens_per_s", "step_time_s", "preemptions", "lora_adapters", "kv_events_mode",
+        "decode_tokens_per_s", "step_time_s", "preemptions", "lora_adapters", "lora_cached", "kv_events_mode",
     }  # fmt: skip
     rates = {}
     for speed in (50.0, 100.0):

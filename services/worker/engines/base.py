@@ -54,6 +54,7 @@ class EngineRequest:
     priority: int = 0  # higher runs first (proto.GenerateRequest.priority)
     arrival_time: float = field(default_factory=time.time)  # epoch s, when the worker got it
     lora: str | None = None  # adapter name; None is the base model
+    lora_size_bytes: int = 0  # a runtime adapter's weights (engines that load adapters on demand)
     output_offset: int = 0
 
 
@@ -113,12 +114,14 @@ class EngineStats:
     step_time_s: float = 0.0
     preemptions: int = 0  # cumulative since start
     lora_adapters: list[str] = field(default_factory=list)
+    lora_cached: list[str] = field(default_factory=list)  # adapters in host memory only: a fast load
     kv_events_mode: str = "engine"  # "predicted" when the engine emits no KV events itself
 
     def gauge_fields(self) -> dict[str, Any]:
         """Keyword arguments for ``proto.WorkerGauge`` (copies, safe to hand over)."""
         out = dataclasses.asdict(self)
         out["lora_adapters"] = list(self.lora_adapters)
+        out["lora_cached"] = list(self.lora_cached)
         return out
 
 

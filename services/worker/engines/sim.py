@@ -33,6 +33,7 @@ from proto.messages import AllCleared, BlockStored, KvEvent, Timings
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats
 from .sim_core import SimCore, StepResult
+from .sim_lora import LoraConfig
 from .sim_profile import DEFAULT_PROFILE, SimConfig, SimProfile
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class SimEngine(Engine):
       pseudo-text; workers that may take over each other's requests must share it).
     - ``lora_adapters``: adapter names accepted in ``EngineRequest.lora`` (their blocks
       hash with the adapter name as salt).
+    - ``max_loras``, ``max_cpu_loras``: load adapters at run time into that many GPU slots
+      with a host cache, as vLLM does (``sim_lora``); 0 (the default): only
+      ``lora_adapters``. ``lora_disk_gb_per_s``: the storage bandwidth a load reads at.
     - ``rate_window_s``: simulated seconds the rates in ``stats()`` average over.
     - ``max_lag_s``: wall seconds the step loop may run behind before re-anchoring.
     - ``kv_event_buffer``: batches buffered for a slow or absent ``kv_events`` consumer;
@@ -81,6 +85,9 @@ class SimEngine(Engine):
         enable_prefix_caching: bool = True,
         seed: int = 0,
         lora_adapters: Iterable[str] = (),
+        max_loras: int = 0,
+        max_cpu_loras: int = 0,
+        lora_disk_gb_per_s: float = 2.0,
         rate_window_s: float = 5.0,
         max_lag_s: float = 0.05,
         kv_event_buffer: int = 10_000,
@@ -102,6 +109,8 @@ class SimEngine(Engine):
             seed=seed,
             lora_adapters=lora_adapters,
             rate_window_s=rate_window_s,
+            lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                            disk_bytes_per_s=lora_disk_gb_per_s * 1e9),
         )
         self.core = SimCore(self.config)
         self.speed = speed

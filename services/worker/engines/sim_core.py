@@ -44,6 +44,7 @@ from proto.messages import KvEvent, Timings
 from . import guided
 from .base import EngineOutput, EngineRequest, EngineStats, FinishReason
 from .sim_blocks import BlockPool, KVBlock
+from .sim_lora import LoraSlots
 from .sim_profile import SimConfig
 from .sim_sampling import prompt_logprobs, sampled_logprob
 from .sim_sequence import GuidedStream, SimSequence, TokenStream
@@ -131,6 +132,7 @@ class SimCore:
         )
         self._decode_rate = 1.0 / costs.step_time(0, 1, 0)
         self._step_time = 0.0
+        self.lora = LoraSlots(config.lora, config.lora_adapters)
 
     # ----------------------------------------------------------------- requests
 
@@ -152,7 +154,7 @@ class SimCore:
             )
         elif not 0 <= req.output_offset <= n:
             error = f"output_offset {req.output_offset} outside the prompt of {n} tokens"
-        elif req.lora and req.lora not in self.config.lora_adapters:
+        elif req.lora and not self.lora.accepts(req.lora, req.lora_size_bytes):
             error = f"unknown LoRA adapter {req.lora!r}"
         elif sp.max_tokens < 1:
             error = "max_tokens must be at least 1"
@@ -258,11 +260,21 @@ class SimCore:
         #    Not in a step that had to preempt (memory is short, admitting would thrash;
         #    vLLM skips the waiting queue then too) unless everything running was
         #    preempted: then the pool is empty and the best waiting request must start.
+        # A request whose adapter needs a slot while every slot serves the batch is set
+        # aside for this step (vLLM V1 skips it too); loads are paid in this step.
+        active = {s.lora for s in self._running if s.lora} if cfg.lora.dynamic else set()
+        skipped: list[SimSequence] = []
+        load_s = 0.0
         while (not preempted or not sched) and budget > 0 and len(self._running) < cfg.max_num_seqs:
             head = self._peek_waiting()
             if head is None:
                 break
             seq = head
+            if seq.lora and not self.lora.can_run(seq.lora, active):
+                heapq.heappop(self._waiting)
+                self._num_waiting -= 1
+                skipped.append(seq)
+                continue
             hit = self._lookup_prefix(seq)
             num_hit = len(hit) * self._bs
             num_new = min(seq.num_tokens - num_hit, budget)
@@ -273,6 +285,9 @@ class SimCore:
                 break
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
+            if seq.lora:
+                load_s += self.lora.activate(seq.lora, active)
+                active.add(seq.lora)
             pool.touch(hit)
             seq.blocks = hit + pool.get_new_blocks(need)
             seq.num_computed = num_hit
@@ -288,6 +303,9 @@ class SimCore:
             sched[seq] = num_new
             budget -= num_new
 
+        for seq in skipped:
+            self._push_waiting(seq)
+
         if not sched:
             # Cannot happen: one sequence always fits the pool (max_model_len ≤ capacity),
             # so an empty batch means a bookkeeping bug; fail loudly rather than spin.
@@ -300,7 +318,7 @@ class SimCore:
             else:
                 prefill_tokens += n
             kv_tokens += seq.num_computed + n
-        duration = cfg.profile.costs.step_time(prefill_tokens, decode_seqs, kv_tokens)
+        duration = cfg.profile.costs.step_time(prefill_tokens, decode_seqs, kv_tokens) + load_s
         end = now + duration
 
         outputs: list[EngineOutput] = []
@@ -395,7 +413,8 @@ class SimCore:
             decode_tokens_per_s=self._decode_rate,
             step_time_s=step_time,
             preemptions=self.preemptions,
-            lora_adapters=list(self.config.lora_adapters),
+            lora_adapters=self.lora.resident(),
+            lora_cached=self.lora.cached(),
             kv_events_mode="engine",
         )
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .sim_lora import LoraConfig
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
@@ -182,6 +184,7 @@ class SimConfig:
     seed: int = 0
     lora_adapters: tuple[str, ...] = ()
     rate_window_s: float = 5.0  # simulated seconds of steps the rates in stats cover
+    lora: LoraConfig = field(default_factory=LoraConfig)  # runtime adapters (sim_lora)
 
     @classmethod
     def build(
@@ -201,6 +204,7 @@ class SimConfig:
         seed: int = 0,
         lora_adapters: Iterable[str] = (),
         rate_window_s: float = 5.0,
+        lora: LoraConfig | None = None,
     ) -> SimConfig:
         """Profile defaults, overridden by whatever is given.
 
@@ -248,4 +252,5 @@ class SimConfig:
             seed=seed,
             lora_adapters=tuple(lora_adapters),
             rate_window_s=rate_window_s,
+            lora=lora or LoraConfig(),
         )
