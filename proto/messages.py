@@ -98,6 +98,10 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     arrival_time: float = 0.0
     deadline: float | None = None
     lora: str | None = None
+    # A runtime adapter (the gateway's adapter registry): where a worker that does not
+    # hold it loads it from, and its size (what the router prices a load with).
+    lora_path: str = ""
+    lora_size_bytes: int = 0
     session_key: str | None = None
     # Migration after a worker died: tokens the client already has, appended to the
     # prompt, and the sequence number the continuing stream starts from.
@@ -204,7 +208,13 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     max_num_batched_tokens: int = 0
     max_model_len: int = 0
     kv_blocks_total: int = 0
-    lora_adapters: list[str] = []
+    lora_adapters: list[str] = []  # loaded at start (always resident)
+    # Runtime adapters: GPU slots (0: only ``lora_adapters``), the largest rank a slot
+    # takes, and the bandwidths a load reads at from storage and from host memory (GB/s).
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    lora_load_gb_per_s: float = 0.0
+    lora_host_gb_per_s: float = 0.0
     tokenizer: str = ""  # tokenizer name or directory the gateway loads
     # Output parsers the gateway applies to this model's text (configured per worker):
     # tool calls (hermes, llama3_json, mistral) and reasoning (think); "" = none.

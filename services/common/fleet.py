@@ -164,6 +164,16 @@ class FleetWorker:
         return frozenset(names)
 
     @property
+    def lora_cached(self) -> frozenset[str]:
+        """Adapters in host memory only: a fast load."""
+        return frozenset(self.gauge.lora_cached) if self.gauge is not None else frozenset()
+
+    @property
+    def max_loras(self) -> int:
+        """GPU slots for adapters loaded at run time (0: only its start-up adapters)."""
+        return self.info.max_loras if self.info is not None else 0
+
+    @property
     def cached_blocks(self) -> int:
         return len(self.blocks)
 

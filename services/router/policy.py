@@ -82,10 +82,14 @@ class PolicyConfig:
     session_overload_factor: float = 1.5
     session_overload_min_tokens: int = 4096
     session_kv_usage_max: float = 0.95
-    # LoRA: only workers with the adapter loaded are candidates, unless the pool loads
-    # adapters on demand; then every worker is, those without it paying this penalty
-    # (in tokens, comparable to the adapter's load time in prefill tokens).
-    lora_dynamic: bool = False
+    # LoRA: a worker holding the adapter (loaded at start, or resident in a GPU slot) is a
+    # candidate at no extra cost; one that loads adapters at run time (``max_loras``) is a
+    # candidate at the cost of the load, in prefill tokens: the load's seconds (adapter
+    # size over the worker's bandwidth from host memory or from storage) times its prefill
+    # rate, half as much again when every slot is taken (an eviction another request will
+    # pay for). A hot adapter so spreads to more replicas once its holders' queues cost
+    # more than a load; it is never a hard filter that piles its traffic on one worker.
+    # This is the cost of a load when the size or a bandwidth is not known.
     lora_load_penalty_tokens: int = 2048
     # Anti-herding (prefix policy): a worker whose load average (``FleetWorker.load_avg``)
     # is below the eligible pool's mean / ``balance_factor`` while its current load is
@@ -150,6 +154,7 @@ class RouteQuery:
     prompt: bytes  # packed uint32 token ids, as on the wire
     max_tokens: int = 16
     lora: str | None = None
+    lora_size_bytes: int = 0  # a runtime adapter's size (GenerateRequest.lora_size_bytes)
     session_key: str | None = None
     text: str | None = None  # the request text, if the caller has it (cascade keywords)
     # Output tokens to account for on the chosen worker; max_tokens when unknown.
@@ -192,6 +197,7 @@ class RouteQuery:
             prompt=prompt,
             max_tokens=req.sampling.max_tokens,
             lora=req.lora,
+            lora_size_bytes=req.lora_size_bytes,
             session_key=req.session_key,
             prefer_worker=prefer_worker,
             prefer_slack_tokens=prefer_slack_tokens,
@@ -374,13 +380,16 @@ class Router:
             )
         cfg = self.config.for_model(model)
         eligible = self.view.placeable_in(pool, now, exclude)
-        lora_missing: set[str] = set()
+        lora_costs: dict[str, float] = {}
         if q.lora:
-            loaded = [w for w in eligible if q.lora in w.lora_adapters]
-            if cfg.lora_dynamic:
-                lora_missing = {w.worker_id for w in eligible if q.lora not in w.lora_adapters}
-            else:
-                eligible = loaded
+            serving = []
+            for w in eligible:
+                if q.lora in w.lora_adapters:
+                    serving.append(w)
+                elif w.max_loras > 0:
+                    serving.append(w)
+                    lora_costs[w.worker_id] = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
+            eligible = serving
         if not eligible:
             return NoCapacity(
                 q.request_id,
@@ -390,7 +399,7 @@ class Router:
                 + (f" with adapter {q.lora!r}" if q.lora else "")
                 + (f", {len(exclude)} excluded" if exclude else ""),
             )
-        ctx = _Ctx(q, cfg, pool, lora_missing)
+        ctx = _Ctx(q, cfg, pool, lora_costs)
         match cfg.policy:
             case "round_robin":
                 return self._round_robin(model, eligible, ctx)
@@ -547,13 +556,13 @@ class _Ctx:
     narrower mask ends the walk (and the prompt hashing) sooner.
     """
 
-    __slots__ = ("blocks", "cfg", "done", "lora_missing", "pool", "prompt_tokens", "q")
+    __slots__ = ("blocks", "cfg", "done", "lora_costs", "pool", "prompt_tokens", "q")
 
-    def __init__(self, q: RouteQuery, cfg: PolicyConfig, pool: Pool, lora_missing: set[str]) -> None:
+    def __init__(self, q: RouteQuery, cfg: PolicyConfig, pool: Pool, lora_costs: dict[str, float]) -> None:
         self.q = q
         self.cfg = cfg
         self.pool = pool
-        self.lora_missing = lora_missing
+        self.lora_costs = lora_costs  # worker id → tokens its adapter load costs
         self.prompt_tokens = q.prompt_tokens
         self.blocks: dict[int, int] = {}  # slot → leading cached blocks
         self.done = 0  # slots walked so far
@@ -571,8 +580,8 @@ class _Ctx:
     def cached(self, w: FleetWorker) -> int:
         return min(self.blocks.get(w.slot, 0) * w.block_size, self.prompt_tokens)
 
-    def lora_penalty(self, w: FleetWorker) -> int:
-        return self.cfg.lora_load_penalty_tokens if w.worker_id in self.lora_missing else 0
+    def lora_penalty(self, w: FleetWorker) -> float:
+        return self.lora_costs.get(w.worker_id, 0.0) if self.lora_costs else 0.0
 
     def prefill_cost(self, w: FleetWorker) -> int:
         """Prefill tokens ahead of the request's first token on ``w``: what its TTFT grows with."""
@@ -585,7 +594,7 @@ class _Ctx:
         cached = min(self.blocks.get(w.slot, 0) * w.kv.block_size, prompt)
         queued = (g.queued_prefill_tokens if g is not None else 0) + w.opt_prefill_tokens
         running = (g.running_tokens if g is not None else 0) + w.opt_running_tokens
-        penalty = self.cfg.lora_load_penalty_tokens if self.lora_missing and w.worker_id in self.lora_missing else 0
+        penalty = self.lora_costs.get(w.worker_id, 0.0) if self.lora_costs else 0
         return prompt - cached + queued + self.cfg.beta * running + penalty
 
     def candidate(self, w: FleetWorker, cost: float) -> Candidate:
@@ -606,6 +615,24 @@ class _Ctx:
             note=note,
             **counters,
         )
+
+
+def lora_load_tokens(w: FleetWorker, lora: str, size_bytes: int, cfg: PolicyConfig) -> float:
+    """What loading ``lora`` on ``w`` costs, in prefill tokens (see PolicyConfig)."""
+    info, gauge = w.info, w.gauge
+    rate = gauge.prefill_tokens_per_s if gauge is not None else 0.0
+    bandwidth = 0.0
+    if info is not None:
+        bandwidth = info.lora_host_gb_per_s if lora in w.lora_cached else info.lora_load_gb_per_s
+    if size_bytes <= 0 or bandwidth <= 0 or rate <= 0:
+        tokens = float(cfg.lora_load_penalty_tokens)
+    else:
+        tokens = size_bytes / (bandwidth * 1e9) * rate
+    static = set(info.lora_adapters) if info is not None else set()
+    in_slots = [a for a in (gauge.lora_adapters if gauge is not None else []) if a not in static]
+    if len(in_slots) >= w.max_loras:  # every slot taken: an eviction someone pays for later
+        tokens *= 1.5
+    return tokens
 
 
 def _join(a: str, b: str) -> str:

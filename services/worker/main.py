@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from the memory budget)")
     engine.add_argument("--lora-adapters", default="",
                         help="comma-separated adapters to serve: names (sim), name=path (vllm)")
+    engine.add_argument("--max-loras", type=int, default=None,
+                        help="GPU slots for adapters loaded at run time (sim default 0: only --lora-adapters)")
+    engine.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (≥ --max-loras)")
     vllm = parser.add_argument_group("vLLM engine (--engine vllm; vLLM's names and meaning, unset keeps vLLM's default)")
     vllm.add_argument("--model-dir", default=None, help="weights directory (or hub id); --model is then only the routed name")
     vllm.add_argument("--served-model-name", default=None, help="routed name (default: --model, as vLLM)")
@@ -42,7 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--dtype", default=None, help="auto, bfloat16, float16, float32")
     vllm.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
     vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
-    vllm.add_argument("--max-loras", type=int, default=None)
     vllm.add_argument("--max-lora-rank", type=int, default=None)
     vllm.add_argument("--kv-events", choices=["auto", "engine", "predicted"], default=None,
                       help="engine: vLLM's KV-event publisher; predicted: model the cache from served requests")
@@ -75,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "engine", "sim") == "vllm":
         return vllm_engine_options(args)
-    names = ("profile", "speed", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks")
+    names = ("profile", "speed", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
+             "max_loras", "max_cpu_loras")
     options: dict[str, Any] = {"model": args.model}
     options.update({name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
     if args.lora_adapters:
@@ -119,7 +122,7 @@ def vllm_engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or not key.strip():
             raise SystemExit(f"--engine-arg wants KEY=VALUE, got {item!r}")
         merged[key.strip().replace("-", "_")] = _parse_value(value.strip())
-    for name in (*_VLLM_OPTIONS, "cpu_kvcache_space"):
+    for name in (*_VLLM_OPTIONS, "cpu_kvcache_space", "max_cpu_loras"):
         value = getattr(args, name, None)
         if value is not None:
             merged[name] = value

@@ -161,6 +161,9 @@ class WorkerService(Service):
             max_model_len=self.engine.max_model_len,
             kv_blocks_total=self.engine.kv_blocks_total,
             lora_adapters=list(self.engine.stats().lora_adapters),
+            max_loras=int(self.engine.lora_runtime["max_loras"]),
+            lora_load_gb_per_s=self.engine.lora_runtime["lora_load_gb_per_s"],
+            lora_host_gb_per_s=self.engine.lora_runtime["lora_host_gb_per_s"],
             tokenizer=self.engine.tokenizer_spec,
             tool_parser=self.config.tool_parser,
             reasoning_parser=self.config.reasoning_parser,
@@ -239,7 +242,8 @@ class WorkerService(Service):
             )
         if request.sampling.max_tokens < 1:
             raise MeshError("max_tokens must be at least 1", code=ErrorCode.BAD_REQUEST)
-        if request.lora and request.lora not in self.engine.stats().lora_adapters:
+        if (request.lora and request.lora not in self.engine.stats().lora_adapters
+                and not (self.engine.lora_runtime["max_loras"] and request.lora_size_bytes > 0)):
             raise MeshError(f"LoRA adapter {request.lora!r} is not loaded on {self.worker_id}", code=ErrorCode.BAD_REQUEST)
         if request.request_id in self._requests:
             raise MeshError(f"request {request.request_id} is already running here", code=ErrorCode.BAD_REQUEST)
@@ -356,6 +360,7 @@ class WorkerService(Service):
             priority=request.priority,
             arrival_time=time.time(),
             lora=request.lora,
+            lora_size_bytes=request.lora_size_bytes,
             output_offset=choice.prior,
         )
         coalescer = Coalescer(self.config.coalesce_interval_s, self.config.coalesce_max_tokens)

@@ -541,10 +541,56 @@ def test_lora_only_on_workers_with_the_adapter() -> None:
         assert decided(r.place(q(f"l{i}", lora="sql"), 0.5)).worker_id in ("llama-2", "llama-3")
     res = r.decide(q(lora="other"), 0.5)
     assert isinstance(res, NoCapacity)
-    # dynamic loading: anyone may serve, loaded workers preferred by the penalty
-    dyn = router(v, "least_load", lora_dynamic=True, lora_load_penalty_tokens=10_000)
-    assert decided(dyn.decide(q(lora="sql"), 0.5)).worker_id in ("llama-2", "llama-3")
-    assert decided(dyn.decide(q(lora="other"), 0.5)).cost == 10_000
+
+
+def dynamic_view(n: int, max_loras: int = 2) -> FleetView:
+    """``n`` workers that load adapters at run time: 1 GB/s from storage, 10 GB/s from host
+    memory, prefilling 10,000 tokens/s."""
+    v = FleetView()
+    for i in range(n):
+        v.update_worker(WorkerInfo(worker_id=f"{MODEL}-{i}", model=MODEL, engine="sim", state="ready",
+                                   max_loras=max_loras, lora_load_gb_per_s=1.0, lora_host_gb_per_s=10.0), 0.0)
+    return v
+
+
+def adapters(v: FleetView, wid: str, resident: list[str], cached: list[str] = (), queued: int = 0) -> None:  # type: ignore[assignment]
+    set_load(v, wid, queued=queued, prefill_tokens_per_s=10_000, lora_adapters=resident, lora_cached=list(cached))
+
+
+def test_an_adapter_load_costs_its_seconds_in_prefill_tokens() -> None:
+    """Resident: free. In host memory: size / host bandwidth × prefill rate. From storage:
+    size / storage bandwidth × rate, and half again when every slot is taken (an eviction)."""
+    v = dynamic_view(4)
+    adapters(v, f"{MODEL}-0", ["sql"])
+    adapters(v, f"{MODEL}-1", [], cached=["sql"])
+    adapters(v, f"{MODEL}-2", [])
+    adapters(v, f"{MODEL}-3", ["a", "b"])  # both slots taken
+    r = router(v, "least_load")
+    size = 100_000_000  # 100 MB: 0.1 s from storage, 0.01 s from host memory
+    costs = {}
+    for wid in (f"{MODEL}-{i}" for i in range(4)):
+        others = [f"{MODEL}-{i}" for i in range(4) if f"{MODEL}-{i}" != wid]
+        d = decided(r.decide(q(lora="sql", lora_size_bytes=size), 0.5, exclude=others))
+        costs[wid] = d.cost
+    assert costs == {f"{MODEL}-0": 0, f"{MODEL}-1": pytest.approx(100), f"{MODEL}-2": pytest.approx(1000),
+                     f"{MODEL}-3": pytest.approx(1500)}
+    # unknown size: the configured penalty stands in for the load
+    assert decided(r.decide(q(lora="sql"), 0.5, exclude=[f"{MODEL}-{i}" for i in (0, 1, 3)])).cost == 2048
+
+
+def test_a_hot_adapter_spreads_once_its_holders_queue_costs_more_than_a_load() -> None:
+    v = dynamic_view(3)
+    adapters(v, f"{MODEL}-0", ["hot"], queued=500)
+    adapters(v, f"{MODEL}-1", [])
+    adapters(v, f"{MODEL}-2", [])
+    r = router(v, "prefix")
+    size = 100_000_000  # a load costs 1,000 prefill tokens here
+    assert decided(r.decide(q(lora="hot", lora_size_bytes=size), 0.5)).worker_id == f"{MODEL}-0"
+    adapters(v, f"{MODEL}-0", ["hot"], queued=5_000)  # its queue now outweighs a load elsewhere
+    assert decided(r.decide(q(lora="hot", lora_size_bytes=size), 0.5)).worker_id != f"{MODEL}-0"
+    # workers without runtime loading and without the adapter never take it
+    static = make_view(2)
+    assert isinstance(router(static).decide(q(lora="hot", lora_size_bytes=size), 0.5), NoCapacity)
 
 
 def test_lora_prefix_uses_the_adapter_salt() -> None:

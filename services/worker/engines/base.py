@@ -167,6 +167,12 @@ class Engine(ABC):
     def max_num_batched_tokens(self) -> int: ...
 
     @property
+    def lora_runtime(self) -> dict[str, float]:
+        """Runtime adapters, as ``WorkerInfo`` advertises them: ``max_loras`` (GPU slots;
+        0: only the start-up adapters), ``lora_load_gb_per_s`` and ``lora_host_gb_per_s``."""
+        return {"max_loras": 0, "lora_load_gb_per_s": 0.0, "lora_host_gb_per_s": 0.0}
+
+    @property
     @abstractmethod
     def tokenizer_spec(self) -> str:
         """What ``services.common.tokenizer.load_tokenizer`` takes to load this model's tokenizer."""

@@ -160,6 +160,16 @@ class SimEngine(Engine):
         return self.config.max_num_batched_tokens
 
     @property
+    def lora_runtime(self) -> dict[str, float]:
+        lora = self.config.lora
+        if not lora.dynamic:
+            return super().lora_runtime
+        # A load from storage reads at the disk, then copies at PCIe: one effective rate each way.
+        disk = 1 / (1 / lora.disk_bytes_per_s + 1 / lora.host_to_gpu_bytes_per_s) / 1e9
+        return {"max_loras": lora.max_loras, "lora_load_gb_per_s": disk,
+                "lora_host_gb_per_s": lora.host_to_gpu_bytes_per_s / 1e9}
+
+    @property
     def tokenizer_spec(self) -> str:
         return "byte"
 
