@@ -106,6 +106,7 @@ async def provision(
     await ensure_stream(js, usage_stream_config(subjects, limits, replicas))
     await workers_bucket(js, subjects, replicas=replicas, limits=limits)
     await keys_bucket(js, subjects, replicas=replicas, limits=limits)
+    await adapters_bucket(js, subjects, replicas=replicas, limits=limits)
     await requests_bucket(js, subjects, replicas=replicas, limits=limits)
 
 
@@ -138,6 +139,21 @@ async def keys_bucket(
             bucket=subjects.keys_bucket,
             description="meshserve API keys (SHA-256 hashes only), org, tier, limits",
             history=limits.keys_history,
+            storage=api.StorageType.FILE,
+            replicas=replicas,
+        ),
+    )
+
+
+async def adapters_bucket(
+    js: JetStreamContext, subjects: Subjects, *, replicas: int = 1, limits: StreamLimits | None = None
+) -> KeyValue:
+    return await ensure_kv(
+        js,
+        api.KeyValueConfig(
+            bucket=subjects.adapters_bucket,
+            description="meshserve LoRA adapters: name → base model, path, rank, size",
+            history=1,
             storage=api.StorageType.FILE,
             replicas=replicas,
         ),

@@ -494,6 +494,20 @@ class ApiKeyRecord(Struct, kw_only=True, omit_defaults=True):
     revoked: bool = False
 
 
+class AdapterRecord(Struct, kw_only=True, omit_defaults=True):
+    """A LoRA adapter as stored in ``mesh_adapters`` (``meshserve adapters add``): a request
+    for ``name`` goes to ``base``'s pool, whose workers load it from ``path`` when they do
+    not hold it (issue 21)."""
+
+    v: int = SCHEMA_VERSION
+    name: str
+    base: str
+    path: str  # the adapter's directory (adapter_config.json and its weights), as the workers see it
+    rank: int = 0  # adapter_config.json's ``r``
+    size_bytes: int = 0  # its weights on disk: what a load reads
+    created_at: float = 0.0
+
+
 class OutputOptions(Struct, kw_only=True, omit_defaults=True):
     """How the gateway turns a request's chunks into OpenAI responses. It travels in the
     ``RequestRecord`` so any gateway resuming the stream builds the same events."""
@@ -567,5 +581,6 @@ MESSAGE_TYPES: tuple[type[Struct], ...] = (
     RequestProbeReply,
     ChunkResend,
     ApiKeyRecord,
+    AdapterRecord,
     RequestRecord,
 )

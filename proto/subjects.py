@@ -162,6 +162,11 @@ class Subjects:
         return f"{self.root}_keys"
 
     @property
+    def adapters_bucket(self) -> str:
+        """LoRA adapters served from their base model's pool (``AdapterRecord``)."""
+        return f"{self.root}_adapters"
+
+    @property
     def requests_bucket(self) -> str:
         return f"{self.root}_requests"
 

@@ -1,0 +1,115 @@
+"""A JetStream KV bucket of msgspec records, mirrored into a local map.
+
+Readers on a request's path (a gateway authenticating keys, resolving adapter names)
+``watch`` the bucket into ``records``, so a lookup costs no round trip and a change
+reaches every reader within moments; writers (the CLI) ``put`` and ``delete``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Generic, Self, TypeVar
+
+from msgspec import Struct
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from proto.codec import decode, encode
+from proto.errors import DecodeError
+from proto.subjects import Subjects
+
+from .client import Bus
+from .tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=Struct)
+BucketOpener = Callable[..., Awaitable[KeyValue]]  # bus.provision's bucket functions
+
+
+class KvMirror(Generic[T]):
+    def __init__(self, bus: Bus, bucket: BucketOpener, record_type: type[T], what: str) -> None:
+        self.bus = bus
+        self._bucket = bucket
+        self._type = record_type
+        self._what = what  # for logs: "key", "adapter"
+        self._kv: KeyValue | None = None
+        self.records: dict[str, T] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+
+    async def open(self) -> Self:
+        js: JetStreamContext = self.bus.js
+        subjects: Subjects = self.bus.subjects
+        self._kv = await self._bucket(js, subjects, replicas=self.bus.settings.js_replicas)
+        return self
+
+    @property
+    def kv(self) -> KeyValue:
+        assert self._kv is not None, f"{type(self).__name__}.open() first"
+        return self._kv
+
+    async def put(self, key: str, record: T) -> None:
+        await self.kv.put(key, encode(record))
+        self.records[key] = record
+
+    async def get(self, key: str) -> T | None:
+        if self._task is not None:
+            return self.records.get(key)
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        return decode(entry.value, self._type)
+
+    async def delete(self, key: str) -> bool:
+        if await self.get(key) is None:
+            return False
+        await self.kv.delete(key)
+        self.records.pop(key, None)
+        return True
+
+    async def all(self) -> list[T]:
+        out: list[T] = []
+        with contextlib.suppress(Exception):  # nats-py raises when the bucket is empty
+            for key in await self.kv.keys():
+                record = await self.get(key)
+                if record is not None:
+                    out.append(record)
+        return out
+
+    async def watch(self) -> None:
+        """Keep ``records`` in sync with the bucket from now on."""
+        self._task = asyncio.create_task(self._watch(), name=f"{self._what}-watch")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._synced.wait(), 5.0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async for entry in await self.kv.watchall():
+                    if entry is None:
+                        self._synced.set()
+                        continue
+                    if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                        self.records.pop(entry.key, None)
+                        continue
+                    try:
+                        self.records[entry.key] = decode(entry.value, self._type)
+                    except DecodeError as exc:
+                        log.warning("ignoring bad %s record %s: %s", self._what, entry.key, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("%s watch restarting: %r", self._what, exc)
+                await asyncio.sleep(0.5)
