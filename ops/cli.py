@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "up": "ops.up_cli",
     "serve": "ops.serve",
     "keys": "ops.keys",
+    "adapters": "ops.adapters",
     "status": "ops.status",
     "usage": "ops.usage",
     "bench": "ops.bench.cli",

@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-loras", type=int, default=None,
                         help="GPU slots for adapters loaded at run time (sim default 0: only --lora-adapters)")
     engine.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (≥ --max-loras)")
+    engine.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank a slot takes (16)")
     vllm = parser.add_argument_group("vLLM engine (--engine vllm; vLLM's names and meaning, unset keeps vLLM's default)")
     vllm.add_argument("--model-dir", default=None, help="weights directory (or hub id); --model is then only the routed name")
     vllm.add_argument("--served-model-name", default=None, help="routed name (default: --model, as vLLM)")
@@ -45,7 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--dtype", default=None, help="auto, bfloat16, float16, float32")
     vllm.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
     vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
-    vllm.add_argument("--max-lora-rank", type=int, default=None)
     vllm.add_argument("--kv-events", choices=["auto", "engine", "predicted"], default=None,
                       help="engine: vLLM's KV-event publisher; predicted: model the cache from served requests")
     vllm.add_argument("--cpu-kvcache-space", type=int, default=None, help="GiB of KV cache on vLLM's CPU build")
@@ -78,7 +78,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "engine", "sim") == "vllm":
         return vllm_engine_options(args)
     names = ("profile", "speed", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
-             "max_loras", "max_cpu_loras")
+             "max_loras", "max_cpu_loras", "max_lora_rank")
     options: dict[str, Any] = {"model": args.model}
     options.update({name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
     if args.lora_adapters:

@@ -162,6 +162,7 @@ class WorkerService(Service):
             kv_blocks_total=self.engine.kv_blocks_total,
             lora_adapters=list(self.engine.stats().lora_adapters),
             max_loras=int(self.engine.lora_runtime["max_loras"]),
+            max_lora_rank=int(self.engine.lora_runtime["max_lora_rank"]),
             lora_load_gb_per_s=self.engine.lora_runtime["lora_load_gb_per_s"],
             lora_host_gb_per_s=self.engine.lora_runtime["lora_host_gb_per_s"],
             tokenizer=self.engine.tokenizer_spec,

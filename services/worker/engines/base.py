@@ -169,8 +169,9 @@ class Engine(ABC):
     @property
     def lora_runtime(self) -> dict[str, float]:
         """Runtime adapters, as ``WorkerInfo`` advertises them: ``max_loras`` (GPU slots;
-        0: only the start-up adapters), ``lora_load_gb_per_s`` and ``lora_host_gb_per_s``."""
-        return {"max_loras": 0, "lora_load_gb_per_s": 0.0, "lora_host_gb_per_s": 0.0}
+        0: only the start-up adapters), ``max_lora_rank``, ``lora_load_gb_per_s`` and
+        ``lora_host_gb_per_s``."""
+        return {"max_loras": 0, "max_lora_rank": 0, "lora_load_gb_per_s": 0.0, "lora_host_gb_per_s": 0.0}
 
     @property
     @abstractmethod

@@ -87,6 +87,7 @@ class SimEngine(Engine):
         lora_adapters: Iterable[str] = (),
         max_loras: int = 0,
         max_cpu_loras: int = 0,
+        max_lora_rank: int = 16,
         lora_disk_gb_per_s: float = 2.0,
         rate_window_s: float = 5.0,
         max_lag_s: float = 0.05,
@@ -109,7 +110,7 @@ class SimEngine(Engine):
             seed=seed,
             lora_adapters=lora_adapters,
             rate_window_s=rate_window_s,
-            lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+            lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                             disk_bytes_per_s=lora_disk_gb_per_s * 1e9),
         )
         self.core = SimCore(self.config)
@@ -166,7 +167,7 @@ class SimEngine(Engine):
             return super().lora_runtime
         # A load from storage reads at the disk, then copies at PCIe: one effective rate each way.
         disk = 1 / (1 / lora.disk_bytes_per_s + 1 / lora.host_to_gpu_bytes_per_s) / 1e9
-        return {"max_loras": lora.max_loras, "lora_load_gb_per_s": disk,
+        return {"max_loras": lora.max_loras, "max_lora_rank": lora.max_lora_rank, "lora_load_gb_per_s": disk,
                 "lora_host_gb_per_s": lora.host_to_gpu_bytes_per_s / 1e9}
 
     @property

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 class LoraConfig:
     max_loras: int = 0  # GPU slots; 0: no runtime loading (static adapters only)
     max_cpu_loras: int = 0  # host cache; below max_loras it is raised to it (vLLM's rule)
+    max_lora_rank: int = 16  # the largest rank a slot takes (vLLM's default); checked at ``adapters add``
     disk_bytes_per_s: float = 2e9  # storage → host (a local NVMe copy)
     host_to_gpu_bytes_per_s: float = 2.5e10  # PCIe 4 x16, roughly
 
