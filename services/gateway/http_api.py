@@ -35,6 +35,7 @@ from .errors import (
 from .events import EventBuilder, parse_event_id
 from .lifecycle import ActiveRequest, on_client_gone
 from .local import is_local_request
+from .models import ModelSpec
 from .openai_api import ModelCard, ModelList, RequestKind, encode_json, sse_event
 from .responses_http import ResponsesHttp
 from .resume import ResumedStream
@@ -49,6 +50,14 @@ log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
 RESUMABLE_HEADER = "X-Meshserve-Resumable"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def model_card(name: str, spec: ModelSpec, created: int) -> ModelCard:
+    """The ``/v1/models`` entry of ``name``; an adapter's names its base, as vLLM's does."""
+    if spec.lora is not None:
+        return ModelCard(id=name, created=created, owned_by="meshserve", max_model_len=spec.limits.max_model_len,
+                         root=spec.lora_path, parent=spec.name)
+    return ModelCard(id=name, created=created, owned_by="meshserve", max_model_len=spec.limits.max_model_len)
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -170,8 +179,8 @@ class HttpApi:
     @authenticated
     async def models(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
         now = int(time.time())
-        cards = [ModelCard(id=name, created=now, owned_by="meshserve", max_model_len=spec.limits.max_model_len)
-                 for name, spec in sorted(self.gateway.models.specs().items()) if key_allows_model(key, name)]
+        cards = [model_card(name, spec, now) for name, spec in sorted(self.gateway.models.specs().items())
+                 if key_allows_model(key, name) or (spec.lora is not None and key_allows_model(key, spec.name))]
         return web.Response(body=encode_json(ModelList(data=cards)), content_type="application/json")
 
     @authenticated
@@ -181,8 +190,7 @@ class HttpApi:
         spec = self.gateway.models.specs().get(name)
         if spec is None or not (key_allows_model(key, name) or key_allows_model(key, spec.name)):
             raise model_not_found(name)
-        card = ModelCard(id=name, created=int(time.time()), owned_by="meshserve", max_model_len=spec.limits.max_model_len)
-        return web.Response(body=encode_json(card), content_type="application/json")
+        return web.Response(body=encode_json(model_card(name, spec, int(time.time()))), content_type="application/json")
 
     @authenticated
     async def usage(self, http: web.Request, key: ApiKeyRecord) -> web.Response:

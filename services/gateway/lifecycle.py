@@ -151,13 +151,14 @@ class ActiveRequest:
                      started: float, span: trace.Span, resumable: bool) -> ActiveRequest:
         block_size = g.models.block_size(request.model)
         phases = PhaseTimer()
-        hashes = block_hashes(request.prompt_token_ids, block_size) if block_size else []
+        # An adapter's KV is its own: its blocks hash with its name as salt (as vLLM's).
+        hashes = block_hashes(request.prompt_token_ids, block_size, request.lora or "") if block_size else []
         phases.mark("hash")
         with tracer.start_as_current_span("gateway.admission") as admission_span:
             decision = await g.upstream.admit(AdmissionRequest(
                 request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
                 prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm, tpm_limit=key.tpm,
-                block_hashes=hashes, block_size=block_size,
+                block_hashes=hashes, block_size=block_size, lora=request.lora,
             ))
             phases.mark("admission")
             admission_span.set_attribute("meshserve.admitted", decision.admitted)

@@ -4,6 +4,7 @@ live worker registry, aliases included, each tokenizer loaded once."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 from msgspec import Struct
 
-from proto import WorkerInfo
+from proto import AdapterRecord, WorkerInfo
 from services.common.tokenizer import load_tokenizer
 
 from .chat_template import ChatTemplate
@@ -90,6 +91,11 @@ class ModelSpec:
     # The output parsers its workers advertise (WorkerInfo): "" = none.
     tool_parser: str = ""
     reasoning_parser: str = ""
+    # A LoRA adapter of the model ``name`` (``meshserve adapters``): its requests go to
+    # that model's pool with the adapter, loaded from ``lora_path`` where it is not held.
+    lora: str | None = None
+    lora_path: str = ""
+    lora_size_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.template is None:
@@ -109,14 +115,17 @@ def model_max_len(workers: list[WorkerInfo]) -> int:
 
 
 class ModelCatalog:
-    def __init__(self, registry: WorkerRegistry, limits: Mapping[str, ModelLimits], aliases: Mapping[str, str]) -> None:
+    def __init__(self, registry: WorkerRegistry, limits: Mapping[str, ModelLimits], aliases: Mapping[str, str],
+                 adapters: Mapping[str, AdapterRecord] | None = None) -> None:
         self.registry = registry
         self.limits = limits
         self.aliases = aliases
+        self.adapters = adapters if adapters is not None else {}  # the gateway's AdapterStore.records
         self._specs: dict[tuple[str, str, int, str, str], ModelSpec] = {}
 
     def specs(self) -> dict[str, ModelSpec]:
-        """Servable models from the live registry (aliases included), tokenizers cached."""
+        """Servable models from the live registry (aliases and adapters of served models
+        included), tokenizers cached. A model name wins over an adapter of the same name."""
         specs: dict[str, ModelSpec] = {}
         for model, workers in self.registry.models().items():
             spec = self._spec(model, workers)
@@ -125,6 +134,11 @@ class ModelCatalog:
         for alias, target in self.aliases.items():
             if target in specs:
                 specs[alias] = specs[target]
+        for name, record in list(self.adapters.items()):
+            base = specs.get(record.base)
+            if base is not None and name not in specs and base.lora is None:
+                specs[name] = dataclasses.replace(base, lora=name, lora_path=record.path,
+                                                  lora_size_bytes=record.size_bytes)
         return specs
 
     def _spec(self, model: str, workers: list[WorkerInfo]) -> ModelSpec | None:

@@ -302,6 +302,9 @@ class ModelCard(Struct, kw_only=True):
     created: int
     owned_by: str = "meshserve"
     max_model_len: int | UnsetType = UNSET  # vLLM extension; the chat page shows it
+    # vLLM's: an adapter's card names its base model (``parent``) and its weights (``root``).
+    root: str | UnsetType = UNSET
+    parent: str | UnsetType = UNSET
 
 
 class ModelList(Struct, kw_only=True):

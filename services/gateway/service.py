@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from bus import BusSettings, Service
-from bus.keys import KeyStore
+from bus.keys import AdapterStore, KeyStore
 from bus.provision import requests_bucket
 from bus.registry import WorkerRegistry
 from proto import RequestRecord, UsageEvent, usage_dedup_id
@@ -67,7 +67,9 @@ class GatewayService(Service):
         if self.config.oidc.enabled:
             self.oidc = Oidc(self.config.oidc)
         self.auth = Authenticator(self.keys.records, await self.oidc.start() if self.oidc else None)
-        self.models = ModelCatalog(self.registry, self.config.model_limits, self.config.aliases)
+        self.adapters = await AdapterStore(self.bus).open()
+        await self.adapters.watch()
+        self.models = ModelCatalog(self.registry, self.config.model_limits, self.config.aliases, self.adapters.records)
         kv = await requests_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
         self.records = ResumeRecords(kv)
         self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks,
@@ -99,6 +101,7 @@ class GatewayService(Service):
         await self.dispatcher.stop()
         await self.registry.stop()
         await self.keys.stop()
+        await self.adapters.stop()
         if self.oidc is not None:
             await self.oidc.stop()
 

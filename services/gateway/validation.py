@@ -71,6 +71,9 @@ class NormalizedRequest(Struct, kw_only=True):
     metadata: dict[str, str] = {}
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     tools: list[dict[str, Any]] | None = None  # as the chat template was given them
+    lora: str | None = None  # the adapter ``requested_model`` names (``model`` is its base)
+    lora_path: str = ""
+    lora_size_bytes: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -118,6 +121,9 @@ class NormalizedRequest(Struct, kw_only=True):
             reserved_tokens=reserved_tokens,
             user=self.user or "",
             metadata=self.metadata,
+            lora=self.lora,
+            lora_path=self.lora_path,
+            lora_size_bytes=self.lora_size_bytes,
         )
 
 
@@ -281,6 +287,9 @@ def _finish(
         user=req.user or req.safety_identifier,
         metadata=check_metadata(req.metadata),
         output=output,
+        lora=spec.lora,
+        lora_path=spec.lora_path,
+        lora_size_bytes=spec.lora_size_bytes,
     )
 
 
