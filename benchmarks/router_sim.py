@@ -35,6 +35,7 @@ from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.worker.engines.base import EngineRequest
 from services.worker.engines.sim_core import SimCore, StepResult
+from services.worker.engines.sim_lora import LoraConfig
 from services.worker.engines.sim_profile import SimConfig
 
 MODEL = "sim"
@@ -52,6 +53,11 @@ class Workload:
     suffix_tokens: tuple[int, int] = (32, 128)  # uniform, one draw per request
     output_tokens: int = 64
     capacity: float = 120.0  # req/s: the mesh's measured knee for this workload (BENCHMARKS.md)
+    # LoRA adapters (issue 21): each request names one of ``adapters``, drawn with Zipf
+    # popularity (``adapter_zipf``); 0: none, every request for the base model.
+    adapters: int = 0
+    adapter_zipf: float = 1.1
+    adapter_mb: float = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,8 @@ class Fleet:
     kv_blocks: int = 2048
     max_model_len: int = 16384
     gauge_interval_s: float = 0.1
+    max_loras: int = 0  # GPU adapter slots per worker (0: no adapters)
+    max_cpu_loras: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +116,8 @@ class SimResult:
     # (t, outstanding tokens per worker) from the gauges, every gauge interval
     samples: list[tuple[float, list[int]]] = field(default_factory=list)
     end: float = 0.0
+    adapter_loads: int = 0  # slot loads over the whole fleet (from storage or host memory)
+    adapter_disk_loads: int = 0  # of which from storage (the slow ones)
 
     def window(self, start: float = 0.0, stop: float = math.inf) -> Summary:
         return summarize([r for r in self.requests if start <= r.arrival < stop])
@@ -205,10 +215,17 @@ def simulate(
     prefixes = _prefixes(workload, seed)
     view = FleetView()
     router = Router(view, RouterConfig(default=policy), random.Random(seed + 1_000_003))
-    sim_cfg = SimConfig.build(num_kv_blocks=fleet.kv_blocks, max_model_len=fleet.max_model_len, seed=seed)
+    lora = LoraConfig(max_loras=fleet.max_loras, max_cpu_loras=fleet.max_cpu_loras)
+    sim_cfg = SimConfig.build(num_kv_blocks=fleet.kv_blocks, max_model_len=fleet.max_model_len, seed=seed, lora=lora)
     workers = {f"w{i}": _Worker(f"w{i}", SimCore(sim_cfg)) for i in range(fleet.workers)}
+    # as a sim worker advertises its slots (SimEngine.lora_runtime)
+    disk = 1 / (1 / lora.disk_bytes_per_s + 1 / lora.host_to_gpu_bytes_per_s) / 1e9
     for w in workers.values():
-        view.update_worker(WorkerInfo(worker_id=w.wid, model=MODEL, engine="sim", state="ready"), 0.0)
+        view.update_worker(WorkerInfo(worker_id=w.wid, model=MODEL, engine="sim", state="ready",
+                                      max_loras=lora.max_loras, lora_load_gb_per_s=disk,
+                                      lora_host_gb_per_s=lora.host_to_gpu_bytes_per_s / 1e9), 0.0)
+    popularity = [1 / (k + 1) ** workload.adapter_zipf for k in range(workload.adapters)]
+    adapter_bytes = int(workload.adapter_mb * 1e6)
 
     # events: (time, priority, order, kind, payload); at equal times step ends and gauges
     # come before arrivals, as a worker's step end is what a gauge at that instant reflects
@@ -259,14 +276,18 @@ def simulate(
             group = rng.randrange(workload.groups)
             suffix = [TOKEN_BASE + rng.randrange(100_000) for _ in range(rng.randint(*workload.suffix_tokens))]
             prompt = prefixes[group] + suffix
-            q = RouteQuery.of(f"r{i}", MODEL, prompt, max_tokens=workload.output_tokens)
+            adapter = f"a{rng.choices(range(workload.adapters), popularity)[0]}" if workload.adapters else None
+            size = adapter_bytes if adapter else 0
+            q = RouteQuery.of(f"r{i}", MODEL, prompt, max_tokens=workload.output_tokens, lora=adapter,
+                              lora_size_bytes=size)
             d = router.place(q, now)
             assert isinstance(d, RouteDecision), d
             decisions.append(d)
             r = reqs[q.request_id] = Req(q.request_id, now, group, len(prompt), d.worker_id)
             w = workers[d.worker_id]
             sampling = SamplingParams(max_tokens=workload.output_tokens, min_tokens=workload.output_tokens)
-            out = w.core.add_request(EngineRequest(request_id=r.rid, prompt_token_ids=prompt, sampling=sampling, arrival_time=now), now)
+            out = w.core.add_request(EngineRequest(request_id=r.rid, prompt_token_ids=prompt, sampling=sampling,
+                                                   arrival_time=now, lora=adapter, lora_size_bytes=size), now)
             assert out is None, out
             if not w.busy:
                 start_step(w, now)
@@ -299,6 +320,8 @@ def simulate(
                 result.samples.append((now, loads))
     result.requests = sorted(reqs.values(), key=lambda r: r.arrival)
     result.end = horizon
+    result.adapter_loads = sum(w.core.lora.loads_from_disk + w.core.lora.loads_from_host for w in workers.values())
+    result.adapter_disk_loads = sum(w.core.lora.loads_from_disk for w in workers.values())
     return result
 
 
@@ -328,7 +351,17 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--spill-wait-tokens", type=int, default=None,
                         help="the prefix policy's spill_wait_tokens (0: spills by raw cost, before issue 17's fix)")
+    parser.add_argument("--adapters", type=int, default=0,
+                        help="LoRA workload (issue 21): this many adapters, Zipf popularity, distinct 512-token "
+                             "prompts, on --workers workers with --max-loras slots; policies: round_robin, "
+                             "prefix-blind (prefix, loads cost nothing), prefix (the default, loads priced)")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--max-loras", type=int, default=8)
+    parser.add_argument("--max-cpu-loras", type=int, default=16)
     args = parser.parse_args()
+    if args.adapters:
+        adapter_runs(args)
+        return
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
         loads = [float(x) for x in args.loads.split(",")]
@@ -359,6 +392,44 @@ def main() -> None:
             print(f"{cfg.policy:12s} load {load:.0%} median / worst seed: p90 TTFT {statistics.median(p90):,.0f} / "
                   f"{max(p90):,.0f} ms, hit {statistics.median(hit):.0%} / {min(hit):.0%}, goodput "
                   f"{statistics.median(good):.1f} / {min(good):.1f}", flush=True)
+
+
+def adapter_runs(args: argparse.Namespace) -> None:
+    """Issue 21's adapter benchmark: adapter loads per minute, TTFT and goodput, balance."""
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    loads = [float(x) for x in args.loads.split(",")]
+    fleet = Fleet(workers=args.workers, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
+    per_worker = SimConfig.build(num_kv_blocks=fleet.kv_blocks, max_model_len=fleet.max_model_len).profile.costs
+    capacity = per_worker.requests_per_s(512, 128) * fleet.workers
+    # distinct prompts: one "group" per request is enough (a 1-token shared prefix)
+    wl = Workload(groups=1, prefix_tokens=(1, 1), suffix_tokens=(512, 512), output_tokens=128, capacity=capacity,
+                  adapters=args.adapters)
+    configs = {"round_robin": PolicyConfig(policy="round_robin"),
+               "prefix-blind": PolicyConfig(policy="prefix", lora_load_costs=False),
+               "prefix": PolicyConfig(policy="prefix")}
+    names = [p for p in args.policies.split(",") if p in configs] or list(configs)
+    print(f"{args.adapters} adapters (Zipf {wl.adapter_zipf}, {wl.adapter_mb:g} MB), {fleet.workers} workers × "
+          f"{fleet.max_loras} slots ({fleet.max_cpu_loras} in host memory), 512-token prompts, 128 output tokens; "
+          f"capacity {capacity:.1f} req/s (profile formula); first quarter of each run left out")
+    for load in loads:
+        for name in names:
+            rows = []
+            for seed in seeds:
+                res = simulate(configs[name], seed, steady(load, args.duration), wl, fleet)
+                s = res.window(args.duration / 4)
+                per_min = res.adapter_loads / (res.end / 60)
+                disk_min = res.adapter_disk_loads / (res.end / 60)
+                rows.append((s, per_min, res.imbalance(args.duration / 4), disk_min))
+                print(f"{name:12s} load {load:.0%} seed {seed}: {s}  adapter loads/min {per_min:7.1f} "
+                      f"({disk_min:.1f} from storage)  busiest/idlest {rows[-1][2]:.2f}", flush=True)
+            p90 = [r[0].ttft_p90 * 1000 for r in rows]
+            print(f"{name:12s} load {load:.0%} median / worst seed: p90 TTFT {statistics.median(p90):,.0f} / "
+                  f"{max(p90):,.0f} ms, loads/min {statistics.median(r[1] for r in rows):.1f} / "
+                  f"{max(r[1] for r in rows):.1f} (from storage {statistics.median(r[3] for r in rows):.1f} / "
+                  f"{max(r[3] for r in rows):.1f}), goodput {statistics.median(r[0].goodput for r in rows):.1f}, "
+                  f"busiest/idlest {statistics.median(r[2] for r in rows):.2f} / {max(r[2] for r in rows):.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

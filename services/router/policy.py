@@ -91,6 +91,9 @@ class PolicyConfig:
     # more than a load; it is never a hard filter that piles its traffic on one worker.
     # This is the cost of a load when the size or a bandwidth is not known.
     lora_load_penalty_tokens: int = 2048
+    # False: loads cost nothing, adapters are placed as if resident everywhere (by prefix
+    # and load alone): the residency-blind baseline of benchmarks/router_sim.py --adapters.
+    lora_load_costs: bool = True
     # Anti-herding (prefix policy): a worker whose load average (``FleetWorker.load_avg``)
     # is below the eligible pool's mean / ``balance_factor`` while its current load is
     # at most the pool's current mean is underused, and takes the request even if a
@@ -388,7 +391,8 @@ class Router:
                     serving.append(w)
                 elif w.max_loras > 0:
                     serving.append(w)
-                    lora_costs[w.worker_id] = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
+                    if cfg.lora_load_costs:
+                        lora_costs[w.worker_id] = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
             eligible = serving
         if not eligible:
             return NoCapacity(
