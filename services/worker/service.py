@@ -362,6 +362,7 @@ class WorkerService(Service):
             arrival_time=time.time(),
             lora=request.lora,
             lora_size_bytes=request.lora_size_bytes,
+            lora_path=request.lora_path,
             output_offset=choice.prior,
         )
         coalescer = Coalescer(self.config.coalesce_interval_s, self.config.coalesce_max_tokens)

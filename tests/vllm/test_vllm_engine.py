@@ -102,6 +102,24 @@ async def test_engine_lora_predicted_kv_and_early_endings(tiny_model: Path, tmp_
 
         unknown = await collect(engine, EngineRequest(request_id="x", prompt_token_ids=prompt, lora="nope"))
         assert unknown[-1].finish_reason == "error" and "nope" in (unknown[-1].error or "")
+
+        # A runtime adapter (issue 21): not given at start, loaded from the path the request
+        # carries (the gateway's adapter registry), into vLLM's own slots.
+        assert engine.lora_runtime["max_loras"] == 1 and engine.lora_runtime["max_lora_rank"] == 8
+        rt = make_lora(tiny_model, tmp_path / "lora-rt")
+        runtime = await collect(engine, EngineRequest(request_id="rt", prompt_token_ids=prompt, sampling=greedy,
+                                                      lora="rt", lora_path=str(rt)))
+        assert runtime[-1].finish_reason == "length" and [t for o in runtime for t in o.new_token_ids] != base_ids
+        assert engine.stats().lora_adapters == ["sql", "rt"]
+        # What would stop the engine core is refused for that request alone: a path
+        # without an adapter, a rank above max_lora_rank; the engine serves on.
+        for rid, path, why in (("gone", tmp_path / "nowhere", "no readable adapter_config.json"),
+                               ("big", make_lora(tiny_model, tmp_path / "lora-big", rank=16), "above this worker's")):
+            refused = await collect(engine, EngineRequest(request_id=rid, prompt_token_ids=prompt, lora=rid,
+                                                          lora_path=str(path)))
+            assert refused[-1].finish_reason == "error" and why in (refused[-1].error or ""), refused[-1].error
+        again = await collect(engine, EngineRequest(request_id="base2", prompt_token_ids=prompt, sampling=greedy))
+        assert [t for o in again for t in o.new_token_ids] == base_ids
         too_long = await collect(engine, EngineRequest(request_id="y", prompt_token_ids=prompt,
                                                        sampling=SamplingParams(max_tokens=900)))
         assert too_long[-1].finish_reason == "error"

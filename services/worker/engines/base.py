@@ -55,6 +55,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.time)  # epoch s, when the worker got it
     lora: str | None = None  # adapter name; None is the base model
     lora_size_bytes: int = 0  # a runtime adapter's weights (engines that load adapters on demand)
+    lora_path: str = ""  # and where they are (the adapter registry's path)
     output_offset: int = 0
 
 

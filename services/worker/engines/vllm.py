@@ -53,6 +53,7 @@ from .vllm_args import (
     parse_lora_adapters,
     prompt_logprobs,
     resolve_model,
+    runtime_adapter_problem,
     sample_logprobs,
     sampling_kwargs,
     scheduled_epoch,
@@ -136,7 +137,13 @@ class VllmEngine(Engine):
         # a hub id becomes vLLM's local download once the engine has started.
         self.model_dir = str(path.resolve()) if path.is_dir() else directory
         self.lora_adapters = parse_lora_adapters(lora_adapters)
-        self._lora_ids = {name: i for i, name in enumerate(self.lora_adapters, start=1)}
+        self._lora_ids = {(name, path): i for i, (name, path) in enumerate(self.lora_adapters.items(), start=1)}
+        # With LoRA on, vLLM loads any adapter a request names with a path, into its own
+        # LRU slots (max_loras, default 1) and host cache: runtime adapters (issue 21).
+        self._lora_on = bool(enable_lora or self.lora_adapters)
+        self._max_loras = max_loras or 1
+        self._max_lora_rank = max_lora_rank or 16
+        self._runtime_recent: dict[str, None] = {}  # runtime adapters by last use: vLLM's LRU, as far as we see it
         options = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
@@ -357,15 +364,36 @@ class VllmEngine(Engine):
         if self.max_model_len and prompt + remaining > self.max_model_len:
             return f"prompt of {prompt} tokens plus {remaining} to generate exceeds max_model_len {self.max_model_len}"
         if req.lora and req.lora not in self.lora_adapters:
-            return f"unknown LoRA adapter {req.lora!r}"
+            if not (self._lora_on and req.lora_path):
+                return f"unknown LoRA adapter {req.lora!r}"
+            # vLLM loads it in the engine core, where a failure takes the engine down:
+            # what can be checked here is, and such a request alone fails.
+            return runtime_adapter_problem(req.lora, req.lora_path, self._max_lora_rank)
         return None
 
-    def _lora_request(self, name: str | None) -> Any:
+    def _lora_request(self, name: str | None, runtime_path: str = "") -> Any:
         if not name:
             return None
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(lora_name=name, lora_int_id=self._lora_ids[name], lora_path=self.lora_adapters[name])
+        path = self.lora_adapters.get(name) or runtime_path
+        if name not in self.lora_adapters:
+            self._runtime_recent.pop(name, None)
+            self._runtime_recent[name] = None
+            while len(self._runtime_recent) > self._max_loras:
+                del self._runtime_recent[next(iter(self._runtime_recent))]
+            self._stats.lora_adapters = [*self.lora_adapters, *self._runtime_recent]
+        # vLLM caches an adapter by its id: a name re-registered with other weights gets a new one
+        lora_id = self._lora_ids.setdefault((name, path), len(self._lora_ids) + 1)
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+    @property
+    def lora_runtime(self) -> dict[str, float]:
+        if not self._lora_on:
+            return super().lora_runtime
+        # Load bandwidths are not measured on vLLM: the router prices a load with its penalty.
+        return {"max_loras": self._max_loras, "max_lora_rank": self._max_lora_rank, "lora_load_gb_per_s": 0.0,
+                "lora_host_gb_per_s": 0.0}
 
     async def generate(self, req: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         # The request enters the engine at the first iteration (async generator).
@@ -391,7 +419,7 @@ class VllmEngine(Engine):
         self._stats.add(rid, len(prompt_ids))
         stream = self._llm.generate(
             token_prompt(prompt_ids, req.arrival_time), params, rid,
-            lora_request=self._lora_request(req.lora), priority=-req.priority,  # vLLM: lower runs first
+            lora_request=self._lora_request(req.lora, req.lora_path), priority=-req.priority,  # vLLM: lower runs first
         )
         output_ids: list[int] = []
         top = req.sampling.logprobs

@@ -7,6 +7,7 @@ level (``token_prompt`` imports it when called), so these are unit-tested withou
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +38,25 @@ def parse_lora_adapters(spec: Mapping[str, str] | Iterable[str] | str | None) ->
         name, sep, path = item.partition("=")
         out[name.strip()] = path.strip() if sep else name.strip()
     return out
+
+
+def runtime_adapter_problem(name: str, path: str, max_rank: int) -> str | None:
+    """Why a runtime adapter at ``path`` cannot be loaded (None: it can, as far as files
+    tell): vLLM loads it inside the engine core, where a missing file or a rank above
+    ``max_lora_rank`` is an exception that stops the engine for every request."""
+    where = Path(path)
+    try:
+        config = json.loads((where / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"cannot load LoRA adapter {name!r} from {path}: no readable adapter_config.json ({exc.__class__.__name__})"
+    rank = config.get("r") if isinstance(config, dict) else None
+    if not isinstance(rank, int) or rank < 1:
+        return f"cannot load LoRA adapter {name!r}: adapter_config.json has no rank"
+    if rank > max_rank:
+        return f"cannot load LoRA adapter {name!r}: its rank {rank} is above this worker's max_lora_rank {max_rank}"
+    if not any((where / w).is_file() for w in ("adapter_model.safetensors", "adapter_model.bin")):
+        return f"cannot load LoRA adapter {name!r} from {path}: no adapter_model.safetensors or .bin"
+    return None
 
 
 def resolve_model(model: str, model_dir: str | None, served_model_name: str | None) -> tuple[str, str]:
