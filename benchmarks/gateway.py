@@ -22,13 +22,15 @@ the prompt's block hashes; admission and route: the two NATS round trips; record
 resume record a resumable request stores first), the worker's own TTFT, and the rest.
 ``--latency-only`` runs that part alone.
 
-Run: ``.venv/bin/python benchmarks/gateway.py [--requests 200] [--latency-only]``
+Run: ``.venv/bin/python benchmarks/gateway.py [--requests 200] [--latency-only]``; the request path
+alone: ``.venv/bin/python benchmarks/gateway.py --request-path 100,200,400,800 --duration 15``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -177,6 +179,47 @@ async def relay(mesh: Mesh, concurrency: int, duration: float,
     return run.summary.output_token_throughput, cpu, run.summary.itl_ms.p50 or 0.0
 
 
+async def request_path(rates: list[float], seconds: float) -> None:
+    """Issue 19's request-path throughput: open-loop Poisson arrivals of tiny requests (16
+    prompt tokens, 1 output token) through one gateway, one router and one admission, to
+    two sim workers at speed 100 (their own TTFT, ~0.1 ms, is left in: it is noise here),
+    rate after rate on one mesh; the client's TTFT p50/p99 and each service's CPU share."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "p", nats_port=0, http_port=free_port(), model=MODEL, workers=2,
+                               speed=100.0, worker_args=["--max-num-seqs", "256"]))
+        await mesh.start()
+        pids = {p.name: p.proc.pid for p in mesh.processes if p.name in ("gateway", "router", "admission") and p.proc}
+        rows = []
+        try:
+            for rate in rates:
+                cpu0, t0 = {n: _cpu_seconds(pid) for n, pid in pids.items()}, time.monotonic()
+                config = BenchConfig(
+                    endpoints=[EndpointConfig(url=mesh.gateway_url + "/v1", api="completions", model=MODEL,
+                                              api_key=mesh.dev_key)],
+                    workload=WorkloadConfig(kind="random", input_tokens="16", output_tokens="1"),
+                    rates=[rate], duration=seconds, request_timeout=30, seed=1,
+                )
+                run = (await run_bench(config)).runs[0]
+                elapsed = time.monotonic() - t0
+                cpu = {n: (_cpu_seconds(pid) - cpu0[n]) / elapsed for n, pid in pids.items()}
+                rows.append((rate, run, cpu))
+        finally:
+            mesh.stop()
+    print(f"\n### Request path: tiny requests through one gateway, router and admission ({seconds:.0f} s per rate)\n")
+    print("| offered req/s | served req/s | errors | TTFT p50 ms | p99 ms | gateway CPU | router CPU | admission CPU "
+          "| client lag p99 ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    best = None
+    for rate, run, cpu in rows:
+        s = run.summary
+        p99 = s.ttft_ms.p99 or math.inf
+        if p99 <= 5.0:
+            best = rate
+        print(f"| {rate:g} | {s.request_throughput:.0f} | {sum(s.errors.values())} | {s.ttft_ms.p50 or 0:.2f} | {p99:.2f} "
+              f"| {cpu.get('gateway', 0):.0%} | {cpu.get('router', 0):.0%} | {cpu.get('admission', 0):.0%} "
+              f"| {run.client.lag_ms.p99:.1f} |")
+    print(f"\nhighest rate with TTFT p99 ≤ 5 ms: {best:g} req/s" if best else "\nno rate kept TTFT p99 ≤ 5 ms")
+
+
 async def main(requests: int, duration: float, latency_only: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Latency: real-time sim (speed 1) so the worker's TTFT is a realistic few ms.
@@ -234,7 +277,12 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--latency-only", action="store_true", help="the added latency and its breakdown alone")
+    parser.add_argument("--request-path", default=None, metavar="RATES",
+                        help="only the request-path throughput: comma-separated req/s of tiny requests, in turn")
     args = parser.parse_args()
     import uvloop
 
-    uvloop.run(main(args.requests, args.duration, args.latency_only))
+    if args.request_path:
+        uvloop.run(request_path([float(r) for r in args.request_path.split(",")], args.duration))
+    else:
+        uvloop.run(main(args.requests, args.duration, args.latency_only))
