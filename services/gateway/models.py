@@ -122,6 +122,7 @@ class ModelCatalog:
         self.aliases = aliases
         self.adapters = adapters if adapters is not None else {}  # the gateway's AdapterStore.records
         self._specs: dict[tuple[str, str, int, str, str], ModelSpec] = {}
+        self._adapter_specs: dict[str, tuple[AdapterRecord, ModelSpec, ModelSpec]] = {}
 
     def specs(self) -> dict[str, ModelSpec]:
         """Servable models from the live registry (aliases and adapters of served models
@@ -137,9 +138,18 @@ class ModelCatalog:
         for name, record in list(self.adapters.items()):
             base = specs.get(record.base)
             if base is not None and name not in specs and base.lora is None:
-                specs[name] = dataclasses.replace(base, lora=name, lora_path=record.path,
-                                                  lora_size_bytes=record.size_bytes)
+                specs[name] = self._adapter_spec(name, record, base)
         return specs
+
+    def _adapter_spec(self, name: str, record: AdapterRecord, base: ModelSpec) -> ModelSpec:
+        """The base's spec with the adapter's fields; built once per (record, base spec):
+        ``specs`` runs for every request."""
+        cached = self._adapter_specs.get(name)
+        if cached is not None and cached[0] is record and cached[1] is base:
+            return cached[2]
+        spec = dataclasses.replace(base, lora=name, lora_path=record.path, lora_size_bytes=record.size_bytes)
+        self._adapter_specs[name] = (record, base, spec)
+        return spec
 
     def _spec(self, model: str, workers: list[WorkerInfo]) -> ModelSpec | None:
         tokenizer = tokenizer_source(workers)
