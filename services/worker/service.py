@@ -244,7 +244,7 @@ class WorkerService(Service):
         if request.sampling.max_tokens < 1:
             raise MeshError("max_tokens must be at least 1", code=ErrorCode.BAD_REQUEST)
         if (request.lora and request.lora not in self.engine.stats().lora_adapters
-                and not (self.engine.lora_runtime["max_loras"] and request.lora_size_bytes > 0)):
+                and not (self.engine.lora_runtime["max_loras"] and (request.lora_path or request.lora_size_bytes > 0))):
             raise MeshError(f"LoRA adapter {request.lora!r} is not loaded on {self.worker_id}", code=ErrorCode.BAD_REQUEST)
         if request.request_id in self._requests:
             raise MeshError(f"request {request.request_id} is already running here", code=ErrorCode.BAD_REQUEST)
