@@ -112,6 +112,7 @@ def provisioned_streams(subjects: Subjects) -> list[str]:
         subjects.usage_stream,
         kv_stream(subjects.workers_bucket),
         kv_stream(subjects.keys_bucket),
+        kv_stream(subjects.adapters_bucket),
         kv_stream(subjects.requests_bucket),
     ]
 
@@ -199,6 +200,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 *_read(s.tokens_stream, "gap fill and resume from TOKENS"),
                 *_kv_read(s.workers_bucket, registry),
                 *_kv_read(s.keys_bucket, "API key lookups and revocation watch"),
+                *_kv_read(s.adapters_bucket, "LoRA adapters: a model name's base pool, path and size"),
                 *_kv_write(s.requests_bucket, "resumable request records"),
                 # Made by the gateway alone, on first use (its TTL is a gateway setting).
                 *[Rule(f"$JS.API.STREAM.{op}.{kv_stream(s.responses_bucket)}", "create or update the stored-responses bucket")
