@@ -409,17 +409,18 @@ class Plan:
         from dataclasses import asdict
 
         out = asdict(self)  # recursive: inputs, model, gpu, estimate, fleet, curve
-
-        def finite(v: Any) -> Any:  # JSON has no Infinity
-            if isinstance(v, float) and not math.isfinite(v):
-                return None
-            if isinstance(v, dict):
-                return {k: finite(x) for k, x in v.items()}
-            if isinstance(v, list):
-                return [finite(x) for x in v]
-            return v
-
         return finite(out)  # type: ignore[no-any-return]
+
+
+def finite(v: Any) -> Any:
+    """``v`` with every non-finite float as None, through dicts and lists: JSON has no Infinity."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [finite(x) for x in v]
+    return v
 
 
 def make_plan(p: PlanInputs) -> Plan:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from ops.console import print_table
-from ops.plan.model import Plan, gb
+from ops.plan.model import Plan, finite, gb
 from ops.plan.multi import FleetPlan
 
 
@@ -265,13 +264,4 @@ def render_fleet(plan: FleetPlan, console: Console) -> None:
 
 
 def fleet_json(plan: FleetPlan) -> str:
-    def finite(v: Any) -> Any:  # JSON has no Infinity
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: finite(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [finite(x) for x in v]
-        return v
-
     return json.dumps(finite(plan.to_dict()), indent=2)
