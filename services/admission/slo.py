@@ -60,7 +60,17 @@ records actual / predicted per tier. A tier's predictions are multiplied by the
 ``calibration_quantile`` (0.995) of the last ``calibration_window`` ratios, once it has
 ``calibration_min_samples`` (clamped to ``calibration_bounds``): a request is admitted
 when that share of requests predicted like it met the limit. An engine whose real
-TTFT runs below the formula gets a factor under 1 and admits more.
+TTFT runs below the formula gets a factor under 1 and admits more. Before that, the
+factor is ``calibration_prior`` (2), or the largest ratio seen if larger: outcomes arrive
+a TTFT after their admission, and a mesh overloaded from its first second admitted on
+the bare formula until then (the only requests past their SLO in a 2× run were those
+admitted in its first 1.8 s). An idle mesh does not notice: a lone prompt's 0.15 s,
+doubled, is far inside every SLO, and its outcomes soon read 1.
+
+Slack. A verdict tells the router how much more prefill work it may put ahead of the
+request (``slack_tokens``) and still pass every check. It is also held to what the
+point prediction promises: the work ahead may add at most the prediction again, so the
+TTFT reported for one replica stays within 2× of where the request really runs.
 
 That product is a bound, not a prediction: under overload the tail ratio reads 2-3 while
 the median reads about 1, and a bound reported as the predicted TTFT was more than twice
@@ -137,6 +147,10 @@ class SloConfig:
     calibration_quantile: float = 0.995
     calibration_window: int = 500
     calibration_min_samples: int = 50
+    # The tail factor assumed until a tier has ``calibration_min_samples`` outcomes (or the
+    # largest ratio seen so far, if higher): a mesh overloaded from its first second must
+    # not admit on the bare formula while the first outcomes are still on their way.
+    calibration_prior: float = 2.0
     calibration_bounds: tuple[float, float] = (0.5, 4.0)
     # Fraction of the tier's SLO below which predicted and actual TTFT count as equal.
     calibration_floor: float = 0.25
@@ -162,6 +176,8 @@ class SloConfig:
         lo, hi = self.calibration_bounds
         if not 0 < lo <= 1 <= hi:
             raise ValueError("calibration_bounds must be (lo, hi) with 0 < lo ≤ 1 ≤ hi")
+        if not lo <= self.calibration_prior <= hi:
+            raise ValueError("calibration_prior must be within calibration_bounds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,14 +274,15 @@ class Calibration:
     the whole mesh, the latency the formula leaves out (``overhead``)."""
 
     __slots__ = ("_expected", "_factor", "_overhead", "bounds", "max_overhead_s", "min_samples", "overhead_min_samples",
-                 "overhead_quantile", "quantile", "ratios", "residuals")
+                 "overhead_quantile", "prior", "quantile", "ratios", "residuals")
 
     def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float],
                  overhead_min_samples: int = 10, max_overhead_s: float = math.inf,
-                 overhead_quantile: float = 0.5) -> None:
+                 overhead_quantile: float = 0.5, prior: float = 1.0) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.bounds = bounds
+        self.prior = prior
         self.overhead_min_samples = overhead_min_samples
         self.max_overhead_s = max_overhead_s
         self.overhead_quantile = overhead_quantile
@@ -296,10 +313,13 @@ class Calibration:
             self._factor[tier] = min(max(q, self.bounds[0]), self.bounds[1])
             median = ranked[len(ranked) // 2]
             self._expected[tier] = min(max(median, self.bounds[0]), self.bounds[1])
+        else:  # too few to read a tail from: the prior, or the worst seen if that is worse
+            self._factor[tier] = min(max(self.prior, *window), self.bounds[1])
 
     def factor(self, tier: str) -> float:
-        """The tail factor: ``quantile`` of the ratios; what admission decides on."""
-        return self._factor.get(tier, 1.0)
+        """The tail factor: ``quantile`` of the ratios once there are ``min_samples``,
+        before that the prior (or the largest ratio seen); what admission decides on."""
+        return self._factor.get(tier, self.prior)
 
     def expected_factor(self, tier: str) -> float:
         """The median ratio: what the point prediction is multiplied by."""
@@ -320,7 +340,7 @@ class SloAdmitter:
         self.calibration = Calibration(
             cfg.calibration_quantile, cfg.calibration_window, cfg.calibration_min_samples, cfg.calibration_bounds,
             cfg.overhead_min_samples, cfg.calibration_floor * min(t.ttft_slo_s for t in cfg.tiers),
-            cfg.overhead_quantile,
+            cfg.overhead_quantile, cfg.calibration_prior,
         )
 
     def _factor(self, t: TierSLO) -> float:
@@ -424,6 +444,10 @@ class SloAdmitter:
                 pred = (raw + overhead) * factor  # the tail bound: what the limit is held against
                 if k == 0:
                     own_pred, raw_pred, own_bound = (raw + overhead) * self._expected_factor(x), raw, pred
+                    # The router may add work ahead only while the TTFT admission reports
+                    # at most doubles: a prediction made for one replica stays a fair
+                    # prediction of where the request really runs.
+                    room = min(room, (raw + overhead) * rate * drain)
                 limit = max(cfg.target * margin * x.ttft_slo_s, own * factor * (1 + cfg.long_prompt_slack * margin))
                 # Δ tokens ahead add at most factor · Δ / (rate · drain) seconds (share, drain ≤ 1).
                 room = min(room, (limit - pred) * rate * drain / factor)

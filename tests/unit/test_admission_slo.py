@@ -13,7 +13,14 @@ from proto.messages import WorkerGauge
 from services.admission.slo import DEFAULT_TIERS, ReplicaLoad, SloAdmitter, SloConfig, TierSLO
 
 TIERS = ("premium", "standard", "batch")
-FIFO = SloConfig(priority_queues=False, default_step_time_s=0.05)
+
+
+def formula(**kw: Any) -> SloConfig:
+    """For the formula's own tests: no prior tail factor before outcomes arrive."""
+    return SloConfig(calibration_prior=1.0, **kw)
+
+
+FIFO = formula(priority_queues=False, default_step_time_s=0.05)
 
 
 def rep(q: int, rate: float = 10_000.0, step: float = 0.05, wid: str = "w", **kw: Any) -> ReplicaLoad:
@@ -36,7 +43,7 @@ def test_prediction_formula_and_best_replica() -> None:
 
 def test_cold_start_uses_configured_defaults() -> None:
     slo = SloAdmitter(
-        SloConfig(priority_queues=False, default_prefill_tokens_per_s=4000, default_step_time_s=0.1)
+        formula(priority_queues=False, default_prefill_tokens_per_s=4000, default_step_time_s=0.1)
     )
     cold = ReplicaLoad(worker_id="new", queued_prefill_tokens=2000)
     assert slo.predict(cold, 2000, "standard", 0.0) == pytest.approx(4000 / 4000 + 0.1)
@@ -45,14 +52,14 @@ def test_cold_start_uses_configured_defaults() -> None:
 
 
 def test_no_capacity_when_no_live_replica() -> None:
-    slo = SloAdmitter()
+    slo = SloAdmitter(formula())
     for replicas in ([], [rep(0, draining=True)]):
         v = slo.check("premium", 10, replicas, 0.0)
         assert (v.admitted, v.reason, v.retry_after) == (False, "no_capacity", 5.0)
 
 
 def test_default_thresholds_chain() -> None:
-    slo = SloAdmitter()
+    slo = SloAdmitter(formula())
     assert slo.thresholds("premium") == [("premium", 1.0)]
     assert slo.thresholds("standard") == [("standard", 2.0), ("premium", pytest.approx(0.8))]
     assert slo.thresholds("batch") == [
@@ -81,7 +88,7 @@ def test_fifo_rising_load_sheds_batch_then_standard_then_premium() -> None:
 
 
 def test_priority_queues_rising_load_keeps_the_order() -> None:
-    slo = SloAdmitter(SloConfig(priority_queues=True))
+    slo = SloAdmitter(formula(priority_queues=True))
     # recent traffic: mostly batch, some standard, a little premium
     slo.record_admitted("batch", 60_000, 0.0)
     slo.record_admitted("standard", 30_000, 0.0)
@@ -93,7 +100,7 @@ def test_priority_queues_rising_load_keeps_the_order() -> None:
 
 
 def test_priority_queues_let_batch_use_its_own_slo_on_a_batch_queue() -> None:
-    slo = SloAdmitter()
+    slo = SloAdmitter(formula())
     slo.record_admitted("batch", 100_000, 0.0)
     # 8 s of queued batch work: far past premium's 1 s, yet premium would jump the queue
     v = slo.check("batch", 500, [rep(80_000)], 0.0)
@@ -104,7 +111,7 @@ def test_priority_queues_let_batch_use_its_own_slo_on_a_batch_queue() -> None:
 
 
 def test_mix_decays() -> None:
-    slo = SloAdmitter(SloConfig(mix_half_life_s=10.0))
+    slo = SloAdmitter(formula(mix_half_life_s=10.0))
     slo.record_admitted("premium", 1000, 0.0)
     slo.record_admitted("batch", 1000, 10.0)
     # at t=10 premium's weight halved: 500 / 1500 of the queue runs before a premium request
@@ -137,7 +144,7 @@ def test_long_prompt_is_held_to_a_proportional_target() -> None:
 
 
 def test_custom_tiers_same_priority_peers_do_not_constrain_each_other() -> None:
-    cfg = SloConfig(
+    cfg = formula(
         tiers=(TierSLO("gold", 0.5, 1), TierSLO("silver", 3.0, 1), TierSLO("bronze", 20.0, 0)),
         default_tier="silver",
         priority_queues=False,
@@ -184,7 +191,7 @@ def test_a_higher_tier_is_never_shed_while_a_lower_one_is_admitted(
     headroom: float,
     priority_queues: bool,
 ) -> None:
-    slo = SloAdmitter(SloConfig(headroom=headroom, priority_queues=priority_queues))
+    slo = SloAdmitter(formula(headroom=headroom, priority_queues=priority_queues))
     for tier, tokens in zip(TIERS, mix, strict=True):
         if tokens:
             slo.record_admitted(tier, tokens, 0.0)
@@ -195,7 +202,7 @@ def test_a_higher_tier_is_never_shed_while_a_lower_one_is_admitted(
 
 def test_higher_priority_arrivals_overtake_a_waiting_request() -> None:
     """Premium arriving at 3k tokens/s on a 10k tokens/s pool leaves standard's queue 70 %."""
-    slo = SloAdmitter(SloConfig(mix_half_life_s=30.0))
+    slo = SloAdmitter(formula(mix_half_life_s=30.0))
     slo.record_admitted("batch", 0, -1e6)  # a long history: the weights are at steady state
     r = 3_000.0
     slo.record_admitted("premium", int(r * 30.0 / math.log(2)), 0.0)  # the steady-state weight of r
@@ -219,20 +226,20 @@ def test_higher_priority_arrivals_overtake_a_waiting_request() -> None:
 
 
 def test_young_mix_rates_are_scaled_up_to_what_the_weights_will_hold() -> None:
-    slo = SloAdmitter(SloConfig(mix_half_life_s=30.0))
+    slo = SloAdmitter(formula(mix_half_life_s=30.0))
     for t in range(30):  # premium at 1000 tokens/s for 30 s: one half-life, the weight half full
         slo.record_admitted("premium", 1000, float(t))
     assert slo.mix.rate_above(1, 30.0) == pytest.approx(1000, rel=0.05)
-    young = SloAdmitter(SloConfig(mix_half_life_s=30.0))
+    young = SloAdmitter(formula(mix_half_life_s=30.0))
     young.record_admitted("premium", 1000, 0.0)
     assert young.mix.rate_above(1, 0.5) <= 4 * 1000 * math.log(2) / 30  # capped extrapolation
 
 
 def test_target_below_one_scales_every_threshold() -> None:
-    slo = SloAdmitter(SloConfig(target=0.75))
+    slo = SloAdmitter(formula(target=0.75))
     names, limits = zip(*slo.thresholds("standard"), strict=True)
     assert names == ("standard", "premium") and limits == pytest.approx((1.5, 0.6))
-    assert first_rejection(slo, "premium") < first_rejection(SloAdmitter(), "premium")
+    assert first_rejection(slo, "premium") < first_rejection(SloAdmitter(formula()), "premium")
 
 
 # ---- calibration: predictions scaled by the tail of actual / predicted ----
@@ -240,22 +247,26 @@ def test_target_below_one_scales_every_threshold() -> None:
 
 def test_calibration_scales_predictions_by_the_observed_tail() -> None:
     one_tier = (TierSLO("standard", 2.0, 1),)
-    cfg = SloConfig(tiers=one_tier, priority_queues=False, calibration_min_samples=20, calibration_window=100)
+    cfg = SloConfig(tiers=one_tier, priority_queues=False, calibration_min_samples=20, calibration_window=100,
+                    calibration_prior=1.0)
     adm = SloAdmitter(cfg)
     replica = [ReplicaLoad("w", queued_prefill_tokens=10_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
     # raw prediction 1 + 0.1 + 0.05 = 1.15 s: inside standard's 2 s
     first = adm.check("standard", 1000, replica, 0.0)
     assert first.admitted and first.predicted_ttft == pytest.approx(1.15)
     assert first.raw_predicted_ttft == pytest.approx(1.15)
-    # too few outcomes yet: no factor
+    # too few outcomes to read a tail from: the worst seen bounds the decision, the point
+    # prediction stays the formula's
     for _ in range(19):
-        adm.observe("standard", 1.0, 2.0)
-    assert adm.check("standard", 1000, replica, 0.0).predicted_ttft == pytest.approx(1.15)
-    # 20 outcomes, 95 % of them at most 2× their prediction: predictions double
+        adm.observe("standard", 1.0, 1.5)
+    early = adm.check("standard", 1000, replica, 0.0)
+    assert early.admitted and early.predicted_ttft == pytest.approx(1.15)
+    assert early.ttft_bound == pytest.approx(1.15 * 1.5)
+    # 20 outcomes, the tail at 2× their prediction: predictions double
     adm.observe("standard", 1.0, 2.0)
     refused = adm.check("standard", 1000, replica, 0.0)
-    assert not refused.admitted and refused.predicted_ttft == pytest.approx(2.3)
-    assert SloAdmitter(SloConfig()).calibration.factor("premium") == 1.0  # per tier
+    assert not refused.admitted and refused.predicted_ttft == pytest.approx(1.15 * 1.5)
+    assert SloAdmitter(SloConfig()).calibration.factor("premium") == SloConfig().calibration_prior  # per tier
     # an engine faster than the formula earns a factor under 1 (bounded)
     fast = SloAdmitter(cfg)
     for _ in range(40):
@@ -265,6 +276,32 @@ def test_calibration_scales_predictions_by_the_observed_tail() -> None:
     off = SloAdmitter(SloConfig(tiers=one_tier, priority_queues=False, calibration=False, calibration_min_samples=1))
     off.observe("standard", 1.0, 3.0)
     assert off.check("standard", 1000, replica, 0.0).predicted_ttft == pytest.approx(1.15)
+
+
+def test_before_its_first_outcomes_a_tier_decides_on_the_prior() -> None:
+    """Issue 14: at 2× from the first second, the only admitted requests past their SLO
+    were the ones admitted in its first 1.8 s, on the bare formula, while the first
+    outcomes were still on their way. Until a tier has outcomes to read a tail from,
+    the bound is the prior factor (or the worst ratio seen, if worse)."""
+    one_tier = (TierSLO("standard", 2.0, 1),)
+    adm = SloAdmitter(SloConfig(tiers=one_tier, priority_queues=False, calibration_prior=2.0))
+    queued = [ReplicaLoad("w", queued_prefill_tokens=13_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    first = adm.check("standard", 1000, queued, 0.0)  # raw 1.45 s: inside 2 s, but not twice over
+    assert not first.admitted
+    assert first.predicted_ttft == pytest.approx(1.45)  # the point prediction is still the formula's
+    assert "bound 2.90 s > 2.00 s" in first.message
+    adm.observe("standard", 1.0, 2.5)  # one outcome worse than the prior: it binds
+    assert adm.calibration.factor("standard") == pytest.approx(2.5)
+    # an idle mesh is untouched: a lone prompt's 0.15 s is 0.3 s at twice
+    idle = [ReplicaLoad("w", queued_prefill_tokens=0, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    fresh = SloAdmitter(SloConfig())
+    assert all(fresh.check(t, 1000, idle, 0.0).admitted for t in TIERS)
+    # once there are enough outcomes, they decide: a light-load tier reads 1
+    for _ in range(SloConfig().calibration_min_samples):
+        fresh.observe("premium", 0.1, 0.1)
+    assert fresh.calibration.factor("premium") == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        SloConfig(calibration_prior=10.0)
 
 
 def test_the_decision_holds_the_tail_bound_but_predicts_the_median() -> None:
@@ -299,15 +336,28 @@ def test_calibration_quantile_ignores_the_rare_outlier() -> None:
 
 
 def test_slack_shrinks_with_the_factor() -> None:
-    cfg = SloConfig(priority_queues=False, calibration_min_samples=1)
+    cfg = SloConfig(priority_queues=False, calibration_min_samples=1, calibration_prior=1.0)
     replica = [ReplicaLoad("w", queued_prefill_tokens=0, prefill_tokens_per_s=10_000, step_time_s=0.05)]
-    plain = SloAdmitter(cfg).check("premium", 1000, replica, 0.0)
+    plain = SloAdmitter(cfg).check("premium", 2500, replica, 0.0)
     scaled = SloAdmitter(cfg)
     scaled.observe("premium", 1.0, 2.0)
-    doubled = scaled.check("premium", 1000, replica, 0.0)
-    # premium's 1 s against 0.15 s raw: 8,500 tokens of room; at 2× every token counts twice
-    assert plain.slack_tokens == 8500
-    assert doubled.slack_tokens == (1.0 - 0.3) * 10_000 / 2
+    doubled = scaled.check("premium", 2500, replica, 0.0)
+    # premium's 1 s against 0.3 s raw: at 2× every token counts twice, 2,000 tokens of room
+    assert doubled.slack_tokens == (1.0 - 0.6) * 10_000 / 2
+    # without the factor the SLO leaves 7,000 tokens, but the predicted 0.3 s may at
+    # most double wherever the router puts the request: 3,000
+    assert plain.slack_tokens == 3000
+
+
+def test_the_router_may_not_move_a_request_past_twice_its_prediction() -> None:
+    """Issue 14: predictions under half the TTFT seen were requests the router placed,
+    within admission's slack, behind far more work than admission predicted for."""
+    cfg = SloConfig(priority_queues=False, calibration_prior=1.0)
+    for queued in (0, 2_000, 4_000):
+        verdict = SloAdmitter(cfg).check("standard", 1000, [rep(queued)], 0.0)
+        assert verdict.admitted and verdict.predicted_ttft is not None
+        # slack tokens ahead add slack / rate seconds: the TTFT stays within 2× the prediction
+        assert verdict.predicted_ttft + verdict.slack_tokens / 10_000 <= 2 * verdict.predicted_ttft + 1e-9
 
 
 # ---- light load: what the formula leaves out must not become a factor (issue 14) ----
