@@ -359,7 +359,14 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
+
+
 def add_parser(subparsers: Any) -> None:
+    from .calibrate_engine import EnginePlan  # it builds on this module
+
+    engine = EnginePlan()
     p = subparsers.add_parser(
         "calibrate",
         help="measure step times of a model's shapes with PyTorch and write a sim profile",
@@ -373,11 +380,26 @@ def add_parser(subparsers: Any) -> None:
     add_shape_arguments(p)
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda, cuda:1, cpu")
     p.add_argument("--kv-cache-dtype", default=None, help="KV cache element type (default: the model dtype)")
-    p.add_argument("--prefill-chunks", type=_ints, default=DEFAULT_GRID.prefill_chunks, help="comma-separated chunk sizes")
-    p.add_argument("--prefill-contexts", type=_ints, default=DEFAULT_GRID.prefill_contexts, help="cached tokens before a chunk")
-    p.add_argument("--decode-batches", type=_ints, default=DEFAULT_GRID.decode_batches, help="comma-separated batch sizes")
-    p.add_argument("--decode-contexts", type=_ints, default=DEFAULT_GRID.decode_contexts, help="context lengths while decoding")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
+    p.add_argument("--engine-url", default=None,
+                   help="measure this running vLLM-compatible server (e.g. http://127.0.0.1:8000) instead of a "
+                        "PyTorch forward: its own prefill and decode times, from its /metrics")
+    p.add_argument("--prefill-chunks", type=_ints, default=None,
+                   help=f"comma-separated chunk sizes (default {_csv(DEFAULT_GRID.prefill_chunks)}; "
+                        f"with --engine-url {_csv(engine.prefill_chunks)})")
+    p.add_argument("--prefill-contexts", type=_ints, default=None,
+                   help=f"cached tokens before a chunk (default {_csv(DEFAULT_GRID.prefill_contexts)}; "
+                        f"with --engine-url {_csv(engine.prefill_contexts)})")
+    p.add_argument("--decode-batches", type=_ints, default=None,
+                   help=f"comma-separated batch sizes (default {_csv(DEFAULT_GRID.decode_batches)}; "
+                        f"with --engine-url {_csv(engine.decode_batches)})")
+    p.add_argument("--decode-contexts", type=_ints, default=None,
+                   help=f"context lengths while decoding (default {_csv(DEFAULT_GRID.decode_contexts)}; "
+                        f"with --engine-url {_csv(engine.decode_contexts)})")
+    p.add_argument("--decode-tokens", type=int, default=engine.decode_tokens,
+                   help="--engine-url: output tokens of each decode request")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"timed steps (--engine-url: requests) per point, median (default 5; with --engine-url "
+                        f"{engine.repeats})")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds of measuring at most")
     p.add_argument("--max-kv-tokens", type=int, default=None, help="largest KV cache a point may use (default: from free memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -393,6 +415,14 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .calibrate_engine import EnginePlan, run_engine
+
+    grid = DEFAULT_GRID if args.engine_url is None else EnginePlan()
+    for name in ("prefill_chunks", "prefill_contexts", "decode_batches", "decode_contexts", "repeats"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(grid, name, 5))
+    if args.engine_url is not None:
+        return run_engine(args)
     import torch
 
     t_start = time.monotonic()

@@ -97,6 +97,7 @@ class SimServer:
         self.spec = ModelSpec(name=self.model, tokenizer=load_tokenizer(engine.tokenizer_spec), limits=limits)
         self.models = {self.model: self.spec}
         self.metrics = WorkerMetrics(self.model, engine.engine_name)
+        self.metrics.cache_config(engine.block_size, engine.kv_blocks_total, engine.config.enable_prefix_caching)
         # Blocks of every sequence in flight, plus all the engine can cache (LRU past that).
         self.ledger = BlockLedger(engine.block_size, 4 * engine.kv_blocks_total + 4096)
         self._ledger_changed = asyncio.Event()

