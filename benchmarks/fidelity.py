@@ -116,6 +116,12 @@ def table(workload: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_json(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str))
+    return path
+
+
 def figures(run: RunResult) -> dict[str, Any]:
     s = run.summary
     return {"served": s.request_throughput, "ok": s.ok, "requests": s.requests, "errors": s.errors,
@@ -196,10 +202,7 @@ async def main() -> None:
             k = w["knee"]
             print(f"\nsaturation: vLLM {k['vllm'] or '-'} req/s, sim {k['sim'] or '-'} req/s "
                   f"(profile's estimate {w['capacity_estimate']:.1f} req/s)\n")
-        rows_file = Path(args.out)
-        rows_file.parent.mkdir(parents=True, exist_ok=True)
-        rows_file.write_text(json.dumps(results, indent=2, default=str))
-        print(f"rows: {rows_file}")
+        print(f"rows: {await asyncio.to_thread(write_json, Path(args.out), results)}")
     finally:
         if sim is not None:
             sim.stop()
