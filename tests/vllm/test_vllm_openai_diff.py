@@ -52,8 +52,18 @@ import aiohttp  # noqa: E402
 import jsonschema  # noqa: E402
 import openai  # noqa: E402
 
+from ops.calibrate_engine import EnginePlan, calibrate_engine  # noqa: E402
 from ops.natsserver import free_port  # noqa: E402
-from tests.vllm.meshes import COMPACT_JSON, MODEL, cpu_unsupported, engine_flags, vllm_mesh  # noqa: E402
+from services.worker.engines.sim_profile import load_profile  # noqa: E402
+from tests.vllm.meshes import (  # noqa: E402
+    BLOCK,
+    COMPACT_JSON,
+    MAX_NUM_SEQS,
+    MODEL,
+    cpu_unsupported,
+    engine_flags,
+    vllm_mesh,
+)
 
 pytestmark = pytest.mark.timeout(900)
 TOLERANCE = 1e-3  # logprobs: the same weights and kernels, but batches and threads may differ
@@ -479,3 +489,24 @@ async def test_stop_token_ids_and_min_tokens(servers: Servers) -> None:
     assert ref.choices[0].finish_reason == "stop" and ref.choices[0].model_extra["token_ids"][-1] == ids[3]
     at_least, _ = await compare_chat(servers, {**stop, "min_tokens": 8})  # the stop token may not end it before 8
     assert len(at_least.choices[0].model_extra["token_ids"]) >= 8
+
+
+async def test_calibrate_fits_vllms_own_phase_times(urls: Urls, tmp_path: Path) -> None:
+    """Issue 18: ``meshserve calibrate --engine-url`` on vLLM's own server gives a sane
+    profile (its timings are vLLM's; only their shape is checked, never a speed)."""
+    plan = EnginePlan(prefill_chunks=(32, 256, 1024), prefill_contexts=(0, 512), decode_batches=(1, 4, MAX_NUM_SEQS),
+                      decode_contexts=(64,), decode_tokens=16, repeats=2)
+    lines: list[str] = []
+    profile = await calibrate_engine(urls.vllm, plan=plan, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048,
+                                     log=lines.append)
+    step = profile["step"]
+    assert all(v >= 0 for v in step.values()) and step["base_s"] > 0, step
+    assert step["per_prefill_token_s"] > 0 or step["per_decode_seq_s"] > 0, step
+    kinds = [p["kind"] for p in profile["calibration"]["points"]]
+    assert kinds.count("prefill") == 6 and kinds.count("decode") == 3, lines
+    assert profile["calibration"]["fit_error_median"] >= 0  # reported
+    path = tmp_path / "vllm-cpu.json"
+    path.write_text(json.dumps(profile))
+    fitted = load_profile(path)
+    assert profile["engine_defaults"]["block_size"] == BLOCK
+    assert fitted.memory.num_blocks(BLOCK) > 0
