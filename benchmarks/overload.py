@@ -174,6 +174,19 @@ def late_requests(cases: list[dict[str, Any]], speed: float) -> str:
     return "\n".join(lines)
 
 
+def worst_predictions(cases: list[dict[str, Any]], speed: float) -> str:
+    """Admission's own list of the predictions furthest from the TTFT seen, per case and
+    tier (simulated seconds; admitted at: seconds after the first outcome it kept)."""
+    lines = []
+    for case in cases:
+        for tier, rows in sorted(case["admission_stats"].get("prediction_worst", {}).items()):
+            shown = "; ".join(f"at {r['at_s'] * speed:.1f} s: predicted {r['predicted_s'] * speed * 1000:,.0f} ms "
+                              f"(formula {r['formula_s'] * speed * 1000:,.0f}), TTFT {r['actual_s'] * speed * 1000:,.0f}"
+                              for r in rows)
+            lines.append(f"{case['load']:g}× {tier}: {shown}")
+    return "\n".join(lines)
+
+
 def error_table(cases: list[dict[str, Any]]) -> str:
     """Admission's predicted / actual TTFT of the requests it admitted, per case and tier:
     the calibrated point prediction it reports, the formula alone (before the overhead
@@ -246,6 +259,9 @@ async def main() -> None:
     print()
     print("Admitted requests past their TTFT SLO (arrival in the run, TTFT; simulated):")
     print(late_requests(cases, args.speed), flush=True)
+    print()
+    print("Admission's predictions furthest from the TTFT seen (simulated):")
+    print(worst_predictions(cases, args.speed), flush=True)
     totals = [sum((r.summary.goodput or 0) for r in c["runs"].values()) / args.speed for c in cases]
     reference = next((t for c, t in zip(cases, totals, strict=True) if c["load"] == 1.0 and not c["admission"]), None)
     print()

@@ -35,8 +35,9 @@ class AdmissionPolicy:
         # request id → (tier, raw predicted TTFT, onto an idle pool, point prediction, the
         # decision's bound, admitted at): the calibration's inputs, and what was predicted
         self.predictions: dict[str, tuple[str, float, bool, float, float, float]] = {}
-        # (tier, point prediction, raw prediction, actual TTFT, bound) of recent admitted requests
-        self.outcomes: deque[tuple[str, float, float, float, float]] = deque(maxlen=self.error_log_size)
+        # (tier, point prediction, raw prediction, actual TTFT, bound, admitted at) of recent
+        # admitted requests
+        self.outcomes: deque[tuple[str, float, float, float, float, float]] = deque(maxlen=self.error_log_size)
         self.slo_skipped = 0  # admitted on quota alone: the fleet was not known yet
 
     def check(self, req: AdmissionRequest, replicas: Iterable[ReplicaLoad], now: float) -> AdmissionDecision:
@@ -123,9 +124,9 @@ class AdmissionPolicy:
         predicted = self.predictions.pop(request_id, None)
         if predicted is None:
             return False
-        tier, raw, queue_free, point, bound, _ = predicted
+        tier, raw, queue_free, point, bound, at = predicted
         self.slo.observe(tier, raw, ttft_s, queue_free)
-        self.outcomes.append((tier, point, raw, ttft_s, bound))
+        self.outcomes.append((tier, point, raw, ttft_s, bound, at))
         return True
 
     def prediction_errors(self) -> dict[str, dict[str, float]]:
@@ -138,7 +139,7 @@ class AdmissionPolicy:
         point: dict[str, list[float]] = {}
         formula: dict[str, list[float]] = {}
         bounds: dict[str, list[float]] = {}
-        for tier, predicted, raw, actual, bound in self.outcomes:
+        for tier, predicted, raw, actual, bound, _ in self.outcomes:
             if actual > 0:
                 point.setdefault(tier, []).append(predicted / actual)
                 formula.setdefault(tier, []).append(raw / actual)
@@ -149,6 +150,22 @@ class AdmissionPolicy:
                          **{f"raw_{k}": v for k, v in _spread(formula[tier]).items()},
                          **{f"bound_{k}": v for k, v in _spread(bounds[tier]).items()}}
         return out
+
+    def worst_predictions(self, k: int = 5) -> dict[str, list[dict[str, float]]]:
+        """Per tier, the ``k`` recent predictions furthest from the TTFT seen (in ratio,
+        either way): when each was admitted (seconds after the oldest outcome kept), the
+        point prediction, the formula alone and the TTFT, for an operator (or a benchmark)
+        asking which requests the model misjudges."""
+        if not self.outcomes:
+            return {}
+        start = min(o[5] for o in self.outcomes)
+        by_tier: dict[str, list[tuple[float, dict[str, float]]]] = {}
+        for tier, predicted, raw, actual, _, at in self.outcomes:
+            if actual > 0 and predicted > 0:
+                miss = max(predicted / actual, actual / predicted)
+                by_tier.setdefault(tier, []).append((miss, {"at_s": at - start, "predicted_s": predicted,
+                                                            "formula_s": raw, "actual_s": actual}))
+        return {tier: [row for _, row in sorted(rows, key=lambda r: -r[0])[:k]] for tier, rows in by_tier.items()}
 
     def expire(self, now: float) -> list[str]:
         cutoff = now - self.prediction_max_age_s

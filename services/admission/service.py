@@ -353,6 +353,7 @@ class AdmissionService(Service):
             "ttft_calibration": {t.name: self.policy.slo.calibration.factor(t.name) for t in self.policy.slo.config.tiers},
             "ttft_overhead_s": self.policy.slo.overhead(),
             "prediction_error": self.policy.prediction_errors(),  # predicted / actual TTFT per tier
+            "prediction_worst": self.policy.worst_predictions(),
         }
 
     # ---- leadership -------------------------------------------------------------------

@@ -213,3 +213,15 @@ def test_prediction_errors_compare_what_was_decided_with_what_was_seen() -> None
     assert errors["bound_p50"] == errors["p50"]
     # an idle pool (IDLE) teaches the overhead (too few outcomes to use yet)
     assert list(p.slo.calibration.residuals) == pytest.approx([0.0, 0.15, -0.1, 0.0])
+
+
+def test_worst_predictions_name_the_requests_furthest_off_either_way() -> None:
+    p = AdmissionPolicy(Limiter(), SloAdmitter(SloConfig(priority_queues=False, calibration_prior=1.0)))
+    actual = {"a": 0.15, "b": 0.6, "c": 0.05, "d": 0.16}  # predicted 0.15 s each (IDLE)
+    for i, (rid, ttft) in enumerate(actual.items()):
+        assert p.check(req(rid, rpm_limit=100, tpm_limit=10**6), IDLE, 10.0 + i).admitted
+        p.on_ttft(rid, ttft)
+    worst = p.worst_predictions(k=2)["standard"]
+    assert [w["actual_s"] for w in worst] == [0.6, 0.05]  # 4× under, then 3× over
+    assert worst[0]["at_s"] == 1.0 and worst[0]["predicted_s"] == pytest.approx(0.15)
+    assert AdmissionPolicy().worst_predictions() == {}
