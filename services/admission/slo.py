@@ -67,22 +67,16 @@ the bare formula until then (the only requests past their SLO in a 2× run were 
 admitted in its first 1.8 s). An idle mesh does not notice: a lone prompt's 0.15 s,
 doubled, is far inside every SLO, and its outcomes soon read 1.
 
-That product is a bound, not a prediction: under overload the tail ratio reads 2-3 while
-the median reads about 1, and a bound reported as the predicted TTFT was more than twice
-the TTFT seen for most admitted requests. So the two are kept apart: the decision holds
-the bound (× the quantile ratio) against the limit, and the TTFT admission predicts,
-reports and explains a refusal with is the point estimate: × the ratio at the centre, in
-log terms, of the ratios' 1st and 99th percentiles (``point_quantiles``), √(q01 · q99).
-It errs by the same factor at both tails, which is what a prediction good to 2× either
-way needs; the median balances the typical error instead, and at 2× load, with the
-actual TTFT spread over 3.6× between those percentiles, it left 1.3 % of predictions
-under half the TTFT seen. ``point_quantiles = (0.5, 0.5)`` gives the median.
-
 Slack. A verdict tells the router how much more prefill work it may put ahead of the
 request (``slack_tokens``) and still pass every check. It is also held to what the
 point prediction promises: the work ahead may add at most the prediction again, so the
 TTFT reported for one replica stays within 2× of where the request really runs.
 
+That product is a bound, not a prediction: under overload the tail ratio reads 2-3 while
+the median reads about 1, and a bound reported as the predicted TTFT was more than twice
+the TTFT seen for most admitted requests. So the two are kept apart: the decision holds
+the bound (× the quantile ratio) against the limit, and the TTFT admission predicts,
+reports and explains a refusal with is the point estimate (× the median ratio).
 
 Only errors that can move a decision are learnt: both times are raised to a floor,
 ``calibration_floor`` × the tier's SLO, before the ratio is taken. On a light load a
@@ -160,8 +154,6 @@ class SloConfig:
     calibration_bounds: tuple[float, float] = (0.5, 4.0)
     # Fraction of the tier's SLO below which predicted and actual TTFT count as equal.
     calibration_floor: float = 0.25
-    # The point prediction's factor: the geometric mean of these quantiles of the ratios.
-    point_quantiles: tuple[float, float] = (0.01, 0.99)
     overhead_min_samples: int = 10  # light-load outcomes before the overhead is used
     overhead_quantile: float = 0.5
 
@@ -179,9 +171,6 @@ class SloConfig:
             raise ValueError("calibration_quantile must be in (0, 1) and calibration_window ≥ 1")
         if not 0 <= self.calibration_floor < 1 or self.overhead_min_samples < 1:
             raise ValueError("calibration_floor must be in [0, 1) and overhead_min_samples ≥ 1")
-        lo_q, hi_q = self.point_quantiles
-        if not 0 <= lo_q <= hi_q < 1:
-            raise ValueError("point_quantiles must be (lo, hi) with 0 ≤ lo ≤ hi < 1")
         if not 0 <= self.overhead_quantile < 1:
             raise ValueError("overhead_quantile must be in [0, 1)")
         lo, hi = self.calibration_bounds
@@ -230,7 +219,7 @@ class SloVerdict:
     # The formula alone, before overhead and calibration: what outcomes are compared with.
     raw_predicted_ttft: float | None = None
     # The tail bound the decision held against the SLO: (formula + overhead) × the
-    # calibration's quantile factor. ``predicted_ttft`` is the point estimate (× the centre ratio).
+    # calibration's quantile factor. ``predicted_ttft`` is the point estimate (× the median).
     ttft_bound: float | None = None
     queue_free: bool = False  # admitted while no replica had anything queued (teaches the overhead)
 
@@ -285,14 +274,12 @@ class Calibration:
     the whole mesh, the latency the formula leaves out (``overhead``)."""
 
     __slots__ = ("_expected", "_factor", "_overhead", "bounds", "max_overhead_s", "min_samples", "overhead_min_samples",
-                 "overhead_quantile", "point_quantiles", "prior", "quantile", "ratios", "residuals")
+                 "overhead_quantile", "prior", "quantile", "ratios", "residuals")
 
     def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float],
                  overhead_min_samples: int = 10, max_overhead_s: float = math.inf,
-                 overhead_quantile: float = 0.5, prior: float = 1.0,
-                 point_quantiles: tuple[float, float] = (0.5, 0.5)) -> None:
+                 overhead_quantile: float = 0.5, prior: float = 1.0) -> None:
         self.quantile = quantile
-        self.point_quantiles = point_quantiles
         self.min_samples = min_samples
         self.bounds = bounds
         self.prior = prior
@@ -302,7 +289,7 @@ class Calibration:
         self.ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
         self.residuals: deque[float] = deque(maxlen=window)  # actual − formula, light load
         self._factor: dict[str, float] = {}  # the tail quantile: the decision's bound
-        self._expected: dict[str, float] = {}  # the centre of the ratios: the point prediction
+        self._expected: dict[str, float] = {}  # the median: the point prediction
         self._overhead = 0.0
 
     def observe(self, tier: str, predicted_s: float, actual_s: float, floor_s: float = 0.0,
@@ -324,9 +311,8 @@ class Calibration:
             ranked = sorted(window)
             q = ranked[min(int(self.quantile * len(ranked)), len(ranked) - 1)]
             self._factor[tier] = min(max(q, self.bounds[0]), self.bounds[1])
-            n = len(ranked)
-            lo, hi = (ranked[min(int(q * n), n - 1)] for q in self.point_quantiles)
-            self._expected[tier] = min(max(math.sqrt(lo * hi), self.bounds[0]), self.bounds[1])
+            median = ranked[len(ranked) // 2]
+            self._expected[tier] = min(max(median, self.bounds[0]), self.bounds[1])
         else:  # too few to read a tail from: the prior, or the worst seen if that is worse
             self._factor[tier] = min(max(self.prior, *window), self.bounds[1])
 
@@ -336,7 +322,7 @@ class Calibration:
         return self._factor.get(tier, self.prior)
 
     def expected_factor(self, tier: str) -> float:
-        """The centre of the ratios (``point_quantiles``): what the point prediction is multiplied by."""
+        """The median ratio: what the point prediction is multiplied by."""
         return self._expected.get(tier, 1.0)
 
     def overhead(self) -> float:
@@ -354,7 +340,7 @@ class SloAdmitter:
         self.calibration = Calibration(
             cfg.calibration_quantile, cfg.calibration_window, cfg.calibration_min_samples, cfg.calibration_bounds,
             cfg.overhead_min_samples, cfg.calibration_floor * min(t.ttft_slo_s for t in cfg.tiers),
-            cfg.overhead_quantile, cfg.calibration_prior, cfg.point_quantiles,
+            cfg.overhead_quantile, cfg.calibration_prior,
         )
 
     def _factor(self, t: TierSLO) -> float:
