@@ -60,23 +60,28 @@ records actual / predicted per tier. A tier's predictions are multiplied by the
 ``calibration_quantile`` (0.995) of the last ``calibration_window`` ratios, once it has
 ``calibration_min_samples`` (clamped to ``calibration_bounds``): a request is admitted
 when that share of requests predicted like it met the limit. An engine whose real
-TTFT runs below the formula gets a factor under 1 and admits more. Before that, the
-factor is ``calibration_prior`` (2), or the largest ratio seen if larger: outcomes arrive
-a TTFT after their admission, and a mesh overloaded from its first second admitted on
-the bare formula until then (the only requests past their SLO in a 2× run were those
-admitted in its first 1.8 s). An idle mesh does not notice: a lone prompt's 0.15 s,
-doubled, is far inside every SLO, and its outcomes soon read 1.
+TTFT runs below the formula gets a factor under 1 and admits more.
 
-Slack. A verdict tells the router how much more prefill work it may put ahead of the
-request (``slack_tokens``) and still pass every check. It is also held to what the
-point prediction promises: the work ahead may add at most the prediction again, so the
-TTFT reported for one replica stays within 2× of where the request really runs.
+Before a tier has those outcomes, the bound takes the queue term at ``calibration_prior``
+(4, the most calibration may learn) times the formula's, and the whole at the largest
+ratio seen so far (at least 1). Outcomes arrive a TTFT after their admission, and a mesh
+overloaded from its first second admitted on the bare formula until then: in 2× runs
+the only admitted requests past their SLO were admitted in the first 1.8 s, one of them
+at 2.45× its formula, most of it queue. It is the queue that the formula gets wrong
+(bursts, overtaking, a mix not learnt yet); a request's own prefill is measured. So an
+idle mesh does not notice the prior at all: with nothing queued there is nothing to
+multiply, and its outcomes soon read 1.
 
 That product is a bound, not a prediction: under overload the tail ratio reads 2-3 while
 the median reads about 1, and a bound reported as the predicted TTFT was more than twice
 the TTFT seen for most admitted requests. So the two are kept apart: the decision holds
 the bound (× the quantile ratio) against the limit, and the TTFT admission predicts,
 reports and explains a refusal with is the point estimate (× the median ratio).
+
+Slack. A verdict tells the router how much more prefill work it may put ahead of the
+request (``slack_tokens``) and still pass every check. It is also held to what the
+point prediction promises: the work ahead may add at most the prediction again, so the
+TTFT reported for one replica stays within 2× of where the request really runs.
 
 Only errors that can move a decision are learnt: both times are raised to a floor,
 ``calibration_floor`` × the tier's SLO, before the ratio is taken. On a light load a
@@ -147,10 +152,10 @@ class SloConfig:
     calibration_quantile: float = 0.995
     calibration_window: int = 500
     calibration_min_samples: int = 50
-    # The tail factor assumed until a tier has ``calibration_min_samples`` outcomes (or the
-    # largest ratio seen so far, if higher): a mesh overloaded from its first second must
-    # not admit on the bare formula while the first outcomes are still on their way.
-    calibration_prior: float = 2.0
+    # Until a tier has ``calibration_min_samples`` outcomes, its bound takes the queue term
+    # at this many times the formula's: a mesh overloaded from its first second must not
+    # admit on the bare formula while the first outcomes are still on their way.
+    calibration_prior: float = 4.0
     calibration_bounds: tuple[float, float] = (0.5, 4.0)
     # Fraction of the tier's SLO below which predicted and actual TTFT count as equal.
     calibration_floor: float = 0.25
@@ -176,8 +181,8 @@ class SloConfig:
         lo, hi = self.calibration_bounds
         if not 0 < lo <= 1 <= hi:
             raise ValueError("calibration_bounds must be (lo, hi) with 0 < lo ≤ 1 ≤ hi")
-        if not lo <= self.calibration_prior <= hi:
-            raise ValueError("calibration_prior must be within calibration_bounds")
+        if not 1 <= self.calibration_prior <= hi:
+            raise ValueError("calibration_prior must be within [1, calibration_bounds[1]]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,15 +279,14 @@ class Calibration:
     the whole mesh, the latency the formula leaves out (``overhead``)."""
 
     __slots__ = ("_expected", "_factor", "_overhead", "bounds", "max_overhead_s", "min_samples", "overhead_min_samples",
-                 "overhead_quantile", "prior", "quantile", "ratios", "residuals")
+                 "overhead_quantile", "quantile", "ratios", "residuals")
 
     def __init__(self, quantile: float, window: int, min_samples: int, bounds: tuple[float, float],
                  overhead_min_samples: int = 10, max_overhead_s: float = math.inf,
-                 overhead_quantile: float = 0.5, prior: float = 1.0) -> None:
+                 overhead_quantile: float = 0.5) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.bounds = bounds
-        self.prior = prior
         self.overhead_min_samples = overhead_min_samples
         self.max_overhead_s = max_overhead_s
         self.overhead_quantile = overhead_quantile
@@ -313,13 +317,17 @@ class Calibration:
             self._factor[tier] = min(max(q, self.bounds[0]), self.bounds[1])
             median = ranked[len(ranked) // 2]
             self._expected[tier] = min(max(median, self.bounds[0]), self.bounds[1])
-        else:  # too few to read a tail from: the prior, or the worst seen if that is worse
-            self._factor[tier] = min(max(self.prior, *window), self.bounds[1])
+        else:  # too few to read a tail from: the worst seen, if it is worse than the formula
+            self._factor[tier] = min(max(1.0, *window), self.bounds[1])
+
+    def calibrated(self, tier: str) -> bool:
+        """Whether the tier has outcomes enough to read a tail from."""
+        return len(self.ratios.get(tier, ())) >= self.min_samples
 
     def factor(self, tier: str) -> float:
         """The tail factor: ``quantile`` of the ratios once there are ``min_samples``,
-        before that the prior (or the largest ratio seen); what admission decides on."""
-        return self._factor.get(tier, self.prior)
+        before that the largest ratio seen (at least 1); what admission decides on."""
+        return self._factor.get(tier, 1.0)
 
     def expected_factor(self, tier: str) -> float:
         """The median ratio: what the point prediction is multiplied by."""
@@ -340,11 +348,17 @@ class SloAdmitter:
         self.calibration = Calibration(
             cfg.calibration_quantile, cfg.calibration_window, cfg.calibration_min_samples, cfg.calibration_bounds,
             cfg.overhead_min_samples, cfg.calibration_floor * min(t.ttft_slo_s for t in cfg.tiers),
-            cfg.overhead_quantile, cfg.calibration_prior,
+            cfg.overhead_quantile,
         )
 
     def _factor(self, t: TierSLO) -> float:
         return self.calibration.factor(t.name) if self.config.calibration else 1.0
+
+    def _queue_prior(self, t: TierSLO) -> float:
+        """How much more the bound makes of the queue term while ``t`` is uncalibrated."""
+        if not self.config.calibration or self.calibration.calibrated(t.name):
+            return 1.0
+        return self.config.calibration_prior
 
     def _expected_factor(self, t: TierSLO) -> float:
         return self.calibration.expected_factor(t.name) if self.config.calibration else 1.0
@@ -423,7 +437,8 @@ class SloAdmitter:
             )
         pool_rate = sum(self._rate_step(r)[0] for r in live)
         guards = [
-            (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now), self._factor(x))
+            (x, k, self._share(x, now), cfg.headroom**k, self._drain(x, pool_rate, now), self._factor(x),
+             self._queue_prior(x))
             for x, k in self._guards(t)
         ]
         best_ok: tuple[float, ReplicaLoad, float, float, float] | None = None  # own_pred, replica, room, raw, bound
@@ -439,9 +454,11 @@ class SloAdmitter:
             why = ""
             own_pred = raw_pred = own_bound = 0.0
             room = math.inf  # tokens of extra prefill work every check still passes with
-            for x, k, share, margin, drain, factor in guards:
-                raw = r.queued_prefill_tokens * share / (rate * drain) + uncached / rate + step
-                pred = (raw + overhead) * factor  # the tail bound: what the limit is held against
+            for x, k, share, margin, drain, factor, prior in guards:
+                queue = r.queued_prefill_tokens * share / (rate * drain)
+                raw = queue + uncached / rate + step
+                # the tail bound: what the limit is held against
+                pred = (raw + queue * (prior - 1) + overhead) * factor
                 if k == 0:
                     own_pred, raw_pred, own_bound = (raw + overhead) * self._expected_factor(x), raw, pred
                     # The router may add work ahead only while the TTFT admission reports
@@ -449,8 +466,8 @@ class SloAdmitter:
                     # prediction of where the request really runs.
                     room = min(room, (raw + overhead) * rate * drain)
                 limit = max(cfg.target * margin * x.ttft_slo_s, own * factor * (1 + cfg.long_prompt_slack * margin))
-                # Δ tokens ahead add at most factor · Δ / (rate · drain) seconds (share, drain ≤ 1).
-                room = min(room, (limit - pred) * rate * drain / factor)
+                # Δ tokens ahead add at most factor · prior · Δ / (rate · drain) seconds (share, drain ≤ 1).
+                room = min(room, (limit - pred) * rate * drain / (factor * prior))
                 if pred - limit > excess:
                     excess = pred - limit
                     point = (raw + overhead) * self._expected_factor(x)

@@ -266,7 +266,7 @@ def test_calibration_scales_predictions_by_the_observed_tail() -> None:
     adm.observe("standard", 1.0, 2.0)
     refused = adm.check("standard", 1000, replica, 0.0)
     assert not refused.admitted and refused.predicted_ttft == pytest.approx(1.15 * 1.5)
-    assert SloAdmitter(SloConfig()).calibration.factor("premium") == SloConfig().calibration_prior  # per tier
+    assert SloAdmitter(SloConfig()).calibration.factor("premium") == 1.0  # per tier
     # an engine faster than the formula earns a factor under 1 (bounded)
     fast = SloAdmitter(cfg)
     for _ in range(40):
@@ -278,31 +278,37 @@ def test_calibration_scales_predictions_by_the_observed_tail() -> None:
     assert off.check("standard", 1000, replica, 0.0).predicted_ttft == pytest.approx(1.15)
 
 
-def test_before_its_first_outcomes_a_tier_decides_on_the_prior() -> None:
+def test_before_its_first_outcomes_a_tier_bounds_its_queue_by_the_prior() -> None:
     """Issue 14: at 2× from the first second, the only admitted requests past their SLO
-    were the ones admitted in its first 1.8 s, on the bare formula, while the first
-    outcomes were still on their way. Until a tier has outcomes to read a tail from,
-    the bound is the prior factor (or the worst ratio seen, if worse)."""
+    were admitted in its first 1.8 s, on the bare formula, while the first outcomes were
+    still on their way (one at 2.45× its formula, most of it queue). Until a tier has
+    outcomes to read a tail from, its bound takes the queue at the prior's multiple."""
     one_tier = (TierSLO("standard", 2.0, 1),)
-    adm = SloAdmitter(SloConfig(tiers=one_tier, priority_queues=False, calibration_prior=2.0))
-    queued = [ReplicaLoad("w", queued_prefill_tokens=13_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
-    first = adm.check("standard", 1000, queued, 0.0)  # raw 1.45 s: inside 2 s, but not twice over
+    adm = SloAdmitter(SloConfig(tiers=one_tier, priority_queues=False, calibration_prior=4.0,
+                                calibration_min_samples=3))
+    queued = [ReplicaLoad("w", queued_prefill_tokens=5_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    first = adm.check("standard", 1000, queued, 0.0)  # raw 0.65 s: 0.5 s of it queue
     assert not first.admitted
-    assert first.predicted_ttft == pytest.approx(1.45)  # the point prediction is still the formula's
-    assert "bound 2.90 s > 2.00 s" in first.message
-    adm.observe("standard", 1.0, 2.5)  # one outcome worse than the prior: it binds
-    assert adm.calibration.factor("standard") == pytest.approx(2.5)
-    # an idle mesh is untouched: a lone prompt's 0.15 s is 0.3 s at twice
+    assert first.predicted_ttft == pytest.approx(0.65)  # the point prediction is still the formula's
+    assert "bound 2.15 s > 2.00 s" in first.message  # 0.15 + 4 × 0.5
+    adm.observe("standard", 1.0, 1.2)  # an outcome worse than the formula multiplies it all
+    assert adm.calibration.factor("standard") == pytest.approx(1.2)
+    shorter = [ReplicaLoad("w", queued_prefill_tokens=3_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
+    assert adm.check("standard", 1000, shorter, 0.0).ttft_bound == pytest.approx((0.15 + 4 * 0.3) * 1.2)
+    # once calibrated, the outcomes alone decide
+    adm.observe("standard", 1.0, 1.0)
+    adm.observe("standard", 1.0, 1.0)
+    assert adm.check("standard", 1000, queued, 0.0).admitted
+    # an idle mesh is untouched: with nothing queued, nothing is multiplied
     idle = [ReplicaLoad("w", queued_prefill_tokens=0, prefill_tokens_per_s=10_000, step_time_s=0.05)]
     fresh = SloAdmitter(SloConfig())
-    assert all(fresh.check(t, 1000, idle, 0.0).admitted for t in TIERS)
-    # once there are enough outcomes, they decide: a light-load tier reads 1
-    for _ in range(SloConfig().calibration_min_samples):
-        fresh.observe("premium", 0.1, 0.1)
-    assert fresh.calibration.factor("premium") == pytest.approx(1.0)
+    for t in TIERS:
+        verdict = fresh.check(t, 1000, idle, 0.0)
+        assert verdict.admitted and verdict.ttft_bound == pytest.approx(0.15)
     with pytest.raises(ValueError):
         SloConfig(calibration_prior=10.0)
-
+    with pytest.raises(ValueError):
+        SloConfig(calibration_prior=0.5)
 
 def test_the_decision_holds_the_tail_bound_but_predicts_the_median() -> None:
     """Issue 14: a tail factor reported as the prediction was > 2× the TTFT seen for
