@@ -3,13 +3,13 @@
 The sim engine models one engine step as
 
     step_s = base_s + per_prefill_token_s · prefill_tokens + per_decode_seq_s · decode_seqs
-             + per_kv_token_s · kv_tokens
+             + per_kv_token_s · kv_tokens + per_prefill_seq_s · prefill_seqs
 
 (see ``services/worker/engines/sim_profile.py``). This command measures real forward
 steps of a Llama-shaped model with random weights, with PyTorch alone (a GPU node may
 have PyTorch but not vLLM yet): prefill chunks of several sizes over several cached
 contexts, and decode batches of several sizes over several context lengths, each step
-reading a real per-layer KV cache. It fits the four coefficients by non-negative least
+reading a real per-layer KV cache. It fits the coefficients by non-negative least
 squares on relative error (a 2 ms decode and a 200 ms prefill weigh the same), and
 writes a profile JSON with the memory budget of the device, the engine limits given,
 the fitted figures at a reference workload (``intended``), and every measurement.
@@ -36,7 +36,7 @@ from typing import Any
 
 from .tiny_model import PRESETS, ModelShape, add_shape_arguments, shape_from_args
 
-COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s")
+COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "per_prefill_seq_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +48,11 @@ class Point:
     decode_seqs: int
     kv_tokens: int  # context attended, summed over the step's sequences (as the sim counts it)
     seconds: float  # median step time
+    prefill_seqs: int = 0  # sequences prefilling in the step
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.kv_tokens))
+    def features(self) -> tuple[float, float, float, float, float]:
+        return (1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.kv_tokens),
+                float(self.prefill_seqs))
 
 
 # --------------------------------------------------------------------------- fitting
@@ -94,13 +96,15 @@ def fit(points: Sequence[Point], relative: bool = True) -> dict[str, float]:
     error and small decode steps count as much as large prefills.
     """
     if len(points) < 4:
-        raise ValueError("need at least 4 measurements to fit 4 coefficients")
+        raise ValueError("need at least 4 measurements to fit the step coefficients")
     rows = [list(p.features()) for p in points]
     y = [p.seconds for p in points]
     if relative:
         rows = [[v / p.seconds for v in r] for r, p in zip(rows, points, strict=True)]
         y = [1.0] * len(points)
-    active = [0, 1, 2, 3]
+    # A prefilling sequence's fixed cost shows only beside steps with a different number of
+    # them (decode steps have none); otherwise it is the base cost by another name.
+    active = [0, 1, 2, 3] + ([4] if len({p.prefill_seqs for p in points}) > 1 else [])
     while True:
         sol = _lstsq(rows, y, active)
         negative = [(v, j) for v, j in zip(sol, active, strict=True) if v < 0]
@@ -117,7 +121,7 @@ def fit(points: Sequence[Point], relative: bool = True) -> dict[str, float]:
 
 
 def predict(coef: dict[str, float], p: Point) -> float:
-    return sum(coef[name] * f for name, f in zip(COEFFICIENTS, p.features(), strict=True))
+    return sum(coef.get(name, 0.0) * f for name, f in zip(COEFFICIENTS, p.features(), strict=True))
 
 
 # ----------------------------------------------------------------------- measurement
@@ -276,7 +280,8 @@ def run_grid(model: RandomLlama, grid: Grid, *, repeats: int, time_budget_s: flo
             break
         seconds = measure(model, batch=batch, tokens=tokens, context=context, repeats=repeats)
         point = Point(kind=kind, prefill_tokens=tokens if kind == "prefill" else 0,
-                      decode_seqs=batch if kind == "decode" else 0, kv_tokens=batch * (context + tokens), seconds=seconds)
+                      decode_seqs=batch if kind == "decode" else 0, kv_tokens=batch * (context + tokens), seconds=seconds,
+                      prefill_seqs=batch if kind == "prefill" else 0)
         points.append(point)
         log(f"  {kind:7s} batch {batch:4d} tokens {tokens:5d} context {context:5d}: {seconds * 1000:9.3f} ms")
     return points

@@ -18,7 +18,7 @@ tokenization time enters the step times:
 
 Prompts are token ids from the engine's own ``/tokenize`` of seeded random words, so
 every prompt is distinct (no accidental cache hits) and valid for its vocabulary. The
-four coefficients are fitted as ``meshserve calibrate`` fits them; the KV capacity
+coefficients are fitted as ``meshserve calibrate`` fits them; the KV capacity
 (``vllm:cache_config_info``: block size and blocks) and the engine limits given are
 written with them, so ``meshserve sim-server --profile FILE`` runs the same engine shape.
 """
@@ -164,7 +164,7 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
                 if context + chunk + 1 > max_len or chunk > max_num_batched_tokens:
                     continue
                 times = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
-                p = Point("prefill", chunk, 0, context + chunk, statistics.median(times))
+                p = Point("prefill", chunk, 0, context + chunk, statistics.median(times), prefill_seqs=1)
                 points.append(p)
                 log(f"  prefill chunk {chunk:5d} after {context:5d} cached: {p.seconds * 1000:8.3f} ms")
         k = plan.decode_tokens

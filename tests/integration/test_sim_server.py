@@ -375,8 +375,8 @@ def test_calibrate_engine_url_recovers_the_step_costs_of_a_known_engine(tmp_path
     fitted = load_profile(out)
     assert fitted.memory.num_blocks(16) == 3000
     for prefill, decode, kv in ((0, 1, 600), (0, 8, 4000), (128, 0, 128), (1024, 0, 2048), (512, 4, 3000)):
-        want = truth.step_time(prefill, decode, kv) / speed
-        got = fitted.costs.step_time(prefill, decode, kv)
+        want = truth.step_time(prefill, decode, kv, int(prefill > 0)) / speed
+        got = fitted.costs.step_time(prefill, decode, kv, int(prefill > 0))
         assert got == pytest.approx(want, rel=0.1), (prefill, decode, kv)
     # the fitted profile serves
     started = _start("--profile", str(out))

@@ -128,7 +128,7 @@ class SimCore:
         # Until a step has been measured, advertise the profile's own speed, so a fresh
         # replica does not look infinitely slow to admission's TTFT prediction.
         self._prefill_rate = config.max_num_batched_tokens / costs.step_time(
-            config.max_num_batched_tokens, 0, 0
+            config.max_num_batched_tokens, 0, 0, 1
         )
         self._decode_rate = 1.0 / costs.step_time(0, 1, 0)
         self._step_time = 0.0
@@ -311,14 +311,15 @@ class SimCore:
             # so an empty batch means a bookkeeping bug; fail loudly rather than spin.
             raise RuntimeError("sim scheduler made no progress with work pending")
 
-        prefill_tokens = decode_seqs = kv_tokens = 0
+        prefill_tokens = decode_seqs = kv_tokens = prefill_seqs = 0
         for seq, n in sched.items():
             if seq.is_decoding:
                 decode_seqs += 1
             else:
                 prefill_tokens += n
+                prefill_seqs += 1
             kv_tokens += seq.num_computed + n
-        duration = cfg.profile.costs.step_time(prefill_tokens, decode_seqs, kv_tokens) + load_s
+        duration = cfg.profile.costs.step_time(prefill_tokens, decode_seqs, kv_tokens, prefill_seqs) + load_s
         end = now + duration
 
         outputs: list[EngineOutput] = []
