@@ -78,13 +78,14 @@ async def run_rate(url: str, tokenizer: str, workload: str, rate: float, args: a
 
 
 def knee(rows: list[dict[str, Any]], target: str, factor: float) -> float | None:
-    """Highest offered rate the target still served: throughput within 5 % of the
-    offered rate and TTFT p90 under ``factor`` × the lightest rate's (every lower rate too)."""
+    """Highest offered rate the target still served: throughput within 10 % of the
+    offered rate (a run's throughput counts its drain, a few % for 20 s runs) and TTFT p90
+    under ``factor`` × the lightest rate's (every lower rate too)."""
     best = None
     base = rows[0][target]["ttft_p90"] if rows else None
     for row in rows:
         r = row[target]
-        if base is None or r["ttft_p90"] is None or r["served"] < 0.95 * row["rate"] or r["ttft_p90"] > factor * base:
+        if base is None or r["ttft_p90"] is None or r["served"] < 0.9 * row["rate"] or r["ttft_p90"] > factor * base:
             break
         best = row["rate"]
     return best
@@ -94,6 +95,10 @@ def _err(sim: float | None, ref: float | None) -> str:
     if sim is None or not ref:
         return "-"
     return f"{sim / ref - 1:+.0%}"
+
+
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} req/s"
 
 
 def _ms(v: float | None) -> str:
@@ -200,8 +205,10 @@ async def main() -> None:
         for workload, w in results["workloads"].items():
             print(table(workload, w["rows"]))
             k = w["knee"]
-            print(f"\nsaturation: vLLM {k['vllm'] or '-'} req/s, sim {k['sim'] or '-'} req/s "
-                  f"(profile's estimate {w['capacity_estimate']:.1f} req/s)\n")
+            peak = {t: max(r[t]["served"] for r in w["rows"]) for t in ("vllm", "sim")}
+            print(f"\nsaturation: vLLM {_rate(k['vllm'])}, sim {_rate(k['sim'])} (profile's estimate "
+                  f"{w['capacity_estimate']:.1f} req/s); most served: vLLM {peak['vllm']:.1f} req/s, sim "
+                  f"{peak['sim']:.1f} req/s\n")
         print(f"rows: {await asyncio.to_thread(write_json, Path(args.out), results)}")
     finally:
         if sim is not None:
