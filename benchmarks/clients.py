@@ -73,6 +73,7 @@ def run_guidellm(mesh: Mesh, args: argparse.Namespace, tokenizer: Path, out: Pat
           "--constraint", f"kind=max_duration,seconds={args.duration:g}",
           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+          "--seed", f"kind=static,value={args.seed}",
           "--output", f"kind=json,path={path}", "--disable-console-interactive"],
          {**os.environ, "HF_HUB_OFFLINE": "1"}, out)
     bench = json.loads(path.read_text())["benchmarks"][0]
@@ -93,7 +94,7 @@ def run_aiperf(mesh: Mesh, args: argparse.Namespace, tokenizer: Path, out: Path)
           # aiperf cycles through 100 prompts by default: past them every prompt is a cache
           # hit (a first run measured TTFT 17 ms against the others' 36 with 60 % of the
           # prompt tokens cached); as many distinct prompts as requests, as the others send
-          "--num-dataset-entries", str(int(args.rate * args.duration * 1.5) + 100),
+          "--num-dataset-entries", str(int(args.rate * args.duration * 1.5) + 100), "--random-seed", str(args.seed),
           "--artifact-dir", str(artifacts), "--ui-type", "none"], dict(os.environ), out)
     result = json.loads((artifacts / "profile_export_aiperf.json").read_text())
     return {"ttft_ms": float(result["time_to_first_token"]["p50"]),
@@ -143,18 +144,21 @@ async def main() -> None:
         if code != 0:
             raise RuntimeError("meshserve tokenizer export failed")
         # warm-up: the first requests pay for connections and caches, in no client's figures
-        warm = argparse.Namespace(**{**vars(args), "duration": 5.0})
+        warm = argparse.Namespace(**{**vars(args), "duration": 5.0, "seed": args.seed + 999})
         await run_meshserve(mesh, warm, state)
         for r in range(args.rounds):
             for client in clients if r % 2 == 0 else list(reversed(clients)):
                 out = state / f"{client}-{r}"
                 out.mkdir()
+                # a seed per run: a prompt the mesh has seen is a cache hit, and a client
+                # repeating the last round's prompts measured half the TTFT
+                run = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * r + 100 * CLIENTS.index(client)})
                 if client == "meshserve":
-                    res = await run_meshserve(mesh, args, out)
+                    res = await run_meshserve(mesh, run, out)
                 elif client == "guidellm":
-                    res = await asyncio.to_thread(run_guidellm, mesh, args, tokenizer, out)
+                    res = await asyncio.to_thread(run_guidellm, mesh, run, tokenizer, out)
                 else:
-                    res = await asyncio.to_thread(run_aiperf, mesh, args, tokenizer, out)
+                    res = await asyncio.to_thread(run_aiperf, mesh, run, tokenizer, out)
                 results[client].append(res)
                 print(f"round {r + 1} {client}: TTFT p50 {res['ttft_ms']:.2f} ms, TPOT p50 {res['tpot_ms']:.3f} ms, "
                       f"{res['requests']:.0f} requests, {res['errors']:.0f} errors", flush=True)
