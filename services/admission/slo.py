@@ -66,11 +66,14 @@ Before a tier has those outcomes, the bound takes the queue term at ``calibratio
 (4, the most calibration may learn) times the formula's, and the whole at the largest
 ratio seen so far (at least 1). Outcomes arrive a TTFT after their admission, and a mesh
 overloaded from its first second admitted on the bare formula until then: in 2× runs
-the only admitted requests past their SLO were admitted in the first 1.8 s, one of them
-at 2.45× its formula, most of it queue. It is the queue that the formula gets wrong
-(bursts, overtaking, a mix not learnt yet); a request's own prefill is measured. So an
-idle mesh does not notice the prior at all: with nothing queued there is nothing to
-multiply, and its outcomes soon read 1.
+the only admitted requests past their SLO were standard ones admitted in the first
+1.8 s, one of them at 2.45× its formula, most of it queue. It is the queue that the
+formula gets wrong, and what it gets wrong is overtaking: higher-priority arrivals the
+request will wait for. So the prior applies only to tiers that can be overtaken (on
+priority-queue workers, every tier but the top: with it on premium too, 2 % of premium
+requests were refused at 2×, where premium alone is half the fleet's capacity). An idle
+mesh does not notice the prior at all: with nothing queued there is nothing to multiply,
+and its outcomes soon read 1.
 
 That product is a bound, not a prediction: under overload the tail ratio reads 2-3 while
 the median reads about 1, and a bound reported as the predicted TTFT was more than twice
@@ -355,10 +358,13 @@ class SloAdmitter:
         return self.calibration.factor(t.name) if self.config.calibration else 1.0
 
     def _queue_prior(self, t: TierSLO) -> float:
-        """How much more the bound makes of the queue term while ``t`` is uncalibrated."""
-        if not self.config.calibration or self.calibration.calibrated(t.name):
+        """How much more the bound makes of the queue term while ``t`` is uncalibrated:
+        only for a tier that higher-priority arrivals can overtake (the top tier's queue
+        is the work already ahead of it, which the gauges count)."""
+        cfg = self.config
+        if not cfg.calibration or not cfg.priority_queues or self._level[t.priority] == 0:
             return 1.0
-        return self.config.calibration_prior
+        return 1.0 if self.calibration.calibrated(t.name) else cfg.calibration_prior
 
     def _expected_factor(self, t: TierSLO) -> float:
         return self.calibration.expected_factor(t.name) if self.config.calibration else 1.0

@@ -282,15 +282,20 @@ def test_before_its_first_outcomes_a_tier_bounds_its_queue_by_the_prior() -> Non
     """Issue 14: at 2× from the first second, the only admitted requests past their SLO
     were admitted in its first 1.8 s, on the bare formula, while the first outcomes were
     still on their way (one at 2.45× its formula, most of it queue). Until a tier has
-    outcomes to read a tail from, its bound takes the queue at the prior's multiple."""
-    one_tier = (TierSLO("standard", 2.0, 1),)
-    adm = SloAdmitter(SloConfig(tiers=one_tier, priority_queues=False, calibration_prior=4.0,
-                                calibration_min_samples=3))
+    outcomes to read a tail from, its bound takes the queue at the prior's multiple, if
+    higher-priority arrivals can overtake it."""
+    two_tiers = (TierSLO("premium", 1.0, 2), TierSLO("standard", 2.0, 1))
+    adm = SloAdmitter(SloConfig(tiers=two_tiers, calibration_prior=4.0, calibration_min_samples=3))
     queued = [ReplicaLoad("w", queued_prefill_tokens=5_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
     first = adm.check("standard", 1000, queued, 0.0)  # raw 0.65 s: 0.5 s of it queue
     assert not first.admitted
     assert first.predicted_ttft == pytest.approx(0.65)  # the point prediction is still the formula's
     assert "bound 2.15 s > 2.00 s" in first.message  # 0.15 + 4 × 0.5
+    # the top tier is overtaken by nothing: its queue is what the gauges say
+    assert adm.check("premium", 1000, queued, 0.0).ttft_bound == pytest.approx(0.65)
+    # nor is anyone on FIFO workers
+    fifo = SloAdmitter(SloConfig(tiers=two_tiers, priority_queues=False, calibration_prior=4.0))
+    assert fifo.check("standard", 1000, queued, 0.0).ttft_bound == pytest.approx(0.65)
     adm.observe("standard", 1.0, 1.2)  # an outcome worse than the formula multiplies it all
     assert adm.calibration.factor("standard") == pytest.approx(1.2)
     shorter = [ReplicaLoad("w", queued_prefill_tokens=3_000, prefill_tokens_per_s=10_000, step_time_s=0.05)]
