@@ -207,7 +207,8 @@ async def test_scale_up_from_gauges_then_down_by_drain(
     victim, command = workers.commands[0]
     assert victim in ("new-1", "new-2", "new-3")  # an idle one, not w1 which holds a request
     assert command.command == "drain" and command.timeout_s == 1.0 and "scale down 4 → 3" in command.reason
-    await eventually(lambda: bool(service.status().pools[0].drains), what="drain tracked")
+    # tracked as soon as it is sent; the worker's acknowledgement follows over NATS
+    await eventually(lambda: any(d.acknowledged for d in service.status().pools[0].drains), what="drain acknowledged")
     (drain,) = service.status().pools[0].drains
     assert drain.worker_id == victim and drain.acknowledged and drain.in_flight == 2
     await asyncio.sleep(0.6)
