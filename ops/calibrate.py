@@ -304,13 +304,38 @@ def intended_points(coef: dict[str, float], input_len: int, output_len: int,
     return out
 
 
+def fitted_parts(coef: dict[str, float], points: Sequence[Point], *, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, input_len: int, output_len: int,
+                 batches: Sequence[int] = (1, 8, 32, 128)) -> tuple[list[float], dict[str, Any]]:
+    """What every calibrated profile holds whatever it measured: each point's relative fit
+    error, and the ``step``, ``engine_defaults`` and ``intended`` sections."""
+    errors = [abs(predict(coef, p) - p.seconds) / p.seconds for p in points]
+    return errors, {
+        "step": {k: float(f"{v:.6g}") for k, v in coef.items()},
+        "engine_defaults": {
+            "block_size": block_size,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max_model_len,
+        },
+        "intended": {"input_len": input_len, "output_len": output_len,
+                     "points": intended_points(coef, input_len, output_len, batches)},
+    }
+
+
+def point_rows(coef: dict[str, float], points: Sequence[Point]) -> list[dict[str, Any]]:
+    return [{**asdict(p), "predicted": predict(coef, p)} for p in points]
+
+
 def build_profile(*, name: str, model: str, coef: dict[str, float], points: Sequence[Point], shape: ModelShape,
                   device_name: str, hbm_bytes: int, weight_itemsize: int, kv_itemsize: int,
                   gpu_memory_utilization: float, activation_reserve_bytes: int, block_size: int, max_num_seqs: int,
                   max_num_batched_tokens: int, max_model_len: int, input_len: int, output_len: int,
                   seconds: float) -> dict[str, Any]:
     weights = shape.num_parameters() * weight_itemsize
-    errors = [abs(predict(coef, p) - p.seconds) / p.seconds for p in points]
+    errors, parts = fitted_parts(coef, points, block_size=block_size, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                 input_len=input_len, output_len=output_len)
     return {
         "name": name,
         "model": model,
@@ -321,26 +346,20 @@ def build_profile(*, name: str, model: str, coef: dict[str, float], points: Sequ
                     f"{max(errors) * 100:.1f}%). Not vLLM's fused kernels: a floor for vLLM on this device. "
                     f"Memory: device total, weights of these shapes, reserve = (1 - gpu_memory_utilization "
                     f"{gpu_memory_utilization}) of it plus activations."),
-        "step": {k: float(f"{v:.6g}") for k, v in coef.items()},
+        "step": parts["step"],
         "memory": {
             "hbm_bytes": int(hbm_bytes),
             "weights_bytes": int(weights),
             "reserve_bytes": int(hbm_bytes * (1 - gpu_memory_utilization) + activation_reserve_bytes),
             "kv_bytes_per_token": kv_bytes_per_token(shape, kv_itemsize),
         },
-        "engine_defaults": {
-            "block_size": block_size,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "max_model_len": max_model_len,
-        },
-        "intended": {"input_len": input_len, "output_len": output_len,
-                     "points": intended_points(coef, input_len, output_len)},
+        "engine_defaults": parts["engine_defaults"],
+        "intended": parts["intended"],
         "calibration": {
             "device": device_name,
             "shape": asdict(shape),
             "seconds": round(seconds, 1),
-            "points": [{**asdict(p), "predicted": predict(coef, p)} for p in points],
+            "points": point_rows(coef, points),
         },
     }
 

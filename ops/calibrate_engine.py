@@ -33,13 +33,13 @@ import re
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from .calibrate import Point, fit, intended_points, predict
+from .calibrate import Point, fit, fitted_parts, point_rows
 
 PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
 PREFILL_COUNT = "vllm:request_prefill_time_seconds_count"
@@ -202,7 +202,9 @@ def engine_profile(*, name: str, model: str, url: str, coef: dict[str, float], p
                    max_model_len: int, input_len: int, output_len: int, seconds: float) -> dict[str, Any]:
     """A sim profile of the measured engine. Its memory is the engine's KV cache as it
     reported it: one byte per token, ``num_blocks`` blocks, so the sim holds as much."""
-    errors = [abs(predict(coef, p) - p.seconds) / p.seconds for p in points]
+    errors, parts = fitted_parts(coef, points, block_size=block_size, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                 input_len=input_len, output_len=output_len, batches=(1, 4, max_num_seqs))
     return {
         "name": name,
         "model": model,
@@ -211,16 +213,14 @@ def engine_profile(*, name: str, model: str, url: str, coef: dict[str, float], p
                     f"non-negative least squares on relative error (median error "
                     f"{statistics.median(errors) * 100:.1f}%, worst {max(errors) * 100:.1f}%). Memory: the "
                     f"engine's KV cache ({num_blocks} blocks of {block_size} tokens), one nominal byte per token."),
-        "step": {k: float(f"{v:.6g}") for k, v in coef.items()},
+        "step": parts["step"],
         "memory": {"hbm_bytes": num_blocks * block_size, "weights_bytes": 0, "reserve_bytes": 0,
                    "kv_bytes_per_token": 1},
-        "engine_defaults": {"block_size": block_size, "max_num_seqs": max_num_seqs,
-                            "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len},
-        "intended": {"input_len": input_len, "output_len": output_len,
-                     "points": intended_points(coef, input_len, output_len, batches=(1, 4, max_num_seqs))},
+        "engine_defaults": parts["engine_defaults"],
+        "intended": parts["intended"],
         "calibration": {"device": f"engine at {url}", "seconds": round(seconds, 1),
                         "fit_error_median": statistics.median(errors), "fit_error_max": max(errors),
-                        "points": [{**asdict(p), "predicted": predict(coef, p)} for p in points]},
+                        "points": point_rows(coef, points)},
     }
 
 
