@@ -353,38 +353,60 @@ def run_service(service_factory: Callable[[], Service], options: RunOptions | No
     retries, with backoff, for up to ``jetstream_wait_s``; any other failure, or the last
     one, ends the process as before.
     """
+    return run_services(lambda: [service_factory()], options, jetstream_wait_s=jetstream_wait_s)
+
+
+def run_services(group_factory: Callable[[], list[Service]], options: RunOptions | None = None, *,
+                 jetstream_wait_s: float = JETSTREAM_WAIT_S) -> int:
+    """``run_service`` for services that share one process (a hot-swap host's worker per
+    model): all start, SIGTERM/SIGINT drains all, and the exit code is the worst of theirs."""
     import uvloop
+
+    async def serve_all(group: list[Service]) -> int:
+        if len(group) == 1:
+            return await group[0].serve()
+        loop = asyncio.get_running_loop()
+
+        def stop_all() -> None:
+            for service in group:
+                service.request_stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_all)
+        codes = await asyncio.gather(*(s.serve(install_signals=False) for s in group))
+        return max(codes)
 
     async def main() -> int:
         began = time.monotonic()
         delay = 0.5
         attempt = 1
-        service = service_factory()
-        setup_logging(service.name, level=options.log_level if options else None, fmt=options.log_format if options else None)
+        group = group_factory()
+        setup_logging(group[0].name, level=options.log_level if options else None, fmt=options.log_format if options else None)
         while True:
             try:
-                return await service.serve()
+                return await serve_all(group)
             except Exception as exc:
                 waited = time.monotonic() - began
-                if service.started_at or not jetstream_unavailable(exc):
+                if any(s.started_at for s in group) or not jetstream_unavailable(exc):
                     raise
                 if waited + delay > jetstream_wait_s:
-                    log.error("%s could not start: JetStream did not answer for %.0fs; giving up", service.name, waited)
+                    log.error("%s could not start: JetStream did not answer for %.0fs; giving up", group[0].name, waited)
                     raise
                 reason = _reason(exc)
                 log.warning("%s could not start for want of JetStream (%s); starting it again in %.1fs "
-                            "(attempt %d failed, %.0fs of %.0fs waited)", service.name, reason, delay, attempt, waited, jetstream_wait_s)
-                await service.abandon_start()
+                            "(attempt %d failed, %.0fs of %.0fs waited)", group[0].name, reason, delay, attempt, waited, jetstream_wait_s)
+                for service in group:
+                    await service.abandon_start()
                 # Whatever the failed instance left running (on_start got part of the way, and
-                # its on_stop may not know) goes too: this process runs only the service.
+                # its on_stop may not know) goes too: this process runs only these services.
                 leftovers = asyncio.all_tasks() - {asyncio.current_task()}
                 for task in leftovers:
                     task.cancel()
                 await asyncio.gather(*leftovers, return_exceptions=True)
-                if await service.stop_requested(delay):  # SIGTERM while waiting: nothing to drain
+                if await group[0].stop_requested(delay):  # SIGTERM while waiting: nothing to drain
                     return 0
             attempt += 1
             delay = min(delay * 2, 10.0)
-            service = service_factory()
+            group = group_factory()
 
     return uvloop.run(main())

@@ -119,6 +119,9 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     # placement: past it the router forwards nothing and no worker takes the request
     # (``timeout``), so a gateway that stopped waiting for its router may place it itself.
     place_by: float = 0.0
+    # Hot-swap hosts (``WorkerInfo.host_id``): the models the router counts as the fleet's
+    # busiest, which a host loading this request's model must not evict.
+    pinned_models: list[str] = []
 
 
 def placement_expired(request: GenerateRequest, now: float) -> bool:
@@ -215,6 +218,14 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     max_lora_rank: int = 0
     lora_load_gb_per_s: float = 0.0
     lora_host_gb_per_s: float = 0.0
+    # Hot-swap (DESIGN.md, Many models per GPU): this entry is one of the models a host
+    # process may hold, sharing ``host_memory_gib`` with its other entries; ``footprint_gib``
+    # is what this model takes there while resident, ``load_s`` the seconds a load takes.
+    # "" host_id: a dedicated worker, always resident.
+    host_id: str = ""
+    host_memory_gib: float = 0.0
+    footprint_gib: float = 0.0
+    load_s: float = 0.0
     tokenizer: str = ""  # tokenizer name or directory the gateway loads
     # Output parsers the gateway applies to this model's text (configured per worker):
     # tool calls (hermes, llama3_json, mistral) and reasoning (think); "" = none.
@@ -249,6 +260,12 @@ class WorkerGauge(Struct, kw_only=True, omit_defaults=True):
     draining: bool = False
     lora_adapters: list[str] = []  # resident: usable without a load (static, or in a GPU slot)
     lora_cached: list[str] = []  # in host memory only: a fast load (engines that load at run time)
+    # Hot-swap entries: "resident", "loading" (``load_remaining_s`` to go) or "cold" (a
+    # request waits ``WorkerInfo.load_s`` and may evict another model); "" on a dedicated
+    # worker. ``idle_s``: since its last request ended (the host evicts least recently used).
+    residency: str = ""
+    load_remaining_s: float = 0.0
+    idle_s: float = 0.0
     kv_event_seq: int = -1  # last KV event batch sequence published (gap detection)
     kv_events_mode: str = "engine"  # "engine" or "predicted" when the engine emits none
     preemptions: int = 0

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, fields
 from proto.messages import AdmissionRequest
 from services.common.fleet import FleetConfig, FleetView, FleetWorker
 from services.common.kvindex import KvIndexConfig
+from services.common.residency import residency
 
 from .slo import ReplicaLoad
 
@@ -102,9 +103,22 @@ class ReplicaBook(FleetView):
                     step_time_s=g.step_time_s if g is not None else 0.0,
                     cached_tokens=min(cached.get(w.worker_id, 0), req.prompt_tokens),
                     draining=w.draining,
+                    load_s=_load_s(w),
                 )
             )
         return out
+
+
+def _load_s(w: FleetWorker) -> float:
+    """Seconds before ``w``'s model is ready: a cold hot-swap entry's load, or what is
+    left of one under way (0 on a dedicated worker or a resident model)."""
+    state = residency(w)
+    if state == "cold" and w.info is not None:
+        return w.info.load_s
+    if state == "loading" and w.info is not None:
+        g = w.gauge
+        return g.load_remaining_s if g is not None and g.residency == "loading" else w.info.load_s
+    return 0.0
 
 
 def _queue_now(w: FleetWorker, now: float) -> int:

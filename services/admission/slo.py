@@ -198,6 +198,9 @@ class ReplicaLoad:
     step_time_s: float = 0.0
     cached_tokens: int = 0  # of this request's prompt, when the shell can estimate it
     draining: bool = False
+    # Seconds before the model is ready here (a hot-swap host's load, or what is left of
+    # one): waited before the queue, never forgiven as a long prompt's own time is.
+    load_s: float = 0.0
 
     @classmethod
     def from_gauge(cls, g: WorkerGauge, cached_tokens: int = 0) -> ReplicaLoad:
@@ -405,7 +408,7 @@ class SloAdmitter:
         t = self.tier(tier)
         drain = self._drain(t, pool_rate if pool_rate is not None else rate, now)
         uncached = max(prompt_tokens - replica.cached_tokens, 0)
-        raw = replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step
+        raw = replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step + replica.load_s
         return (raw + self.overhead()) * self._expected_factor(t)
 
     def _rate_step(self, r: ReplicaLoad) -> tuple[float, float]:
@@ -462,7 +465,7 @@ class SloAdmitter:
             room = math.inf  # tokens of extra prefill work every check still passes with
             for x, k, share, margin, drain, factor, prior in guards:
                 queue = r.queued_prefill_tokens * share / (rate * drain)
-                raw = queue + uncached / rate + step
+                raw = queue + uncached / rate + step + r.load_s
                 # the tail bound: what the limit is held against
                 pred = (raw + queue * (prior - 1) + overhead) * factor
                 if k == 0:

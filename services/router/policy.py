@@ -55,8 +55,10 @@ import xxhash
 
 from proto.messages import GenerateRequest, Placement
 from services.common.fleet import FleetView, FleetWorker, Pool, pack_prompt
+from services.common.residency import is_hosted
 
 from .cascade import Cascade, CascadeConfig
+from .hotswap import Demand, swap_costs
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
@@ -143,6 +145,11 @@ class RouterConfig:
     models: dict[str, PolicyConfig] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     cascades: dict[str, CascadeConfig] = field(default_factory=dict)
+    # Hot-swap hosts: this many of the busiest hosted models are pinned (never evicted to
+    # load another); -1: one per host, so each host keeps a busy model while it swaps the
+    # quiet ones in its other memory; 0: plain LRU.
+    pin_top: int = -1
+    demand_window_s: float = 60.0  # the request rates the busiest are ranked by
 
     def for_model(self, model: str) -> PolicyConfig:
         return self.models.get(model, self.default)
@@ -240,6 +247,9 @@ class RouteDecision:
     spill_held: bool = False
     queued_tokens: int = 0  # the chosen worker's queued prefill, a term of its cost
     running_tokens: int = 0  # and its running tokens (weighted by β in the cost)
+    # on a hot-swap host: the models its load must not evict (GenerateRequest.pinned_models)
+    pinned_models: tuple[str, ...] = ()
+    load_tokens: float = 0.0  # what the model's load on the chosen worker cost (0: resident)
 
     @property
     def spilled(self) -> bool:
@@ -312,6 +322,7 @@ class Router:
         self._rr: dict[str, int] = {}
         self._rings: dict[str, _Ring] = {}
         self._cascades = {name: Cascade(c) for name, c in self.config.cascades.items()}
+        self.demand = Demand(self.config.demand_window_s)
 
     def set_cascade(self, name: str, cascade: CascadeConfig) -> None:
         """Add or replace a cascade, e.g. once the shell has tokenized its keywords."""
@@ -344,6 +355,7 @@ class Router:
 
     def commit(self, decision: RouteDecision, now: float) -> None:
         """Count ``decision`` on its worker until a gauge reflects it (a retry moves it)."""
+        self.demand.add(decision.model, now)
         self.view.record_placement(
             decision.worker_id,
             decision.request_id,
@@ -351,6 +363,18 @@ class Router:
             decision.expected_tokens,
             now,
         )
+
+    def pinned(self, now: float) -> list[str]:
+        """The hosted models a hot-swap host must not evict: the busiest ``pin_top``."""
+        hosts: set[str] = set()
+        hosted: set[str] = set()
+        for w in self.view:
+            if is_hosted(w):
+                assert w.info is not None
+                hosts.add(w.info.host_id)
+                hosted.add(w.model)
+        k = self.config.pin_top if self.config.pin_top >= 0 else len(hosts)
+        return self.demand.busiest(k, now, hosted)
 
     def release(self, request_id: str) -> bool:
         """The placed worker refused or died before taking the request."""
@@ -383,7 +407,7 @@ class Router:
             )
         cfg = self.config.for_model(model)
         eligible = self.view.placeable_in(pool, now, exclude)
-        lora_costs: dict[str, float] = {}
+        load_costs: dict[str, float] = {}
         if q.lora:
             serving = []
             for w in eligible:
@@ -392,7 +416,7 @@ class Router:
                 elif w.max_loras > 0:
                     serving.append(w)
                     if cfg.lora_load_costs:
-                        lora_costs[w.worker_id] = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
+                        load_costs[w.worker_id] = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
             eligible = serving
         if not eligible:
             return NoCapacity(
@@ -403,16 +427,27 @@ class Router:
                 + (f" with adapter {q.lora!r}" if q.lora else "")
                 + (f", {len(exclude)} excluded" if exclude else ""),
             )
-        ctx = _Ctx(q, cfg, pool, lora_costs)
+        pinned: list[str] = []
+        if any(is_hosted(w) for w in eligible):
+            pinned = self.pinned(now)
+            swap = swap_costs(eligible, self.view, pinned)
+            if swap.blocked and len(swap.blocked) < len(eligible):
+                eligible = [w for w in eligible if w.worker_id not in swap.blocked]
+            for wid, tokens in swap.costs.items():
+                load_costs[wid] = load_costs.get(wid, 0.0) + tokens
+        ctx = _Ctx(q, cfg, pool, load_costs)
         match cfg.policy:
             case "round_robin":
-                return self._round_robin(model, eligible, ctx)
+                decision = self._round_robin(model, eligible, ctx)
             case "least_load":
-                return self._least_load(model, eligible, ctx)
+                decision = self._least_load(model, eligible, ctx)
             case "prefix":
-                return self._prefix(model, eligible, ctx)
+                decision = self._prefix(model, eligible, ctx)
             case "session":
-                return self._session(model, eligible, ctx)
+                decision = self._session(model, eligible, ctx)
+        if pinned or load_costs:
+            decision = replace(decision, pinned_models=tuple(pinned), load_tokens=ctx.load_penalty_of(decision.worker_id))
+        return decision
 
     # ---- policies ----
     def _round_robin(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
@@ -423,7 +458,7 @@ class Router:
         return ctx.decision(model, "round_robin", ctx.candidate(w, float(w.outstanding_tokens)))
 
     def _least_load(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
-        scored = [(float(w.outstanding_tokens + ctx.lora_penalty(w)), w) for w in eligible]
+        scored = [(float(w.outstanding_tokens + ctx.load_penalty(w)), w) for w in eligible]
         cost, best = self._pick(scored)
         ctx.ensure([best])
         return ctx.decision(model, "least_load", ctx.candidate(best, cost))
@@ -560,13 +595,13 @@ class _Ctx:
     narrower mask ends the walk (and the prompt hashing) sooner.
     """
 
-    __slots__ = ("blocks", "cfg", "done", "lora_costs", "pool", "prompt_tokens", "q")
+    __slots__ = ("blocks", "cfg", "done", "load_costs", "pool", "prompt_tokens", "q")
 
-    def __init__(self, q: RouteQuery, cfg: PolicyConfig, pool: Pool, lora_costs: dict[str, float]) -> None:
+    def __init__(self, q: RouteQuery, cfg: PolicyConfig, pool: Pool, load_costs: dict[str, float]) -> None:
         self.q = q
         self.cfg = cfg
         self.pool = pool
-        self.lora_costs = lora_costs  # worker id → tokens its adapter load costs
+        self.load_costs = load_costs  # worker id → tokens its adapter or model load costs
         self.prompt_tokens = q.prompt_tokens
         self.blocks: dict[int, int] = {}  # slot → leading cached blocks
         self.done = 0  # slots walked so far
@@ -584,8 +619,11 @@ class _Ctx:
     def cached(self, w: FleetWorker) -> int:
         return min(self.blocks.get(w.slot, 0) * w.block_size, self.prompt_tokens)
 
-    def lora_penalty(self, w: FleetWorker) -> float:
-        return self.lora_costs.get(w.worker_id, 0.0) if self.lora_costs else 0.0
+    def load_penalty(self, w: FleetWorker) -> float:
+        return self.load_costs.get(w.worker_id, 0.0) if self.load_costs else 0.0
+
+    def load_penalty_of(self, worker_id: str) -> float:
+        return self.load_costs.get(worker_id, 0.0)
 
     def prefill_cost(self, w: FleetWorker) -> int:
         """Prefill tokens ahead of the request's first token on ``w``: what its TTFT grows with."""
@@ -598,7 +636,7 @@ class _Ctx:
         cached = min(self.blocks.get(w.slot, 0) * w.kv.block_size, prompt)
         queued = (g.queued_prefill_tokens if g is not None else 0) + w.opt_prefill_tokens
         running = (g.running_tokens if g is not None else 0) + w.opt_running_tokens
-        penalty = self.lora_costs.get(w.worker_id, 0.0) if self.lora_costs else 0
+        penalty = self.load_costs.get(w.worker_id, 0.0) if self.load_costs else 0
         return prompt - cached + queued + self.cfg.beta * running + penalty
 
     def candidate(self, w: FleetWorker, cost: float) -> Candidate:

@@ -353,7 +353,9 @@ class RouterService(Service):
             # Its gateway stopped waiting for us (we were stalled): it places the request
             # itself, so forwarding it now could run it twice.
             raise MeshError(f"request {request.request_id} is past its placement deadline", code=ErrorCode.TIMEOUT)
-        forward = request if decision.model == request.model else msgspec.structs.replace(request, model=decision.model)
+        forward = request
+        if decision.model != request.model or decision.pinned_models:
+            forward = msgspec.structs.replace(request, model=decision.model, pinned_models=list(decision.pinned_models))
         s = self.bus.subjects
         try:
             await self.bus.request(s.worker_generate(decision.worker_id), forward, ControlReply,

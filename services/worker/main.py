@@ -7,12 +7,18 @@ engine's options. Engine options left unset keep the engine's own defaults.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bus import RunOptions, run_service
+from bus import RunOptions, run_service, run_services
 from services.common.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+from .engines.hosted import LOAD_PRESETS
+
+GIB = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +59,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")
     vllm.add_argument("--engine-config", default=None, metavar="FILE",
                       help="JSON or TOML file of engine arguments by vLLM name; flags override it")
+    host = parser.add_argument_group(
+        "hot-swap host (several models sharing this worker's memory, loaded on demand; DESIGN.md, Many models per GPU)")
+    host.add_argument("--host-models", default="", metavar="NAME[=GIB],...",
+                      help="the models this host may hold, with their weights in GiB (sim; default: the profile's);"
+                           " vllm: NAME=DIR. Replaces --model: one worker entry per model")
+    host.add_argument("--host-memory-gib", type=float, default=None,
+                      help="memory the resident models share (default: room for two of the largest)")
+    host.add_argument("--kv-gib", type=float, default=0.0, help="memory each resident model's KV cache takes beside its weights")
+    host.add_argument("--load-from", choices=sorted(LOAD_PRESETS), default="nvme",
+                      help="where weights load from: " + ", ".join(f"{k} {v:g} GB/s" for k, v in LOAD_PRESETS.items()))
+    host.add_argument("--load-gb-per-s", type=float, default=None, help="the load bandwidth, overriding --load-from")
+    host.add_argument("--load-overhead-s", type=float, default=2.0,
+                      help="engine start-up on top of the transfer (sim: simulated seconds)")
+    host.add_argument("--idle-unload-s", type=float, default=0.0,
+                      help="unload a model idle this long unless pinned (scale to zero per model; 0: only evict)")
+    host.add_argument("--preload", default="", metavar="NAME,...", help="models loaded at start")
     parsers = parser.add_argument_group("output parsers (vLLM's names; the gateway applies them to this model's text)")
     parsers.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
                          help="finds tool calls in the output for tool_choice auto (default: hermes for sim, none for"
@@ -164,5 +186,75 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser or "",
     )
     options = RunOptions.from_args(args)
+    if args.host_models:
+        return run_services(lambda: [WorkerService(engine, replace(config, worker_id=worker_id), options.settings)
+                                     for worker_id, engine in host_engines(args)], options)
     return run_service(lambda: WorkerService(create_engine(args.engine, **engine_options(args)), config, options.settings), options)
+
+
+def parse_host_models(text: str) -> list[tuple[str, str]]:
+    """``NAME[=VALUE],...`` → [(name, value or "")], names unique."""
+    out: list[tuple[str, str]] = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if not name or any(name == n for n, _ in out):
+            raise SystemExit(f"--host-models: {item.strip()!r} is empty or named twice")
+        out.append((name, value.strip()))
+    if not out:
+        raise SystemExit("--host-models names no model")
+    return out
+
+
+def host_engines(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """One ``HostedEngine`` per model of ``--host-models``, sharing one ``ModelHost``;
+    (worker id, engine) pairs."""
+    import os
+    import socket
+
+    from .engines.base import create_engine
+    from .engines.hosted import HostedEngine, ModelHost
+    from .engines.sim_profile import DEFAULT_PROFILE, load_profile
+
+    models = parse_host_models(args.host_models)
+    bandwidth = args.load_gb_per_s if args.load_gb_per_s is not None else LOAD_PRESETS[args.load_from]
+    if bandwidth <= 0 or args.load_overhead_s < 0 or args.kv_gib < 0 or args.idle_unload_s < 0:
+        raise SystemExit("--load-gb-per-s must be > 0; --load-overhead-s, --kv-gib and --idle-unload-s ≥ 0")
+    specs: list[tuple[str, float, dict[str, Any]]] = []  # name, weights GiB, engine options
+    for name, value in models:
+        options = dict(engine_options(args), model=name)
+        if args.engine == "vllm":
+            if not value:
+                raise SystemExit(f"--host-models: {name} needs its weights directory (NAME=DIR) with --engine vllm")
+            options.update(model_dir=value, served_model_name=name)
+            weights = sum(f.stat().st_size for f in Path(value).rglob("*.safetensors")) / GIB if Path(value).is_dir() else 0.0
+        else:
+            try:
+                weights = float(value) if value else load_profile(options.get("profile") or DEFAULT_PROFILE).memory.weights_bytes / GIB
+            except ValueError:
+                raise SystemExit(f"--host-models: {name}={value}: the weights must be GiB (a number)") from None
+        specs.append((name, weights, options))
+    largest = max(w for _, w, _ in specs) + args.kv_gib
+    memory = args.host_memory_gib if args.host_memory_gib is not None else 2 * largest
+    host_id = args.worker_id or f"host-{socket.gethostname()[:16]}-{os.getpid()}"
+    host = ModelHost(host_id, memory, idle_unload_s=args.idle_unload_s)
+    speed = float(args.speed or 1.0) if args.engine == "sim" else 1.0
+    preload = {n.strip() for n in args.preload.split(",") if n.strip()}
+    unknown = preload - {n for n, _ in models}
+    if unknown:
+        raise SystemExit(f"--preload names models not in --host-models: {', '.join(sorted(unknown))}")
+    out: list[tuple[str, Any]] = []
+    for name, weights, options in specs:
+        transfer_s = weights * GIB / (bandwidth * 1e9) + args.load_overhead_s
+        sim = args.engine == "sim"
+        try:
+            engine = HostedEngine(host, functools.partial(create_engine, args.engine, **options), footprint_gib=weights + args.kv_gib,
+                                  load_s=transfer_s / speed, extra_load_s=transfer_s / speed if sim else 0.0,
+                                  preload=name in preload)
+        except ValueError as exc:
+            raise SystemExit(f"--host-models: {exc}") from None
+        out.append((f"{host_id}-{name.rsplit('/', 1)[-1].lower().replace('.', '-')}", engine))
+    return out
 

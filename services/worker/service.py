@@ -165,6 +165,7 @@ class WorkerService(Service):
             max_lora_rank=int(self.engine.lora_runtime["max_lora_rank"]),
             lora_load_gb_per_s=self.engine.lora_runtime["lora_load_gb_per_s"],
             lora_host_gb_per_s=self.engine.lora_runtime["lora_host_gb_per_s"],
+            **self.engine.hosting,  # type: ignore[arg-type]
             tokenizer=self.engine.tokenizer_spec,
             tool_parser=self.config.tool_parser,
             reasoning_parser=self.config.reasoning_parser,
@@ -364,6 +365,7 @@ class WorkerService(Service):
             lora_size_bytes=request.lora_size_bytes,
             lora_path=request.lora_path,
             output_offset=choice.prior,
+            pinned_models=request.pinned_models,
         )
         coalescer = Coalescer(self.config.coalesce_interval_s, self.config.coalesce_max_tokens)
         prompt_logprobs = None

@@ -57,6 +57,8 @@ class EngineRequest:
     lora_size_bytes: int = 0  # a runtime adapter's weights (engines that load adapters on demand)
     lora_path: str = ""  # and where they are (the adapter registry's path)
     output_offset: int = 0
+    # Hot-swap hosts: models that must not be evicted to load this one (the router's pin list).
+    pinned_models: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,6 +119,10 @@ class EngineStats:
     lora_adapters: list[str] = field(default_factory=list)
     lora_cached: list[str] = field(default_factory=list)  # adapters in host memory only: a fast load
     kv_events_mode: str = "engine"  # "predicted" when the engine emits no KV events itself
+    # Hot-swap entries (``hosted.HostedEngine``); "" on an engine that is always resident.
+    residency: str = ""
+    load_remaining_s: float = 0.0
+    idle_s: float = 0.0
 
     def gauge_fields(self) -> dict[str, Any]:
         """Keyword arguments for ``proto.WorkerGauge`` (copies, safe to hand over)."""
@@ -173,6 +179,12 @@ class Engine(ABC):
         0: only the start-up adapters), ``max_lora_rank``, ``lora_load_gb_per_s`` and
         ``lora_host_gb_per_s``."""
         return {"max_loras": 0, "max_lora_rank": 0, "lora_load_gb_per_s": 0.0, "lora_host_gb_per_s": 0.0}
+
+    @property
+    def hosting(self) -> dict[str, float | str]:
+        """Hot-swap: ``WorkerInfo``'s ``host_id``, ``host_memory_gib``, ``footprint_gib``
+        and ``load_s``; empty for an engine that is always resident."""
+        return {}
 
     @property
     @abstractmethod

@@ -1,0 +1,225 @@
+"""Hot-swap (issue 21, part 2): the eviction rule, a host of sim models loading and
+evicting on demand, and the router's pricing of loads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from proto.messages import AllCleared, KvEvent, SamplingParams, WorkerGauge, WorkerInfo
+from services.common.fleet import FleetView
+from services.common.residency import ResidentModel, busiest, idle_expired, victims
+from services.router.hotswap import Demand, swap_costs
+from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
+from services.worker.engines.base import EngineOutput, EngineRequest
+from services.worker.engines.hosted import HostedEngine, ModelHost
+from services.worker.engines.sim import SimEngine
+from tests.conftest import eventually
+
+SPEED = 200.0
+
+
+# ---- the rule --------------------------------------------------------------------------
+def test_victims_are_the_least_recently_used_idle_unpinned_models() -> None:
+    resident = [ResidentModel("a", 10, busy=False, idle_s=5), ResidentModel("b", 10, busy=False, idle_s=50),
+                ResidentModel("c", 10, busy=True, idle_s=0)]
+    assert victims(resident, 10, 40) == []  # fits in what is free
+    assert victims(resident, 10, 30) == ["b"]  # the least recently used
+    assert victims(resident, 10, 30, pinned=["b"]) == ["a"]  # a pinned one stays
+    assert victims(resident, 20, 30) == ["b", "a"]
+    assert victims(resident, 20, 30, pinned=["a"]) is None  # c is busy, a pinned: no room now
+    assert victims(resident, 31, 30) is None  # never fits
+
+
+def test_idle_models_unload_unless_pinned_and_the_busiest_are_ranked() -> None:
+    resident = [ResidentModel("a", 1, busy=False, idle_s=120), ResidentModel("b", 1, busy=False, idle_s=10),
+                ResidentModel("c", 1, busy=True, idle_s=0), ResidentModel("d", 1, busy=False, idle_s=300)]
+    assert idle_expired(resident, 60) == ["a", "d"]
+    assert idle_expired(resident, 60, pinned=["d"]) == ["a"]
+    assert idle_expired(resident, 0) == []  # 0: only evictions
+    assert busiest({"a": 1.0, "b": 3.0, "c": 3.0, "d": 0.0}, 2) == ["b", "c"]
+    assert busiest({"a": 1.0}, 0) == []
+    demand = Demand(window_s=10.0)
+    for _ in range(5):
+        demand.add("hot", 0.0)
+    demand.add("cold", 0.0)
+    assert demand.busiest(1, 1.0) == ["hot"]
+    assert demand.busiest(1, 1.0, among=["cold"]) == ["cold"]
+    assert demand.rates(100.0)["hot"] < 1e-3  # decays
+
+
+# ---- a host of sim engines ---------------------------------------------------------------
+def host_of(memory_gib: float, *models: str, load_s: float = 0.05, idle_unload_s: float = 0.0,
+            speed: float = SPEED) -> dict[str, HostedEngine]:
+    host = ModelHost("h1", memory_gib, idle_unload_s=idle_unload_s)
+    return {m: HostedEngine(host, lambda m=m: SimEngine(model=m, profile="tiny-test", speed=speed),  # type: ignore[misc]
+                            footprint_gib=10, load_s=load_s, extra_load_s=load_s) for m in models}
+
+
+def request(rid: str, n: int = 8, max_tokens: int = 4, pinned: list[str] | None = None) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=[40 + i % 50 for i in range(n)],
+                         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), pinned_models=pinned or [])
+
+
+async def run(engine: HostedEngine, r: EngineRequest) -> list[EngineOutput]:
+    async with contextlib.aclosing(engine.generate(r)) as stream:
+        return [o async for o in stream]
+
+
+async def test_a_cold_model_loads_on_demand_and_the_least_recently_used_one_is_evicted() -> None:
+    e = host_of(20, "a", "b", "c")
+    host = e["a"].host
+    for m in e.values():
+        await m.start()
+    events: list[list[KvEvent]] = []
+
+    async def collect_a() -> None:
+        async for batch in e["a"].kv_events():
+            events.append(batch)
+
+    consumer = asyncio.create_task(collect_a())
+    try:
+        assert e["a"].stats().residency == "cold"
+        stream = e["a"].generate(request("r1"))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)
+        s = e["a"].stats()  # the request waits, counted, while its model loads
+        assert (s.residency, s.waiting, s.queued_prefill_tokens) == ("loading", 1, 8)
+        assert 0 < s.load_remaining_s <= 0.05
+        outs = [await first] + [o async for o in stream]
+        assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 4
+        assert e["a"].stats().residency == "resident"
+        await asyncio.sleep(0.01)
+        assert (await run(e["b"], request("r2")))[-1].finish_reason == "length"
+        assert (host.loads, host.evictions) == (2, 0)
+        # c needs room: a is the least recently used
+        assert (await run(e["c"], request("r3")))[-1].finish_reason == "length"
+        assert [m for m, x in e.items() if x.residency == "resident"] == ["b", "c"]
+        assert (host.loads, host.evictions) == (3, 1)
+        await asyncio.sleep(0.01)
+        assert any(isinstance(ev, AllCleared) for batch in events for ev in batch)  # a's cache went with it
+        assert e["a"].kv_snapshot() == []
+        # pinned c: loading a evicts b although c was used last... and b was used before c
+        await asyncio.sleep(0.01)
+        assert (await run(e["b"], request("r4")))[-1].finish_reason == "length"  # b is now the most recent
+        assert (await run(e["a"], request("r5", pinned=["b"])))[-1].finish_reason == "length"
+        assert [m for m, x in e.items() if x.residency == "resident"] == ["a", "b"]
+    finally:
+        for m in e.values():
+            await m.shutdown()
+        await consumer
+
+
+async def test_a_model_in_use_is_not_evicted_under_its_requests() -> None:
+    e = host_of(10, "a", "b", speed=1.0)  # room for one; real time: a's request takes ~0.5 s
+    for m in e.values():
+        await m.start()
+    try:
+        long = asyncio.create_task(run(e["a"], request("long", max_tokens=400)))
+        await eventually(lambda: e["a"].stats().running == 1, what="a's request running")
+        short = asyncio.create_task(run(e["b"], request("b1")))
+        await asyncio.sleep(0.1)
+        assert not long.done() and not short.done() and e["b"].stats().waiting == 1  # waits for a to go idle
+        assert (await long)[-1].finish_reason == "length"  # a finished whole
+        assert (await short)[-1].finish_reason == "length"
+        assert e["a"].residency == "cold" and e["b"].residency == "resident"
+    finally:
+        for m in e.values():
+            await m.shutdown()
+
+
+async def test_idle_models_unload_a_failed_load_fails_its_request_and_aborts_reach_waiters() -> None:
+    e = host_of(20, "a", "b", idle_unload_s=0.2)
+    for m in e.values():
+        await m.start()
+    try:
+        await run(e["a"], request("r1"))
+        assert e["a"].residency == "resident"
+        await eventually(lambda: e["a"].residency == "cold", what="a unloaded")  # scaled to zero
+
+        def broken() -> SimEngine:
+            raise RuntimeError("weights missing")
+
+        e["b"]._factory = broken
+        e["b"].inner = SimEngine(model="b", profile="tiny-test", speed=SPEED)
+        e["b"].inner.start = broken  # type: ignore[method-assign,assignment]
+        with pytest.raises(RuntimeError):
+            e["b"]._factory()
+        out = await run(e["b"], request("r2"))
+        assert out[-1].finish_reason == "error" and "loading b failed" in (out[-1].error or "")
+        assert (await run(e["a"], request("r3")))[-1].finish_reason == "length"  # the host serves on
+        # an abort reaches a request waiting for its load
+        e2 = host_of(20, "x", load_s=0.5)
+        await e2["x"].start()
+        task = asyncio.create_task(run(e2["x"], request("w1")))
+        await asyncio.sleep(0.05)
+        await e2["x"].abort("w1")
+        assert (await task)[-1].finish_reason == "abort"
+        await e2["x"].shutdown()
+    finally:
+        e["b"]._factory = lambda: SimEngine(model="b", profile="tiny-test", speed=SPEED)
+        for m in e.values():
+            await m.shutdown()
+
+
+# ---- the router ----------------------------------------------------------------------------
+def hosted(view: FleetView, wid: str, model: str, host: str, residency: str, *, busy: int = 0, idle_s: float = 0.0,
+           queued: int = 0, load_s: float = 2.0) -> None:
+    view.update_worker(WorkerInfo(worker_id=wid, model=model, engine="sim", state="ready", block_size=16,
+                                  host_id=host, host_memory_gib=20, footprint_gib=10, load_s=load_s), 0.0)
+    view.apply_gauge(WorkerGauge(worker_id=wid, model=model, ts=1.0, running=busy, queued_prefill_tokens=queued,
+                                 prefill_tokens_per_s=10_000, residency=residency, idle_s=idle_s), 0.0)
+
+
+def query(rid: str, model: str) -> RouteQuery:
+    return RouteQuery.of(rid, model, [40 + i for i in range(64)], max_tokens=8)
+
+
+def test_the_router_prices_loads_and_never_evicts_a_pinned_or_busy_model() -> None:
+    view = FleetView()
+    # host h1 holds a and b; h2 holds c and is half empty; each may hold a, b, c or d
+    for m, state1, state2 in (("a", "resident", "cold"), ("b", "resident", "cold"), ("c", "cold", "resident"),
+                              ("d", "cold", "cold")):
+        hosted(view, f"h1-{m}", m, "h1", state1, idle_s=30 if m == "a" else 5)
+        hosted(view, f"h2-{m}", m, "h2", state2, idle_s=1)
+    router = Router(view, RouterConfig(default=PolicyConfig(policy="prefix"), pin_top=1))
+    d = router.decide(query("r1", "a"), 1.0)
+    assert isinstance(d, RouteDecision) and d.worker_id == "h1-a" and d.load_tokens == 0  # resident: no load
+    # d is cold everywhere: h2 has room (a load without an eviction) and wins over h1 (must evict)
+    costs = swap_costs([w for w in view.pool("d") or []], view, [])
+    assert costs.costs == {"h1-d": pytest.approx(2.0 * 10_000 * 1.5), "h2-d": pytest.approx(2.0 * 10_000)}
+    d = router.decide(query("r2", "d"), 1.0)
+    assert isinstance(d, RouteDecision) and d.worker_id == "h2-d" and d.load_tokens == pytest.approx(20_000)
+    # with h2 full of busy work, d goes to h1, which evicts a model: b pinned, so a would go
+    hosted(view, "h2-d", "d", "h2", "cold")
+    hosted(view, "h2-c", "c", "h2", "resident", busy=3)
+    view.update_worker(WorkerInfo(worker_id="h2-c", model="c", engine="sim", state="ready", block_size=16, host_id="h2",
+                                  host_memory_gib=10, footprint_gib=10, load_s=2.0), 0.0)
+    view.update_worker(WorkerInfo(worker_id="h2-d", model="d", engine="sim", state="ready", block_size=16, host_id="h2",
+                                  host_memory_gib=10, footprint_gib=10, load_s=2.0), 0.0)
+    costs = swap_costs([w for w in view.pool("d") or []], view, ["b"])
+    assert costs.blocked == frozenset({"h2-d"})  # c is busy: h2 cannot make room now
+    for _ in range(5):
+        router.commit(RouteDecision("x", "b", "h1-b", "prefix", 0, 0.0, 64, 72), 1.0)
+    assert router.pinned(1.0) == ["b"]
+    d = router.decide(query("r3", "d"), 1.0)
+    assert isinstance(d, RouteDecision) and d.worker_id == "h1-d" and d.pinned_models == ("b",)
+    # every candidate blocked: the request still goes somewhere (it waits there), priced high
+    hosted(view, "h1-a", "a", "h1", "resident", busy=1)
+    hosted(view, "h1-b", "b", "h1", "resident", busy=1)
+    d = router.decide(query("r4", "d"), 1.0)
+    assert isinstance(d, RouteDecision) and d.worker_id in ("h1-d", "h2-d")
+
+
+def test_a_cold_replica_takes_traffic_once_the_resident_ones_queue_more_than_a_load() -> None:
+    view = FleetView()
+    hosted(view, "h1-a", "a", "h1", "resident", queued=5_000)
+    hosted(view, "h2-a", "a", "h2", "cold", load_s=1.0)
+    router = Router(view, RouterConfig(default=PolicyConfig(policy="prefix", balance_factor=0)))
+    d = router.decide(query("r1", "a"), 1.0)
+    assert isinstance(d, RouteDecision) and d.worker_id == "h1-a"  # 5k queued < a 10k-token load
+    hosted(view, "h1-a", "a", "h1", "resident", queued=20_000)
+    d = router.decide(query("r2", "a"), 1.0)
+    assert isinstance(d, RouteDecision) and d.worker_id == "h2-a"  # the hot model spreads
