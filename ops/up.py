@@ -167,7 +167,8 @@ class Mesh:
 
     def worker_process(self, index: int) -> ServiceProcess:
         c = self.config
-        worker_id = f"{Path(c.model).name or 'model'}-w{index}"
+        hosted = "--host-models" in c.worker_args
+        worker_id = f"host-w{index}" if hosted else f"{Path(c.model).name or 'model'}-w{index}"
         if c.engine == "vllm":
             argv = ["--engine", "vllm", "--model", c.model, "--worker-id", worker_id,
                     *(["--model-dir", c.model_dir] if c.model_dir else []), *c.worker_args]

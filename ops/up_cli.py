@@ -45,6 +45,9 @@ def add_parser(subparsers: Any) -> None:
                         help="workers to start (default: 2 sim, 1 vllm); 0 starts none and waits for yours")
     parser.add_argument("--speed", type=float, default=1.0, help="sim speed factor (1.0 = real time)")
     parser.add_argument("--profile", default=None, help="sim step-time profile")
+    parser.add_argument("--host-models", default=None, metavar="NAME[=GIB],...",
+                        help="make each worker a hot-swap host of these sim models (memory for two, loaded on"
+                             " demand; DESIGN.md, Many models per GPU); a fixed set of --workers hosts")
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for each worker (repeat), e.g. --worker-arg=--max-model-len=4096")
     parser.add_argument("--no-autoscaler", action="store_true",
@@ -82,6 +85,12 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
                            "make one with: meshserve make-tiny-model ./tiny-llama")
     workers = args.workers if args.workers is not None else (1 if vllm else 2)
     model = args.model or "sim-llama-8b"
+    hosted = getattr(args, "host_models", None)
+    if hosted:
+        if vllm:
+            raise StartupError("--host-models starts sim hosts; for vLLM, start hosts with "
+                               "meshserve serve worker --engine vllm --host-models NAME=DIR,...")
+        model = hosted.split(",")[0].split("=")[0].strip()
     config = MeshConfig(
         state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
         model=model, workers=workers, speed=args.speed, profile=args.profile, nats_url=args.nats_url,
@@ -89,9 +98,11 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
     )
     if vllm:
         config.worker_args = ["--kv-events", "auto", *config.worker_args]
+    if hosted:
+        config.worker_args = ["--host-models", hosted, *config.worker_args]
     # The autoscaler owns a sim pool: it starts --workers replicas and scales with the queue. A vLLM
     # engine takes a minute and most of a laptop's memory to start, so those workers are a fixed set.
-    autoscaled = not (args.no_autoscaler or vllm or workers == 0)
+    autoscaled = not (args.no_autoscaler or vllm or workers == 0 or hosted)
     services = [s for s in config.services if s != "worker" or (not autoscaled and workers > 0)]
     if autoscaled:
         services.append("autoscaler")

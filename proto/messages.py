@@ -437,7 +437,9 @@ def segment_usage(usage: Usage, migrations: int) -> Usage:
 
 class ControlCommand(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION
-    command: Literal["drain", "stop", "status"]
+    # load: a hot-swap entry loads its model now, if its host has room (admission refused
+    # a request for the load's time; its retry then finds the model loading or resident)
+    command: Literal["drain", "stop", "status", "load"]
     timeout_s: float = 60.0
     reason: str = ""
 

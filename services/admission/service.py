@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ from bus.provision import ensure_kv
 from proto import (
     AdmissionDecision,
     AdmissionRequest,
+    ControlCommand,
+    ControlReply,
     DecodeError,
     ErrorCode,
     MeshError,
@@ -85,11 +88,12 @@ from proto import (
 )
 from proto.subjects import Subjects
 from services.common.feed import FleetFeed
+from services.common.residency import residency, swap_costs
 
 from .buckets import InvalidLimits, Limiter, LimiterConfig, LimiterState
 from .policy import AdmissionPolicy
 from .replicas import BookConfig, ReplicaBook
-from .slo import SloAdmitter, SloConfig, TierSLO
+from .slo import ReplicaLoad, SloAdmitter, SloConfig, TierSLO
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.admission")
@@ -290,6 +294,9 @@ class AdmissionService(Service):
         self._usage_sub: Subscription | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._role_lock = asyncio.Lock()
+        self._warming: dict[str, float] = {}  # worker id → until when a load it was asked for counts
+        self._background: set[asyncio.Task[None]] = set()
+        self.warm_requests = 0
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
         self.admitted = 0
@@ -332,7 +339,7 @@ class AdmissionService(Service):
         await self.stop_endpoints()
 
     async def on_stop(self) -> None:
-        await cancel_and_wait(self._loops)
+        await cancel_and_wait([*self._loops, *self._background])
         await self.feed.stop()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
@@ -350,6 +357,7 @@ class AdmissionService(Service):
             "replicas": len(self.book),
             "registry_synced": self.feed.registry_synced,
             "slo_skipped": self.policy.slo_skipped,  # admitted on quota alone, before the registry was read
+            "warm_requests": self.warm_requests,  # hot-swap loads asked for after a refusal for a load's time
             "ttft_calibration": {t.name: self.policy.slo.calibration.factor(t.name) for t in self.policy.slo.config.tiers},
             "ttft_overhead_s": self.policy.slo.overhead(),
             "prediction_error": self.policy.prediction_errors(),  # predicted / actual TTFT per tier
@@ -547,7 +555,40 @@ class AdmissionService(Service):
             reason = decision.reason or "unknown"
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
             self.metrics.decisions.labels(tier=tier, outcome=reason).inc()
+            if verdict is not None and verdict.worker_id is not None:
+                self._warm_if_cold(req, verdict.worker_id, replicas or [], mono)
         return decision
+
+    def _warm_if_cold(self, req: AdmissionRequest, refused_on: str, replicas: list[ReplicaLoad], mono: float) -> None:
+        """Refused for a hot-swap model's load time: have the replica the router would
+        load it on (room first, no busy or pinned model in the way) load it now, so the
+        client's retry after Retry-After finds it loading or resident, rather than every
+        request for a quiet model being refused while nothing ever loads it. Nothing when
+        a load is under way already, or the best replica needed none (a queue refusal)."""
+        best = next((r for r in replicas if r.worker_id == refused_on), None)
+        pool = self.book.pool(req.model)
+        if best is None or best.load_s <= 0 or pool is None:
+            return
+        entries = list(pool)
+        if any(residency(w) == "loading" for w in entries) or any(
+                self._warming.get(w.worker_id, -math.inf) > mono for w in entries):
+            return
+        costs = swap_costs(entries, self.book, [])
+        open_ = {wid: c for wid, c in costs.costs.items() if wid not in costs.blocked}
+        if not open_:
+            return
+        worker_id = min(open_, key=lambda wid: (open_[wid], wid))
+        self._warming[worker_id] = mono + max(best.load_s, 1.0)
+        self.warm_requests += 1
+
+        async def load() -> None:
+            with contextlib.suppress(Exception):
+                await self.bus.request(self.bus.subjects.worker_control(worker_id), ControlCommand(command="load"),
+                                       ControlReply, timeout=2.0)
+
+        task = asyncio.create_task(load(), name=f"warm-{worker_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- metrics endpoint -------------------------------------------------------------
 __all__ = [

@@ -8,6 +8,18 @@ are idle (no request running or waiting) and not pinned, until the new one fits.
 model in use is never evicted under its requests; a pinned one (the fleet's busiest,
 named by the router) is never evicted at all, which stops a burst of quiet models from
 pushing out the models most requests need (anti-thrash). Pure and synchronous.
+
+Placement (``swap_costs``, read by the router and by admission): an entry whose model is
+resident costs nothing extra; one loading costs the seconds its load has left; a cold
+one costs the load's seconds, half as much again when the host must evict a model for it
+(someone reloads that later), and cannot take the request at all while every model it
+would have to evict is busy or pinned (``blocked``: the request would wait on a model's
+requests to finish). Seconds become prefill tokens (the router's cost unit) at the
+pool's measured prefill rate, so a model's traffic stays on its resident replicas until
+their queues cost more than a load elsewhere, and a hot model spreads to more hosts as
+its traffic grows. The forecast is the host's own rule applied to the entries' gauges,
+with the placements the gauges do not show yet counted as work: a model just placed on
+is loading and busy.
 """
 
 from __future__ import annotations
@@ -85,3 +97,63 @@ def residency(w: FleetWorker) -> str:
 
 def is_hosted(w: FleetWorker) -> bool:
     return w.info is not None and bool(w.info.host_id)
+
+
+# Prefill tokens per second a load's seconds are priced at before any gauge measured a
+# rate (an 8B model on an H100 prefills ~12k tokens/s: profiles/llama-3.1-8b-h100).
+DEFAULT_SWAP_TOKENS_PER_S = 10_000.0
+EVICTION_FACTOR = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class SwapCosts:
+    costs: dict[str, float]  # worker id → tokens its model's load costs (resident: absent)
+    blocked: frozenset[str]  # cold entries whose host cannot make room now
+
+
+def swap_costs(eligible: Sequence[FleetWorker], fleet: Iterable[FleetWorker], pinned: Sequence[str]) -> SwapCosts:
+    """Load costs of the hot-swap entries among ``eligible``; ``fleet``: every worker
+    the view holds (each entry's host siblings are among them)."""
+    hosts = {w.info.host_id for w in eligible if w.info is not None and w.info.host_id}
+    if not hosts:
+        return SwapCosts({}, frozenset())
+    siblings: dict[str, list[FleetWorker]] = {h: [] for h in hosts}
+    rate = 0.0
+    for w in fleet:
+        if w.info is not None and w.info.host_id in siblings:
+            siblings[w.info.host_id].append(w)
+            if w.gauge is not None:
+                rate = max(rate, w.gauge.prefill_tokens_per_s)
+    for w in eligible:
+        if w.gauge is not None:
+            rate = max(rate, w.gauge.prefill_tokens_per_s)
+    rate = rate or DEFAULT_SWAP_TOKENS_PER_S
+    costs: dict[str, float] = {}
+    blocked: set[str] = set()
+    for w in eligible:
+        info = w.info
+        if info is None or not info.host_id:
+            continue
+        state = residency(w)
+        if state == "resident":
+            continue
+        if state == "loading":
+            g = w.gauge
+            left = g.load_remaining_s if g is not None and g.residency == "loading" else info.load_s
+            costs[w.worker_id] = left * rate
+            continue
+        resident = [_resident(s) for s in siblings[info.host_id] if s is not w and residency(s) in ("resident", "loading")]
+        out = victims(resident, info.footprint_gib, info.host_memory_gib, [*pinned, w.model])
+        if out is None:
+            blocked.add(w.worker_id)
+            costs[w.worker_id] = info.load_s * rate * EVICTION_FACTOR * 2
+        else:
+            costs[w.worker_id] = info.load_s * rate * (EVICTION_FACTOR if out else 1.0)
+    return SwapCosts(costs, frozenset(blocked))
+
+
+def _resident(w: FleetWorker) -> ResidentModel:
+    g = w.gauge
+    busy = residency(w) == "loading" or bool(w.placements) or (g is not None and (g.waiting or g.running) > 0)
+    return ResidentModel(w.model, w.info.footprint_gib if w.info is not None else 0.0, busy=busy,
+                         idle_s=g.idle_s if g is not None else 0.0)

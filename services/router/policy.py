@@ -55,10 +55,10 @@ import xxhash
 
 from proto.messages import GenerateRequest, Placement
 from services.common.fleet import FleetView, FleetWorker, Pool, pack_prompt
-from services.common.residency import is_hosted
+from services.common.residency import is_hosted, swap_costs
 
 from .cascade import Cascade, CascadeConfig
-from .hotswap import Demand, swap_costs
+from .hotswap import Demand
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")

@@ -488,7 +488,11 @@ class WorkerService(Service):
             self.state = "draining"
             await self._heartbeat()
             self._state_changed.set()
-        await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state, in_flight=len(self._requests)))  # type: ignore[arg-type]
+        message = ""
+        if command.command == "load":
+            message = "loading" if self.state == "ready" and await self.engine.warm() else "not loading"
+        await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state,  # type: ignore[arg-type]
+                                                 in_flight=len(self._requests), message=message))
 
     async def handle_resend(self, resend: ChunkResend, msg: Msg) -> None:
         """Publish again the chunks a gateway is missing (it found a gap TOKENS cannot fill)."""

@@ -10,8 +10,8 @@ import pytest
 
 from proto.messages import AllCleared, KvEvent, SamplingParams, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
-from services.common.residency import ResidentModel, busiest, idle_expired, victims
-from services.router.hotswap import Demand, swap_costs
+from services.common.residency import ResidentModel, busiest, idle_expired, swap_costs, victims
+from services.router.hotswap import Demand
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.worker.engines.base import EngineOutput, EngineRequest
 from services.worker.engines.hosted import HostedEngine, ModelHost
@@ -223,3 +223,26 @@ def test_a_cold_replica_takes_traffic_once_the_resident_ones_queue_more_than_a_l
     hosted(view, "h1-a", "a", "h1", "resident", queued=20_000)
     d = router.decide(query("r2", "a"), 1.0)
     assert isinstance(d, RouteDecision) and d.worker_id == "h2-a"  # the hot model spreads
+
+
+# ---- the command line --------------------------------------------------------------------
+def test_serve_worker_host_models_builds_one_entry_per_model_sharing_one_host() -> None:
+    import argparse
+
+    from services.worker.main import add_arguments, host_engines
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--host-models", "small=8,big=30", "--host-memory-gib", "40", "--load-gb-per-s", "2",
+                              "--load-overhead-s", "1", "--speed", "10", "--worker-id", "gpu0", "--preload", "small"])
+    entries = dict(host_engines(args))
+    assert list(entries) == ["gpu0-small", "gpu0-big"]
+    small, big = entries["gpu0-small"], entries["gpu0-big"]
+    assert small.host is big.host and small.host.memory_gib == 40
+    assert small.hosting == {"host_id": "gpu0", "host_memory_gib": 40.0, "footprint_gib": 8.0,
+                             "load_s": pytest.approx((8 * (1 << 30) / 2e9 + 1) / 10)}
+    assert small.preload and not big.preload and small.model == "small"
+    for bad in (["--host-models", "a,a"], ["--host-models", "a=x"], ["--host-models", "a=50", "--host-memory-gib", "40"],
+                ["--host-models", "a", "--preload", "b"], ["--host-models", "a", "--load-gb-per-s", "0"]):
+        with pytest.raises(SystemExit):
+            host_engines(parser.parse_args(bad))

@@ -233,6 +233,7 @@ async def test_stats_are_gauge_fields_in_wall_clock_units() -> None:
         "waiting", "running", "queued_prefill_tokens", "running_tokens", "kv_blocks_total",
         "kv_blocks_used", "kv_usage", "prefix_hit_rate", "prefill_tokens_per_s",
         "decode_tokens_per_s", "step_time_s", "preemptions", "lora_adapters", "lora_cached", "kv_events_mode",
+        "residency", "load_remaining_s", "idle_s",
     }  # fmt: skip
     rates = {}
     for speed in (50.0, 100.0):

@@ -220,6 +220,11 @@ class Engine(ABC):
         the iteration in ``contextlib.aclosing`` when breaking out early.
         """
 
+    async def warm(self) -> bool:
+        """Start loading the model ahead of a request, where the engine loads on demand
+        (hot-swap); whether a load started. Always resident engines: False."""
+        return False
+
     @abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its stream ends with

@@ -160,6 +160,7 @@ class HostedEngine(Engine):
         self._aborted: set[str] = set()
         self._kv: asyncio.Queue[list[KvEvent] | None] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[None] | None = None
         self._closed = False
         host.add(self)
 
@@ -268,6 +269,10 @@ class HostedEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._warming
         for request_id in list(self._waiting):
             self._aborted.add(request_id)
         await self.host.notify()
@@ -306,6 +311,23 @@ class HostedEngine(Engine):
             self.in_use -= 1
             self.last_used = self.host.clock()
             await self.host.notify()
+
+    async def warm(self) -> bool:
+        """Load now, in the background, if the host has room without waiting."""
+        if self.residency != "cold" or self._closed or self._warming is not None:
+            return False
+        if victims(self.host.resident(), self.footprint_gib, self.host.memory_gib, [*self.host.pinned, self.model]) is None:
+            return False
+        self._warming = asyncio.create_task(self._warm(), name=f"{self.model}-warm")
+        return True
+
+    async def _warm(self) -> None:
+        try:
+            await self.host.ensure_resident(self, [])
+        except Exception:
+            log.exception("%s: loading %s ahead of its requests failed", self.host.host_id, self.model)
+        finally:
+            self._warming = None
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._waiting:
