@@ -66,9 +66,9 @@ async def mesh(bus_settings: BusSettings) -> AsyncIterator[Mesh]:
         await eventually(lambda: len(admission.book) == 6 and router.stats()["placeable"] == 6, what="six entries")
         yield hosts, workers, admission, router, gateway
     finally:
-        for service in reversed(started):
+        for running in reversed(started):
             with contextlib.suppress(Exception):
-                await service.drain_and_close()
+                await running.drain_and_close()
 
 
 async def test_models_load_where_there_is_room_and_a_load_past_the_slo_is_refused_then_served(
