@@ -260,9 +260,10 @@ class WorkerGauge(Struct, kw_only=True, omit_defaults=True):
     draining: bool = False
     lora_adapters: list[str] = []  # resident: usable without a load (static, or in a GPU slot)
     lora_cached: list[str] = []  # in host memory only: a fast load (engines that load at run time)
-    # Hot-swap entries: "resident", "loading" (``load_remaining_s`` to go) or "cold" (a
-    # request waits ``WorkerInfo.load_s`` and may evict another model); "" on a dedicated
-    # worker. ``idle_s``: since its last request ended (the host evicts least recently used).
+    # Hot-swap entries: "resident", "evicting" (resident, but its host waits to evict it
+    # once its requests end, to load another), "loading" (``load_remaining_s`` to go) or
+    # "cold" (a request waits ``WorkerInfo.load_s`` and may evict another model); "" on a
+    # dedicated worker. ``idle_s``: since its last request ended (the host evicts least recently used).
     residency: str = ""
     load_remaining_s: float = 0.0
     idle_s: float = 0.0

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from proto.messages import AdmissionRequest
 from services.common.fleet import FleetConfig, FleetView, FleetWorker
 from services.common.kvindex import KvIndexConfig
-from services.common.residency import residency
+from services.common.residency import load_left, residency
 
 from .slo import ReplicaLoad
 
@@ -115,9 +115,8 @@ def _load_s(w: FleetWorker) -> float:
     state = residency(w)
     if state == "cold" and w.info is not None:
         return w.info.load_s
-    if state == "loading" and w.info is not None:
-        g = w.gauge
-        return g.load_remaining_s if g is not None and g.residency == "loading" else w.info.load_s
+    if state == "loading":
+        return load_left(w)
     return 0.0
 
 

@@ -427,10 +427,10 @@ class Router:
                 + (f" with adapter {q.lora!r}" if q.lora else "")
                 + (f", {len(exclude)} excluded" if exclude else ""),
             )
-        pinned: list[str] = []
+        pins: dict[str, tuple[str, ...]] = {}
         if any(is_hosted(w) for w in eligible):
-            pinned = self.pinned(now)
-            swap = swap_costs(eligible, self.view, pinned)
+            swap = swap_costs(eligible, self.view, self.pinned(now))
+            pins = swap.pins
             if swap.blocked and len(swap.blocked) < len(eligible):
                 eligible = [w for w in eligible if w.worker_id not in swap.blocked]
             for wid, tokens in swap.costs.items():
@@ -445,8 +445,10 @@ class Router:
                 decision = self._prefix(model, eligible, ctx)
             case "session":
                 decision = self._session(model, eligible, ctx)
-        if pinned or load_costs:
-            decision = replace(decision, pinned_models=tuple(pinned), load_tokens=ctx.load_penalty_of(decision.worker_id))
+        if pins or load_costs:
+            chosen = self.view.worker(decision.worker_id)
+            host = chosen.info.host_id if chosen is not None and chosen.info is not None else ""
+            decision = replace(decision, pinned_models=pins.get(host, ()), load_tokens=ctx.load_penalty_of(decision.worker_id))
         return decision
 
     # ---- policies ----

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Literal
 
 from proto.messages import AllCleared, KvEvent, Timings
-from services.common.residency import ResidentModel, idle_expired, victims
+from services.common.residency import PIN_PATIENCE_S, ResidentModel, idle_expired, pins_honoured, victims
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats
 
@@ -49,12 +49,13 @@ class ModelHost:
     """The models of one host process and the memory they share."""
 
     def __init__(self, host_id: str, memory_gib: float, *, idle_unload_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 pin_patience_s: float = PIN_PATIENCE_S, clock: Callable[[], float] = time.monotonic) -> None:
         if memory_gib <= 0:
             raise ValueError("a host needs memory_gib > 0")
         self.host_id = host_id
         self.memory_gib = memory_gib
         self.idle_unload_s = idle_unload_s
+        self.pin_patience_s = pin_patience_s
         self.clock = clock
         self.entries: dict[str, HostedEngine] = {}
         self.pinned: list[str] = []  # the router's latest word on the fleet's busiest models
@@ -71,18 +72,21 @@ class ModelHost:
 
     def resident(self) -> list[ResidentModel]:
         now = self.clock()
-        return [ResidentModel(e.model, e.footprint_gib, busy=e.busy, idle_s=now - e.last_used)
+        return [ResidentModel(e.model, e.footprint_gib, busy=e.busy, idle_s=now - e.last_used,
+                              loading=e.residency == "loading")
                 for e in self.entries.values() if e.residency != "cold"]
 
     async def notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 
-    async def ensure_resident(self, entry: HostedEngine, pinned: list[str]) -> None:
+    async def ensure_resident(self, entry: HostedEngine, pinned: list[str] | None) -> None:
         """Return once ``entry``'s model is resident: loading it (and evicting others)
-        if needed, or waiting for a load under way or for a model to go idle."""
-        if pinned:
+        if needed, or waiting for a load under way or for a model to go idle. ``pinned``:
+        the router's latest word for this host (None: no word, keep the last)."""
+        if pinned is not None:
             self.pinned = list(pinned)
+        since = self.clock()
         while entry.residency != "resident":
             if entry.residency == "loading":
                 async with self._changed:
@@ -91,7 +95,8 @@ class ModelHost:
             async with self._load_lock:
                 if entry.residency != "cold":
                     continue
-                out = victims(self.resident(), entry.footprint_gib, self.memory_gib, [*self.pinned, entry.model])
+                keep = [*pins_honoured(self.pinned, self.clock() - since, self.pin_patience_s), entry.model]
+                out = victims(self.resident(), entry.footprint_gib, self.memory_gib, keep)
                 if out is not None:
                     entry.residency = "loading"
                     entry.load_started = self.clock()
@@ -104,10 +109,15 @@ class ModelHost:
                         await entry.load()
                         self.loads += 1
                     finally:
+                        for other in self.entries.values():
+                            other.evicting = False  # the next wait chooses again
                         await self.notify()
                     continue
-            # Every resident model is busy or pinned: wait for one to end a request (or
-            # for time to pass, which ages the idle ones).
+                # Every model that could make room is busy: they take no new work (the
+                # router sees "evicting") and go once their requests end.
+                for name in victims(self.resident(), entry.footprint_gib, self.memory_gib, keep, allow_busy=True) or []:
+                    self.entries[name].evicting = True
+            # Wait for a model to end a request (or for time to pass, which ages the idle ones).
             async with self._changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=1.0)
@@ -153,6 +163,7 @@ class HostedEngine(Engine):
         self.extra_load_s = extra_load_s
         self.preload = preload
         self.residency: Residency = "cold"
+        self.evicting = False  # chosen to make room once its requests end
         self.load_started = 0.0
         self.last_used = host.clock()
         self.in_use = 0
@@ -236,6 +247,7 @@ class HostedEngine(Engine):
         if self.residency == "cold":
             return None
         self.residency = "cold"
+        self.evicting = False
         inner, self.inner = self.inner, self._factory()
         return inner
 
@@ -263,7 +275,7 @@ class HostedEngine(Engine):
     async def start(self) -> None:
         await self.host.start()
         if self.preload:
-            await self.host.ensure_resident(self, [])
+            await self.host.ensure_resident(self, None)
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -323,7 +335,7 @@ class HostedEngine(Engine):
 
     async def _warm(self) -> None:
         try:
-            await self.host.ensure_resident(self, [])
+            await self.host.ensure_resident(self, None)
         except Exception:
             log.exception("%s: loading %s ahead of its requests failed", self.host.host_id, self.model)
         finally:
@@ -344,7 +356,7 @@ class HostedEngine(Engine):
         if self._waiting:
             stats.waiting += len(self._waiting)
             stats.queued_prefill_tokens += sum(self._waiting.values())
-        stats.residency = self.residency
+        stats.residency = "evicting" if self.evicting and self.residency == "resident" else self.residency
         if self.residency == "loading":
             stats.load_remaining_s = max(self.expected_load_s - (self.host.clock() - self.load_started), 0.0)
         stats.idle_s = 0.0 if self.busy else self.host.clock() - self.last_used
