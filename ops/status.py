@@ -3,6 +3,11 @@
 Asks ``mesh.autoscaler.status`` and prints, per pool, the replica counts, the signals of
 the last tick, the workers, drains in progress and the last decisions with their reasons;
 then the driver's health. ``--json`` prints the reply as JSON instead.
+
+A mesh without an autoscaler (``meshserve up --no-autoscaler``, hot-swap hosts, workers
+started by hand) still gets an answer: the workers' registry entries and one gauge of
+each, read directly (``workers_from_registry``), with hot-swap residency in the state
+column (``loading``, ``cold``, ``evicting``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import msgspec
 
 from bus import Bus
 from ops.console import CliError, mesh_bus, print_table
-from proto.autoscaler import AutoscalerStatus, AutoscalerStatusRequest, PoolStatus
+from proto.autoscaler import AutoscalerStatus, AutoscalerStatusRequest, PoolStatus, WorkerView
 from proto.errors import MeshError
 
 
@@ -47,14 +52,28 @@ def run_status(args: argparse.Namespace) -> int:
 
     apply_common_arguments(args)
 
-    async def main() -> AutoscalerStatus:
+    async def main() -> AutoscalerStatus | list[WorkerView]:
         async with mesh_bus("meshserve-status") as bus:
             try:
                 return await fetch_status(bus, args.pool, args.decisions, args.timeout)
             except MeshError as exc:
-                raise CliError(f"no autoscaler answered on {bus.subjects.autoscaler_status}: {exc}") from exc
+                workers = await workers_from_registry(bus, args.pool)
+                if not workers:
+                    raise CliError(f"no autoscaler answered on {bus.subjects.autoscaler_status} ({exc}),"
+                                   " and no worker is registered") from exc
+                return workers
 
     status = asyncio.run(main())
+    if isinstance(status, list):
+        if args.json:
+            sys.stdout.write(msgspec.json.format(msgspec.json.encode({"workers": status})).decode() + "\n")
+        else:
+            from rich.console import Console
+
+            console = Console()
+            console.print("no autoscaler on this mesh: the workers, from the registry and their gauges")
+            _print_workers(console, status, "workers")
+        return 0
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(status)).decode() + "\n")
     else:
@@ -118,16 +137,7 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
         )
         print_table(console, signals)
     if p.workers:
-        workers = Table(title="workers", title_justify="left")
-        for column in ("worker", "state", "running", "waiting", "running tok", "queued prefill", "KV", "gauge age", "ours"):
-            workers.add_column(column, justify="left" if column in ("worker", "state") else "right")
-        for w in p.workers:
-            workers.add_row(
-                w.worker_id, w.state, str(w.running), str(w.waiting), _num(w.running_tokens), _num(w.queued_prefill_tokens),
-                f"{w.kv_usage:.0%}", f"{w.gauge_age_s:.1f} s" if w.gauge_age_s is not None else "-",
-                "yes" if w.managed else "",
-            )
-        print_table(console, workers)
+        _print_workers(console, p.workers, "workers")
     for drain in p.drains:
         left = drain.deadline - now
         console.print(
@@ -144,3 +154,55 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
             decisions.add_row(_clock(r.at), action, f"{r.current} → {r.desired}", r.reason, r.outcome)
         print_table(console, decisions)
 
+
+def _print_workers(console: Any, views: list[WorkerView], title: str) -> None:
+    from rich.table import Table
+
+    workers = Table(title=title, title_justify="left")
+    for column in ("worker", "state", "running", "waiting", "running tok", "queued prefill", "KV", "gauge age", "ours"):
+        workers.add_column(column, justify="left" if column in ("worker", "state") else "right")
+    for w in views:
+        workers.add_row(
+            w.worker_id, w.state, str(w.running), str(w.waiting), _num(w.running_tokens), _num(w.queued_prefill_tokens),
+            f"{w.kv_usage:.0%}", f"{w.gauge_age_s:.1f} s" if w.gauge_age_s is not None else "-",
+            "yes" if w.managed else "",
+        )
+    print_table(console, workers)
+
+
+async def workers_from_registry(bus: Bus, model: str = "", listen_s: float = 1.0) -> list[WorkerView]:
+    """Every registered worker (of ``model``, if given) with its latest gauge heard within
+    ``listen_s``; a hot-swap entry that is ready but not resident shows its residency."""
+    import time
+
+    from ops.up import ready_workers
+    from proto.codec import decode
+    from proto.messages import WorkerGauge
+
+    gauges: dict[str, tuple[float, WorkerGauge]] = {}
+
+    async def on_gauge(msg: Any) -> None:
+        try:
+            g = decode(msg.data, WorkerGauge)
+        except Exception:  # a malformed gauge is the worker's problem, not the status's
+            return
+        gauges[g.worker_id] = (time.monotonic(), g)
+
+    sub = await bus.nc.subscribe(bus.subjects.gauges_all, cb=on_gauge)
+    try:
+        await asyncio.sleep(listen_s)
+    finally:
+        await sub.unsubscribe()
+    infos = [w for w in await ready_workers(bus) if not model or w.model == model]
+    now = time.monotonic()
+    views = []
+    for info in sorted(infos, key=lambda w: w.worker_id):
+        heard = gauges.get(info.worker_id)
+        g = heard[1] if heard else None
+        state = g.residency if g is not None and info.state == "ready" and g.residency not in ("", "resident") else info.state
+        views.append(WorkerView(
+            worker_id=info.worker_id, state=state, running=g.running if g else 0, waiting=g.waiting if g else 0,
+            running_tokens=g.running_tokens if g else 0, queued_prefill_tokens=g.queued_prefill_tokens if g else 0,
+            kv_usage=g.kv_usage if g else 0.0, gauge_age_s=(now - heard[0]) if heard else None,
+        ))
+    return views

@@ -423,12 +423,20 @@ class Mesh:
                 for i, n in enumerate(self.nats_nodes)]
         if not self.nats_nodes:
             rows.append(("NATS (not started here)", self.nats_url, "-"))
-        by_pid = {w.pid: w for w in self.workers}
+        by_pid: dict[int, list[WorkerInfo]] = {}
+        for w in self.workers:
+            by_pid.setdefault(w.pid, []).append(w)
         for p in self.processes:
             pid = p.proc.pid if p.proc else 0
-            w = by_pid.get(pid)
-            rows.append((f"{p.label} {w.worker_id}" if w else p.label,
-                         f"pid {pid or '-'}" + (f" ({w.engine}, {w.model})" if w else ""), str(p.log_file)))
+            entries = by_pid.get(pid, [])
+            if len(entries) > 1 or (entries and entries[0].host_id):  # a hot-swap host: one entry per model
+                models = ", ".join(sorted(w.model for w in entries))
+                rows.append((f"{p.label} {entries[0].host_id}", f"pid {pid} ({entries[0].engine}, hosts {models})",
+                             str(p.log_file)))
+                continue
+            one = entries[0] if entries else None
+            rows.append((f"{p.label} {one.worker_id}" if one else p.label,
+                         f"pid {pid or '-'}" + (f" ({one.engine}, {one.model})" if one else ""), str(p.log_file)))
         started_here = {p.proc.pid for p in self.processes if p.proc}
         for w in self.workers:
             if w.pid not in started_here:  # the autoscaler's workers, or ones started by hand

@@ -455,7 +455,10 @@ class AutoscalerService(Service):
             g = w.gauge if w is not None else None
             views.append(WorkerView(
                 worker_id=worker_id,
-                state="retired" if worker_id in self.retired else info.state,
+                # a hot-swap entry that is ready but not resident says so: loading, cold, evicting
+                state="retired" if worker_id in self.retired else (
+                    g.residency if g is not None and info.state == "ready" and g.residency not in ("", "resident")
+                    else info.state),
                 running=g.running if g else 0,
                 waiting=g.waiting if g else 0,
                 running_tokens=g.running_tokens if g else 0,

@@ -10,7 +10,15 @@ import pytest
 
 from proto.messages import AllCleared, KvEvent, SamplingParams, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
-from services.common.residency import ResidentModel, busiest, idle_expired, swap_costs, victims
+from services.common.residency import (
+    PIN_PATIENCE_S,
+    ResidentModel,
+    busiest,
+    idle_expired,
+    pins_honoured,
+    swap_costs,
+    victims,
+)
 from services.router.hotswap import Demand
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.worker.engines.base import EngineOutput, EngineRequest
@@ -33,6 +41,16 @@ def test_victims_are_the_least_recently_used_idle_unpinned_models() -> None:
     assert victims(resident, 31, 30) is None  # never fits
 
 
+def test_a_host_waiting_for_room_names_the_busy_models_to_go_and_patience_ends_pins() -> None:
+    resident = [ResidentModel("a", 10, busy=True, idle_s=0), ResidentModel("b", 10, busy=True, idle_s=0),
+                ResidentModel("c", 10, busy=False, idle_s=1, loading=True)]
+    assert victims(resident, 10, 30) is None
+    assert victims(resident, 10, 30, allow_busy=True) == ["a"]  # never the loading one
+    assert victims(resident, 10, 30, pinned=["a", "b"], allow_busy=True) is None
+    assert pins_honoured(["a"], 1.0) == ["a"]
+    assert pins_honoured(["a"], PIN_PATIENCE_S) == []  # waited long enough: pins do not starve it
+
+
 def test_idle_models_unload_unless_pinned_and_the_busiest_are_ranked() -> None:
     resident = [ResidentModel("a", 1, busy=False, idle_s=120), ResidentModel("b", 1, busy=False, idle_s=10),
                 ResidentModel("c", 1, busy=True, idle_s=0), ResidentModel("d", 1, busy=False, idle_s=300)]
@@ -52,8 +70,8 @@ def test_idle_models_unload_unless_pinned_and_the_busiest_are_ranked() -> None:
 
 # ---- a host of sim engines ---------------------------------------------------------------
 def host_of(memory_gib: float, *models: str, load_s: float = 0.05, idle_unload_s: float = 0.0,
-            speed: float = SPEED) -> dict[str, HostedEngine]:
-    host = ModelHost("h1", memory_gib, idle_unload_s=idle_unload_s)
+            speed: float = SPEED, pin_patience_s: float = PIN_PATIENCE_S) -> dict[str, HostedEngine]:
+    host = ModelHost("h1", memory_gib, idle_unload_s=idle_unload_s, pin_patience_s=pin_patience_s)
     return {m: HostedEngine(host, lambda m=m: SimEngine(model=m, profile="tiny-test", speed=speed),  # type: ignore[misc]
                             footprint_gib=10, load_s=load_s, extra_load_s=load_s) for m in models}
 
@@ -122,8 +140,26 @@ async def test_a_model_in_use_is_not_evicted_under_its_requests() -> None:
         short = asyncio.create_task(run(e["b"], request("b1")))
         await asyncio.sleep(0.1)
         assert not long.done() and not short.done() and e["b"].stats().waiting == 1  # waits for a to go idle
+        assert e["a"].stats().residency == "evicting"  # and a takes no new work meanwhile (the router's reading)
         assert (await long)[-1].finish_reason == "length"  # a finished whole
         assert (await short)[-1].finish_reason == "length"
+        assert e["a"].residency == "cold" and e["b"].residency == "resident"
+    finally:
+        for m in e.values():
+            await m.shutdown()
+
+
+async def test_a_pinned_model_is_kept_until_a_load_has_waited_past_the_patience() -> None:
+    e = host_of(10, "a", "b", pin_patience_s=0.3)  # room for one
+    for m in e.values():
+        await m.start()
+    try:
+        await run(e["a"], request("r1"))
+        e["a"].host.pinned = ["a"]
+        t0 = asyncio.get_running_loop().time()
+        out = await run(e["b"], request("r2", pinned=["a"]))
+        assert out[-1].finish_reason == "length"
+        assert asyncio.get_running_loop().time() - t0 >= 0.3  # a stayed while the pin was honoured
         assert e["a"].residency == "cold" and e["b"].residency == "resident"
     finally:
         for m in e.values():
@@ -200,7 +236,9 @@ def test_the_router_prices_loads_and_never_evicts_a_pinned_or_busy_model() -> No
     view.update_worker(WorkerInfo(worker_id="h2-d", model="d", engine="sim", state="ready", block_size=16, host_id="h2",
                                   host_memory_gib=10, footprint_gib=10, load_s=2.0), 0.0)
     costs = swap_costs([w for w in view.pool("d") or []], view, ["b"])
-    assert costs.blocked == frozenset({"h2-d"})  # c is busy: h2 cannot make room now
+    # c is busy: h2 makes room only once c's requests end (c then takes no new work)
+    assert costs.blocked == frozenset() and costs.costs["h2-d"] == pytest.approx(2.0 * 10_000 * 1.5 * 2)
+    assert swap_costs([w for w in view.pool("d") or []], view, ["c"]).blocked == frozenset({"h2-d"})  # c pinned
     for _ in range(5):
         router.commit(RouteDecision("x", "b", "h1-b", "prefix", 0, 0.0, 64, 72), 1.0)
     assert router.pinned(1.0) == ["b"]
@@ -211,6 +249,26 @@ def test_the_router_prices_loads_and_never_evicts_a_pinned_or_busy_model() -> No
     hosted(view, "h1-b", "b", "h1", "resident", busy=1)
     d = router.decide(query("r4", "d"), 1.0)
     assert isinstance(d, RouteDecision) and d.worker_id in ("h1-d", "h2-d")
+
+
+def test_a_pinned_model_is_kept_on_one_host_and_loads_queue_behind_a_hosts_load() -> None:
+    view = FleetView()
+    for host in ("h1", "h2"):
+        hosted(view, f"{host}-a", "a", host, "resident", idle_s=100)
+        hosted(view, f"{host}-b", "b", host, "cold")
+    hosted(view, "h3-a", "a", "h3", "cold")
+    hosted(view, "h3-b", "b", "h3", "cold")
+    hosted(view, "h3-c", "c", "h3", "loading")
+    pool_b = list(view.pool("b") or [])
+    costs = swap_costs(pool_b, view, ["a"])
+    assert costs.pins == {"h1": ("a",)}  # a's copy on h2 may go
+    # h1 and h2 have room for b beside a; h3 must first finish loading c (2 s, its gauge says 0 left: placements none)
+    assert costs.costs["h1-b"] == costs.costs["h2-b"] == pytest.approx(2.0 * 10_000)
+    hosted(view, "h3-c", "c", "h3", "cold", queued=64)  # requests wait for c: a load is due there
+    view.apply_gauge(WorkerGauge(worker_id="h3-c", model="c", ts=2.0, waiting=1, queued_prefill_tokens=64,
+                                 prefill_tokens_per_s=10_000, residency="cold"), 0.0)
+    costs = swap_costs(pool_b, view, ["a"])
+    assert costs.costs["h3-b"] == pytest.approx((2.0 + 2.0) * 10_000)  # behind c's whole load
 
 
 def test_a_cold_replica_takes_traffic_once_the_resident_ones_queue_more_than_a_load() -> None:
