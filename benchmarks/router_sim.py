@@ -423,11 +423,13 @@ def adapter_runs(args: argparse.Namespace) -> None:
                 rows.append((s, per_min, res.imbalance(args.duration / 4), disk_min))
                 print(f"{name:12s} load {load:.0%} seed {seed}: {s}  adapter loads/min {per_min:7.1f} "
                       f"({disk_min:.1f} from storage)  busiest/idlest {rows[-1][2]:.2f}", flush=True)
-            p90 = [r[0].ttft_p90 * 1000 for r in rows]
-            print(f"{name:12s} load {load:.0%} median / worst seed: p90 TTFT {statistics.median(p90):,.0f} / "
-                  f"{max(p90):,.0f} ms, loads/min {statistics.median(r[1] for r in rows):.1f} / "
+            p50, p90, p99 = ([getattr(r[0], f"ttft_p{k}") * 1000 for r in rows] for k in (50, 90, 99))
+            print(f"{name:12s} load {load:.0%} median / worst seed: TTFT p50 {statistics.median(p50):,.0f} / "
+                  f"{max(p50):,.0f} ms, p90 {statistics.median(p90):,.0f} / {max(p90):,.0f} ms, p99 "
+                  f"{statistics.median(p99):,.0f} / {max(p99):,.0f} ms, loads/min {statistics.median(r[1] for r in rows):.1f} / "
                   f"{max(r[1] for r in rows):.1f} (from storage {statistics.median(r[3] for r in rows):.1f} / "
-                  f"{max(r[3] for r in rows):.1f}), goodput {statistics.median(r[0].goodput for r in rows):.1f}, "
+                  f"{max(r[3] for r in rows):.1f}), goodput {statistics.median(r[0].goodput for r in rows):.1f} / "
+                  f"{min(r[0].goodput for r in rows):.1f}, "
                   f"busiest/idlest {statistics.median(r[2] for r in rows):.2f} / {max(r[2] for r in rows):.2f}",
                   flush=True)
 

@@ -96,6 +96,11 @@ class PolicyConfig:
     # False: loads cost nothing, adapters are placed as if resident everywhere (by prefix
     # and load alone): the residency-blind baseline of benchmarks/router_sim.py --adapters.
     lora_load_costs: bool = True
+    # A load anywhere but the adapter's home worker (``adapter_home``) costs this many
+    # times its price: the adapters a worker loads stay a stable share of the whole, so
+    # its host cache keeps them and its slots turn over less; a hot adapter still spreads
+    # once its holders' queues outweigh the dearer load. 1: no homes.
+    lora_home_factor: float = 3.0
     # Anti-herding (prefix policy): a worker whose load average (``FleetWorker.load_avg``)
     # is below the eligible pool's mean / ``balance_factor`` while its current load is
     # at most the pool's current mean is underused, and takes the request even if a
@@ -409,14 +414,12 @@ class Router:
         eligible = self.view.placeable_in(pool, now, exclude)
         load_costs: dict[str, float] = {}
         if q.lora:
-            serving = []
-            for w in eligible:
-                if q.lora in w.lora_adapters:
-                    serving.append(w)
-                elif w.max_loras > 0:
-                    serving.append(w)
-                    if cfg.lora_load_costs:
-                        load_costs[w.worker_id] = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
+            serving = [w for w in eligible if q.lora in w.lora_adapters or w.max_loras > 0]
+            home = adapter_home(q.lora, serving) if cfg.lora_home_factor != 1 else None
+            for w in serving:
+                if q.lora not in w.lora_adapters and cfg.lora_load_costs:
+                    tokens = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
+                    load_costs[w.worker_id] = tokens if w is home else tokens * cfg.lora_home_factor
             eligible = serving
         if not eligible:
             return NoCapacity(
@@ -659,6 +662,19 @@ class _Ctx:
             note=note,
             **counters,
         )
+
+
+def adapter_home(lora: str, workers: Sequence[FleetWorker]) -> FleetWorker | None:
+    """The adapter's home among ``workers`` (rendezvous hashing: stable as workers come
+    and go): where it loads at the plain price (PolicyConfig.lora_home_factor)."""
+    best: FleetWorker | None = None
+    best_score = -1
+    for w in workers:
+        if w.max_loras > 0:
+            score = xxhash.xxh64_intdigest(f"{lora}|{w.worker_id}".encode())
+            if score > best_score:
+                best, best_score = w, score
+    return best
 
 
 def lora_load_tokens(w: FleetWorker, lora: str, size_bytes: int, cfg: PolicyConfig) -> float:

@@ -19,6 +19,7 @@ from services.router.policy import (
     RouteQuery,
     Router,
     RouterConfig,
+    adapter_home,
 )
 
 MODEL = "llama"
@@ -576,6 +577,26 @@ def test_an_adapter_load_costs_its_seconds_in_prefill_tokens() -> None:
                      f"{MODEL}-3": pytest.approx(1500)}
     # unknown size: the configured penalty stands in for the load
     assert decided(r.decide(q(lora="sql"), 0.5, exclude=[f"{MODEL}-{i}" for i in (0, 1, 3)])).cost == 2048
+
+
+def test_an_adapter_loads_at_its_home_at_the_plain_price_and_elsewhere_at_three_times_it() -> None:
+    v = dynamic_view(4)
+    for i in range(4):
+        adapters(v, f"{MODEL}-{i}", [])
+    size = 100_000_000  # 1,000 prefill tokens from storage
+    home = adapter_home("sql", list(v))
+    assert home is not None and home is adapter_home("sql", list(reversed(list(v))))  # order-free
+    homes = {adapter_home(f"a{k}", list(v)).worker_id for k in range(40)}  # type: ignore[union-attr]
+    assert len(homes) == 4  # adapters spread over the workers
+    d = decided(router(v, "prefix").decide(q(lora="sql", lora_size_bytes=size), 0.5))
+    assert d.worker_id == home.worker_id and d.cost == pytest.approx(1000 + 64)
+    away = next(w.worker_id for w in v if w is not home)
+    d = decided(router(v, "prefix").decide(q(lora="sql", lora_size_bytes=size), 0.5,
+                                           exclude=[w.worker_id for w in v if w.worker_id not in (away, home.worker_id)]))
+    assert d.worker_id == home.worker_id
+    adapters(v, home.worker_id, [], queued=2_500)  # a busy home: a dearer load elsewhere wins
+    d = decided(router(v, "prefix").decide(q(lora="sql", lora_size_bytes=size), 0.5))
+    assert d.worker_id != home.worker_id and d.cost == pytest.approx(3000 + 64)
 
 
 def test_a_hot_adapter_spreads_once_its_holders_queue_costs_more_than_a_load() -> None:
