@@ -181,7 +181,7 @@ class FleetWorker:
 class Pool:
     """The workers serving one model, and their shared prefix index."""
 
-    __slots__ = ("_by_slot", "config", "generation", "kv", "model", "workers")
+    __slots__ = ("_by_slot", "config", "generation", "hosted", "kv", "model", "workers")
 
     def __init__(self, model: str, config: FleetConfig) -> None:
         self.model = model
@@ -191,6 +191,7 @@ class Pool:
         self._by_slot: list[FleetWorker | None] = []  # index slot → worker
         # Changes when membership changes; consumers (the session ring) rebuild on it.
         self.generation = next(_generations)
+        self.hosted = 0  # members that are hot-swap entries (WorkerInfo.host_id): a placement prices loads
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -226,6 +227,8 @@ class Pool:
         return w
 
     def _remove(self, w: FleetWorker) -> None:
+        if w.info is not None and w.info.host_id:
+            self.hosted -= 1
         self.kv.remove(w.worker_id)
         self._by_slot[w.slot] = None
         del self.workers[w.worker_id]
@@ -334,6 +337,7 @@ class FleetView:
         if w.info is not None and info.started_at and w.info.started_at != info.started_at:
             # Same id, new process: its KV cache and in-flight work are gone.
             self._reset_worker(pool, w)
+        pool.hosted += bool(info.host_id) - bool(w.info is not None and w.info.host_id)
         w.info = info
         pool.kv.set_block_size(w.kv, info.block_size)
         w.last_seen = max(w.last_seen, now)

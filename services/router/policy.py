@@ -431,7 +431,7 @@ class Router:
                 + (f", {len(exclude)} excluded" if exclude else ""),
             )
         pins: dict[str, tuple[str, ...]] = {}
-        if any(is_hosted(w) for w in eligible):
+        if pool.hosted:
             swap = swap_costs(eligible, self.view, self.pinned(now))
             pins = swap.pins
             if swap.blocked and len(swap.blocked) < len(eligible):

@@ -304,3 +304,15 @@ def test_serve_worker_host_models_builds_one_entry_per_model_sharing_one_host() 
                 ["--host-models", "a", "--preload", "b"], ["--host-models", "a", "--load-gb-per-s", "0"]):
         with pytest.raises(SystemExit):
             host_engines(parser.parse_args(bad))
+
+
+def test_a_pool_counts_its_hot_swap_members_as_they_come_and_go() -> None:
+    view = FleetView()
+    hosted(view, "h1-a", "a", "h1", "resident")
+    view.update_worker(WorkerInfo(worker_id="d1", model="a", engine="sim", state="ready"), 0.0)
+    pool = view.pool("a")
+    assert pool is not None and pool.hosted == 1
+    hosted(view, "h1-a", "a", "h1", "resident")  # a heartbeat changes nothing
+    assert pool.hosted == 1
+    view.remove_worker("h1-a")
+    assert pool.hosted == 0
