@@ -105,7 +105,7 @@ class Outcome:
     window_s: float
 
 
-def simulate(config: str, seed: int, load: float, duration: float, setup: Setup = Setup()) -> Outcome:
+def simulate(config: str, seed: int, load: float, duration: float, setup: Setup = Setup(), pin_top: int = -1) -> Outcome:
     arrivals = random.Random(f"arrivals-{seed}")
     rng = random.Random(f"prompts-{seed}")
     names = [f"m{k:02d}" for k in range(setup.models)]
@@ -125,8 +125,8 @@ def simulate(config: str, seed: int, load: float, duration: float, setup: Setup 
         else:
             allowed = {h.hid: list(names) for h in hosts}
     view = FleetView()
-    pin_top = -1 if config == "pinned-lru" else 0
-    router = Router(view, RouterConfig(default=PolicyConfig(policy="prefix"), pin_top=pin_top), random.Random(seed))
+    router = Router(view, RouterConfig(default=PolicyConfig(policy="prefix"), pin_top=pin_top if config == "pinned-lru" else 0),
+                    random.Random(seed))
     entries: dict[str, Entry] = {}
     for h in hosts:
         for m in allowed[h.hid]:
@@ -302,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--loads", default="0.3,0.6", help="fractions of the 4 hosts' capacity (profile formula)")
     parser.add_argument("--duration", type=float, default=1200.0, help="simulated seconds of arrivals")
+    parser.add_argument("--pin-top", type=int, default=-1, help="pinned-lru: models pinned (-1: one per host, the default)")
     args = parser.parse_args(argv)
     setup = Setup()
     per_gpu = SimConfig.build(num_kv_blocks=setup.kv_blocks).profile.costs.requests_per_s(setup.prompt_tokens,
@@ -316,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("| config | GPUs | cold starts / h | TTFT p50 ms | TTFT p99 ms | SLO met | GPU-s / 1k req |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for config in args.configs.split(","):
-            rows = [summarize(simulate(config, int(s), load, args.duration, setup)) for s in args.seeds.split(",")]
+            rows = [summarize(simulate(config, int(s), load, args.duration, setup, args.pin_top))
+                    for s in args.seeds.split(",")]
             gpus = setup.models if config == "dedicated" else setup.hosts
             med = statistics.median
             print(f"| {config} | {gpus} | {med(r.cold_starts_per_h for r in rows):,.0f} "

@@ -111,10 +111,6 @@ def residency(w: FleetWorker) -> str:
     return state
 
 
-def is_hosted(w: FleetWorker) -> bool:
-    return w.info is not None and bool(w.info.host_id)
-
-
 # Prefill tokens per second a load's seconds are priced at before any gauge measured a
 # rate (an 8B model on an H100 prefills ~12k tokens/s: profiles/llama-3.1-8b-h100).
 DEFAULT_SWAP_TOKENS_PER_S = 10_000.0

@@ -18,7 +18,8 @@ from ops.keys import create_key
 from ops.status import workers_from_registry
 from services.admission.service import AdmissionService
 from services.gateway.service import GatewayConfig, GatewayService
-from services.router.service import RouterService
+from services.router.policy import RouterConfig
+from services.router.service import RouterService, RouterServiceConfig
 from services.worker.engines.hosted import HostedEngine, ModelHost
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
@@ -55,7 +56,8 @@ async def mesh(bus_settings: BusSettings) -> AsyncIterator[Mesh]:
                 await service.start()
                 started.append(service)
                 workers[service.worker_id] = service
-        router = RouterService(settings=bus_settings)
+        # two pinned: the default pins only models asked for at least once per load time
+        router = RouterService(RouterServiceConfig(router=RouterConfig(pin_top=2)), bus_settings)
         await router.start()
         started.append(router)
         admission = AdmissionService(settings=bus_settings)

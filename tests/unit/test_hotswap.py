@@ -316,3 +316,22 @@ def test_a_pool_counts_its_hot_swap_members_as_they_come_and_go() -> None:
     assert pool.hosted == 1
     view.remove_worker("h1-a")
     assert pool.hosted == 0
+
+
+def test_by_default_the_models_asked_for_once_per_load_time_are_pinned_up_to_the_slots() -> None:
+    view = FleetView()
+    for host in ("h1", "h2"):  # 2 hosts of 2 slots (20 GiB, 10 each): 4 slots
+        for m in ("a", "b", "c", "d", "e", "f"):
+            hosted(view, f"{host}-{m}", m, host, "cold", load_s=2.0)
+    router = Router(view, RouterConfig(default=PolicyConfig(policy="prefix")))
+    window = router.demand.window_s
+    for model, per_s in (("a", 3.0), ("b", 2.0), ("c", 1.0), ("d", 0.7), ("e", 0.6), ("f", 0.1)):
+        for _ in range(int(per_s * window)):
+            router.demand.add(model, 0.0)
+    # every model asked for at least once per 2 s is due; the slots (4) cap the pins
+    assert router.pinned(0.0) == ["a", "b", "c", "d"]
+    router.demand = Demand(window)
+    for _ in range(int(0.2 * window)):
+        router.demand.add("a", 0.0)
+    assert router.pinned(0.0) == []  # a quiet model is not pinned
+    assert Router(view, RouterConfig(pin_top=0)).pinned(0.0) == []  # plain LRU
