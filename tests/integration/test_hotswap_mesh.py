@@ -117,7 +117,7 @@ async def test_models_load_where_there_is_room_and_a_load_past_the_slo_is_refuse
 
     # `meshserve status` on a mesh without an autoscaler: the entries, with their residency
     views = {v.worker_id: v.state for v in await workers_from_registry(bus, listen_s=0.5)}
-    holding = {wid for wid, w in workers.items() if w.engine.stats().residency == "holding"}
+    holding = {wid for wid, w in workers.items() if w.engine.stats().residency == "resident"}
     assert len(views) == 6 and len(holding) == 3
     assert {wid for wid, state in views.items() if state == "ready"} == holding
     assert {state for wid, state in views.items() if wid not in holding} == {"cold"}
