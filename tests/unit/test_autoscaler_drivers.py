@@ -50,16 +50,19 @@ args = sys.argv[1:]
 model = args[args.index("--model") + 1]
 worker_id = args[args.index("--worker-id") + 1]
 out = os.environ["FAKE_OUT"]
-with open(os.path.join(out, worker_id + ".json"), "w") as f:
+# written whole, then renamed: the test reads the file as soon as it exists
+with open(os.path.join(out, worker_id + ".json.tmp"), "w") as f:
     json.dump({"argv": args, "nats": os.environ.get("MESHSERVE_NATS_URL"), "pid": os.getpid()}, f)
+os.replace(os.path.join(out, worker_id + ".json.tmp"), os.path.join(out, worker_id + ".json"))
 if model == "crash":
     sys.exit(3)
 if model == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
     def on_term(*_):
-        with open(os.path.join(out, worker_id + ".term"), "w") as f:
+        with open(os.path.join(out, worker_id + ".term.tmp"), "w") as f:
             f.write("drained")
+        os.replace(os.path.join(out, worker_id + ".term.tmp"), os.path.join(out, worker_id + ".term"))
         sys.exit(0)
     signal.signal(signal.SIGTERM, on_term)
 print("fake worker up", flush=True)
