@@ -476,6 +476,10 @@ class WorkerService(Service):
 
     async def handle_probe(self, probe: RequestProbe, msg: Msg) -> None:
         state, since_output, engine_idle = self.book.progress(probe.request_id)
+        if state == "waiting" and self.engine.stats().residency in ("loading", "cold"):
+            # A hot-swap model being loaded (or waiting for room) is work under way, not a
+            # hung engine: a load can outlast the gateway's stall timeout.
+            engine_idle = 0.0
         await self.bus.respond(msg, RequestProbeReply(
             worker_id=self.worker_id, request_id=probe.request_id, state=state, since_output_s=since_output,
             engine_idle_s=engine_idle,
