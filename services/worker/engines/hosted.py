@@ -108,6 +108,10 @@ class ModelHost:
                             self.evictions += 1
                         await entry.load()
                         self.loads += 1
+                    except BaseException:
+                        if entry.residency == "loading":  # a victim's shutdown failed: not loaded
+                            entry.residency = "cold"
+                        raise
                     finally:
                         for other in self.entries.values():
                             other.evicting = False  # the next wait chooses again
