@@ -202,11 +202,14 @@ async def latency(fleet: Fleet, paths: list[str], concurrency: int, requests: in
     out: dict[str, list[float]] = {p: [] for p in paths}
     for r in range(rounds):
         for path in paths if r % 2 == 0 else list(reversed(paths)):
-            out[path].extend(await ttfts(fleet, path, concurrency, requests, seed=r))
+            # Prompts of their own for each path and round: the proxies share one sim-server,
+            # whose prefix cache would otherwise serve every path after the first from cache.
+            seed = 1000 * r + PATHS.index(path) if path in PATHS else 1000 * r + 999
+            out[path].extend(await ttfts(fleet, path, concurrency, requests, seed=seed))
     return out
 
 
-async def relay(fleet: Fleet, path: str, concurrency: int, duration: float) -> tuple[float, float | None]:
+async def relay(fleet: Fleet, path: str, concurrency: int, duration: float) -> tuple[float, float | None, str]:
     cpu0, t0 = fleet.cpu(path), time.monotonic()
     config = BenchConfig(endpoints=[endpoint(fleet, path)],
                          workload=WorkloadConfig(kind="random", input_tokens="64", output_tokens="2000"),
@@ -214,12 +217,14 @@ async def relay(fleet: Fleet, path: str, concurrency: int, duration: float) -> t
                          drain_timeout=30, seed=1)
     result = await run_bench(config)
     cpu1 = fleet.cpu(path)
-    tokens = result.runs[0].summary.output_token_throughput
+    summary = result.runs[0].summary
+    tokens = summary.output_token_throughput
+    outcome = f"{summary.ok} ok" + "".join(f", {n} {code}" for code, n in sorted(summary.errors.items()))
     elapsed = time.monotonic() - t0
     per_k = None
     if cpu0 is not None and cpu1 is not None and tokens:
         per_k = (cpu1 - cpu0) / (tokens * elapsed / 1000)
-    return tokens, per_k
+    return tokens, per_k, outcome
 
 
 async def main() -> None:
@@ -264,12 +269,12 @@ async def main() -> None:
     print("\nadded latency = TTFT through the path − TTFT direct (ms; p50 of each minus p50 direct, p99 likewise); "
           f"relay: {args.relay_streams} closed-loop streams of 2000-token outputs, sim at speed 50\n")
     print("| path | added p50 ms (1 stream) | added p99 ms (1) | added p50 ms (64 streams) | added p99 ms (64) "
-          "| relay tokens/s | proxy CPU s per 1k tokens |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| relay tokens/s | relay streams | proxy CPU s per 1k tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for p in paths:
         c1, c64 = rows[p]["c1"], rows[p]["c64"]
-        tokens, per_k = rows[p]["relay"]
-        print(f"| {p} | {c1[0]:.2f} | {c1[1]:.2f} | {c64[0]:.2f} | {c64[1]:.2f} | {tokens:,.0f} "
+        tokens, per_k, outcome = rows[p]["relay"]
+        print(f"| {p} | {c1[0]:.2f} | {c1[1]:.2f} | {c64[0]:.2f} | {c64[1]:.2f} | {tokens:,.0f} | {outcome} "
               f"| {'—' if per_k is None else f'{per_k:.4f}'} |")
     print(f"\ndirect TTFT p50: {rows['direct']['c1'][2]:.2f} ms (1 stream), {rows['direct']['c64'][2]:.2f} ms (64)")
 
