@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from services.common.fleet import FleetView
 from services.common.residency import busiest
 
 
@@ -32,3 +33,24 @@ class Demand:
             keep = set(among)
             rates = {m: r for m, r in rates.items() if m in keep}
         return busiest(rates, k)
+
+
+def pinned_models(view: FleetView, demand: Demand, pin_top: int, now: float) -> list[str]:
+    """The hosted models no host may evict (``RouterConfig.pin_top``): the busiest
+    ``pin_top``, or with -1 every model requested at least once per its load time, up to
+    as many as the hosts hold together."""
+    memory: dict[str, float] = {}  # host → its memory
+    footprints: dict[str, list[float]] = {}  # host → its entries' footprints
+    load_s: dict[str, float] = {}  # model → its quickest load
+    for w in view:
+        info = w.info
+        if info is not None and info.host_id:
+            memory[info.host_id] = info.host_memory_gib
+            footprints.setdefault(info.host_id, []).append(info.footprint_gib)
+            load_s[w.model] = min(load_s.get(w.model, math.inf), info.load_s)
+    if pin_top >= 0:
+        return demand.busiest(pin_top, now, load_s)
+    rates = demand.rates(now)
+    slots = sum(int(memory[h] // (sum(f) / len(f))) for h, f in footprints.items() if sum(f) > 0)
+    due = [m for m, t in load_s.items() if rates.get(m, 0.0) * t >= 1.0]
+    return demand.busiest(slots, now, due)

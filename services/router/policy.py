@@ -57,8 +57,9 @@ from proto.messages import GenerateRequest, Placement
 from services.common.fleet import FleetView, FleetWorker, Pool, pack_prompt
 from services.common.residency import swap_costs
 
+from .adapters import adapter_home, lora_load_tokens
 from .cascade import Cascade, CascadeConfig
-from .hotswap import Demand
+from .hotswap import Demand, pinned_models
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
@@ -374,21 +375,7 @@ class Router:
 
     def pinned(self, now: float) -> list[str]:
         """The hosted models a hot-swap host must not evict (``RouterConfig.pin_top``)."""
-        memory: dict[str, float] = {}  # host → its memory
-        footprints: dict[str, list[float]] = {}  # host → its entries' footprints
-        load_s: dict[str, float] = {}  # model → its quickest load
-        for w in self.view:
-            info = w.info
-            if info is not None and info.host_id:
-                memory[info.host_id] = info.host_memory_gib
-                footprints.setdefault(info.host_id, []).append(info.footprint_gib)
-                load_s[w.model] = min(load_s.get(w.model, math.inf), info.load_s)
-        if self.config.pin_top >= 0:
-            return self.demand.busiest(self.config.pin_top, now, load_s)
-        rates = self.demand.rates(now)
-        slots = sum(int(memory[h] // (sum(f) / len(f))) for h, f in footprints.items() if sum(f) > 0)
-        due = [m for m, t in load_s.items() if rates.get(m, 0.0) * t >= 1.0]
-        return self.demand.busiest(slots, now, due)
+        return pinned_models(self.view, self.demand, self.config.pin_top, now)
 
     def release(self, request_id: str) -> bool:
         """The placed worker refused or died before taking the request."""
@@ -427,7 +414,7 @@ class Router:
             home = adapter_home(q.lora, serving) if cfg.lora_home_factor != 1 else None
             for w in serving:
                 if q.lora not in w.lora_adapters and cfg.lora_load_costs:
-                    tokens = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg)
+                    tokens = lora_load_tokens(w, q.lora, q.lora_size_bytes, cfg.lora_load_penalty_tokens)
                     load_costs[w.worker_id] = tokens if w is home else tokens * cfg.lora_home_factor
             eligible = serving
         if not eligible:
@@ -671,37 +658,6 @@ class _Ctx:
             note=note,
             **counters,
         )
-
-
-def adapter_home(lora: str, workers: Sequence[FleetWorker]) -> FleetWorker | None:
-    """The adapter's home among ``workers`` (rendezvous hashing: stable as workers come
-    and go): where it loads at the plain price (PolicyConfig.lora_home_factor)."""
-    best: FleetWorker | None = None
-    best_score = -1
-    for w in workers:
-        if w.max_loras > 0:
-            score = xxhash.xxh64_intdigest(f"{lora}|{w.worker_id}".encode())
-            if score > best_score:
-                best, best_score = w, score
-    return best
-
-
-def lora_load_tokens(w: FleetWorker, lora: str, size_bytes: int, cfg: PolicyConfig) -> float:
-    """What loading ``lora`` on ``w`` costs, in prefill tokens (see PolicyConfig)."""
-    info, gauge = w.info, w.gauge
-    rate = gauge.prefill_tokens_per_s if gauge is not None else 0.0
-    bandwidth = 0.0
-    if info is not None:
-        bandwidth = info.lora_host_gb_per_s if lora in w.lora_cached else info.lora_load_gb_per_s
-    if size_bytes <= 0 or bandwidth <= 0 or rate <= 0:
-        tokens = float(cfg.lora_load_penalty_tokens)
-    else:
-        tokens = size_bytes / (bandwidth * 1e9) * rate
-    static = set(info.lora_adapters) if info is not None else set()
-    in_slots = [a for a in (gauge.lora_adapters if gauge is not None else []) if a not in static]
-    if len(in_slots) >= w.max_loras:  # every slot taken: an eviction someone pays for later
-        tokens *= 1.5
-    return tokens
 
 
 def _join(a: str, b: str) -> str:
