@@ -16,11 +16,14 @@
 Everything shares this machine's cores (client, gateway, workers, nats-server), so the
 relay figure is a floor for a gateway on its own host.
 
-The added latency is broken down per hop: the gateway's own phases from its
+The added latency is broken down per hop from wall-clock stamps on this one machine: the
+client's send, the gateway's ``arrival_time`` (set once admission admitted it), the
+moments a passive listener on the bus saw the route request and the router's forward to
+the worker, the worker's own receipt and first token (the final chunk's timings), and
+the client's first event. Inside the first hop, the gateway's own phases from its
 ``Server-Timing`` header (parse: body, validation, chat template and tokenizer; hash:
-the prompt's block hashes; admission and route: the two NATS round trips; record: the
-resume record a resumable request stores first), the worker's own TTFT, and the rest.
-``--latency-only`` runs that part alone.
+the prompt's block hashes; admission: its NATS round trip). ``--latency-only`` runs that
+part alone.
 
 Run: ``.venv/bin/python benchmarks/gateway.py [--requests 200] [--latency-only]``; the request path
 alone: ``.venv/bin/python benchmarks/gateway.py --request-path 100,200,400,800 --duration 15``
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import tempfile
 import time
@@ -43,7 +47,7 @@ from bus import Bus
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
 from ops.natsserver import free_port
 from ops.up import Mesh, MeshConfig
-from proto import TokenChunk, decode
+from proto import GenerateRequest, RouteRequest, TokenChunk, decode
 
 MODEL = "sim-llama-8b"
 
@@ -56,28 +60,65 @@ def _cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-async def _observe_finals(mesh: Mesh) -> tuple[Bus, dict[str, TokenChunk]]:
-    """A bus that keeps every request's final chunk (its timings: the worker's own TTFT)."""
-    bus = await Bus.open(mesh.settings, "bench-observer", initial_attempts=10)
-    finals: dict[str, TokenChunk] = {}
+class Observer:
+    """A passive listener on the bus: every request's final chunk (its timings: the
+    worker's own TTFT), and the wall-clock moments its placement passed the router's and
+    the worker's subjects (a plain subscriber gets a copy of each; it never answers)."""
 
-    async def on_chunk(msg: Msg) -> None:
-        chunk = decode(msg.data, TokenChunk)
-        if chunk.finish_reason is not None:
-            finals[chunk.request_id] = chunk
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.finals: dict[str, TokenChunk] = {}
+        self.route_seen: dict[str, tuple[float, float]] = {}  # request id → (gateway's stamp, seen at router's subject)
+        self.forward_seen: dict[str, float] = {}  # request id → seen at the worker's subject
 
-    await bus.nc.subscribe(bus.subjects.tokens_all, cb=on_chunk)
-    return bus, finals
+    @classmethod
+    async def open(cls, mesh: Mesh) -> Observer:
+        bus = await Bus.open(mesh.settings, "bench-observer", initial_attempts=10)
+        self = cls(bus)
+        s = bus.subjects
+
+        async def on_chunk(msg: Msg) -> None:
+            chunk = decode(msg.data, TokenChunk)
+            if chunk.finish_reason is not None:
+                self.finals[chunk.request_id] = chunk
+
+        async def on_route(msg: Msg) -> None:
+            now = time.time()
+            route = decode(msg.data, RouteRequest)
+            self.route_seen[route.request.request_id] = (route.request.arrival_time, now)
+
+        async def on_forward(msg: Msg) -> None:
+            now = time.time()
+            self.forward_seen[decode(msg.data, GenerateRequest).request_id] = now
+
+        await bus.nc.subscribe(s.tokens_all, cb=on_chunk)
+        await bus.nc.subscribe(s.router_route, cb=on_route)
+        await bus.nc.subscribe(f"{s.root}.worker.*.generate", cb=on_forward)
+        await bus.nc.flush()
+        return self
+
+
+# The hops of a request's time to first token, in order, from wall-clock stamps taken on
+# this one machine (the client's, the gateway's ``arrival_time``, the observer's, the worker's).
+HOPS = (
+    "client → gateway admitted it (HTTP in, parse, hash, admission round trip)",
+    "gateway → router (the route request's trip)",
+    "router: decision and forward → worker's subject",
+    "worker: receipt → engine (its handler, n choices, the engine request)",
+    "worker: engine receipt → first token (the engine's own TTFT)",
+    "first token → client (chunk out, NATS, gateway relay, SSE, HTTP)",
+)
 
 
 async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object], headers: dict[str, str],
-                 not_first: bytes, finals: dict[str, TokenChunk],
-                 phases: dict[str, list[float]] | None = None) -> tuple[float, float] | None:
-    """(client TTFT, worker TTFT) of one streamed request: the client's first event is the
-    first ``data:`` line without ``not_first`` (an empty text, the role delta). ``phases``
-    collects the gateway's ``Server-Timing`` (ms per phase before the worker had it)."""
-    start = time.perf_counter()
-    first = None
+                 not_first: bytes, observer: Observer,
+                 phases: dict[str, list[float]] | None = None) -> tuple[float, float, list[float] | None] | None:
+    """(client TTFT, worker TTFT, ms per hop of ``HOPS`` or None) of one streamed request:
+    the client's first event is the first ``data:`` line without ``not_first`` (an empty
+    text, the role delta). ``phases`` collects the gateway's ``Server-Timing`` (ms per
+    phase before the worker had it)."""
+    sent_wall, start = time.time(), time.perf_counter()
+    first = first_wall = None
     async with http.post(path, json=body, headers=headers) as r:
         request_id = r.headers["X-Request-Id"]
         if phases is not None:
@@ -87,50 +128,81 @@ async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object]
                     phases.setdefault(name, []).append(float(ms))
         async for line in r.content:
             if first is None and line.startswith(b"data: {") and not_first not in line:
-                first = time.perf_counter() - start
+                first, first_wall = time.perf_counter() - start, time.time()
     for _ in range(100):
-        if request_id in finals:
+        if request_id in observer.finals:
             break
         await asyncio.sleep(0.01)
-    t = finals[request_id].timings
-    if first is None or t is None:
+    t = observer.finals[request_id].timings
+    if first is None or first_wall is None or t is None:
         return None
-    return first, t.first_token - t.arrival
+    hops = None
+    if request_id in observer.route_seen and request_id in observer.forward_seen:
+        admitted_at, at_router = observer.route_seen[request_id]
+        stamps = (sent_wall, admitted_at, at_router, observer.forward_seen[request_id], t.arrival, t.first_token, first_wall)
+        hops = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
+    return first, t.first_token - t.arrival, hops
 
 
-async def added_latency(mesh: Mesh, requests: int,
-                        phases: dict[str, list[float]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]] | None = None,
+                        hops: list[list[float]] | None = None,
+                        cpu_ms: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Client and worker TTFT (s) of sequential requests; ``phases`` collects the gateway's
-    Server-Timing per request (ms), for the per-hop breakdown."""
-    bus, finals = await _observe_finals(mesh)
+    Server-Timing per request (ms), ``hops`` the ms per hop of ``HOPS`` per request,
+    ``cpu_ms`` each process's CPU milliseconds per request."""
+    observer = await Observer.open(mesh)
     client_ttft, worker_ttft = [], []
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     body = {"model": MODEL, "prompt": "x" * 256, "max_tokens": 4, "stream": True, "ignore_eos": True}
     seen: dict[str, list[float]] = {}
+    pids = _pids(mesh)
+    cpu0: dict[str, float] = {}
     async with aiohttp.ClientSession(mesh.gateway_url) as http:
         for i in range(requests + 10):
+            if i == 10:  # the first ten warm things up
+                cpu0 = {name: _cpu_seconds(pid) for name, pid in pids.items()}
             one: dict[str, list[float]] = {}
-            ttfts = await _ttfts(http, "/v1/completions", {**body, "seed": i}, headers, b'"text":""', finals, one)
-            if i >= 10 and ttfts is not None:  # the first ten warm things up
+            ttfts = await _ttfts(http, "/v1/completions", {**body, "seed": i}, headers, b'"text":""', observer, one)
+            if i >= 10 and ttfts is not None:
                 client_ttft.append(ttfts[0])
                 worker_ttft.append(ttfts[1])
                 for name, values in one.items():
                     seen.setdefault(name, []).extend(values)
-    await bus.close()
+                if hops is not None and ttfts[2] is not None:
+                    hops.append(ttfts[2])
+    if cpu_ms is not None:
+        cpu_ms.update({name: (_cpu_seconds(pid) - cpu0[name]) * 1000 / requests for name, pid in pids.items()})
+    await observer.bus.close()
     if phases is not None:
         phases.update(seen)
     return np.array(client_ttft), np.array(worker_ttft)
 
 
-def breakdown(client: np.ndarray, worker: np.ndarray, phases: dict[str, list[float]]) -> list[tuple[str, np.ndarray]]:
-    """Per hop, ms per request: the gateway's phases (Server-Timing), the worker's own TTFT,
-    and the rest (HTTP in and out, the router's forward to the worker, the first chunk's
-    trip back through NATS, the SSE write)."""
-    rows = [(f"gateway: {name}", np.array(values)) for name, values in phases.items() if len(values) == len(client)]
-    gateway_ms = np.sum([values for _, values in rows], axis=0) if rows else np.zeros(len(client))
-    worker_ms = worker * 1000
-    return [*rows, ("worker: receipt → first token", worker_ms),
-            ("rest: HTTP, forward to the worker, first chunk back, SSE", client * 1000 - gateway_ms - worker_ms)]
+def _pids(mesh: Mesh) -> dict[str, int]:
+    """The mesh's processes by name (nats-server's too), for their CPU time."""
+    pids = {p.name: p.proc.pid for p in mesh.processes if p.proc is not None}
+    for i, node in enumerate(mesh.nats_nodes):
+        if (pid := node.pid) is not None:
+            pids[f"nats-server{'' if i == 0 else i}"] = pid
+    return pids
+
+
+def print_hops(hops: list[list[float]], phases: dict[str, list[float]]) -> None:
+    """The per-hop table: each hop's p50/p99/mean in ms, the gateway's own phases inside
+    the first hop, and the total added by the mesh (every hop but the engine's TTFT)."""
+    table = np.array(hops)
+    print("| hop | p50 ms | p99 ms | mean ms |\n|---|---:|---:|---:|")
+    for i, name in enumerate(HOPS):
+        values = table[:, i]
+        print(f"| {name} | {np.percentile(values, 50):.3f} | {np.percentile(values, 99):.3f} | {values.mean():.3f} |")
+        if i == 0:
+            for phase, ms in phases.items():
+                v = np.array(ms)
+                print(f"| &nbsp;&nbsp;of which gateway {phase} | {np.percentile(v, 50):.3f} | {np.percentile(v, 99):.3f} "
+                      f"| {v.mean():.3f} |")
+    added = table.sum(axis=1) - table[:, 4]
+    print(f"| added by the mesh (all but the engine's TTFT) | {np.percentile(added, 50):.3f} "
+          f"| {np.percentile(added, 99):.3f} | {added.mean():.3f} |")
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -145,7 +217,7 @@ FEATURES: dict[str, dict[str, object]] = {
 
 async def feature_latency(mesh: Mesh, requests: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Client and worker TTFT per feature, chat completions, the features interleaved."""
-    bus, finals = await _observe_finals(mesh)
+    observer = await Observer.open(mesh)
     seen: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in FEATURES}
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     async with aiohttp.ClientSession(mesh.gateway_url) as http:
@@ -154,11 +226,11 @@ async def feature_latency(mesh: Mesh, requests: int) -> dict[str, tuple[np.ndarr
                 body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 4,
                         "stream": True, "seed": i, **extra}
                 # the first event after the role delta: content, a tool call or logprobs
-                ttfts = await _ttfts(http, "/v1/chat/completions", body, headers, b'"role":"assistant"', finals)
+                ttfts = await _ttfts(http, "/v1/chat/completions", body, headers, b'"role":"assistant"', observer)
                 if i >= 10 and ttfts is not None:
                     seen[name][0].append(ttfts[0])
                     seen[name][1].append(ttfts[1])
-    await bus.close()
+    await observer.bus.close()
     return {name: (np.array(c), np.array(w)) for name, (c, w) in seen.items()}
 
 
@@ -226,8 +298,10 @@ async def main(requests: int, duration: float, latency_only: bool = False) -> No
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0))
         await mesh.start()
         phases: dict[str, list[float]] = {}
+        hops: list[list[float]] = []
+        cpu_ms: dict[str, float] = {}
         try:
-            client, worker = await added_latency(mesh, requests, phases)
+            client, worker = await added_latency(mesh, requests, phases, hops, cpu_ms)
         finally:
             mesh.stop()
         added = (client - worker) * 1000
@@ -235,10 +309,10 @@ async def main(requests: int, duration: float, latency_only: bool = False) -> No
         print("| | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|")
         for name, values in (("client TTFT", client * 1000), ("worker's own TTFT", worker * 1000), ("added by the mesh", added)):
             print(f"| {name} | {np.percentile(values, 50):.2f} | {np.percentile(values, 90):.2f} | {np.percentile(values, 99):.2f} |")
-        print("\n### Per-hop breakdown of the client TTFT (the same requests)\n")
-        print("| hop | p50 ms | p99 ms | mean ms |\n|---|---:|---:|---:|")
-        for name, values in breakdown(client, worker, phases):
-            print(f"| {name} | {np.percentile(values, 50):.3f} | {np.percentile(values, 99):.3f} | {values.mean():.3f} |")
+        print(f"\n### Per-hop breakdown of the client TTFT (the same requests, {len(hops)} with every stamp)\n")
+        print_hops(hops, phases)
+        print("\nCPU per request (ms, each process's user + system time over the same requests): "
+              + ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(cpu_ms.items(), key=lambda kv: -kv[1])))
         if latency_only:
             return
 

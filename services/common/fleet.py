@@ -31,6 +31,7 @@ skew between hosts cannot make a worker look dead or a gauge look fresh.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -88,6 +89,7 @@ class FleetWorker:
     worker_id: str
     model: str
     kv: KvHolder  # its cache mirror in the pool's prefix index
+    pool: Pool  # the pool it is a member of
     slot: int  # kv.slot and kv.bit, fixed for the holder's life: read on hot paths
     bit: int
     info: WorkerInfo | None = None
@@ -181,7 +183,8 @@ class FleetWorker:
 class Pool:
     """The workers serving one model, and their shared prefix index."""
 
-    __slots__ = ("_by_slot", "config", "generation", "hosted", "kv", "model", "workers")
+    __slots__ = ("_by_slot", "_placeable", "config", "epoch", "generation", "hosted", "kv", "model", "opt_tokens",
+                 "workers")
 
     def __init__(self, model: str, config: FleetConfig) -> None:
         self.model = model
@@ -192,6 +195,12 @@ class Pool:
         # Changes when membership changes; consumers (the session ring) rebuild on it.
         self.generation = next(_generations)
         self.hosted = 0  # members that are hot-swap entries (WorkerInfo.host_id): a placement prices loads
+        self.opt_tokens = 0  # Σ members' optimistic tokens (prefill + running): the pool's load without a pass
+        # Changes with anything a placement's eligibility or load average reads (a member's
+        # info, gauge, a stale member heard from again): the placeable set is kept between.
+        self.epoch = 0
+        # (epoch, computed at, valid until, the placeable members, their mask): see FleetView.placeable_in
+        self._placeable: tuple[int, float, float, list[FleetWorker], int] | None = None
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -218,24 +227,30 @@ class Pool:
     # ---- membership ----
     def _add(self, worker_id: str) -> FleetWorker:
         h = self.kv.add(worker_id)
-        w = FleetWorker(worker_id=worker_id, model=self.model, kv=h, slot=h.slot, bit=h.bit)
+        w = FleetWorker(worker_id=worker_id, model=self.model, kv=h, pool=self, slot=h.slot, bit=h.bit)
         while len(self._by_slot) <= h.slot:
             self._by_slot.append(None)
         self._by_slot[h.slot] = w
         self.workers[worker_id] = w
         self.generation = next(_generations)
+        self.epoch += 1
         return w
 
     def _remove(self, w: FleetWorker) -> None:
         if w.info is not None and w.info.host_id:
             self.hosted -= 1
         self.kv.remove(w.worker_id)
+        self.opt_tokens -= w.opt_prefill_tokens + w.opt_running_tokens
         self._by_slot[w.slot] = None
         del self.workers[w.worker_id]
         self.generation = next(_generations)
+        self.epoch += 1
 
     # ---- queries ----
     def mask_of(self, workers: Iterable[FleetWorker]) -> int:
+        placeable = self._placeable
+        if placeable is not None and workers is placeable[3]:
+            return placeable[4]  # the placeable set's, computed with it
         m = 0
         for w in workers:
             m |= w.bit
@@ -293,18 +308,41 @@ class FleetView:
         return w.ready and self.is_live(w, now)
 
     def placeable_in(self, pool: Pool, now: float, exclude: Collection[str] = ()) -> list[FleetWorker]:
-        """``placeable`` workers of ``pool`` not in ``exclude``, in pool order (inlined: hot)."""
-        horizon = now - self.config.stale_after_s
-        out: list[FleetWorker] = []
-        for w in pool.workers.values():
-            info = w.info
-            if info is None or info.state != "ready" or w.last_seen < horizon:
-                continue
-            g = w.gauge
-            if (g is not None and g.draining) or (exclude and w.worker_id in exclude):
-                continue
-            out.append(w)
-        return out
+        """``placeable`` workers of ``pool`` not in ``exclude``, in pool order.
+
+        Read on every placement, so the set is kept between changes: it is recomputed when
+        the pool's epoch moved (a member's info or gauge changed, a stale member was heard
+        from again), when its earliest member goes stale, or when ``now`` is before the
+        time it was computed at. The list returned is shared: callers must not change it.
+        """
+        cached = pool._placeable
+        if cached is None or cached[0] != pool.epoch or not cached[1] <= now <= cached[2]:
+            stale_after = self.config.stale_after_s
+            horizon = now - stale_after
+            out: list[FleetWorker] = []
+            oldest = math.inf
+            mask = 0
+            for w in pool.workers.values():
+                info = w.info
+                if info is None or info.state != "ready" or w.last_seen < horizon:
+                    continue
+                g = w.gauge
+                if g is not None and g.draining:
+                    continue
+                out.append(w)
+                mask |= w.bit
+                oldest = min(oldest, w.last_seen)
+            cached = pool._placeable = (pool.epoch, now, oldest + stale_after, out, mask)
+        placeable = cached[3]
+        if exclude:
+            return [w for w in placeable if w.worker_id not in exclude]
+        return placeable
+
+    def _heard_from(self, pool: Pool, w: FleetWorker, now: float) -> None:
+        """``w`` spoke at ``now``: a member that had gone stale is placeable again."""
+        if w.last_seen < now - self.config.stale_after_s:
+            pool.epoch += 1
+        w.last_seen = max(w.last_seen, now)
 
     def _fed(self, worker_id: str, model: str) -> tuple[Pool, FleetWorker] | None:
         """The worker a gauge or KV batch is about; None when the view does not take it."""
@@ -338,9 +376,11 @@ class FleetView:
             # Same id, new process: its KV cache and in-flight work are gone.
             self._reset_worker(pool, w)
         pool.hosted += bool(info.host_id) - bool(w.info is not None and w.info.host_id)
+        if w.info is None or w.info.state != info.state:
+            pool.epoch += 1
         w.info = info
         pool.kv.set_block_size(w.kv, info.block_size)
-        w.last_seen = max(w.last_seen, now)
+        self._heard_from(pool, w, now)
         return w
 
     def remove_worker(self, worker_id: str) -> bool:
@@ -367,6 +407,7 @@ class FleetView:
         pool.kv.reset(w.kv)
         w.gauge = None
         w.load_avg = None
+        pool.epoch += 1
         self._drop_placements(w, len(w.placements))
 
     # ---- gauges and optimistic accounting ----
@@ -377,9 +418,10 @@ class FleetView:
         if fed is None:
             return False
         pool, w = fed
-        w.last_seen = max(w.last_seen, now)
+        self._heard_from(pool, w, now)
         if w.gauge is not None and gauge.ts < w.gauge.ts:
             return False  # reordered delivery: the newer gauge stays
+        pool.epoch += 1  # its load average and draining flag
         w.load_avg = ewma(w.load_avg, w.gauge_received_at if w.gauge is not None else None,
                           float(gauge.queued_prefill_tokens + gauge.running_tokens), now, self.config.load_avg_window_s)
         w.gauge = gauge
@@ -411,6 +453,7 @@ class FleetView:
         w.placements[request_id] = Placement(worker_id, now, prefill_tokens, total_tokens)
         w.opt_prefill_tokens += prefill_tokens
         w.opt_running_tokens += total_tokens
+        w.pool.opt_tokens += prefill_tokens + total_tokens
         self._placement_owner[request_id] = w
         self.age_out(w, now)
 
@@ -422,6 +465,7 @@ class FleetView:
         p = w.placements.pop(request_id)
         w.opt_prefill_tokens -= p.prefill_tokens
         w.opt_running_tokens -= p.total_tokens
+        w.pool.opt_tokens -= p.prefill_tokens + p.total_tokens
         return True
 
     def age_out(self, w: FleetWorker, now: float) -> None:
@@ -436,6 +480,7 @@ class FleetView:
             for rid in w.placements:
                 self._placement_owner.pop(rid, None)
             w.placements.clear()
+            w.pool.opt_tokens -= w.opt_prefill_tokens + w.opt_running_tokens
             w.opt_prefill_tokens = 0
             w.opt_running_tokens = 0
             return
@@ -444,6 +489,7 @@ class FleetView:
             self._placement_owner.pop(rid, None)
             w.opt_prefill_tokens -= p.prefill_tokens
             w.opt_running_tokens -= p.total_tokens
+            w.pool.opt_tokens -= p.prefill_tokens + p.total_tokens
 
     # ---- KV events ----
     def apply_kv_events(self, batch: KvEventBatch, now: float) -> KvApply | None:
@@ -452,7 +498,7 @@ class FleetView:
         if fed is None:
             return None
         pool, w = fed
-        w.last_seen = max(w.last_seen, now)
+        self._heard_from(pool, w, now)
         return pool.kv.apply(batch)
 
     def take_resync_requests(self, now: float, retry_after_s: float = 2.0) -> list[str]:
@@ -481,7 +527,7 @@ class FleetView:
         if pool is None or pool.model != snap.model:
             return False
         w = pool.workers[snap.worker_id]
-        w.last_seen = max(w.last_seen, now)
+        self._heard_from(pool, w, now)
         return pool.kv.apply_snapshot(snap)
 
 

@@ -330,6 +330,9 @@ class Router:
         self.rng = rng if rng is not None else random.Random(0)
         self._rr: dict[str, int] = {}
         self._rings: dict[str, _Ring] = {}
+        # The last placeable set's load-average floor and the members under it (see
+        # _underused), kept with that set: a new one is built whenever a gauge moves them.
+        self._low: tuple[list[FleetWorker], PolicyConfig, float, list[FleetWorker], int] | None = None
         self._cascades = {name: Cascade(c) for name, c in self.config.cascades.items()}
         self.demand = Demand(self.config.demand_window_s)
 
@@ -505,7 +508,7 @@ class Router:
                 wait = max(cfg.spill_wait_tokens, ctx.prompt_tokens - ctx.cached(best))
                 if not (ctx.prefill_cost(holder) > wait >= ctx.prefill_cost(best)):
                     cost, best, held = hcost, holder, True
-        under = self._underused(eligible, cfg)
+        under = self._underused(eligible, cfg, ctx.pool)
         if under and budget < math.inf:
             under = [w for w in under if ctx.prefill_cost(w) <= budget]
         if under and best not in under:
@@ -537,27 +540,32 @@ class Router:
             return None, math.inf
         return w, ctx.prefill_cost(w) + max(ctx.q.prefer_slack_tokens, 0)
 
-    @staticmethod
-    def _underused(eligible: Sequence[FleetWorker], cfg: PolicyConfig) -> list[FleetWorker]:
+    def _underused(self, eligible: list[FleetWorker], cfg: PolicyConfig, pool: Pool) -> list[FleetWorker]:
         """Workers left underused by cache affinity (see ``PolicyConfig.balance_factor``)."""
         if not cfg.balance_factor or len(eligible) < 2:
             return []
         n = len(eligible)
-        avgs = [w.load_avg for w in eligible]
-        mean_avg = sum([a for a in avgs if a]) / n
-        if mean_avg < cfg.balance_min_tokens:
+        kept = self._low
+        # The view hands out one list per placeable set, rebuilt whenever a gauge changes:
+        # the same list, the same load averages and gauges.
+        if kept is not None and kept[0] is eligible and kept[1] is cfg:
+            mean_avg, low, gauged = kept[2], kept[3], kept[4]
+        else:
+            avgs = [w.load_avg for w in eligible]
+            mean_avg = sum([a for a in avgs if a]) / n
+            floor = mean_avg / cfg.balance_factor
+            low = [w for w, a in zip(eligible, avgs, strict=True) if a is not None and a < floor]
+            gauged = sum(w.gauge.queued_prefill_tokens + w.gauge.running_tokens for w in eligible if w.gauge is not None)
+            self._low = (eligible, cfg, mean_avg, low, gauged)
+        if mean_avg < cfg.balance_min_tokens or not low:  # the common case: the current load is not needed
             return []
-        floor = mean_avg / cfg.balance_factor
-        low = [w for w, a in zip(eligible, avgs, strict=True) if a is not None and a < floor]
-        if not low:  # the common case: the pool's current load is not needed
-            return []
-        total = 0  # Σ outstanding_tokens, inlined: one pass over the pool per placement
-        for w in eligible:
-            g = w.gauge
-            total += w.opt_prefill_tokens + w.opt_running_tokens
-            if g is not None:
-                total += g.queued_prefill_tokens + g.running_tokens
-        mean_now = total / n
+        # The pool's current load: its gauges' (kept above) and what was placed since (the
+        # pool's running total when every member is eligible, as almost always).
+        if n == len(pool):
+            optimistic = pool.opt_tokens
+        else:
+            optimistic = sum(w.opt_prefill_tokens + w.opt_running_tokens for w in eligible)
+        mean_now = (gauged + optimistic) / n
         return [w for w in low if w.outstanding_tokens <= mean_now]
 
     def _session(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:

@@ -493,3 +493,58 @@ def test_full_caches_at_64_workers_fit_one_entry_per_distinct_block() -> None:
     assert pool is not None
     assert len(pool.index) == 500 + 64 * 1500
     assert all(m == (1 << 64) - 1 for h, m in pool.index.items() if h in set(shared[:3]))
+
+
+def _placeable_from_scratch(view: FleetView, pool: Pool, now: float) -> list[str]:
+    return [w.worker_id for w in pool if view.placeable(w, now)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["info", "draining", "gauge", "kv", "place", "release", "time", "remove",
+                                           "restart"]),
+                          st.integers(0, 3), st.integers(0, 40)), max_size=60))
+def test_the_placeable_set_and_the_pools_load_are_kept_exactly(ops: list[tuple[str, int, int]]) -> None:
+    """The placeable set is kept between changes and the optimistic tokens summed per pool
+    as placements come and go (a placement reads both): after any sequence of registry
+    puts, gauges, KV batches, placements, releases, removals and the clock moving on
+    (members going stale with nothing said), they equal what a pass over the pool gives."""
+    view = FleetView(FleetConfig(stale_after_s=10.0))
+    now, seq, ts = 0.0, dict.fromkeys(range(4), 0), 0.0
+    for i in range(4):
+        view.update_worker(info(f"w{i}"), now)
+    placed: list[str] = []
+    for op, who, x in ops:
+        wid = f"w{who}"
+        if op == "info":
+            view.update_worker(info(wid, state="ready" if x % 3 else "starting"), now)
+        elif op == "draining":
+            ts += 1
+            view.apply_gauge(gauge(wid, ts, draining=x % 2 == 0, queued_prefill_tokens=x, running_tokens=2 * x), now)
+        elif op == "gauge":
+            ts += 1
+            view.apply_gauge(gauge(wid, ts, queued_prefill_tokens=x, running_tokens=x,
+                                   arrived=placed[-x % 3:] if placed and x % 2 else None), now)
+        elif op == "kv":
+            seq[who] += 1
+            view.apply_kv_events(batch(wid, seq[who], stored([x + 1])), now)
+        elif op == "place" and view.worker(wid) is not None:
+            rid = f"r{len(placed)}"
+            view.record_placement(wid, rid, x, 2 * x, now)
+            placed.append(rid)
+        elif op == "release" and placed:
+            view.release_placement(placed[x % len(placed)])
+        elif op == "time":
+            now += x / 2
+        elif op == "remove":
+            view.remove_worker(wid)
+        elif op == "restart":
+            view.update_worker(info(wid, started_at=2.0 + x), now)
+        pool = view.pool(MODEL)
+        if pool is None:
+            continue
+        for at in (now, now + 5.0):  # later too: a member goes stale with no event at all
+            assert [w.worker_id for w in view.placeable_in(pool, at)] == _placeable_from_scratch(view, pool, at)
+            assert [w.worker_id for w in view.placeable_in(pool, at, {"w1"})] == [
+                w for w in _placeable_from_scratch(view, pool, at) if w != "w1"]
+            assert pool.mask_of(view.placeable_in(pool, at)) == pool.mask_of(list(view.placeable_in(pool, at)))
+        assert pool.opt_tokens == sum(w.opt_prefill_tokens + w.opt_running_tokens for w in pool)

@@ -1,0 +1,115 @@
+"""The floor under the mesh's added latency on this machine: what NATS hops between
+Python processes cost when the handlers do nothing.
+
+The mesh's request path is three processes deep before the worker starts (gateway →
+admission → gateway → router → worker), and the first chunk comes back one more hop.
+This measures the same shapes with raw nats-py (uvloop) processes whose handlers only
+answer or forward the bytes they got, on a private nats-server, sequential requests:
+
+- ``round trip``: requester → responder → requester (another process), the cost of one
+  request-reply such as the gateway's to admission;
+- ``two round trips``: two of those in sequence, to two processes (admission, then router);
+- ``forwarded``: requester → forwarder → responder, which answers the requester directly
+  (the router's forward of a request to a worker, as far as the worker's receipt);
+- ``mesh shape``: a round trip, then a forwarded request (the mesh's path before the
+  worker has the request, with no work in any hop).
+
+A payload of 1 KiB stands for a request with its prompt's token ids. The figures are the
+least the mesh can add here: what the real path costs above them is its own work.
+
+Run: ``.venv/bin/python benchmarks/hop_floor.py [--requests 3000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+import numpy as np
+import uvloop
+from nats.aio.msg import Msg
+
+from ops.natsserver import NatsServer
+
+PAYLOAD = b"x" * 1024
+
+
+async def serve(role: str, url: str, subject: str, forward_to: str) -> None:
+    """One process: ``echo`` answers on ``subject``; ``forward`` passes each request on
+    to ``forward_to`` with the original reply subject (its answerer replies directly)."""
+    nc = await nats.connect(url)
+
+    async def echo(msg: Msg) -> None:
+        await nc.publish(msg.reply, msg.data)
+
+    async def forward(msg: Msg) -> None:
+        await nc.publish(forward_to, msg.data, reply=msg.reply)
+
+    await nc.subscribe(subject, cb=echo if role == "echo" else forward)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+def _spawn(url: str, role: str, subject: str, forward_to: str = "") -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", role, url, subject, forward_to],
+                            stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"ready":
+        raise RuntimeError(f"{role} process did not start")
+    return proc
+
+
+async def measure(url: str, requests: int) -> dict[str, np.ndarray]:
+    nc = await nats.connect(url)
+    shapes = {
+        "round trip": ("admission",),
+        "two round trips": ("admission", "router"),
+        "forwarded": ("forward",),
+        "mesh shape": ("admission", "forward"),
+    }
+    results: dict[str, list[float]] = {name: [] for name in shapes}
+    for i in range(requests + 100):
+        for name, hops in shapes.items():  # interleaved: each shape meets the same machine
+            start = time.perf_counter()
+            for subject in hops:
+                await nc.request(subject, PAYLOAD, timeout=5.0)
+            if i >= 100:  # the first hundred warm up
+                results[name].append((time.perf_counter() - start) * 1000)
+    await nc.close()
+    return {name: np.array(values) for name, values in results.items()}
+
+
+async def main(requests: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        server = NatsServer(store_dir=Path(tmp) / "nats").start()
+        procs = []
+        try:
+            procs = [_spawn(server.url, "echo", "admission"), _spawn(server.url, "echo", "router"),
+                     _spawn(server.url, "echo", "worker"), _spawn(server.url, "forward", "forward", "worker")]
+            results = await measure(server.url, requests)
+        finally:
+            for proc in procs:
+                proc.kill()
+            server.stop()
+    print(f"### NATS hops between Python processes, handlers that do nothing ({requests} sequential each)\n")
+    print("| shape | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|")
+    for name, values in results.items():
+        print(f"| {name} | {np.percentile(values, 50):.3f} | {np.percentile(values, 90):.3f} "
+              f"| {np.percentile(values, 99):.3f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        uvloop.run(serve(*sys.argv[2:6]))
+    else:
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--requests", type=int, default=3000)
+        args = parser.parse_args()
+        uvloop.run(main(args.requests))
