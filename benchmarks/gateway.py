@@ -41,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+from aiohttp import web
 from nats.aio.msg import Msg
 
 from bus import Bus
@@ -292,10 +293,64 @@ async def request_path(rates: list[float], seconds: float) -> None:
     print(f"\nhighest rate with TTFT p99 ≤ 5 ms: {best:g} req/s" if best else "\nno rate kept TTFT p99 ≤ 5 ms")
 
 
-async def main(requests: int, duration: float, latency_only: bool = False) -> None:
+class OtlpSink:
+    """An OTLP/HTTP endpoint that accepts every export and counts the bytes: the mesh's
+    services export their spans to it as they would to a collector (``--tracing otlp``)."""
+
+    def __init__(self) -> None:
+        self.exports = 0
+        self.bytes = 0
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        self.exports += 1
+        self.bytes += len(await request.read())
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/traces", self._traces)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def tracing_env(tracing: str, sink: OtlpSink | None) -> dict[str, str]:
+    """The mesh's environment for ``--tracing``: as inherited, exporting OTLP to ``sink``
+    (every request sampled, the SDK's default), or the SDK off."""
+    if tracing == "otlp":
+        assert sink is not None
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url, "OTEL_SDK_DISABLED": "false"}
+    if tracing == "off":
+        return {"OTEL_SDK_DISABLED": "true"}
+    return {}
+
+
+async def main(requests: int, duration: float, latency_only: bool = False, tracing: str = "default") -> None:
+    sink = OtlpSink()
+    if tracing == "otlp":
+        await sink.start()
+    try:
+        await _run(requests, duration, latency_only, tracing_env(tracing, sink), tracing)
+    finally:
+        await sink.stop()
+    if tracing == "otlp":
+        print(f"\nSpans the mesh exported to the OTLP sink: {sink.exports} exports, {sink.bytes / 1e6:.1f} MB")
+
+
+async def _run(requests: int, duration: float, latency_only: bool, env: dict[str, str], tracing: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Latency: real-time sim (speed 1) so the worker's TTFT is a realistic few ms.
-        mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0))
+        mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0,
+                               extra_env=env))
         await mesh.start()
         phases: dict[str, list[float]] = {}
         hops: list[list[float]] = []
@@ -305,7 +360,7 @@ async def main(requests: int, duration: float, latency_only: bool = False) -> No
         finally:
             mesh.stop()
         added = (client - worker) * 1000
-        print(f"### Added latency ({len(added)} sequential requests, 256-token prompts)\n")
+        print(f"### Added latency ({len(added)} sequential requests, 256-token prompts, tracing: {tracing})\n")
         print("| | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|")
         for name, values in (("client TTFT", client * 1000), ("worker's own TTFT", worker * 1000), ("added by the mesh", added)):
             print(f"| {name} | {np.percentile(values, 50):.2f} | {np.percentile(values, 90):.2f} | {np.percentile(values, 99):.2f} |")
@@ -317,7 +372,7 @@ async def main(requests: int, duration: float, latency_only: bool = False) -> No
             return
 
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "f", nats_port=0, http_port=free_port(), model=MODEL, workers=1,
-                               speed=1.0))
+                               speed=1.0, extra_env=env))
         await mesh.start()
         try:
             features = await feature_latency(mesh, requests // 2)
@@ -332,7 +387,8 @@ async def main(requests: int, duration: float, latency_only: bool = False) -> No
 
         # Relay: fast sim workers (speed 50), large batches, one gateway.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "b", nats_port=0, http_port=free_port(), model=MODEL, workers=2,
-                               speed=50.0, worker_args=["--max-num-seqs", "512", "--num-kv-blocks", "200000"]))
+                               speed=50.0, worker_args=["--max-num-seqs", "512", "--num-kv-blocks", "200000"],
+                               extra_env=env))
         await mesh.start()
         try:
             print(f"\n### Relay throughput ({duration:.0f} s closed loop per point, 2000-token outputs)\n")
@@ -351,6 +407,9 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--latency-only", action="store_true", help="the added latency and its breakdown alone")
+    parser.add_argument("--tracing", choices=("default", "otlp", "off"), default="default",
+                        help="the mesh's tracing: as the environment says (default), exporting every span over "
+                             "OTLP/HTTP to a sink in this process (otlp), or the SDK off (off)")
     parser.add_argument("--request-path", default=None, metavar="RATES",
                         help="only the request-path throughput: comma-separated req/s of tiny requests, in turn")
     args = parser.parse_args()
@@ -359,4 +418,4 @@ if __name__ == "__main__":
     if args.request_path:
         uvloop.run(request_path([float(r) for r in args.request_path.split(",")], args.duration))
     else:
-        uvloop.run(main(args.requests, args.duration, args.latency_only))
+        uvloop.run(main(args.requests, args.duration, args.latency_only, args.tracing))
