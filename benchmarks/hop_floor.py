@@ -12,7 +12,12 @@ answer or forward the bytes they got, on a private nats-server, sequential reque
 - ``forwarded``: requester → forwarder → responder, which answers the requester directly
   (the router's forward of a request to a worker, as far as the worker's receipt);
 - ``mesh shape``: a round trip, then a forwarded request (the mesh's path before the
-  worker has the request, with no work in any hop).
+  worker has the request, with no work in any hop);
+- ``HTTP/SSE``: an aiohttp client POSTs a 300-byte JSON body to an aiohttp server in
+  another process, which reads it and answers with an SSE stream; the time to the first
+  event (the client's and the gateway's HTTP ends, with no work between them);
+- ``one way``: a message published by one process until another receives it (the first
+  chunk's trip from the worker to the gateway), from the time each side stamps.
 
 A payload of 1 KiB stands for a request with its prompt's token ids. The figures are the
 least the mesh can add here: what the real path costs above them is its own work.
@@ -30,19 +35,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import nats
 import numpy as np
 import uvloop
+from aiohttp import web
 from nats.aio.msg import Msg
 
-from ops.natsserver import NatsServer
+from ops.natsserver import NatsServer, free_port
 
 PAYLOAD = b"x" * 1024
 
 
 async def serve(role: str, url: str, subject: str, forward_to: str) -> None:
     """One process: ``echo`` answers on ``subject``; ``forward`` passes each request on
-    to ``forward_to`` with the original reply subject (its answerer replies directly)."""
+    to ``forward_to`` with the original reply subject (its answerer replies directly);
+    ``stamp`` publishes its wall clock on ``forward_to`` for each request; ``http`` serves
+    SSE on port ``subject``."""
+    if role == "http":
+        await serve_http(int(subject))
+        return
     nc = await nats.connect(url)
 
     async def echo(msg: Msg) -> None:
@@ -51,10 +63,66 @@ async def serve(role: str, url: str, subject: str, forward_to: str) -> None:
     async def forward(msg: Msg) -> None:
         await nc.publish(forward_to, msg.data, reply=msg.reply)
 
-    await nc.subscribe(subject, cb=echo if role == "echo" else forward)
+    async def stamp(msg: Msg) -> None:
+        await nc.publish(forward_to, repr(time.time()).encode())
+
+    await nc.subscribe(subject, cb={"echo": echo, "forward": forward, "stamp": stamp}[role])
     await nc.flush()
     print("ready", flush=True)
     await asyncio.Event().wait()
+
+
+async def serve_http(port: int) -> None:
+    async def sse(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(b'data: {"text": "first"}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/sse", sse)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+async def measure_http(port: int, requests: int) -> np.ndarray:
+    body = {"model": "m", "prompt": "x" * 256, "max_tokens": 4, "stream": True}
+    times = []
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+        for i in range(requests + 100):
+            start = time.perf_counter()
+            async with http.post("/sse", json=body) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        if i >= 100:
+                            times.append((time.perf_counter() - start) * 1000)
+                        break
+    return np.array(times)
+
+
+async def measure_one_way(url: str, requests: int) -> np.ndarray:
+    """``stamp`` answers each ping by publishing its clock: receipt time minus that."""
+    nc = await nats.connect(url)
+    got: asyncio.Queue[float] = asyncio.Queue()
+
+    async def on_stamp(msg: Msg) -> None:
+        got.put_nowait((time.time() - float(msg.data)) * 1000)
+
+    await nc.subscribe("stamped", cb=on_stamp)
+    await nc.flush()
+    times = []
+    for i in range(requests + 100):
+        await nc.publish("stamp", b"")
+        ms = await asyncio.wait_for(got.get(), 5.0)
+        if i >= 100:
+            times.append(ms)
+    await nc.close()
+    return np.array(times)
 
 
 def _spawn(url: str, role: str, subject: str, forward_to: str = "") -> subprocess.Popen[bytes]:
@@ -91,9 +159,13 @@ async def main(requests: int) -> None:
         server = NatsServer(store_dir=Path(tmp) / "nats").start()
         procs = []
         try:
+            port = free_port()
             procs = [_spawn(server.url, "echo", "admission"), _spawn(server.url, "echo", "router"),
-                     _spawn(server.url, "echo", "worker"), _spawn(server.url, "forward", "forward", "worker")]
+                     _spawn(server.url, "echo", "worker"), _spawn(server.url, "forward", "forward", "worker"),
+                     _spawn(server.url, "stamp", "stamp", "stamped"), _spawn("", "http", str(port))]
             results = await measure(server.url, requests)
+            results["one way"] = await measure_one_way(server.url, requests)
+            results["HTTP/SSE"] = await measure_http(port, requests)
         finally:
             for proc in procs:
                 proc.kill()
