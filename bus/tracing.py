@@ -6,7 +6,7 @@ Exporters follow the standard ``OTEL_*`` variables: OTLP/HTTP when
 file exporter, which tests read to check a whole trace tree.
 
 With no exporter configured no spans are recorded (recording them for nobody cost ~2 ms
-of CPU per request across the mesh, ~0.9 ms of its added latency: BENCHMARKS.md): the
+of CPU per request across the mesh, 0.2–0.6 ms of its added latency: BENCHMARKS.md): the
 OpenTelemetry API's no-op tracer then passes a caller's ``traceparent`` through every hop
 unchanged, so a trace begun upstream still reaches whatever exports downstream.
 """
