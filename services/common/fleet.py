@@ -451,9 +451,7 @@ class FleetView:
             raise KeyError(worker_id)
         self.release_placement(request_id)  # a retry moves the request
         w.placements[request_id] = Placement(worker_id, now, prefill_tokens, total_tokens)
-        w.opt_prefill_tokens += prefill_tokens
-        w.opt_running_tokens += total_tokens
-        w.pool.opt_tokens += prefill_tokens + total_tokens
+        _count_optimistic(w, prefill_tokens, total_tokens)
         self._placement_owner[request_id] = w
         self.age_out(w, now)
 
@@ -463,9 +461,7 @@ class FleetView:
         if w is None:
             return False
         p = w.placements.pop(request_id)
-        w.opt_prefill_tokens -= p.prefill_tokens
-        w.opt_running_tokens -= p.total_tokens
-        w.pool.opt_tokens -= p.prefill_tokens + p.total_tokens
+        _count_optimistic(w, -p.prefill_tokens, -p.total_tokens)
         return True
 
     def age_out(self, w: FleetWorker, now: float) -> None:
@@ -480,16 +476,12 @@ class FleetView:
             for rid in w.placements:
                 self._placement_owner.pop(rid, None)
             w.placements.clear()
-            w.pool.opt_tokens -= w.opt_prefill_tokens + w.opt_running_tokens
-            w.opt_prefill_tokens = 0
-            w.opt_running_tokens = 0
+            _count_optimistic(w, -w.opt_prefill_tokens, -w.opt_running_tokens)
             return
         for rid in list(w.placements)[:n]:
             p = w.placements.pop(rid)
             self._placement_owner.pop(rid, None)
-            w.opt_prefill_tokens -= p.prefill_tokens
-            w.opt_running_tokens -= p.total_tokens
-            w.pool.opt_tokens -= p.prefill_tokens + p.total_tokens
+            _count_optimistic(w, -p.prefill_tokens, -p.total_tokens)
 
     # ---- KV events ----
     def apply_kv_events(self, batch: KvEventBatch, now: float) -> KvApply | None:
@@ -534,6 +526,13 @@ class FleetView:
 def pack_prompt(prompt: bytes | Iterable[int]) -> bytes:
     """Packed token ids (the wire form) from either form."""
     return prompt if isinstance(prompt, bytes) else pack_tokens(list(prompt))
+
+
+def _count_optimistic(w: FleetWorker, prefill_tokens: int, total_tokens: int) -> None:
+    """Add (or, negative, take away) a placement's tokens on ``w`` and its pool's sum."""
+    w.opt_prefill_tokens += prefill_tokens
+    w.opt_running_tokens += total_tokens
+    w.pool.opt_tokens += prefill_tokens + total_tokens
 
 
 def _count_placed_before(w: FleetWorker, cutoff: float) -> int:
