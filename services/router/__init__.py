@@ -2,8 +2,8 @@
 
 The shared ``services.common.fleet.FleetView`` keeps the live picture of the pools
 (registry, gauges, optimistic accounting, the prefix index fed by KV events);
-``policy`` turns it into placement decisions (``cascade`` classifies a cascade's
-requests). All are synchronous and deterministic; the async NATS shell drives them.
+``policy`` turns it into placement decisions (``decision``: what one takes and gives;
+``cascade`` classifies a cascade's requests). All are synchronous and deterministic; the async NATS shell drives them.
 """
 
 from .cascade import CascadeConfig

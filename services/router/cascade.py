@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from proto.hashing import pack_tokens
 
 if TYPE_CHECKING:
-    from .policy import RouteQuery
+    from .decision import RouteQuery
 
 
 @dataclass(frozen=True, slots=True)
