@@ -60,6 +60,32 @@ MODEL = "sim-llama-8b"
 TIERS = {"premium": (1.0, 2), "standard": (2.0, 1)}  # TTFT SLO (simulated s), priority
 
 
+def fleet_capacity(args: argparse.Namespace) -> float:
+    """The fleet's capacity for the distinct prompts, wall req/s (the profile's formula)."""
+    per_worker = load_profile(DEFAULT_PROFILE).costs.requests_per_s(args.input_tokens, args.output_tokens)
+    return per_worker * args.workers * args.speed
+
+
+def tier_shares(args: argparse.Namespace, load: float) -> dict[str, float]:
+    return {"premium": args.premium_share * load, "standard": (1 - args.premium_share) * load}
+
+
+def tier_config(tier: str, url: str, api_key: str, load: float, args: argparse.Namespace,
+                extra_body: dict[str, Any] | None = None) -> BenchConfig:
+    """One tier's client at ``load`` × capacity: the same arrivals and prompts for every
+    system given the same seed (peers.py runs them against the peers' routers)."""
+    rate = tier_shares(args, load)[tier] * fleet_capacity(args)
+    return BenchConfig(
+        endpoints=[EndpointConfig(url, label=tier, api="completions", model=MODEL, api_key=api_key)],
+        workload=WorkloadConfig(kind="random", input_tokens=str(args.input_tokens),
+                                output_tokens=str(args.output_tokens)),
+        rates=[rate], num_requests=max(20, int(rate * args.duration)),
+        seed=args.seed + (0 if tier == "premium" else 1000),
+        slo=SLOSpec(ttft_s=TIERS[tier][0] / args.speed, tpot_s=args.slo_tpot / args.speed),
+        request_timeout=args.timeout / args.speed, label=tier, extra_body=dict(extra_body or {}),
+    )
+
+
 async def run_case(with_admission: bool, load: float, args: argparse.Namespace) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="meshserve-bench-overload-"))
     worker_args = ["--max-model-len", "16384", "--gauge-interval", "0.1",
@@ -85,24 +111,10 @@ async def run_case(with_admission: bool, load: float, args: argparse.Namespace) 
     try:
         keys = {tier: (await create_key(bus, org="bench", tier=tier, name=f"bench {tier}"))[0] for tier in TIERS}
         await asyncio.sleep(1.0)  # the gateway's key watcher sees them
-        fleet = load_profile(DEFAULT_PROFILE).costs.requests_per_s(args.input_tokens, args.output_tokens) * args.workers * args.speed
-        shares = {"premium": args.premium_share * load, "standard": (1 - args.premium_share) * load}
-
-        def config(tier: str) -> BenchConfig:
-            rate = shares[tier] * fleet
-            slo = TIERS[tier][0]
-            return BenchConfig(
-                endpoints=[EndpointConfig(mesh.gateway_url + "/v1", label=tier, api="completions", model=MODEL,
-                                          api_key=keys[tier])],
-                workload=WorkloadConfig(kind="random", input_tokens=str(args.input_tokens),
-                                        output_tokens=str(args.output_tokens)),
-                rates=[rate], num_requests=max(20, int(rate * args.duration)),
-                seed=args.seed + (0 if tier == "premium" else 1000),
-                slo=SLOSpec(ttft_s=slo / args.speed, tpot_s=args.slo_tpot / args.speed),
-                request_timeout=args.timeout / args.speed, label=tier,
-            )
-
-        results = await asyncio.gather(*(run_bench(config(t)) for t in TIERS))
+        fleet = fleet_capacity(args)
+        shares = tier_shares(args, load)
+        results = await asyncio.gather(*(run_bench(tier_config(t, mesh.gateway_url + "/v1", keys[t], load, args))
+                                         for t in TIERS))
         admission: dict[str, Any] = {}
         if with_admission:
             admission = await bus.service_stats("admission")
@@ -212,7 +224,7 @@ def error_table(cases: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-async def main() -> None:
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--speed", type=float, default=0.25, help="sim speed factor (1.0 = real time)")
@@ -234,7 +246,11 @@ async def main() -> None:
                         help="capacity (1× load, admission off: the reference goodput), off, on (both at --overload), "
                              "on@X (admission on at X× capacity)")
     parser.add_argument("--router-config", default=None, help="router config file (e.g. the prefix policy's beta)")
-    args = parser.parse_args()
+    return parser
+
+
+async def main() -> None:
+    args = arg_parser().parse_args()
     cases = []
     for name in args.cases.split(","):
         with_admission, load = case_spec(name, args.overload)

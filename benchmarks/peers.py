@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import overload
 import routing
 
 from ops.bench import EndpointConfig, run_bench
@@ -78,8 +79,8 @@ SYSTEMS = ("meshserve", *PEERS)
 class Fleet:
     """``n`` sim-servers as processes, and a peer router in front of them."""
 
-    def __init__(self, n: int, peer: Peer, sc: routing.Scenario, args: argparse.Namespace, state: Path) -> None:
-        self.n, self.peer, self.sc, self.args, self.state = n, peer, sc, args, state
+    def __init__(self, n: int, peer: Peer, sim_args: list[str], args: argparse.Namespace, state: Path) -> None:
+        self.n, self.peer, self.sim_args, self.args, self.state = n, peer, sim_args, args, state
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
         self.kv: list[tuple[str, str]] = []  # (events, replay) endpoints per sim
@@ -95,8 +96,8 @@ class Fleet:
         for i in range(self.n):
             port = free_port()
             argv = [sys.executable, "-m", "ops.cli", "sim-server", "--port", str(port), "--model", routing.MODEL,
-                    "--speed", str(self.args.speed), "--num-kv-blocks", str(self.sc.kv_blocks),
-                    "--max-model-len", "16384", "--load-format", self.peer.load_format, "--seed", str(i)]
+                    "--speed", str(self.args.speed), *self.sim_args, "--load-format", self.peer.load_format,
+                    "--seed", str(i)]
             if self.peer.kv_events:
                 kv, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
                 argv += ["--kv-events", kv, "--kv-events-replay", replay]
@@ -197,7 +198,7 @@ async def run_peer(sc: routing.Scenario, system: str, args: argparse.Namespace, 
                    seed: int) -> dict[str, Any]:
     peer = PEERS[system]
     state = Path(tempfile.mkdtemp(prefix=f"meshserve-peers-{system}-"))
-    fleet = Fleet(args.workers, peer, sc, args, state)
+    fleet = Fleet(args.workers, peer, ["--num-kv-blocks", str(sc.kv_blocks), "--max-model-len", "16384"], args, state)
     fleet_rate = args.capacity or sc.capacity
     sim_rates = [load * fleet_rate]
     async with aiohttp.ClientSession() as http:
@@ -298,6 +299,111 @@ def plot(cs: list[dict[str, Any]], order: list[str], path: Path) -> Path:
     return path
 
 
+# --scenario overload: premium and standard traffic, distinct prompts, at --overload × the
+# fleet's capacity (benchmarks/overload.py's workload, arrivals and SLOs). meshserve runs
+# its admission service; the peers have none, so their sims schedule by vLLM's request
+# priority instead (--scheduling-policy priority, premium first): the most a peer fleet can
+# do for premium traffic without admission.
+OVERLOAD = "overload"
+PEER_PRIORITY = {"premium": 0, "standard": 1}  # vLLM's: lower runs first
+
+
+def overload_args(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    """overload.py's settings (its defaults), with this run's fleet, speed, duration and seed."""
+    ov = overload.arg_parser().parse_args([])
+    ov.workers, ov.speed, ov.duration, ov.seed = args.workers, args.speed, args.duration, seed
+    return ov
+
+
+async def run_overload(system: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One system at ``--overload``: per tier, its client's run result."""
+    ov = overload_args(args, seed)
+    if system == "meshserve":
+        case = await overload.run_case(True, args.overload, ov)
+        return {"policy": system, "seed": seed, "runs": case["runs"]}
+    peer = PEERS[system]
+    state = Path(tempfile.mkdtemp(prefix=f"meshserve-peers-{system}-"))
+    sim_args = ["--max-model-len", "16384", "--max-num-batched-tokens", str(ov.max_num_batched_tokens),
+                "--scheduling-policy", "priority"]
+    fleet = Fleet(args.workers, peer, sim_args, args, state)
+    async with aiohttp.ClientSession() as http:
+        try:
+            await fleet.start(http)
+            results = await asyncio.gather(*(run_bench(overload.tier_config(
+                tier, fleet.router_url + "/v1", "unused", args.overload, ov, {"priority": PEER_PRIORITY[tier]}))
+                for tier in overload.TIERS))
+        finally:
+            fleet.stop()
+    return {"policy": system, "seed": seed, "runs": {t: r.runs[0] for t, r in zip(overload.TIERS, results, strict=True)}}
+
+
+def _overload_metrics(run: Any, speed: float) -> dict[str, float]:
+    s = run.summary
+    sent = max(s.requests, 1)
+    return {"refused": s.errors.get("429", 0) / sent, "other_errors": float(sum(s.errors.values()) - s.errors.get("429", 0)),
+            "ttft_p50_ms": (s.ttft_ms.p50 or math.inf) * speed, "ttft_p90_ms": (s.ttft_ms.p90 or math.inf) * speed,
+            "ttft_p99_ms": (s.ttft_ms.p99 or math.inf) * speed, "goodput": (s.goodput or 0) / speed,
+            "slo_sent": s.slo_attainment or 0.0, "slo_served": (s.slo_met or 0) / max(s.ok, 1)}
+
+
+# the worse of two values, per metric: lower goodput and attainment, higher everything else
+_OVERLOAD_WORSE_LOW = {"goodput", "slo_sent", "slo_served"}
+
+
+def overload_table(rows: list[dict[str, Any]], order: list[str], speed: float) -> str:
+    """Per system and tier (and the total), each metric's median / worst over the seeds."""
+    lines = ["| system | tier | refused | other errors | TTFT p50 | p90 | p99 ms | goodput req/s | SLO met (sent) "
+             "| SLO met (served) |", "| --- | --- |" + " ---: |" * 8]
+    for system in sorted({r["policy"] for r in rows}, key=order.index):
+        mine = [r for r in rows if r["policy"] == system]
+        for tier in (*overload.TIERS, "total"):
+            per_seed = [{"goodput": sum(_overload_metrics(run, speed)["goodput"] for run in r["runs"].values())}
+                        if tier == "total" else _overload_metrics(r["runs"][tier], speed) for r in mine]
+
+            def f(name: str, spec: str, per_seed: list[dict[str, float]] = per_seed) -> str:
+                vals = [m[name] for m in per_seed]
+                worst = min(vals) if name in _OVERLOAD_WORSE_LOW else max(vals)
+                return f"{statistics.median(vals):{spec}} / {worst:{spec}}"
+
+            if tier == "total":
+                lines.append(f"| {system} | **total** | | | | | | **{f('goodput', '.1f')}** | | |")
+                continue
+            lines.append(f"| {system} | {tier} | {f('refused', '.0%')} | {f('other_errors', '.0f')} "
+                         f"| {f('ttft_p50_ms', ',.0f')} | {f('ttft_p90_ms', ',.0f')} | {f('ttft_p99_ms', ',.0f')} "
+                         f"| {f('goodput', '.1f')} | {f('slo_sent', '.0%')} | {f('slo_served', '.0%')} |")
+    return "\n".join(lines)
+
+
+async def overload_main(args: argparse.Namespace, systems: list[str], seeds: list[int]) -> None:
+    rows: list[dict[str, Any]] = []
+    total = len(systems) * len(seeds)
+    for seed in seeds:
+        for system in systems:
+            row = await run_overload(system, args, seed)
+            rows.append(row)
+            parts = []
+            for tier, run in row["runs"].items():
+                m = _overload_metrics(run, args.speed)
+                parts.append(f"{tier} refused {m['refused']:.0%}, TTFT p90 {m['ttft_p90_ms']:,.0f} ms, goodput "
+                             f"{m['goodput']:.1f}, SLO met {m['slo_sent']:.0%} of sent / {m['slo_served']:.0%} of served")
+            lag = max(run.client.lag_ms.p99 for run in row["runs"].values())
+            print(f"[{len(rows)}/{total}] overload {system} seed {seed}: {'; '.join(parts)}; client lag p99 "
+                  f"{lag:.1f} ms", flush=True)
+    ov = overload_args(args, seeds[0])
+    print(f"\noverload: {args.workers} sims, {args.overload:g}× {overload.fleet_capacity(ov) / args.speed:.1f} req/s "
+          f"(distinct {ov.input_tokens}-token prompts, {ov.output_tokens} output tokens; {ov.premium_share:.0%} "
+          f"premium), {args.duration:.0f} s of arrivals per run, speed {args.speed}; SLO TTFT premium ≤ "
+          f"{overload.TIERS['premium'][0]} s, standard ≤ {overload.TIERS['standard'][0]} s, TPOT ≤ "
+          f"{ov.slo_tpot * 1000:.0f} ms; median / worst over seeds {','.join(map(str, seeds))}\n")
+    print(overload_table(rows, systems, args.speed), flush=True)
+    if args.out:
+        import msgspec
+
+        flat = [{"policy": r["policy"], "seed": r["seed"],
+                 "tiers": {t: _overload_metrics(run, args.speed) for t, run in r["runs"].items()}} for r in rows]
+        await asyncio.to_thread(Path(args.out).write_bytes, msgspec.json.encode(flat))
+
+
 def installed(args: argparse.Namespace, systems: list[str]) -> list[str]:
     missing = sorted({PEERS[s].binary for s in systems if s in PEERS
                       and not (Path(args.peers_bin) / PEERS[s].binary).exists()})
@@ -306,7 +412,9 @@ def installed(args: argparse.Namespace, systems: list[str]) -> list[str]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--scenario", choices=list(routing.SCENARIOS), default="shared-prefix")
+    parser.add_argument("--scenario", choices=[*routing.SCENARIOS, OVERLOAD], default="shared-prefix",
+                        help=f"{OVERLOAD}: premium and standard at --overload × capacity, meshserve with admission")
+    parser.add_argument("--overload", type=float, default=2.0, help="offered load over capacity (--scenario overload)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--seeds", default="1,2,3,4,5")
     parser.add_argument("--loads", default="0.8", help="fractions of the scenario's capacity (routing.py's knee)")
@@ -334,6 +442,10 @@ async def main() -> None:
         parser.error("--seeds takes integers and --loads fractions, comma-separated (e.g. 1,2,3 and 0.8)")
     if missing := installed(args, systems):
         parser.error(f"{', '.join(missing)} not found in {args.peers_bin}: run `make peers` (or pass --peers-bin)")
+    if args.scenario == OVERLOAD:
+        await overload_main(args, systems, seeds)
+        print("versions: " + ", ".join(f"{k} {v}" for k, v in versions(args).items()))
+        return
     sc = routing.SCENARIOS[args.scenario]
     rows: list[dict[str, Any]] = []
     total = len(systems) * len(loads) * len(seeds)

@@ -94,7 +94,9 @@ class Scenario:
     # requests meet the SLO, measured with ``--find-capacity`` (BENCHMARKS.md).
     capacity: float
     capacity_is: str = "the fleet's measured capacity"
-    kind: str = "shared-prefix"  # or multi-turn: prefix_tokens is the system prompt, suffix each user turn
+    # or multi-turn: prefix_tokens is the system prompt, suffix each user turn; or random:
+    # distinct prompts of suffix_tokens (no prefix, no reuse)
+    kind: str = "shared-prefix"
     turns: str = "4"
     think_s: float = 2.0  # multi-turn: mean think time between turns, simulated seconds (exponential)
 
@@ -123,6 +125,10 @@ SCENARIOS = {
     # too young to fill the caches).
     "multi-turn": Scenario("multi-turn", 0, "1024", "uniform:64:256", 64, 2048, 0.8, 30.0,
                            "the measured knee, 60 s runs", kind="multi-turn"),
+    # Distinct 1-2k-token prompts (no reuse: only load tells policies apart), at 80 % of the
+    # profile's capacity for them (55.1 req/s: no cache to change it). Not in "all".
+    "distinct": Scenario("distinct", 0, "0", "uniform:1024:2048", 64, 2048, 0.8, 55.1,
+                         "the profile's capacity (no reuse)", kind="random"),
 }
 DEFAULT_SCENARIOS = ("shared-prefix", "hot-spot")
 # issue 17's stability sweep
@@ -194,6 +200,8 @@ def bench_config(sc: Scenario, args: argparse.Namespace, endpoint: EndpointConfi
         workload = WorkloadConfig(kind="multi-turn", prefix_tokens=sc.prefix_tokens, input_tokens=sc.suffix_tokens,
                                   output_tokens=str(sc.output_tokens), turns=sc.turns,
                                   think_time=f"exponential:{sc.think_s / args.speed:g}")
+    elif sc.kind == "random":
+        workload = WorkloadConfig(kind="random", input_tokens=sc.suffix_tokens, output_tokens=str(sc.output_tokens))
     else:
         workload = WorkloadConfig(kind="shared-prefix", prefix_groups=sc.groups, prefix_tokens=sc.prefix_tokens,
                                   input_tokens=sc.suffix_tokens, output_tokens=str(sc.output_tokens))
@@ -601,7 +609,9 @@ async def main() -> None:
             print(f"{sc.name} {policy}: done in {row['wall_s']:.0f} s, client lag p99 {c.lag_ms.p99:.1f} ms, "
                   f"cpu {c.cpu_util:.0%}{flag}", flush=True)
         fleet = rows[0]["fleet_capacity"] / args.speed
-        print(f"\n{sc.name}: {sc.groups} prompt(s) of {sc.prefix_tokens} tokens + {sc.suffix_tokens}-token suffix, "
+        shape = (f"distinct {sc.suffix_tokens}-token prompts" if sc.kind == "random" else
+                 f"{sc.groups} prompt(s) of {sc.prefix_tokens} tokens + {sc.suffix_tokens}-token suffix")
+        print(f"\n{sc.name}: {shape}, "
               f"{sc.output_tokens} output tokens; {args.workers} workers × {sc.kv_blocks} KV blocks; "
               f"offered {args.load or sc.load:.0%} of {fleet:.1f} req/s ({sc.capacity_is}; no-reuse "
               f"capacity {rows[0]['no_reuse'] / args.speed:.1f} req/s), simulated time; speed {args.speed}; "

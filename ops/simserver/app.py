@@ -82,6 +82,7 @@ class SimServer:
         publisher: KvEventPublisher | None = None,
         kv_resolve_timeout_s: float = 5.0,
         max_body_bytes: int = 16 << 20,
+        priority_scheduling: bool = False,
     ) -> None:
         if not 0.0 <= error_rate <= 1.0:
             raise ValueError("error_rate must be within [0, 1]")
@@ -93,6 +94,8 @@ class SimServer:
         self.publisher = publisher
         self.kv_resolve_timeout_s = kv_resolve_timeout_s
         self.max_body_bytes = max_body_bytes
+        # vLLM's --scheduling-policy priority: a request's ``priority`` (lower first) orders the queue
+        self.priority_scheduling = priority_scheduling
         limits = ModelLimits(max_model_len=engine.max_model_len)
         self.spec = ModelSpec(name=self.model, tokenizer=load_tokenizer(engine.tokenizer_spec), limits=limits)
         self.models = {self.model: self.spec}
@@ -174,7 +177,8 @@ class SimServer:
 
     async def _generate(self, http: web.Request, kind: RequestKind) -> web.StreamResponse:
         self._inject(http)
-        request = parse_request(kind, await http.read(), self.models)
+        request = parse_request(kind, await http.read(), self.models,
+                                priority_scheduling=self.priority_scheduling)
         request_id = new_request_id()
         created = int(time.time())
         chunks = self._chunks(request, request_id)
@@ -205,10 +209,11 @@ class SimServer:
         with its finish reason and usage."""
         sampling = request.sampling
         n = max(sampling.n, 1)
+        priority = -request.priority  # the engine runs higher first; vLLM's API, lower first
         engine_requests = [EngineRequest(request_id=request_id, prompt_token_ids=request.prompt_token_ids,
-                                         sampling=sampling)] if n == 1 else [
+                                         sampling=sampling, priority=priority)] if n == 1 else [
             EngineRequest(request_id=f"{request_id}/{i}", prompt_token_ids=request.prompt_token_ids,
-                          sampling=msgspec.structs.replace(
+                          priority=priority, sampling=msgspec.structs.replace(
                               sampling, n=1, seed=None if sampling.seed is None else sampling.seed + i))
             for i in range(n)]
         queue: asyncio.Queue[tuple[int, EngineOutput | None, str]] = asyncio.Queue()
@@ -284,7 +289,8 @@ class SimServer:
     # ------------------------------------------------------------------ render, tokenize, models
 
     async def _render(self, http: web.Request, kind: RequestKind) -> dict[str, Any]:
-        request = parse_request(kind, await http.read(), self.models)
+        request = parse_request(kind, await http.read(), self.models,
+                                priority_scheduling=self.priority_scheduling)
         s = request.sampling
         return {
             "request_id": new_request_id(), "model": request.requested_model, "token_ids": request.prompt_token_ids,

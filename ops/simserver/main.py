@@ -35,6 +35,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from the memory budget)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="vLLM's: priority runs a request's `priority` (lower first) ahead of arrival order;"
+                        " fcfs refuses a non-zero priority")
     p.add_argument("--load-format", choices=["vllm", "sglang"], default="vllm",
                    help='/get_load shape: vllm-router\'s {"load": N} or sglang-router\'s [{"num_tokens": N, ...}]')
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
@@ -95,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         except zmq.ZMQError as exc:
             raise CliError(f"cannot bind the KV event endpoint: {exc}") from None
     server = SimServer(engine, model=args.model, load_format=args.load_format, error_rate=args.error_rate,
-                       rng=random.Random(args.seed), publisher=publisher)
+                       rng=random.Random(args.seed), publisher=publisher,
+                       priority_scheduling=args.scheduling_policy == "priority")
     asyncio.run(_serve(server, args.host, args.port))
     return 0
 

@@ -94,6 +94,7 @@ class SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    priority: int | None = None  # lower runs first; only where the server schedules by priority
     # vLLM's guided decoding fields (older names, and 0.1x's ``structured_outputs``)
     guided_json: Any = None
     guided_regex: str | None = None

@@ -46,6 +46,7 @@ from .tools import ToolPlan, history_fields, plan_tools
 Body = bytes | bytearray | memoryview | str | msgspec.Raw
 
 MAX_WS_ID_CHARS = 128
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 # ------------------------------------------------------------------- normalised request
@@ -74,6 +75,7 @@ class NormalizedRequest(Struct, kw_only=True):
     lora: str | None = None  # the adapter ``requested_model`` names (``model`` is its base)
     lora_path: str = ""
     lora_size_bytes: int = 0
+    priority: int = 0  # vLLM's sense: lower runs first (see parse_request)
 
     @property
     def prompt_tokens(self) -> int:
@@ -290,6 +292,7 @@ def _finish(
         lora=spec.lora,
         lora_path=spec.lora_path,
         lora_size_bytes=spec.lora_size_bytes,
+        priority=req.priority or 0,
     )
 
 
@@ -567,11 +570,24 @@ def parse_completion_request(
 
 
 def parse_request(
-    kind: RequestKind, body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None
+    kind: RequestKind, body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None,
+    priority_scheduling: bool = False,
 ) -> NormalizedRequest:
-    """``parse_chat_request`` or ``parse_completion_request`` by ``kind``."""
+    """``parse_chat_request`` or ``parse_completion_request`` by ``kind``.
+
+    A non-zero ``priority`` (vLLM's extension) is refused unless the server schedules by
+    it (``priority_scheduling``), as vLLM refuses it under first-come-first-served: the
+    mesh schedules by the API key's tier, and silently dropping a client's priority would
+    hide that."""
     parse = parse_chat_request if kind == "chat" else parse_completion_request
-    return parse(body, models, allowed_models=allowed_models)
+    request = parse(body, models, allowed_models=allowed_models)
+    if request.priority:
+        if not priority_scheduling:
+            unsupported("priority", f"priority {request.priority} is not offered: this server does not schedule by a"
+                                    " request's priority (on meshserve the API key's tier decides).")
+        if not _INT32_MIN <= request.priority <= _INT32_MAX:
+            invalid("priority", "must fit in a signed 32-bit integer.")
+    return request
 
 
 def parse_ws_request(

@@ -228,6 +228,46 @@ def test_x_return_error(server: Server, status: int, error: type[openai.APIStatu
     assert code == 400 and body["error"]["param"] == "X-Return-Error"
 
 
+def test_priority_is_refused_under_fcfs(server: Server) -> None:
+    code, body = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "priority": 1})
+    assert code == 400 and body["error"]["param"] == "priority"
+    assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                              extra_body={"priority": 0}).choices
+
+
+@pytest.fixture()
+def priority_server() -> Iterator[Server]:
+    yield from _start("--speed", "10", "--max-num-seqs", "1", "--scheduling-policy", "priority")
+
+
+def test_priority_scheduling_runs_lower_priority_values_first(priority_server: Server) -> None:
+    """vLLM's --scheduling-policy priority: with one sequence at a time, a request queued
+    later with a lower ``priority`` value runs before one queued earlier."""
+    srv = priority_server
+
+    def load() -> int:
+        return int(json.loads(srv.get("/get_load")[1])["load"])
+
+    done: list[str] = []
+
+    def ask(name: str, priority: int) -> None:
+        srv.client().completions.create(model=MODEL, prompt=name, max_tokens=4, extra_body={"priority": priority})
+        done.append(name)
+
+    blocker = srv.client().completions.create(model=MODEL, prompt="first", max_tokens=4000, stream=True,
+                                              extra_body={"ignore_eos": True})
+    next(iter(blocker))
+    threads = []
+    for queued, (name, priority) in enumerate((("later", 5), ("sooner", -1)), start=2):
+        threads.append(threading.Thread(target=ask, args=(name, priority)))
+        threads[-1].start()
+        eventually(lambda queued=queued: load() == queued, f"{name} to queue")  # type: ignore[misc]
+    blocker.close()  # the running sequence leaves; the queue runs in priority order
+    for t in threads:
+        t.join(60)
+    assert done == ["sooner", "later"]
+
+
 def _decode(payload: bytes) -> Any:
     return msgspec.msgpack.decode(payload, type=KVEventBatch)
 

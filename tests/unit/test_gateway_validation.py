@@ -482,3 +482,20 @@ def test_parse_request_dispatches_by_kind() -> None:
     assert parse_request("chat", chat(), MODELS).kind == "chat"
     assert parse_request("completion", completion(), MODELS).kind == "completion"
     assert isinstance(parse_request("completion", completion(), MODELS), NormalizedRequest)
+
+
+def test_priority_is_refused_unless_the_server_schedules_by_it() -> None:
+    """vLLM's ``priority`` (lower first): the mesh schedules by the key's tier, so a
+    client's priority is a clear 400, as vLLM gives it under first-come-first-served;
+    0 (vLLM's default, which some clients always send) passes."""
+    for kind, body in (("chat", chat(priority=3)), ("completion", completion(priority=-1))):
+        with pytest.raises(ApiError) as info:
+            parse_request(kind, body, MODELS)
+        err = info.value
+        assert (err.status, err.param, err.code) == (400, "priority", "unsupported_parameter"), err.message
+        assert "tier" in err.message
+    assert parse_request("chat", chat(priority=0), MODELS).priority == 0
+    assert parse_request("completion", completion(priority=-2), MODELS, priority_scheduling=True).priority == -2
+    with pytest.raises(ApiError) as info:
+        parse_request("chat", chat(priority=2**40), MODELS, priority_scheduling=True)
+    assert info.value.param == "priority"
