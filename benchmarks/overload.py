@@ -100,7 +100,8 @@ async def run_case(with_admission: bool, load: float, args: argparse.Namespace) 
         config_file = state / "admission.json"
         config_file.write_text(json.dumps({"tiers": tiers, "default_tier": "standard",
                                            "slo": {"target": args.target,
-                                                   "calibration_quantile": args.calibration_quantile}}))
+                                                   "calibration_quantile": args.calibration_quantile,
+                                                   "placement_slack": args.placement_slack}}))
         extra["admission"] = ["--config", str(config_file)]
         services = (*services, "admission")  # without it the gateway fails open (Mesh sets it)
     mesh = Mesh(MeshConfig(state_dir=state, nats_port=0, http_port=free_port(), model=MODEL, workers=args.workers,
@@ -239,6 +240,9 @@ def arg_parser() -> argparse.ArgumentParser:
                         help="admission admits predictions within this fraction of the SLO (SloConfig.target)")
     parser.add_argument("--calibration-quantile", type=float, default=SloConfig().calibration_quantile,
                         help="admission holds this quantile of actual/predicted TTFT against the SLO")
+    parser.add_argument("--placement-slack", type=float, default=SloConfig().placement_slack,
+                        help="work the router may add ahead of an admitted request, as a fraction of its predicted "
+                             "TTFT (SloConfig.placement_slack)")
     parser.add_argument("--timeout", type=float, default=30.0, help="request timeout, simulated seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--seed", type=int, default=1)

@@ -164,6 +164,10 @@ class SloConfig:
     calibration_floor: float = 0.25
     overhead_min_samples: int = 10  # light-load outcomes before the overhead is used
     overhead_quantile: float = 0.5
+    # The router may put work ahead of an admitted request worth at most this fraction of
+    # its point prediction (on top of every check's own room): the TTFT admission reports
+    # stays within 1 + placement_slack of where the request really runs.
+    placement_slack: float = 1.0
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -181,6 +185,8 @@ class SloConfig:
             raise ValueError("calibration_floor must be in [0, 1) and overhead_min_samples ≥ 1")
         if not 0 <= self.overhead_quantile < 1:
             raise ValueError("overhead_quantile must be in [0, 1)")
+        if self.placement_slack < 0:
+            raise ValueError("placement_slack must be ≥ 0")
         lo, hi = self.calibration_bounds
         if not 0 < lo <= 1 <= hi:
             raise ValueError("calibration_bounds must be (lo, hi) with 0 < lo ≤ 1 ≤ hi")
@@ -473,7 +479,7 @@ class SloAdmitter:
                     # The router may add work ahead only while the TTFT admission reports
                     # at most doubles: a prediction made for one replica stays a fair
                     # prediction of where the request really runs.
-                    room = min(room, (raw + overhead) * rate * drain)
+                    room = min(room, cfg.placement_slack * (raw + overhead) * rate * drain)
                 limit = max(cfg.target * margin * x.ttft_slo_s, own * factor * (1 + cfg.long_prompt_slack * margin))
                 # Δ tokens ahead add at most factor · prior · Δ / (rate · drain) seconds (share, drain ≤ 1).
                 room = min(room, (limit - pred) * rate * drain / (factor * prior))
