@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import overload
 import routing
 
@@ -85,6 +86,15 @@ class Fleet:
         self.urls: list[str] = []
         self.kv: list[tuple[str, str]] = []  # (events, replay) endpoints per sim
         self.router_url = ""
+        self._ports: set[int] = set()
+
+    def _port(self) -> int:
+        """A free port none of this fleet's processes was given: the sims bind theirs only
+        once started, so the kernel may hand a port out twice before then."""
+        while (port := free_port()) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = (self.state / f"{name}.log").open("wb")
@@ -94,23 +104,23 @@ class Fleet:
 
     async def start(self, http: aiohttp.ClientSession) -> None:
         for i in range(self.n):
-            port = free_port()
+            port = self._port()
             argv = [sys.executable, "-m", "ops.cli", "sim-server", "--port", str(port), "--model", routing.MODEL,
                     "--speed", str(self.args.speed), *self.sim_args, "--load-format", self.peer.load_format,
                     "--seed", str(i)]
             if self.peer.kv_events:
-                kv, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+                kv, replay = f"tcp://127.0.0.1:{self._port()}", f"tcp://127.0.0.1:{self._port()}"
                 argv += ["--kv-events", kv, "--kv-events-replay", replay]
                 self.kv.append((kv, replay))
             self._spawn(f"sim-{i}", argv)
             self.urls.append(f"http://127.0.0.1:{port}")
         for url in self.urls:
             await _wait_ok(http, url + "/health", 60, "a sim-server", self)
-        port = free_port()
+        port = self._port()
         binary = str(Path(self.args.peers_bin) / self.peer.binary)
         argv = [binary, *(["launch"] if self.peer.binary == "smg" else []), "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *self.urls, *self.peer.args, "--worker-startup-check-interval", "1",
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--disable-retries",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self._port()), "--disable-retries",
                 "--log-level", "warn" if self.peer.binary == "smg" else "warning"]
         if self.peer.kv_events:
             argv += ["--kv-event-model", routing.MODEL]
@@ -397,8 +407,6 @@ async def overload_main(args: argparse.Namespace, systems: list[str], seeds: lis
           f"{ov.slo_tpot * 1000:.0f} ms; median / worst over seeds {','.join(map(str, seeds))}\n")
     print(overload_table(rows, systems, args.speed), flush=True)
     if args.out:
-        import msgspec
-
         flat = [{"policy": r["policy"], "seed": r["seed"],
                  "tiers": {t: _overload_metrics(run, args.speed) for t, run in r["runs"].items()}} for r in rows]
         await asyncio.to_thread(Path(args.out).write_bytes, msgspec.json.encode(flat))
@@ -454,6 +462,8 @@ async def main() -> None:
             for system in systems:
                 row = await run_system(sc, system, args, load, seed)
                 rows.append(row)
+                if args.out:  # after every run: a run that fails later loses nothing before it
+                    await asyncio.to_thread(Path(args.out).write_bytes, msgspec.json.encode(rows))
                 s = row["summary"]
                 print(f"[{len(rows)}/{total}] {sc.name} {system} load {load:.0%} seed {seed}: TTFT p90 "
                       f"{routing._ms(s.ttft_ms.p90, args.speed)} ms, hit {row['hit_rate']:.0%}, goodput "
@@ -468,10 +478,6 @@ async def main() -> None:
     plot_dir = Path(args.plot_dir)
     await asyncio.to_thread(plot_dir.mkdir, parents=True, exist_ok=True)
     print(f"plot: {plot(cs, systems, plot_dir / f'peers-{sc.name}.png')}")
-    if args.out:
-        import msgspec
-
-        await asyncio.to_thread(Path(args.out).write_bytes, msgspec.json.encode(rows))
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions(args).items()))
 
 

@@ -102,6 +102,7 @@ class FleetWorker:
     opt_running_tokens: int = 0
     # exponentially weighted mean of the gauges' outstanding tokens (None: no gauge yet)
     load_avg: float | None = None
+    last_placed_at: float = float("-inf")  # this view's newest placement here (rotation among near ties)
 
     # ---- KV cache mirror (held by the pool's KvIndex) ----
     @property
@@ -451,6 +452,7 @@ class FleetView:
             raise KeyError(worker_id)
         self.release_placement(request_id)  # a retry moves the request
         w.placements[request_id] = Placement(worker_id, now, prefill_tokens, total_tokens)
+        w.last_placed_at = now
         _count_optimistic(w, prefill_tokens, total_tokens)
         self._placement_owner[request_id] = w
         self.age_out(w, now)
