@@ -26,6 +26,8 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   holder's prefill wait exceeds ``spill_wait_tokens`` and the other's does not (an idle
   worker always may), so long queues everywhere never scatter prompts (issue 17: that made a second, stable
   equilibrium with a cache-blind hit rate; ``benchmarks/router_sim.py`` shows it).
+  Near ties (within ``tie_tokens`` of the cheapest, holding as much of the prompt) take
+  turns: the one placed on least recently wins, as round robin spaces arrivals.
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
   the session key; falls back to ``prefix`` without a key or when the target is
   overloaded (outstanding tokens above ``session_overload_factor`` × the pool mean and
@@ -487,8 +489,10 @@ class Router:
         tie = ctx.cfg.tie_tokens
         if not tie or len(scored) < 2:
             return cost, best
-        held = ctx.cached(best)
-        near = [(c, w) for c, w in scored if c <= cost + tie and ctx.cached(w) >= held]
+        held, penalty = ctx.cached(best), ctx.load_penalty(best)
+        # as much of the prompt, and no dearer adapter or model load: rotation spreads load, never residency
+        near = [(c, w) for c, w in scored
+                if c <= cost + tie and ctx.cached(w) >= held and ctx.load_penalty(w) <= penalty]
         oldest = min(w.last_placed_at for _, w in near)
         if best.last_placed_at == oldest:
             return cost, best
