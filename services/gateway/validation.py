@@ -573,12 +573,9 @@ def parse_request(
     kind: RequestKind, body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None,
     priority_scheduling: bool = False,
 ) -> NormalizedRequest:
-    """``parse_chat_request`` or ``parse_completion_request`` by ``kind``.
-
-    A non-zero ``priority`` (vLLM's extension) is refused unless the server schedules by
-    it (``priority_scheduling``), as vLLM refuses it under first-come-first-served: the
-    mesh schedules by the API key's tier, and silently dropping a client's priority would
-    hide that."""
+    """``parse_chat_request`` or ``parse_completion_request`` by ``kind``. A non-zero
+    ``priority`` (vLLM's) is refused unless the server schedules by it, as vLLM does under
+    fcfs: the mesh schedules by the key's tier, and dropping it silently would hide that."""
     parse = parse_chat_request if kind == "chat" else parse_completion_request
     request = parse(body, models, allowed_models=allowed_models)
     if request.priority:
