@@ -477,8 +477,8 @@ class SloAdmitter:
                 if k == 0:
                     own_pred, raw_pred, own_bound = (raw + overhead) * self._expected_factor(x), raw, pred
                     # The router may add work ahead only while the TTFT admission reports
-                    # at most doubles: a prediction made for one replica stays a fair
-                    # prediction of where the request really runs.
+                    # grows by at most placement_slack (1: doubles): a prediction made for
+                    # one replica stays a fair prediction of where the request really runs.
                     room = min(room, cfg.placement_slack * (raw + overhead) * rate * drain)
                 limit = max(cfg.target * margin * x.ttft_slo_s, own * factor * (1 + cfg.long_prompt_slack * margin))
                 # Δ tokens ahead add at most factor · prior · Δ / (rate · drain) seconds (share, drain ≤ 1).
