@@ -434,11 +434,13 @@ async def main() -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT bound of goodput, simulated seconds")
     parser.add_argument("--peers-bin", default=str(ROOT / ".venv-tools" / "peers" / "bin"),
                         help="where vllm-router and smg are (make peers)")
+    parser.add_argument("--router-config", default=None,
+                        help="meshserve's router config (TOML/JSON, as `meshserve router --config`); default: none")
     parser.add_argument("--out", default=None, help="write every row as JSON here")
     parser.add_argument("--plot-dir", default="results/peers")
     args = parser.parse_args()
     # what routing.run_policy reads besides the above
-    args.load, args.seed, args.router_config = None, 1, None
+    args.load, args.seed = None, 1
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:

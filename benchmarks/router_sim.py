@@ -224,7 +224,7 @@ def simulate(
         view.update_worker(WorkerInfo(worker_id=w.wid, model=MODEL, engine="sim", state="ready",
                                       max_loras=lora.max_loras, lora_load_gb_per_s=disk,
                                       lora_host_gb_per_s=lora.host_to_gpu_bytes_per_s / 1e9), 0.0)
-    popularity = [1 / (k + 1) ** workload.adapter_zipf for k in range(workload.adapters)]
+    popularity = zipf_weights(workload.adapters, workload.adapter_zipf)
     adapter_bytes = int(workload.adapter_mb * 1e6)
 
     # events: (time, priority, order, kind, payload); at equal times step ends and gauges
@@ -351,6 +351,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--spill-wait-tokens", type=int, default=None,
                         help="the prefix policy's spill_wait_tokens (0: spills by raw cost, before issue 17's fix)")
+    parser.add_argument("--spill-repeat-weight", type=float, default=None,
+                        help="the prefix policy's spill_repeat_weight (0: the wait alone decides a spill)")
     parser.add_argument("--adapters", type=int, default=0,
                         help="LoRA workload (issue 21): this many adapters, Zipf popularity, distinct 512-token "
                              "prompts, on --workers workers with --max-loras slots; policies: round_robin, "
@@ -365,7 +367,9 @@ def main() -> None:
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
         loads = [float(x) for x in args.loads.split(",")]
-        extra = {} if args.spill_wait_tokens is None else {"spill_wait_tokens": args.spill_wait_tokens}
+        extra: dict[str, float] = {} if args.spill_wait_tokens is None else {"spill_wait_tokens": args.spill_wait_tokens}
+        if args.spill_repeat_weight is not None:
+            extra["spill_repeat_weight"] = args.spill_repeat_weight
         policies = [PolicyConfig(policy=p, **extra) for p in args.policies.split(",")]  # type: ignore[arg-type]
     except ValueError as exc:
         parser.error(str(exc))
@@ -394,6 +398,21 @@ def main() -> None:
                   f"{statistics.median(good):.1f} / {min(good):.1f}", flush=True)
 
 
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Zipf popularity of ranks 1..n (unnormalised)."""
+    return [1 / (k + 1) ** s for k in range(n)]
+
+
+def activation_floor_share(adapters: int, zipf: float, slots: int) -> float:
+    """The share of requests that no policy can serve without a slot activation: those
+    for adapters outside the ``slots`` most popular. At any moment at most ``slots``
+    adapters sit in GPU slots fleet-wide, and a Poisson arrival's adapter is independent
+    of which (PASTA), so it is resident with probability at most the top ``slots``'
+    popularity share."""
+    popularity = zipf_weights(adapters, zipf)
+    return sum(popularity[slots:]) / sum(popularity) if popularity else 0.0
+
+
 def adapter_runs(args: argparse.Namespace) -> None:
     """Issue 21's adapter benchmark: adapter loads per minute, TTFT and goodput, balance."""
 
@@ -412,6 +431,11 @@ def adapter_runs(args: argparse.Namespace) -> None:
     print(f"{args.adapters} adapters (Zipf {wl.adapter_zipf}, {wl.adapter_mb:g} MB), {fleet.workers} workers × "
           f"{fleet.max_loras} slots ({fleet.max_cpu_loras} in host memory), 512-token prompts, 128 output tokens; "
           f"capacity {capacity:.1f} req/s (profile formula); first quarter of each run left out")
+    slots = fleet.workers * fleet.max_loras
+    outside = activation_floor_share(args.adapters, wl.adapter_zipf, slots)
+    print(f"floor: {outside:.1%} of requests name an adapter outside the {slots} most popular and need a slot "
+          f"activation under any policy (the fleet holds at most {slots} adapters in GPU slots at once, and a "
+          f"Poisson arrival sees that set as it is); per run as 'floor', in the same units as its loads")
     for load in loads:
         for name in names:
             rows = []
@@ -420,15 +444,17 @@ def adapter_runs(args: argparse.Namespace) -> None:
                 s = res.window(args.duration / 4)
                 per_min = res.adapter_loads / (res.end / 60)
                 disk_min = res.adapter_disk_loads / (res.end / 60)
-                rows.append((s, per_min, res.imbalance(args.duration / 4), disk_min))
+                floor_min = len(res.requests) * outside / (res.end / 60)
+                rows.append((s, per_min, res.imbalance(args.duration / 4), disk_min, floor_min))
                 print(f"{name:12s} load {load:.0%} seed {seed}: {s}  adapter loads/min {per_min:7.1f} "
-                      f"({disk_min:.1f} from storage)  busiest/idlest {rows[-1][2]:.2f}", flush=True)
+                      f"({disk_min:.1f} from storage; floor {floor_min:.1f})  busiest/idlest {rows[-1][2]:.2f}",
+                      flush=True)
             p50, p90, p99 = ([getattr(r[0], f"ttft_p{k}") * 1000 for r in rows] for k in (50, 90, 99))
             print(f"{name:12s} load {load:.0%} median / worst seed: TTFT p50 {statistics.median(p50):,.0f} / "
                   f"{max(p50):,.0f} ms, p90 {statistics.median(p90):,.0f} / {max(p90):,.0f} ms, p99 "
                   f"{statistics.median(p99):,.0f} / {max(p99):,.0f} ms, loads/min {statistics.median(r[1] for r in rows):.1f} / "
                   f"{max(r[1] for r in rows):.1f} (from storage {statistics.median(r[3] for r in rows):.1f} / "
-                  f"{max(r[3] for r in rows):.1f}), goodput {statistics.median(r[0].goodput for r in rows):.1f} / "
+                  f"{max(r[3] for r in rows):.1f}; floor {statistics.median(r[4] for r in rows):.1f}), goodput {statistics.median(r[0].goodput for r in rows):.1f} / "
                   f"{min(r[0].goodput for r in rows):.1f}, "
                   f"busiest/idlest {statistics.median(r[2] for r in rows):.2f} / {max(r[2] for r in rows):.2f}",
                   flush=True)

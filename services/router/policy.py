@@ -25,7 +25,9 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   Spills: a cheaper worker without the prefix wins over the best holder only when the
   holder's prefill wait exceeds ``spill_wait_tokens`` and the other's does not (an idle
   worker always may), so long queues everywhere never scatter prompts (issue 17: that made a second, stable
-  equilibrium with a cache-blind hit rate; ``benchmarks/router_sim.py`` shows it).
+  equilibrium with a cache-blind hit rate; ``benchmarks/router_sim.py`` shows it), and
+  only when it saves the request more wait than the prefill it repeats
+  (``spill_repeat_weight``).
   Near ties (within ``tie_tokens`` of the cheapest, holding as much of the prompt) take
   turns: the one placed on least recently wins, as round robin spaces arrivals.
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
@@ -134,6 +136,14 @@ class PolicyConfig:
     # in a degraded state (hit 79 %, p90 TTFT 2.3 s) that 2048 avoids up to 130 %.
     # 0 restores the raw-cost choice.
     spill_wait_tokens: int = 2048
+    # A spill must also save the request more prefill wait than this many times the
+    # prefill it repeats (the part of the prompt the holder has cached and the other
+    # has not): that prefill is work the fleet does twice, and it slows the decodes of
+    # everything running where it lands. Multi-turn chat on 8 sims at 80 % (peers.py,
+    # seeds 1-5): with the wait alone deciding, 2-4 % of placements moved a conversation
+    # to a worker with no prefill queued to save ~30 ms of its wait, re-prefilled 1-2k
+    # tokens each, and the hit rate fell from 38 % to 36 %. 0: the wait alone decides.
+    spill_repeat_weight: float = 1.0
     # Near ties (prefix policy): workers whose costs are within this many tokens of the
     # cheapest and that hold at least as much of the prompt count as equal, and the one
     # placed on least recently wins. Load figures that close are noise (a gauge period
@@ -153,6 +163,8 @@ class PolicyConfig:
             raise ValueError("d and session_vnodes must be ≥ 1 and beta ≥ 0")
         if self.balance_factor != 0 and self.balance_factor < 1:
             raise ValueError("balance_factor must be 0 (off) or ≥ 1")
+        if self.spill_repeat_weight < 0:
+            raise ValueError("spill_repeat_weight must be ≥ 0 (0: the wait alone decides a spill)")
         if self.tie_tokens < 0:
             raise ValueError("tie_tokens must be ≥ 0 (0: the strict minimum)")
         if self.spill_wait_tokens < 0:
@@ -393,7 +405,9 @@ class Router:
             if kept:
                 hcost, holder = self._pick(kept)
                 wait = max(cfg.spill_wait_tokens, ctx.prompt_tokens - ctx.cached(best))
-                if not (ctx.prefill_cost(holder) > wait >= ctx.prefill_cost(best)):
+                holder_wait, best_wait = ctx.prefill_cost(holder), ctx.prefill_cost(best)
+                repeated = ctx.cached(holder) - ctx.cached(best)
+                if not (holder_wait > wait >= best_wait and holder_wait - best_wait > cfg.spill_repeat_weight * repeated):
                     cost, best, held = hcost, holder, True
         under = self._underused(eligible, cfg, ctx.pool)
         if under and budget < math.inf:

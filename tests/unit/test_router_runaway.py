@@ -66,6 +66,29 @@ def test_a_slow_holder_spills_to_an_idle_worker() -> None:
     assert (d.worker_id, d.spill_held) == ("llama-1", True)
 
 
+def test_a_spill_must_save_more_wait_than_the_prefill_it_repeats() -> None:
+    v = make_view(2)
+    cache(v, "llama-1", SYSTEM)
+    prompt = [*SYSTEM, *range(100)]  # 2148 tokens, 2048 cached on llama-1
+    set_load(v, "llama-1", queued=2500)  # wait 2600: over spill_wait_tokens
+    set_load(v, "llama-0", queued=0)  # idle: waits for its own 2148
+    # moving saves the request 452 tokens of wait and makes the fleet prefill 2048 again
+    d = decided(router(v, balance_factor=0).decide(q(prompt=prompt), 0.5))
+    assert (d.worker_id, d.cached_tokens, d.spill_held, d.spilled) == ("llama-1", 2048, True, False)
+    # weight 0: the wait alone decides, as before
+    d = decided(router(v, balance_factor=0, spill_repeat_weight=0).decide(q(prompt=prompt), 0.5))
+    assert (d.worker_id, d.spilled) == ("llama-0", True)
+    # a holder slower by more than the repeated prefill gives the request up
+    set_load(v, "llama-1", queued=4200, ts=2.0)  # wait 4300: 2152 saved > 2048 repeated
+    d = decided(router(v, balance_factor=0).decide(q(prompt=prompt), 0.5))
+    assert (d.worker_id, d.spilled) == ("llama-0", True)
+
+
+def test_spill_repeat_weight_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="spill_repeat_weight"):
+        PolicyConfig(spill_repeat_weight=-0.5)
+
+
 def test_spill_wait_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="spill_wait_tokens"):
         PolicyConfig(spill_wait_tokens=-1)
