@@ -410,6 +410,10 @@ class Router:
                 if not (holder_wait > wait >= best_wait and holder_wait - best_wait > cfg.spill_repeat_weight * repeated):
                     cost, best, held = hcost, holder, True
         under = self._underused(eligible, cfg, ctx.pool)
+        if under:
+            # it spreads load, never residency: no dearer adapter or model load than the best's
+            penalty = ctx.load_penalty(best)
+            under = [w for w in under if ctx.load_penalty(w) <= penalty]
         if under and budget < math.inf:
             under = [w for w in under if ctx.prefill_cost(w) <= budget]
         if under and best not in under:

@@ -614,6 +614,25 @@ def test_a_hot_adapter_spreads_once_its_holders_queue_costs_more_than_a_load() -
     assert isinstance(router(static).decide(q(lora="hot", lora_size_bytes=size), 0.5), NoCapacity)
 
 
+def test_the_underused_rule_never_forces_an_adapter_load() -> None:
+    """A worker left underused is sent requests its load average asks for, never ones it
+    would have to load an adapter (or a model) for that the cheapest worker holds: the
+    rule spreads load, not residency (a hot-swap fleet's plain LRU lost half its SLO to
+    such loads in benchmarks/hotswap_sim.py)."""
+    v = dynamic_view(4)
+    for t in range(1, 31):
+        for i in range(3):
+            set_load(v, f"{MODEL}-{i}", running=6000, ts=float(t), now=float(t), prefill_tokens_per_s=10_000,
+                     lora_adapters=["hot"])
+        set_load(v, f"{MODEL}-3", ts=float(t), now=float(t), prefill_tokens_per_s=10_000)
+    size = 100_000_000  # a load costs 1,000 prefill tokens (3,000 away from the adapter's home)
+    d = decided(router(v).decide(q(lora="hot", lora_size_bytes=size), 31.0))
+    assert d.worker_id != f"{MODEL}-3" and not d.rebalanced
+    # a base-model request, which needs no load anywhere, still goes to the quiet worker
+    base = decided(router(v).decide(q(prompt=[*SYSTEM, *range(100)]), 31.0))
+    assert (base.worker_id, base.rebalanced) == (f"{MODEL}-3", True)
+
+
 def test_lora_prefix_uses_the_adapter_salt() -> None:
     v = make_view(2, loras=("sql",))
     cache(v, "llama-0", SYSTEM)  # base-model prefix
