@@ -146,10 +146,10 @@ class PolicyConfig:
     # A spill must also save the request more prefill wait than this many times the
     # prefill it repeats (the part of the prompt the holder has cached and the other
     # has not): that prefill is work the fleet does twice, and it slows the decodes of
-    # everything running where it lands. Multi-turn chat on 8 sims at 80 % (peers.py,
-    # seeds 1-5): with the wait alone deciding, 2-4 % of placements moved a conversation
-    # to a worker with no prefill queued to save ~30 ms of its wait, re-prefilled 1-2k
-    # tokens each, and the hit rate fell from 38 % to 36 %. 0: the wait alone decides.
+    # everything running where it lands, while the spilled request waits for its whole
+    # prompt. Shared prefix in benchmarks/router_sim.py (8 seeds): p99 TTFT 35 ms at 80 %
+    # against 100 with the wait alone deciding, 42 against 122 at 100 %, p90 equal.
+    # 0: the wait alone decides.
     spill_repeat_weight: float = 1.0
     # Near ties (prefix policy): workers whose costs are within this many tokens of the
     # cheapest and that hold at least as much of the prompt count as equal, and the one
