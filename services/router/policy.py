@@ -53,7 +53,7 @@ import math
 import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 import xxhash
 
@@ -62,6 +62,7 @@ from services.common.residency import swap_costs
 
 from .adapters import adapter_home, lora_load_tokens
 from .cascade import Cascade, CascadeConfig
+from .context import DecisionContext
 from .decision import Candidate, NoCapacity, NoCapacityReason, RouteDecision, RouteQuery
 from .hotswap import Demand, pinned_models
 
@@ -345,7 +346,7 @@ class Router:
                 eligible = [w for w in eligible if w.worker_id not in swap.blocked]
             for wid, tokens in swap.costs.items():
                 load_costs[wid] = load_costs.get(wid, 0.0) + tokens
-        ctx = _Ctx(q, cfg, pool, load_costs)
+        ctx = DecisionContext(q, cfg, pool, load_costs)
         match cfg.policy:
             case "round_robin":
                 decision = self._round_robin(model, eligible, ctx)
@@ -362,21 +363,21 @@ class Router:
         return decision
 
     # ---- policies ----
-    def _round_robin(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
+    def _round_robin(self, model: str, eligible: list[FleetWorker], ctx: DecisionContext) -> RouteDecision:
         start = self._rr.get(model, 0) % len(eligible)
         self._rr[model] = start + 1
         w = eligible[start]
         ctx.ensure([w])
         return ctx.decision(model, "round_robin", ctx.candidate(w, float(w.outstanding_tokens)))
 
-    def _least_load(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
+    def _least_load(self, model: str, eligible: list[FleetWorker], ctx: DecisionContext) -> RouteDecision:
         scored = [(float(w.outstanding_tokens + ctx.load_penalty(w)), w) for w in eligible]
         cost, best = self._pick(scored)
         ctx.ensure([best])
         return ctx.decision(model, "least_load", ctx.candidate(best, cost))
 
     def _prefix(
-        self, model: str, eligible: list[FleetWorker], ctx: _Ctx, policy: str = "prefix", note: str = ""
+        self, model: str, eligible: list[FleetWorker], ctx: DecisionContext, policy: str = "prefix", note: str = ""
     ) -> RouteDecision:
         cfg = ctx.cfg
         by_slot = ctx.ensure(eligible)  # the holders are needed: walk the whole eligible set
@@ -443,7 +444,7 @@ class Router:
         )
 
     @staticmethod
-    def _hinted(eligible: Sequence[FleetWorker], ctx: _Ctx) -> tuple[FleetWorker | None, float]:
+    def _hinted(eligible: Sequence[FleetWorker], ctx: DecisionContext) -> tuple[FleetWorker | None, float]:
         """Admission's replica if it is eligible, and the prefill work (tokens) a
         placement may put ahead of the request: its own plus admission's slack."""
         wid = ctx.q.prefer_worker
@@ -482,7 +483,7 @@ class Router:
         mean_now = (gauged + optimistic) / n
         return [w for w in low if w.outstanding_tokens <= mean_now]
 
-    def _session(self, model: str, eligible: list[FleetWorker], ctx: _Ctx) -> RouteDecision:
+    def _session(self, model: str, eligible: list[FleetWorker], ctx: DecisionContext) -> RouteDecision:
         key = ctx.q.session_key
         if not key:
             return self._prefix(model, eligible, ctx, note="session: no session key")
@@ -509,7 +510,7 @@ class Router:
         ties = [cw for cw in scored if cw[0] == low]
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
-    def _pick_rotating(self, scored: list[tuple[float, FleetWorker]], ctx: _Ctx) -> tuple[float, FleetWorker]:
+    def _pick_rotating(self, scored: list[tuple[float, FleetWorker]], ctx: DecisionContext) -> tuple[float, FleetWorker]:
         """Among the near ties of the cheapest (``PolicyConfig.tie_tokens``), the worker
         placed on least recently; ties of that at random."""
         cost, best = self._pick(scored)
@@ -525,78 +526,6 @@ class Router:
             return cost, best
         ties = [cw for cw in near if cw[1].last_placed_at == oldest]
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
-
-
-class _Ctx:
-    """Per-decision inputs the policies share; the prefix walk is done lazily.
-
-    Policies that score a few workers (round robin, least load, session) walk the index
-    only for those: a worker's prefix length does not depend on the others, and a
-    narrower mask ends the walk (and the prompt hashing) sooner.
-    """
-
-    __slots__ = ("blocks", "cfg", "done", "load_costs", "pool", "prompt_tokens", "q")
-
-    def __init__(self, q: RouteQuery, cfg: PolicyConfig, pool: Pool, load_costs: dict[str, float]) -> None:
-        self.q = q
-        self.cfg = cfg
-        self.pool = pool
-        self.load_costs = load_costs  # worker id → tokens its adapter or model load costs
-        self.prompt_tokens = q.prompt_tokens
-        self.blocks: dict[int, int] = {}  # slot → leading cached blocks
-        self.done = 0  # slots walked so far
-
-    def ensure(self, workers: Iterable[FleetWorker]) -> dict[int, int]:
-        """Walk the index for the ``workers`` not walked yet; return slot → blocks."""
-        mask = self.pool.mask_of(workers) & ~self.done
-        if mask:
-            q = self.q
-            hashed = (q.block_size, q.block_hashes) if q.block_hashes else None
-            self.blocks.update(self.pool.cached_prefix_blocks(q.prompt, q.lora or "", mask, hashed))
-            self.done |= mask
-        return self.blocks
-
-    def cached(self, w: FleetWorker) -> int:
-        return min(self.blocks.get(w.slot, 0) * w.block_size, self.prompt_tokens)
-
-    def load_penalty(self, w: FleetWorker) -> float:
-        return self.load_costs.get(w.worker_id, 0.0) if self.load_costs else 0.0
-
-    def load_penalty_of(self, worker_id: str) -> float:
-        return self.load_costs.get(worker_id, 0.0)
-
-    def prefill_cost(self, w: FleetWorker) -> int:
-        """Prefill tokens ahead of the request's first token on ``w``: what its TTFT grows with."""
-        return self.prompt_tokens - self.cached(w) + w.queued_prefill_tokens
-
-    def prefix_cost(self, w: FleetWorker) -> float:
-        # prefill_cost + β · running + LoRA penalty, inlined (the hot loop of a placement)
-        g = w.gauge
-        prompt = self.prompt_tokens
-        cached = min(self.blocks.get(w.slot, 0) * w.kv.block_size, prompt)
-        queued = (g.queued_prefill_tokens if g is not None else 0) + w.opt_prefill_tokens
-        running = (g.running_tokens if g is not None else 0) + w.opt_running_tokens
-        penalty = self.load_costs.get(w.worker_id, 0.0) if self.load_costs else 0
-        return prompt - cached + queued + self.cfg.beta * running + penalty
-
-    def candidate(self, w: FleetWorker, cost: float) -> Candidate:
-        return Candidate(w.worker_id, cost, self.cached(w))
-
-    def decision(self, model: str, policy: str, best: Candidate, note: str = "", **counters: Any) -> RouteDecision:
-        """The decision for ``best``; ``counters``: the policy's own fields (hint, spill terms)."""
-        return RouteDecision(
-            request_id=self.q.request_id,
-            model=model,
-            worker_id=best.worker_id,
-            policy=policy,
-            cached_tokens=best.cached_tokens,
-            cost=best.cost,
-            prompt_tokens=self.prompt_tokens,
-            expected_tokens=self.q.expected_total_tokens,
-            requested_model=self.q.model,
-            note=note,
-            **counters,
-        )
 
 
 def _join(a: str, b: str) -> str:

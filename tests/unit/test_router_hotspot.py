@@ -169,9 +169,9 @@ def test_no_herding_at_any_instant_under_heavy_load() -> None:
 
 def test_control_pure_affinity_herds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measure can fail: score by cache hit alone and the first holder takes everything."""
-    import services.router.policy as policy
+    from services.router.context import DecisionContext
 
-    monkeypatch.setattr(policy._Ctx, "prefix_cost", lambda self, w: self.prompt_tokens - self.cached(w))
+    monkeypatch.setattr(DecisionContext, "prefix_cost", lambda self, w: self.prompt_tokens - self.cached(w))
     samples, _ = simulate(PolicyConfig(policy="prefix", balance_factor=0), 2, rate=30.0)
     assert imbalance(samples) > 1.5
 
