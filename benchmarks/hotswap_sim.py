@@ -33,7 +33,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router_sim import SLO_TPOT_S, SLO_TTFT_S, TOKEN_BASE, Req, _q
+from router_sim import SLO_TPOT_S, SLO_TTFT_S, TOKEN_BASE, Req, _q, zipf_weights
 
 from proto.messages import AllCleared, KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
@@ -109,7 +109,7 @@ def simulate(config: str, seed: int, load: float, duration: float, setup: Setup 
     arrivals = random.Random(f"arrivals-{seed}")
     rng = random.Random(f"prompts-{seed}")
     names = [f"m{k:02d}" for k in range(setup.models)]
-    popularity = [1 / (k + 1) ** setup.zipf for k in range(setup.models)]
+    popularity = zipf_weights(setup.models, setup.zipf)
     sim_cfg = SimConfig.build(num_kv_blocks=setup.kv_blocks, max_model_len=4096, seed=seed)
     per_gpu = sim_cfg.profile.costs.requests_per_s(setup.prompt_tokens, setup.output_tokens)
     rate = load * per_gpu * setup.hosts
