@@ -38,7 +38,7 @@ async def create_key(
 
 def admission_tiers(config_path: str | None = None) -> list[str]:
     """The tier names admission knows: its defaults, or those of its config file."""
-    from services.admission.service import load_config
+    from services.admission.config import load_config
 
     try:
         config = load_config(config_path)

@@ -4,7 +4,7 @@
 instance leads (holds a lease in JetStream KV) and serves checks, the others stand by
 and take over within a few seconds if it dies. ``--config`` (JSON, or TOML when it ends
 in ``.toml``) sets tiers, burst and the reservation TTL; see
-``services.admission.service.parse_config`` for the schema::
+``services.admission.config.parse_config`` for the schema::
 
     {"default_tier": "standard",
      "tiers": {"premium": {"ttft_slo_s": 1.0, "priority": 2},
@@ -21,7 +21,7 @@ from bus import RunOptions, run_service
 from bus.config import default_of, given
 
 from .buckets import LimiterConfig
-from .service import AdmissionConfig, load_config
+from .config import AdmissionConfig, load_config
 
 # option dest → config key (``parse_config``'s overrides: LimiterConfig's burst and
 # reservation TTL, AdmissionConfig's fields)

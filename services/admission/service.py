@@ -50,9 +50,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -71,7 +69,6 @@ from prometheus_client import (
 )
 
 from bus import BusSettings, Service, cancel_and_wait
-from bus.config import build, checked, read_file
 from bus.metrics import MetricsServer
 from bus.provision import ensure_kv
 from proto import (
@@ -90,96 +87,17 @@ from proto.subjects import Subjects
 from services.common.feed import FleetFeed
 from services.common.residency import residency, swap_costs
 
-from .buckets import InvalidLimits, Limiter, LimiterConfig, LimiterState
+from .buckets import InvalidLimits, Limiter, LimiterState
+from .config import AdmissionConfig
 from .policy import AdmissionPolicy
-from .replicas import BookConfig, ReplicaBook
-from .slo import ReplicaLoad, SloAdmitter, SloConfig, TierSLO
+from .replicas import ReplicaBook
+from .slo import ReplicaLoad, SloAdmitter
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.admission")
 
 LEASE_KEY = "leader"
 STATE_KEY = "limiter"
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    limiter: LimiterConfig = field(default_factory=LimiterConfig)
-    slo: SloConfig = field(default_factory=SloConfig)
-    book: BookConfig = field(default_factory=BookConfig)
-    lease_ttl_s: float = 3.0
-    lease_renew_s: float = 1.0
-    checkpoint_interval_s: float = 0.5
-    expire_interval_s: float = 1.0
-    snapshot_timeout_s: float = 2.0
-    resync_retry_s: float = 2.0
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 < self.lease_renew_s < self.lease_ttl_s / 2:
-            raise ValueError("the lease must be renewed at least twice per TTL")
-
-
-# ============================================================================ config file
-
-_SECTIONS = {"tiers", "default_tier", "limits", "slo", "replicas", "service"}
-
-
-def load_config(path: str | Path | None, **overrides: Any) -> AdmissionConfig:
-    """An ``AdmissionConfig`` from a JSON or TOML (``.toml``) file, and CLI overrides."""
-    return parse_config(read_file(path), **overrides)
-
-
-def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
-    """The file's schema (every section optional)::
-
-        default_tier = "standard"
-        [tiers.premium]            # replaces the default tiers when present
-        ttft_slo_s = 1.0
-        priority = 2
-        [tiers.standard]
-        ttft_slo_s = 2.0
-        priority = 1
-        [limits]                   # LimiterConfig: burst_s, reservation_ttl_s, idle_bucket_ttl_s
-        burst_s = 60
-        [slo]                      # SloConfig: headroom, long_prompt_slack, priority_queues, ...
-        headroom = 0.8
-        calibration_quantile = 0.995  # the share of admitted requests meant to meet the SLO
-        [replicas]                 # BookConfig: gauge_stale_s, settle_s, pending_max_age_s
-        [service]                  # lease_ttl_s, lease_renew_s, checkpoint_interval_s, ...
-
-    ``overrides`` (from the CLI) win over the file. Keys: ``burst_s``,
-    ``reservation_ttl_s`` (limiter), and any ``AdmissionConfig`` field.
-    """
-    unknown = set(raw) - _SECTIONS
-    if unknown:
-        raise ValueError(f"unknown admission config sections {sorted(unknown)}; expected {sorted(_SECTIONS)}")
-    limits = checked(LimiterConfig, raw.get("limits") or {}, "limits")
-    for key in ("burst_s", "reservation_ttl_s"):
-        if key in overrides:
-            limits[key] = overrides.pop(key)
-    slo = checked(SloConfig, raw.get("slo") or {}, "slo")
-    if raw.get("tiers"):
-        tiers = raw["tiers"]
-        items = tiers.items() if isinstance(tiers, Mapping) else ((t.get("name"), t) for t in tiers)
-        slo["tiers"] = tuple(
-            build(TierSLO, {**{k: v for k, v in spec.items() if k != "name"}, "name": name}, f"tiers.{name}")
-            for name, spec in items
-        )
-    if "default_tier" in raw:
-        slo["default_tier"] = raw["default_tier"]
-    service = checked(AdmissionConfig, raw.get("service") or {}, "service")
-    for nested in ("limiter", "slo", "book"):
-        if nested in service:
-            raise ValueError(f"service.{nested} is not a setting: use its own section")
-    service.update(overrides)
-    return build(AdmissionConfig, {
-        "limiter": build(LimiterConfig, limits, "limits"),
-        "slo": build(SloConfig, slo, "slo"),
-        "book": build(BookConfig, raw.get("replicas") or {}, "replicas"),
-        **service,
-    }, "service")
 
 
 # ============================================================================ buckets
@@ -592,11 +510,8 @@ class AdmissionService(Service):
 
     # ---- metrics endpoint -------------------------------------------------------------
 __all__ = [
-    "AdmissionConfig",
     "AdmissionMetrics",
     "AdmissionService",
     "Checkpoint",
     "admission_buckets",
-    "load_config",
-    "parse_config",
 ]

@@ -26,7 +26,8 @@ from bus.provision import provision
 from ops.keys import create_key
 from ops.nats.accounts import admission_buckets, kv_stream
 from ops.natsserver import NatsServer
-from services.admission.service import AdmissionConfig, AdmissionService
+from services.admission.config import AdmissionConfig
+from services.admission.service import AdmissionService
 from services.gateway.service import GatewayConfig, GatewayService
 from services.gateway.upstream import UpstreamConfig
 from services.metering.service import MeteringConfig, MeteringService

@@ -29,7 +29,8 @@ from ops.status import fetch_status
 from proto import WorkerInfo, encode
 from proto.metering import UsageQuery, UsageReport
 from proto.subjects import Subjects
-from services.admission.service import AdmissionConfig, AdmissionService
+from services.admission.config import AdmissionConfig
+from services.admission.service import AdmissionService
 from services.autoscaler.control import PoolPolicy
 from services.autoscaler.drivers import Driver, Launch, WorkerRef
 from services.autoscaler.service import AutoscalerConfig, AutoscalerService

@@ -17,7 +17,8 @@ from bus.keys import KeyStore
 from ops.keys import create_key
 from proto import AdmissionDecision, AdmissionRequest, UsageEvent, usage_dedup_id
 from services.admission.buckets import LimiterConfig
-from services.admission.service import AdmissionConfig, AdmissionService
+from services.admission.config import AdmissionConfig
+from services.admission.service import AdmissionService
 from services.gateway.apikeys import generate_key
 from services.gateway.service import GatewayConfig, GatewayService
 from services.gateway.upstream import UpstreamConfig
