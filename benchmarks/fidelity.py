@@ -12,7 +12,9 @@ fitted to it, under the same trace.
    shared prefixes. The targets alternate at each rate, so the machine's drift affects
    both alike.
 
-Per rate: TTFT and TPOT p50/p90 of both and the sim's error (sim / vLLM − 1), and the
+Per rate: TTFT and TPOT p50/p90 of both as the client sees them, the engine's own view
+from its metrics (mean queue + prefill time, mean decode time per token: no HTTP server
+in front), and the sim's error (sim / vLLM − 1) on each; and the
 saturation rate of each: the highest offered rate whose served rate keeps within 5 % of
 the offered and whose TTFT p90 stays under ``--knee-ttft-factor`` × the lightest rate's.
 Target (issue 18): within 10 %.
@@ -34,11 +36,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from frontdoor import Proc, wait_ready
 
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
 from ops.bench.results import RunResult
-from ops.calibrate_engine import EnginePlan, calibrate_engine
+from ops.calibrate_engine import EnginePlan, calibrate_engine, metric_sums
 from ops.natsserver import free_port
 from services.worker.engines.sim_profile import load_profile
 
@@ -65,7 +68,36 @@ def sim_argv(profile: Path, port: int, args: argparse.Namespace, num_blocks: int
             "--num-kv-blocks", str(num_blocks), "--seed", str(args.seed)]
 
 
-async def run_rate(url: str, tokenizer: str, workload: str, rate: float, args: argparse.Namespace) -> RunResult:
+ENGINE_SUMS = ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+               "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_sum",
+               "vllm:generation_tokens_total")
+
+
+async def engine_sums(url: str) -> dict[str, float]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(url + "/metrics") as r:
+            r.raise_for_status()
+            return metric_sums(await r.text(), ENGINE_SUMS)
+
+
+def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """The engine's own view of a run, from its metrics: mean queue + prefill time (TTFT
+    without the HTTP server in front) and mean decode time per output token after the first
+    (TPOT likewise). Each target times these its own way (vLLM's queue starts when its
+    engine core takes the request from the API server), so they bound what the step model
+    alone explains."""
+    d = {k: after[k] - before[k] for k in ENGINE_SUMS}
+    count = d["vllm:request_prefill_time_seconds_count"]
+    decoded = d["vllm:generation_tokens_total"] - count
+    return {
+        "engine_ttft_mean": (d["vllm:request_queue_time_seconds_sum"] + d["vllm:request_prefill_time_seconds_sum"])
+        / count * 1000 if count else None,
+        "engine_tpot_mean": d["vllm:request_decode_time_seconds_sum"] / decoded * 1000 if decoded > 0 else None,
+    }
+
+
+async def run_rate(url: str, tokenizer: str, workload: str, rate: float,
+                   args: argparse.Namespace) -> tuple[RunResult, dict[str, float | None]]:
     kind, inp, out, prefix, groups = WORKLOADS[workload]
     config = BenchConfig(
         endpoints=[EndpointConfig(url + "/v1", label=url, api="completions", model=MODEL)],
@@ -73,8 +105,10 @@ async def run_rate(url: str, tokenizer: str, workload: str, rate: float, args: a
                                 prefix_groups=groups or 4, tokenizer=tokenizer),
         rates=[rate], num_requests=max(20, int(rate * args.duration)), seed=args.seed, request_timeout=120.0,
     )
+    before = await engine_sums(url)
     result = await run_bench(config)
-    return result.runs[0]
+    await asyncio.sleep(0.5)  # a finished request's metrics can trail its response
+    return result.runs[0], engine_means(before, await engine_sums(url))
 
 
 def knee(rows: list[dict[str, Any]], target: str, factor: float) -> float | None:
@@ -101,15 +135,16 @@ def _rate(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} req/s"
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.1f}"
+def _ms(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
 
 
 def table(workload: str, rows: list[dict[str, Any]]) -> str:
     lines = [f"**{workload}**", "",
              "| offered req/s | served vLLM / sim | TTFT p50 vLLM / sim ms | error | TTFT p90 vLLM / sim | error "
-             "| TPOT p50 vLLM / sim ms | error | TPOT p90 vLLM / sim | error |",
-             "|" + " ---: |" * 10]
+             "| TPOT p50 vLLM / sim ms | error | TPOT p90 vLLM / sim | error "
+             "| engine TTFT mean vLLM / sim | error | engine TPOT mean vLLM / sim | error |",
+             "|" + " ---: |" * 14]
     for row in rows:
         v, s = row["vllm"], row["sim"]
         lines.append(
@@ -117,7 +152,11 @@ def table(workload: str, rows: list[dict[str, Any]]) -> str:
             f"| {_ms(v['ttft_p50'])} / {_ms(s['ttft_p50'])} | {_err(s['ttft_p50'], v['ttft_p50'])} "
             f"| {_ms(v['ttft_p90'])} / {_ms(s['ttft_p90'])} | {_err(s['ttft_p90'], v['ttft_p90'])} "
             f"| {_ms(v['tpot_p50'])} / {_ms(s['tpot_p50'])} | {_err(s['tpot_p50'], v['tpot_p50'])} "
-            f"| {_ms(v['tpot_p90'])} / {_ms(s['tpot_p90'])} | {_err(s['tpot_p90'], v['tpot_p90'])} |")
+            f"| {_ms(v['tpot_p90'])} / {_ms(s['tpot_p90'])} | {_err(s['tpot_p90'], v['tpot_p90'])} "
+            f"| {_ms(v['engine_ttft_mean'])} / {_ms(s['engine_ttft_mean'])} "
+            f"| {_err(s['engine_ttft_mean'], v['engine_ttft_mean'])} "
+            f"| {_ms(v['engine_tpot_mean'], 2)} / {_ms(s['engine_tpot_mean'], 2)} "
+            f"| {_err(s['engine_tpot_mean'], v['engine_tpot_mean'])} |")
     return "\n".join(lines)
 
 
@@ -127,9 +166,9 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
-def figures(run: RunResult) -> dict[str, Any]:
+def figures(run: RunResult, engine: dict[str, float | None]) -> dict[str, Any]:
     s = run.summary
-    return {"served": s.request_throughput, "ok": s.ok, "requests": s.requests, "errors": s.errors,
+    return {**engine, "served": s.request_throughput, "ok": s.ok, "requests": s.requests, "errors": s.errors,
             "ttft_p50": s.ttft_ms.p50, "ttft_p90": s.ttft_ms.p90, "tpot_p50": s.tpot_ms.p50, "tpot_p90": s.tpot_ms.p90,
             "client_lagged": run.client.lagged}
 
@@ -194,7 +233,7 @@ async def main() -> None:
                 rate = load * capacity
                 row: dict[str, Any] = {"load": load, "rate": rate}
                 for target, url, tokenizer in (("vllm", vllm_url, str(model_dir)), ("sim", sim_url, "byte")):
-                    row[target] = figures(await run_rate(url, tokenizer, workload, rate, args))
+                    row[target] = figures(*await run_rate(url, tokenizer, workload, rate, args))
                 print(f"{workload} {rate:.1f} req/s: vLLM TTFT p50 {_ms(row['vllm']['ttft_p50'])} ms, sim "
                       f"{_ms(row['sim']['ttft_p50'])} ms; TPOT p50 {_ms(row['vllm']['tpot_p50'])} / "
                       f"{_ms(row['sim']['tpot_p50'])} ms", flush=True)

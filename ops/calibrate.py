@@ -4,6 +4,7 @@ The sim engine models one engine step as
 
     step_s = base_s + per_prefill_token_s · prefill_tokens + per_decode_seq_s · decode_seqs
              + per_kv_token_s · kv_tokens + per_prefill_seq_s · prefill_seqs
+             + per_prefill_step_s · [the step prefills]
 
 (see ``services/worker/engines/sim_profile.py``). This command measures real forward
 steps of a Llama-shaped model with random weights, with PyTorch alone (a GPU node may
@@ -36,7 +37,8 @@ from typing import Any
 
 from .tiny_model import PRESETS, ModelShape, add_shape_arguments, shape_from_args
 
-COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "per_prefill_seq_s")
+COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "per_prefill_seq_s",
+                "per_prefill_step_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +52,9 @@ class Point:
     seconds: float  # median step time
     prefill_seqs: int = 0  # sequences prefilling in the step
 
-    def features(self) -> tuple[float, float, float, float, float]:
+    def features(self) -> tuple[float, float, float, float, float, float]:
         return (1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.kv_tokens),
-                float(self.prefill_seqs))
+                float(self.prefill_seqs), 1.0 if self.prefill_seqs else 0.0)
 
 
 # --------------------------------------------------------------------------- fitting
@@ -102,9 +104,12 @@ def fit(points: Sequence[Point], relative: bool = True) -> dict[str, float]:
     if relative:
         rows = [[v / p.seconds for v in r] for r, p in zip(rows, points, strict=True)]
         y = [1.0] * len(points)
-    # A prefilling sequence's fixed cost shows only beside steps with a different number of
-    # them (decode steps have none); otherwise it is the base cost by another name.
-    active = [0, 1, 2, 3] + ([4] if len({p.prefill_seqs for p in points}) > 1 else [])
+    # A prefilling step's fixed cost shows only beside steps without prefill (otherwise it
+    # is the base cost by another name), and a prefilling sequence's only beside steps with
+    # a different number of them that prefill too (otherwise it is the step's by another name).
+    prefilling = {p.prefill_seqs for p in points if p.prefill_seqs}
+    active = [0, 1, 2, 3] + ([4] if len(prefilling) > 1 else []) + (
+        [5] if prefilling and any(not p.prefill_seqs for p in points) else [])
     while True:
         sol = _lstsq(rows, y, active)
         negative = [(v, j) for v, j in zip(sol, active, strict=True) if v < 0]

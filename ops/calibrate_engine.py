@@ -12,6 +12,12 @@ tokenization time enters the step times:
 - a prefill point: one request alone, ``max_tokens`` 1, a chunk of N new tokens after C
   cached ones (the C-token prefix is sent first so the prefix cache holds it): its
   prefill time is one step of N prefill tokens over C + N of context;
+- a batched prefill point: B requests of N new tokens each, sent while a long prefill
+  (a blocker, as long as the token budget allows) holds the engine, so that all B join the
+  engine's queue during the blocker's step and are scheduled together in the next: their
+  mean prefill time (the blocker's, measured alone, taken out) is one step of B · N prefill
+  tokens. Beside the one-request points this tells a cost per prefilling sequence from a
+  cost per prefilling step (vLLM's is the step's);
 - a decode point: B requests of L prompt tokens at once, K output tokens each
   (``ignore_eos``): the decode time over K − 1 tokens is the mean step of a batch of B
   over B · (L + K/2) tokens of context.
@@ -83,6 +89,7 @@ class EnginePlan:
     decode_contexts: tuple[int, ...] = (64, 512)
     decode_tokens: int = 32
     repeats: int = 3
+    prefill_batches: tuple[int, ...] = (4, 8)  # behind a blocker; chunks: the first two prefill_chunks
 
 
 class EngineProbe:
@@ -141,6 +148,27 @@ class EngineProbe:
             raise RuntimeError(f"{self.url}/metrics did not count the request's prefill (no {PREFILL_COUNT}?)")
         return seconds / count
 
+    async def prefill_batch(self, chunk: int, batch: int, blocker_tokens: int) -> float:
+        """Mean prefill seconds of ``batch`` ``chunk``-token requests scheduled in one step
+        (see the module docstring)."""
+        names = (PREFILL_SUM, PREFILL_COUNT)
+        before = metric_sums(await self.metrics(), names)
+        await self.complete(await self.tokens(blocker_tokens), 1)
+        alone = metric_sums(await self.metrics(), names)
+        prompts = [await self.tokens(chunk) for _ in range(batch)]
+        blocker = asyncio.create_task(self.complete(await self.tokens(blocker_tokens), 1))
+        await asyncio.sleep(0.002)  # the blocker reaches the engine first
+        await asyncio.gather(*(self.complete(p, 1) for p in prompts))
+        await blocker
+        after = alone
+        for _ in range(50):
+            after = metric_sums(await self.metrics(), names)
+            if after[PREFILL_COUNT] - alone[PREFILL_COUNT] >= batch + 1:
+                break
+            await asyncio.sleep(0.02)
+        blocker_s = alone[PREFILL_SUM] - before[PREFILL_SUM]
+        return max(after[PREFILL_SUM] - alone[PREFILL_SUM] - blocker_s, 0.0) / batch
+
     async def decode(self, batch: int, context: int, tokens: int) -> float:
         prompts = [await self.tokens(context) for _ in range(batch)]
         _, _, seconds, steps = await self._phase_times(prompts, tokens)
@@ -167,6 +195,15 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
                 p = Point("prefill", chunk, 0, context + chunk, statistics.median(times), prefill_seqs=1)
                 points.append(p)
                 log(f"  prefill chunk {chunk:5d} after {context:5d} cached: {p.seconds * 1000:8.3f} ms")
+        blocker = min(max_num_batched_tokens, max_len - 2)
+        for chunk in plan.prefill_chunks[:2]:
+            for batch in plan.prefill_batches:
+                if batch > max_num_seqs - 1 or batch * chunk > max_num_batched_tokens or chunk + 1 > max_len:
+                    continue
+                times = [await probe.prefill_batch(chunk, batch, blocker) for _ in range(plan.repeats)]
+                p = Point("prefill", batch * chunk, 0, batch * chunk, statistics.median(times), prefill_seqs=batch)
+                points.append(p)
+                log(f"  prefill {batch} × {chunk:4d} in one step:        {p.seconds * 1000:8.3f} ms")
         k = plan.decode_tokens
         for context in plan.decode_contexts:
             for batch in plan.decode_batches:

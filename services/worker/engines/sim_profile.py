@@ -4,14 +4,18 @@ A profile says how long one engine step takes and how much KV cache the GPU hold
 
     step_s = base_s + per_prefill_token_s · prefill_tokens + per_decode_seq_s · decode_seqs
              + per_kv_token_s · kv_tokens_attended + per_prefill_seq_s · prefill_seqs
+             + per_prefill_step_s · [the step prefills]
 
 ``base_s`` is the fixed cost of a forward pass (reading the weights once: decode at
 small batch is memory-bound), ``per_prefill_token_s`` the compute of one prompt token,
 ``per_decode_seq_s`` the per-sequence cost of a decode (sampling, activations, the
 growing GEMM), ``per_kv_token_s`` attention reading one cached token's K and V, and
-``per_prefill_seq_s`` (optional, default 0) the fixed cost of each sequence prefilling in
-the step: vLLM's CPU build took 4.1 ms for a 32-token prefill against 2.4 ms for a decode
-step, a gap no per-token term explains (``meshserve calibrate --engine-url``).
+``per_prefill_seq_s`` and ``per_prefill_step_s`` (optional, default 0) fixed costs of
+prefilling: one for each sequence prefilling in the step, one for a step that prefills at
+all. vLLM's CPU build took 4.1 ms for a 32-token prefill against 2.4 ms for a decode
+step, a gap no per-token term explains; eight such prefills in one step took no longer
+than one, so on vLLM the cost is the step's, not the sequence's (``meshserve calibrate
+--engine-url`` times steps of several prefills to tell the two apart).
 
 Profiles live in ``profiles/<name>.json``; a path to any JSON file of the same shape
 works too. The file also states the figures it was fitted to (``intended``), which
@@ -43,6 +47,7 @@ class StepCosts:
     per_decode_seq_s: float
     per_kv_token_s: float
     per_prefill_seq_s: float = 0.0
+    per_prefill_step_s: float = 0.0
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int, prefill_seqs: int = 0) -> float:
         return (
@@ -51,6 +56,7 @@ class StepCosts:
             + self.per_decode_seq_s * decode_seqs
             + self.per_kv_token_s * kv_tokens
             + self.per_prefill_seq_s * prefill_seqs
+            + (self.per_prefill_step_s if prefill_seqs else 0.0)
         )
 
     def decode_tpot(self, batch: int, context: int) -> float:
@@ -62,7 +68,8 @@ class StepCosts:
         and decodes ``output_tokens`` in a batch of ``batch`` (mean context: the prompt
         plus half the output). A planning figure: the batch is fixed, not load-dependent."""
         context = prefill_tokens + output_tokens / 2
-        per_request = (prefill_tokens * self.per_prefill_token_s + self.per_prefill_seq_s
+        # each prefill counted in a step of its own: prefills that share a step cost less
+        per_request = (prefill_tokens * self.per_prefill_token_s + self.per_prefill_seq_s + self.per_prefill_step_s
                        + output_tokens * self.decode_tpot(batch, round(context)) / batch)
         return 1.0 / per_request
 
@@ -145,6 +152,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "<dict>") -> SimProfile
             per_decode_seq_s=float(_get(step, "per_decode_seq_s", where)),
             per_kv_token_s=float(_get(step, "per_kv_token_s", where)),
             per_prefill_seq_s=float(step.get("per_prefill_seq_s", 0.0)),
+            per_prefill_step_s=float(step.get("per_prefill_step_s", 0.0)),
         ),
         memory=MemoryBudget(
             hbm_bytes=int(_get(mem, "hbm_bytes", where)),
