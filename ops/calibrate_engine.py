@@ -11,13 +11,19 @@ tokenization time enters the step times:
 
 - a prefill point: one request alone, ``max_tokens`` 1, a chunk of N new tokens after C
   cached ones (the C-token prefix is sent first so the prefix cache holds it): its
-  prefill time is one step of N prefill tokens over C + N of context;
+  prefill time is one step of N prefill tokens over C + N of context. Each is timed twice:
+  with the engine otherwise idle, and while a background request decodes (the keeper), so
+  the engine is busy as it is under load and the step holds one decode besides. The busy
+  points are fitted; the idle ones give ``idle_wake_s``, what a step starting from idle
+  costs beyond the same step on a busy engine (vLLM's CPU build parks its threads when
+  idle: 2.5 ms, as much as a small prefill, which a fit of idle points alone reads as a
+  fixed cost of every prefill);
 - a batched prefill point: B requests of N new tokens each, sent while a long prefill
   (a blocker, as long as the token budget allows) holds the engine, so that all B join the
   engine's queue during the blocker's step and are scheduled together in the next: their
   mean prefill time (the blocker's, measured alone, taken out) is one step of B · N prefill
   tokens. Beside the one-request points this tells a cost per prefilling sequence from a
-  cost per prefilling step (vLLM's is the step's);
+  cost per prefilling step;
 - a decode point: B requests of L prompt tokens at once, K output tokens each
   (``ignore_eos``): the decode time over K − 1 tokens is the mean step of a batch of B
   over B · (L + K/2) tokens of context.
@@ -33,19 +39,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from .calibrate import Point, fit, fitted_parts, point_rows
+from .calibrate import Point, fit, fitted_parts, point_rows, predict
 
 PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
 PREFILL_COUNT = "vllm:request_prefill_time_seconds_count"
@@ -53,6 +60,8 @@ DECODE_SUM = "vllm:request_decode_time_seconds_sum"
 DECODE_COUNT = "vllm:request_decode_time_seconds_count"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+KEEPER_PROMPT = 16  # the background request's prompt tokens
+KEEPER_CONTEXT = 64  # its context when a point is taken, roughly (a few µs either way)
 _WORDS = ("alpha", "river", "stone", "cloud", "ember", "quartz", "meadow", "signal", "harbor", "violet", "copper",
           "lantern", "orbit", "saffron", "timber", "glacier", "canyon", "falcon", "mosaic", "nectar")
 
@@ -125,6 +134,36 @@ class EngineProbe:
             usage = (await r.json()).get("usage") or {}
         return int(usage.get("completion_tokens", max_tokens))
 
+    @contextlib.asynccontextmanager
+    async def busy(self, max_tokens: int) -> AsyncIterator[None]:
+        """A background request decoding (the keeper) for the duration of the block."""
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        body = {"model": self.model, "prompt": await self.tokens(KEEPER_PROMPT), "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0.0, "stream": True}
+
+        async def keep() -> None:
+            async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{self.url}/v1/completions: HTTP {r.status}: {(await r.text())[:300]}")
+                async for _ in r.content:
+                    if not started.done():
+                        started.set_result(None)
+
+        keeper = asyncio.create_task(keep())
+        try:
+            await asyncio.wait({keeper, started}, return_when=asyncio.FIRST_COMPLETED)
+            if keeper.done():
+                keeper.result()  # its error, if it failed
+                raise RuntimeError("the background request ended before it decoded")
+            yield
+            if keeper.done():
+                raise RuntimeError(f"the background request's {max_tokens} tokens ran out before the point was "
+                                   "measured (a larger --max-model-len gives it more)")
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await keeper
+
     async def _phase_times(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float, int]:
         """Run ``prompts`` at once: Δ prefill seconds, Δ prefill count, Δ decode seconds, decode tokens."""
         names = (PREFILL_SUM, PREFILL_COUNT, DECODE_SUM, DECODE_COUNT)
@@ -179,9 +218,12 @@ class EngineProbe:
 
 async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int, max_num_seqs: int,
                          max_num_batched_tokens: int, block_size: int, seed: int = 0,
-                         log: Any = print) -> list[Point]:
-    """Prefill and decode points of a running engine (see the module docstring)."""
+                         log: Any = print) -> tuple[list[Point], list[Point]]:
+    """Prefill and decode points of a running engine, busy (fitted), and the prefill points
+    timed from idle (see the module docstring)."""
     points: list[Point] = []
+    idle: list[Point] = []
+    keep_tokens = max_len - KEEPER_PROMPT - 1
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         probe = EngineProbe(session, url, model, seed)
@@ -189,21 +231,28 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
         for context in plan.prefill_contexts:
             context = context // block_size * block_size  # the cache holds whole blocks
             for chunk in plan.prefill_chunks:
-                if context + chunk + 1 > max_len or chunk > max_num_batched_tokens:
+                if context + chunk + 1 > max_len or chunk > max_num_batched_tokens - 1:
                     continue
-                times = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
-                p = Point("prefill", chunk, 0, context + chunk, statistics.median(times), prefill_seqs=1)
+                alone = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
+                idle.append(Point("prefill", chunk, 0, context + chunk, statistics.median(alone), prefill_seqs=1))
+                async with probe.busy(keep_tokens):
+                    times = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
+                p = Point("prefill", chunk, 1, context + chunk + KEEPER_CONTEXT, statistics.median(times),
+                          prefill_seqs=1)
                 points.append(p)
-                log(f"  prefill chunk {chunk:5d} after {context:5d} cached: {p.seconds * 1000:8.3f} ms")
-        blocker = min(max_num_batched_tokens, max_len - 2)
+                log(f"  prefill chunk {chunk:5d} after {context:5d} cached: {p.seconds * 1000:8.3f} ms busy, "
+                    f"{idle[-1].seconds * 1000:8.3f} ms from idle")
+        blocker = min(max_num_batched_tokens - 1, max_len - 2)
         for chunk in plan.prefill_chunks[:2]:
             for batch in plan.prefill_batches:
-                if batch > max_num_seqs - 1 or batch * chunk > max_num_batched_tokens or chunk + 1 > max_len:
+                if batch > max_num_seqs - 2 or batch * chunk > max_num_batched_tokens - 1 or chunk + 1 > max_len:
                     continue
-                times = [await probe.prefill_batch(chunk, batch, blocker) for _ in range(plan.repeats)]
-                p = Point("prefill", batch * chunk, 0, batch * chunk, statistics.median(times), prefill_seqs=batch)
+                async with probe.busy(keep_tokens):
+                    times = [await probe.prefill_batch(chunk, batch, blocker) for _ in range(plan.repeats)]
+                p = Point("prefill", batch * chunk, 1, batch * chunk + KEEPER_CONTEXT, statistics.median(times),
+                          prefill_seqs=batch)
                 points.append(p)
-                log(f"  prefill {batch} × {chunk:4d} in one step:        {p.seconds * 1000:8.3f} ms")
+                log(f"  prefill {batch} × {chunk:4d} in one step:        {p.seconds * 1000:8.3f} ms busy")
         k = plan.decode_tokens
         for context in plan.decode_contexts:
             for batch in plan.decode_batches:
@@ -213,7 +262,15 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
                 p = Point("decode", 0, batch, batch * (context + k // 2), statistics.median(times))
                 points.append(p)
                 log(f"  decode  batch {batch:4d} context {context:5d}: {p.seconds * 1000:8.3f} ms per step")
-    return points
+    return points, idle
+
+
+def idle_wake(coef: dict[str, float], idle: Sequence[Point]) -> float:
+    """What a step starting from idle costs beyond the fitted (busy) step: the median over
+    the idle prefill points, never negative."""
+    if not idle:
+        return 0.0
+    return max(statistics.median(p.seconds - predict(coef, p) for p in idle), 0.0)
 
 
 async def engine_model(url: str) -> tuple[str, int | None]:
@@ -273,10 +330,11 @@ async def calibrate_engine(url: str, *, plan: EnginePlan, max_num_seqs: int, max
     block_size, num_blocks = cache
     max_len = int(max_len or 2048)
     log(f"calibrating {model} at {url}: {num_blocks} KV blocks of {block_size} tokens, max_model_len {max_len}")
-    points = await measure_engine(url, model, plan, max_len=max_len, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
-                                  log=log)
+    points, idle = await measure_engine(url, model, plan, max_len=max_len, max_num_seqs=max_num_seqs,
+                                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                        seed=seed, log=log)
     coef = fit(points)
+    coef["idle_wake_s"] = idle_wake(coef, idle)
     return engine_profile(name=name or f"{model}-engine", model=model, url=url, coef=coef, points=points,
                           block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len, input_len=input_len,

@@ -87,3 +87,20 @@ def test_a_step_cost_is_paid_once_however_many_prefill_in_it() -> None:
     assert costs.step_time(0, 8, 0, 0) == pytest.approx(0.002)
     assert costs.step_time(32, 0, 32, 1) == pytest.approx(0.005)
     assert costs.step_time(256, 0, 256, 8) == pytest.approx(0.005)
+
+
+def test_the_wake_cost_is_what_idle_steps_take_beyond_the_busy_fit() -> None:
+    """Prefills timed on an idle engine took 2.5 ms longer than the busy fit predicts for
+    the same step (vLLM's CPU build parks its threads): that is ``idle_wake_s``, and it is
+    never negative (an engine faster from idle has none)."""
+    from ops.calibrate import Point, fit
+    from ops.calibrate_engine import idle_wake
+    from services.worker.engines.sim_profile import StepCosts
+
+    truth = StepCosts(base_s=0.002, per_prefill_token_s=1e-5, per_decode_seq_s=2e-5, per_kv_token_s=3e-7)
+    coef = fit(_points(truth))
+    idle = [Point("prefill", n, 0, n, truth.step_time(n, 0, n, 1) + 0.0025, prefill_seqs=1) for n in (32, 128, 512)]
+    assert idle_wake(coef, idle) == pytest.approx(0.0025, rel=1e-3)
+    faster = [Point("prefill", n, 0, n, truth.step_time(n, 0, n, 1) - 0.001, prefill_seqs=1) for n in (32, 128)]
+    assert idle_wake(coef, faster) == 0.0
+    assert idle_wake(coef, []) == 0.0

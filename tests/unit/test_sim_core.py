@@ -760,3 +760,25 @@ def test_memory_budget_sets_the_block_count() -> None:
     assert SimConfig.build("llama-3.1-8b-h100", num_kv_blocks=100).num_blocks == 100
     with pytest.raises(ValueError):
         SimConfig.build("llama-3.1-8b-h100", hbm_bytes=10 * 2**30)
+
+
+def test_a_step_starting_from_idle_pays_the_wake_cost_and_a_busy_one_does_not() -> None:
+    """Issue 18: vLLM's CPU build took 2.5 ms longer for a step after idle than for the same
+    step on a busy engine; the profile's ``idle_wake_s`` models it, and only there."""
+    import dataclasses
+
+    base = load_profile("tiny-test")
+    woken = dataclasses.replace(base, costs=dataclasses.replace(base.costs, idle_wake_s=0.004))
+    plain, waking = Run(SimCore(SimConfig.build(base))), Run(SimCore(SimConfig.build(woken)))
+    for run in (plain, waking):
+        run.add(req("a", prompt(40), max_tokens=3, ignore_eos=True))
+        while run.step() is not None:  # from idle, then busy
+            pass
+        run.now += 1.0  # idle again
+        run.add(req("b", prompt(40, base=1), max_tokens=3, ignore_eos=True))
+        while run.step() is not None:
+            pass
+    durations = [[s.end - s.start for s in run.steps] for run in (plain, waking)]
+    assert len(durations[0]) == len(durations[1]) == 6
+    extra = [w - p for p, w in zip(*durations, strict=True)]
+    assert extra == pytest.approx([0.004, 0, 0, 0.004, 0, 0])

@@ -132,6 +132,7 @@ class SimCore:
         )
         self._decode_rate = 1.0 / costs.step_time(0, 1, 0)
         self._step_time = 0.0
+        self._last_end: float | None = None  # the last step's end: a step starting later starts from idle
         self.lora = LoraSlots(config.lora, config.lora_adapters)
 
     # ----------------------------------------------------------------- requests
@@ -319,8 +320,12 @@ class SimCore:
                 prefill_tokens += n
                 prefill_seqs += 1
             kv_tokens += seq.num_computed + n
-        duration = cfg.profile.costs.step_time(prefill_tokens, decode_seqs, kv_tokens, prefill_seqs) + load_s
+        costs = cfg.profile.costs
+        duration = costs.step_time(prefill_tokens, decode_seqs, kv_tokens, prefill_seqs) + load_s
+        if self._last_end is None or now > self._last_end:
+            duration += costs.idle_wake_s
         end = now + duration
+        self._last_end = end
 
         outputs: list[EngineOutput] = []
         sampled = 0

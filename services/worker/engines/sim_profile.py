@@ -16,6 +16,9 @@ all. vLLM's CPU build took 4.1 ms for a 32-token prefill against 2.4 ms for a de
 step, a gap no per-token term explains; eight such prefills in one step took no longer
 than one, so on vLLM the cost is the step's, not the sequence's (``meshserve calibrate
 --engine-url`` times steps of several prefills to tell the two apart).
+``idle_wake_s`` (optional, default 0) is added to a step that starts after the engine sat
+idle: vLLM's CPU build parks its threads when it has no work, and its first step after
+that took 2.5 ms longer than the same step with the engine busy.
 
 Profiles live in ``profiles/<name>.json``; a path to any JSON file of the same shape
 works too. The file also states the figures it was fitted to (``intended``), which
@@ -48,6 +51,7 @@ class StepCosts:
     per_kv_token_s: float
     per_prefill_seq_s: float = 0.0
     per_prefill_step_s: float = 0.0
+    idle_wake_s: float = 0.0  # added to a step that starts after idle (not part of step_time)
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int, prefill_seqs: int = 0) -> float:
         return (
@@ -153,6 +157,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "<dict>") -> SimProfile
             per_kv_token_s=float(_get(step, "per_kv_token_s", where)),
             per_prefill_seq_s=float(step.get("per_prefill_seq_s", 0.0)),
             per_prefill_step_s=float(step.get("per_prefill_step_s", 0.0)),
+            idle_wake_s=float(step.get("idle_wake_s", 0.0)),
         ),
         memory=MemoryBudget(
             hbm_bytes=int(_get(mem, "hbm_bytes", where)),
