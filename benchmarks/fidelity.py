@@ -13,8 +13,8 @@ fitted to it, under the same trace.
    both alike.
 
 Per rate: TTFT and TPOT p50/p90 of both as the client sees them, the engine's own view
-from its metrics (mean queue + prefill time, mean decode time per token: no HTTP server
-in front), and the sim's error (sim / vLLM − 1) on each; and the
+from its metrics (mean TTFT from arrival at the engine, mean decode time per token: no
+HTTP server in front), and the sim's error (sim / vLLM − 1) on each; and the
 saturation rate of each: the highest offered rate whose served rate keeps within 5 % of
 the offered and whose TTFT p90 stays under ``--knee-ttft-factor`` × the lightest rate's.
 Target (issue 18): within 10 %.
@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -62,15 +65,15 @@ def engine_argv(model_dir: Path, port: int, args: argparse.Namespace) -> list[st
 
 
 def sim_argv(profile: Path, port: int, args: argparse.Namespace, num_blocks: int) -> list[str]:
-    return [sys.executable, "-m", "ops.cli", "sim-server", "--profile", str(profile), "--model", MODEL,
+    pin = ["taskset", "-c", str(args.engine_cpu)] if args.engine_cpu is not None else []
+    return [*pin, sys.executable, "-m", "ops.cli", "sim-server", "--profile", str(profile), "--model", MODEL,
             "--port", str(port), "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--num-kv-blocks", str(num_blocks), "--seed", str(args.seed)]
 
 
-ENGINE_SUMS = ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
-               "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_sum",
-               "vllm:generation_tokens_total")
+ENGINE_SUMS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+               "vllm:request_decode_time_seconds_sum", "vllm:generation_tokens_total")
 
 
 async def engine_sums(url: str) -> dict[str, float]:
@@ -81,17 +84,15 @@ async def engine_sums(url: str) -> dict[str, float]:
 
 
 def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """The engine's own view of a run, from its metrics: mean queue + prefill time (TTFT
-    without the HTTP server in front) and mean decode time per output token after the first
-    (TPOT likewise). Each target times these its own way (vLLM's queue starts when its
-    engine core takes the request from the API server), so they bound what the step model
-    alone explains."""
+    """The engine's own view of a run, from its metrics: mean TTFT from the request's arrival
+    at the engine (``vllm:time_to_first_token_seconds``: no HTTP in it; vLLM's counts from
+    its input processing, so its tokenizing and the hand-off to its engine core are in it)
+    and mean decode time per output token after the first (TPOT likewise)."""
     d = {k: after[k] - before[k] for k in ENGINE_SUMS}
-    count = d["vllm:request_prefill_time_seconds_count"]
+    count = d["vllm:time_to_first_token_seconds_count"]
     decoded = d["vllm:generation_tokens_total"] - count
     return {
-        "engine_ttft_mean": (d["vllm:request_queue_time_seconds_sum"] + d["vllm:request_prefill_time_seconds_sum"])
-        / count * 1000 if count else None,
+        "engine_ttft_mean": d["vllm:time_to_first_token_seconds_sum"] / count * 1000 if count else None,
         "engine_tpot_mean": d["vllm:request_decode_time_seconds_sum"] / decoded * 1000 if decoded > 0 else None,
     }
 
@@ -160,6 +161,31 @@ def table(workload: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def child_pids(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (not its children) onto ``cpus``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def cpus_of_tree(pid: int) -> str:
+    """Each process under ``pid``: its threads' allowed CPUs (to show the pinning took)."""
+    out = []
+    for p in [pid, *child_pids(pid)]:
+        cpus: dict[str, int] = {}
+        for status in Path(f"/proc/{p}/task").glob("*/status"):
+            with contextlib.suppress(OSError):
+                line = next(x for x in status.read_text().splitlines() if x.startswith("Cpus_allowed_list"))
+                key = line.split(":", 1)[1].strip()
+                cpus[key] = cpus.get(key, 0) + 1
+        out.append(f"pid {p}: " + ", ".join(f"{n} on {k}" for k, n in sorted(cpus.items())))
+    return "; ".join(out)
+
+
 def write_json(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))
@@ -189,7 +215,17 @@ async def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--short", action="store_true", help="calibrate and check the fit only (CI)")
     parser.add_argument("--out", default="results/fidelity.json")
+    parser.add_argument("--engine-cpu", type=int, default=0 if (os.cpu_count() or 1) > 1 else None,
+                        help="the CPU the engine computes on alone (vLLM's engine core, the sim-server); the "
+                             "client and vLLM's API server take the others (default 0 where there are two or more)")
+    parser.add_argument("--no-pin", dest="engine_cpu", action="store_const", const=None,
+                        help="no pinning: engine, API server and client share every CPU")
     args = parser.parse_args()
+    if args.engine_cpu is not None:
+        # vLLM's CPU build computes on the CPU: a load generator or an API server on its cores
+        # slows its steps as load grows, which no GPU engine sees (its client is elsewhere)
+        if not os.sched_getaffinity(0) - {args.engine_cpu} or shutil.which("taskset") is None:
+            parser.error("--engine-cpu needs another CPU for the client and taskset (util-linux); use --no-pin")
 
     state = Path(tempfile.mkdtemp(prefix="meshserve-fidelity-"))
     model_dir = Path(args.model_dir) if args.model_dir else None
@@ -200,13 +236,25 @@ async def main() -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_LOGGING_LEVEL": "WARNING",
            # vLLM's CPU build busy-polls between its processes; sleeping 100 µs instead leaves
            # the client and the sim their share of 2 cores (as the mesh's vLLM worker does)
-           "MESHSERVE_VLLM_SPIN_SLEEP_S": "0.0001"}
+           "MESHSERVE_VLLM_SPIN_SLEEP_S": "0.0001",
+           # pinned below, one compute thread (vLLM's own binding keeps to the CPUs it inherits)
+           **({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"} if args.engine_cpu is not None else {})}
     vllm_port, sim_port = free_port(), free_port()
     engine = Proc("vllm", engine_argv(model_dir, vllm_port, args), state, env)
+    others = os.sched_getaffinity(0) - {args.engine_cpu}
+    if args.engine_cpu is not None:
+        os.sched_setaffinity(0, others)  # the client
     sim: Proc | None = None
     vllm_url, sim_url = f"http://127.0.0.1:{vllm_port}", f"http://127.0.0.1:{sim_port}"
     try:
         await wait_ready(vllm_url + "/v1/models", engine, timeout=300)
+        if args.engine_cpu is not None:
+            pin_threads(engine.proc.pid, others)  # the API server, off the engine's CPU
+            for child in child_pids(engine.proc.pid):  # the engine core (and an idle resource tracker)
+                pin_threads(child, {args.engine_cpu})
+            print(f"engine on CPU {args.engine_cpu}; client and vLLM's API server on CPU "
+                  f"{','.join(map(str, sorted(others)))}", flush=True)
+        print("vLLM's threads by CPU: " + cpus_of_tree(engine.proc.pid), flush=True)
         profile = await calibrate_engine(vllm_url, plan=EnginePlan(), max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens, name="tiny-llama-cpu")
         profile_path = state / "profile.json"
