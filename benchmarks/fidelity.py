@@ -73,7 +73,8 @@ def sim_argv(profile: Path, port: int, args: argparse.Namespace, num_blocks: int
 
 
 ENGINE_SUMS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
-               "vllm:request_decode_time_seconds_sum", "vllm:generation_tokens_total")
+               "vllm:request_decode_time_seconds_sum", "vllm:generation_tokens_total",
+               "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum")
 
 
 async def engine_sums(url: str) -> dict[str, float]:
@@ -93,6 +94,9 @@ def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
     decoded = d["vllm:generation_tokens_total"] - count
     return {
         "engine_ttft_mean": d["vllm:time_to_first_token_seconds_sum"] / count * 1000 if count else None,
+        # scheduled by the engine to first token, plus its queue (vLLM's from its engine core's receipt)
+        "engine_queue_prefill_mean": (d["vllm:request_queue_time_seconds_sum"]
+                                      + d["vllm:request_prefill_time_seconds_sum"]) / count * 1000 if count else None,
         "engine_tpot_mean": d["vllm:request_decode_time_seconds_sum"] / decoded * 1000 if decoded > 0 else None,
     }
 
