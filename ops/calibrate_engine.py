@@ -161,6 +161,7 @@ class EngineProbe:
                 raise RuntimeError("the background request ended before it decoded")
             yield
             if keeper.done():
+                keeper.result()  # its error, if it failed
                 raise RuntimeError(f"the background request's {max_tokens} tokens ran out before the point was "
                                    "measured (a larger --max-model-len gives it more)")
         finally:
@@ -245,8 +246,10 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
                     continue
                 alone = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
                 idle.append(Point("prefill", chunk, 0, context + chunk, statistics.median(alone), prefill_seqs=1))
-                async with probe.busy(keep_tokens):
-                    times = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
+                times = []
+                for _ in range(plan.repeats):  # a keeper each: cancelled, it leaves no stats behind
+                    async with probe.busy(keep_tokens):
+                        times.append(await probe.prefill(chunk, context))
                 p = Point("prefill", chunk, 1, context + chunk + KEEPER_CONTEXT, statistics.median(times),
                           prefill_seqs=1)
                 points.append(p)
@@ -257,8 +260,10 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
             for batch in plan.prefill_batches:
                 if batch > max_num_seqs - 2 or batch * chunk > max_num_batched_tokens - 1 or chunk + 1 > max_len:
                     continue
-                async with probe.busy(keep_tokens):
-                    times = [await probe.prefill_batch(chunk, batch, blocker) for _ in range(plan.repeats)]
+                times = []
+                for _ in range(plan.repeats):
+                    async with probe.busy(keep_tokens):
+                        times.append(await probe.prefill_batch(chunk, batch, blocker))
                 p = Point("prefill", batch * chunk, 1, batch * chunk + KEEPER_CONTEXT, statistics.median(times),
                           prefill_seqs=batch)
                 points.append(p)
