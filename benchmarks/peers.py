@@ -6,6 +6,8 @@ the same profile, speed and KV size:
 
 - ``meshserve``: the mesh of ``benchmarks/routing.py`` (sim workers on NATS, gateway,
   router with its default ``prefix`` policy; admission off, so nothing is shed).
+  ``meshserve-rr``: the same with ``round_robin``, to set beside ``vllm-rr``: the same
+  assignment rule, so what differs is the path (NATS, sim workers) and not the policy.
 - the peers: ``meshserve sim-server`` processes (the same sim engine behind vLLM's HTTP
   surface) with vllm-router or sglang-router in front, retries disabled so a failure is
   counted as it is for meshserve. ``*-tuned`` is ``cache_aware`` with balance thresholds
@@ -74,7 +76,10 @@ PEERS: dict[str, Peer] = {
     "sglang-cache-tuned": Peer("smg", ("--policy", "cache_aware", *TUNED), load_format="sglang"),
     "sglang-p2c": Peer("smg", ("--policy", "power_of_two"), load_format="sglang"),
 }
-SYSTEMS = ("meshserve", *PEERS)
+# meshserve's own: its default (prefix) and round robin, which isolates the path from the
+# policy when set beside vllm-rr (the same assignment rule on the same fleet)
+MESHSERVE = {"meshserve": "prefix", "meshserve-rr": "round_robin"}
+SYSTEMS = (*MESHSERVE, *PEERS)
 
 
 class Fleet:
@@ -240,9 +245,9 @@ async def run_peer(sc: routing.Scenario, system: str, args: argparse.Namespace, 
 
 async def run_system(sc: routing.Scenario, system: str, args: argparse.Namespace, load: float,
                      seed: int) -> dict[str, Any]:
-    if system == "meshserve":
-        row = await routing.run_policy(sc, "prefix", args, load=load, seed=seed)
-        row["policy"] = "meshserve"
+    if system in MESHSERVE:
+        row = await routing.run_policy(sc, MESHSERVE[system], args, load=load, seed=seed)
+        row["policy"] = system
         return row
     return await run_peer(sc, system, args, load, seed)
 
@@ -453,6 +458,8 @@ async def main() -> None:
     if missing := installed(args, systems):
         parser.error(f"{', '.join(missing)} not found in {args.peers_bin}: run `make peers` (or pass --peers-bin)")
     if args.scenario == OVERLOAD:
+        if "meshserve-rr" in systems:
+            parser.error(f"{OVERLOAD} runs meshserve as deployed (prefix, admission on): leave out meshserve-rr")
         await overload_main(args, systems, seeds)
         print("versions: " + ", ".join(f"{k} {v}" for k, v in versions(args).items()))
         return
