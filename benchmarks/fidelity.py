@@ -12,6 +12,12 @@ fitted to it, under the same trace.
    shared prefixes. The targets alternate at each rate, so the machine's drift affects
    both alike.
 
+Where there are two CPUs or more, the model computes on one alone (``--engine-cpu``, 0):
+vLLM's worker process, and the sim-server; the client and the rest of vLLM (API server,
+engine core) on the others. vLLM's CPU build computes on the CPU, so a load generator on
+its cores slows its steps as load grows, which no GPU engine sees; unpinned, vLLM's TPOT
+rose from 3.2 to 5.2 ms between 10 and 41 req/s.
+
 Per rate: TTFT and TPOT p50/p90 of both as the client sees them, the engine's own view
 from its metrics (mean TTFT from arrival at the engine, mean decode time per token: no
 HTTP server in front), and the sim's error (sim / vLLM − 1) on each; and the
@@ -166,7 +172,19 @@ def table(workload: str, rows: list[dict[str, Any]]) -> str:
 
 
 def child_pids(pid: int) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    """Every process under ``pid``, at any depth (vLLM's engine core may run its model in a
+    worker process of its own)."""
+    found: list[int] = []
+    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
+        found += [int(child), *child_pids(int(child))]
+    return found
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def pin_threads(pid: int, cpus: set[int]) -> None:
@@ -220,10 +238,10 @@ async def main() -> None:
     parser.add_argument("--short", action="store_true", help="calibrate and check the fit only (CI)")
     parser.add_argument("--out", default="results/fidelity.json")
     parser.add_argument("--engine-cpu", type=int, default=0 if (os.cpu_count() or 1) > 1 else None,
-                        help="the CPU the engine computes on alone (vLLM's engine core, the sim-server); the "
-                             "client and vLLM's API server take the others (default 0 where there are two or more)")
+                        help="the CPU the model computes on alone (vLLM's worker process, the sim-server); the "
+                             "client and the rest of vLLM take the others (default 0 where there are two or more)")
     parser.add_argument("--no-pin", dest="engine_cpu", action="store_const", const=None,
-                        help="no pinning: engine, API server and client share every CPU")
+                        help="no pinning: vLLM's processes and the client share every CPU")
     args = parser.parse_args()
     if args.engine_cpu is not None:
         # vLLM's CPU build computes on the CPU: a load generator or an API server on its cores
@@ -253,9 +271,14 @@ async def main() -> None:
     try:
         await wait_ready(vllm_url + "/v1/models", engine, timeout=300)
         if args.engine_cpu is not None:
-            pin_threads(engine.proc.pid, others)  # the API server, off the engine's CPU
-            for child in child_pids(engine.proc.pid):  # the engine core (and an idle resource tracker)
-                pin_threads(child, {args.engine_cpu})
+            # the model's compute alone on the engine's CPU: vLLM's worker process where it has
+            # one (its engine core, scheduling and polling it, beside the API server), else
+            # the engine core
+            tree = child_pids(engine.proc.pid)
+            compute = ([p for p in tree if "Worker" in process_name(p)]
+                       or [p for p in tree if "EngineCore" in process_name(p)] or tree)
+            for p in [engine.proc.pid, *tree]:
+                pin_threads(p, {args.engine_cpu} if p in compute else others)
             print(f"engine on CPU {args.engine_cpu}; client and vLLM's API server on CPU "
                   f"{','.join(map(str, sorted(others)))}", flush=True)
         print("vLLM's threads by CPU: " + cpus_of_tree(engine.proc.pid), flush=True)
