@@ -50,7 +50,7 @@ from frontdoor import Proc, wait_ready
 
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
 from ops.bench.results import RunResult
-from ops.calibrate_engine import EnginePlan, calibrate_engine, metric_sums
+from ops.calibrate_engine import EnginePlan, EngineProbe, calibrate_engine, metric_sums
 from ops.natsserver import free_port
 from services.worker.engines.sim_profile import load_profile
 
@@ -169,6 +169,18 @@ def table(workload: str, rows: list[dict[str, Any]]) -> str:
             f"| {_ms(v['engine_tpot_mean'], 2)} / {_ms(s['engine_tpot_mean'], 2)} "
             f"| {_err(s['engine_tpot_mean'], v['engine_tpot_mean'])} |")
     return "\n".join(lines)
+
+
+REFERENCE_CONTEXT = 64
+REFERENCE_TOKENS = 32
+
+
+async def reference_step(url: str) -> float:
+    """vLLM's mean decode step, in ms, for one sequence of 64 prompt tokens (median of 3)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        probe = EngineProbe(session, url, MODEL, seed=7)
+        times = [await probe.decode(1, REFERENCE_CONTEXT, REFERENCE_TOKENS) for _ in range(3)]
+    return sorted(times)[1] * 1000
 
 
 def child_pids(pid: int) -> list[int]:
@@ -295,6 +307,9 @@ async def main() -> None:
         if args.short:
             return
         costs = load_profile(profile_path).costs
+        # vLLM's speed drifts on a shared machine: a one-sequence decode step, timed before
+        # each rate, against the fitted profile's, shows how far it moved since calibration
+        reference = costs.decode_tpot(1, REFERENCE_CONTEXT + REFERENCE_TOKENS // 2) * 1000
         sim = Proc("sim-server", sim_argv(profile_path, sim_port, args, profile["memory"]["hbm_bytes"]
                                           // args.block_size), state)
         await wait_ready(sim_url + "/health", sim)
@@ -306,12 +321,13 @@ async def main() -> None:
             rows = []
             for load in (float(x) for x in args.loads.split(",")):
                 rate = load * capacity
-                row: dict[str, Any] = {"load": load, "rate": rate}
+                row: dict[str, Any] = {"load": load, "rate": rate, "vllm_step_ms": await reference_step(vllm_url)}
                 for target, url, tokenizer in (("vllm", vllm_url, str(model_dir)), ("sim", sim_url, "byte")):
                     row[target] = figures(*await run_rate(url, tokenizer, workload, rate, args))
                 print(f"{workload} {rate:.1f} req/s: vLLM TTFT p50 {_ms(row['vllm']['ttft_p50'])} ms, sim "
                       f"{_ms(row['sim']['ttft_p50'])} ms; TPOT p50 {_ms(row['vllm']['tpot_p50'])} / "
-                      f"{_ms(row['sim']['tpot_p50'])} ms", flush=True)
+                      f"{_ms(row['sim']['tpot_p50'])} ms; vLLM's reference step {row['vllm_step_ms']:.2f} ms "
+                      f"(calibrated {reference:.2f})", flush=True)
                 rows.append(row)
             results["workloads"][workload] = {"capacity_estimate": capacity, "rows": rows,
                                               "knee": {t: knee(rows, t, args.knee_ttft_factor) for t in ("vllm", "sim")}}
@@ -320,9 +336,11 @@ async def main() -> None:
             print(table(workload, w["rows"]))
             k = w["knee"]
             peak = {t: max(r[t]["served"] for r in w["rows"]) for t in ("vllm", "sim")}
+            steps = [r["vllm_step_ms"] for r in w["rows"]]
             print(f"\nsaturation: vLLM {_rate(k['vllm'])}, sim {_rate(k['sim'])} (profile's estimate "
                   f"{w['capacity_estimate']:.1f} req/s); most served: vLLM {peak['vllm']:.1f} req/s, sim "
-                  f"{peak['sim']:.1f} req/s\n")
+                  f"{peak['sim']:.1f} req/s; vLLM's one-sequence decode step {min(steps):.2f}–{max(steps):.2f} ms "
+                  f"over the rates, the profile's {reference:.2f} ms\n")
         print(f"rows: {await asyncio.to_thread(write_json, Path(args.out), results)}")
     finally:
         if sim is not None:
