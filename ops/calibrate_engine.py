@@ -43,15 +43,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import re
 import statistics
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -103,6 +104,28 @@ class EnginePlan:
     decode_tokens: int = 32
     repeats: int = 3
     prefill_batches: tuple[int, ...] = (4, 8)  # behind a blocker; chunks: the first two prefill_chunks
+
+
+T = TypeVar("T")
+
+
+class KeeperEnded(RuntimeError):
+    """The background request finished within a measurement: its own prefill is in the
+    metrics' sums, so the measurement is void."""
+
+
+async def while_busy(probe: EngineProbe, keep_tokens: int, measure: Callable[[], Awaitable[T]],
+                     attempts: int = 3) -> T:
+    """``measure()`` while a background request decodes; redone with a fresh one when it
+    ended first (a slow engine: its tokens ran out)."""
+    for attempt in range(attempts):
+        try:
+            async with probe.busy(keep_tokens):
+                return await measure()
+        except KeeperEnded:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 class EngineProbe:
@@ -162,56 +185,69 @@ class EngineProbe:
             yield
             if keeper.done():
                 keeper.result()  # its error, if it failed
-                raise RuntimeError(f"the background request's {max_tokens} tokens ran out before the point was "
-                                   "measured (a larger --max-model-len gives it more)")
+                raise KeeperEnded(f"the background request's {max_tokens} tokens ran out before the point was "
+                                  "measured (a larger --max-model-len gives it more)")
         finally:
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                 await keeper
+
+    async def _counted(self, names: Sequence[str], before: dict[str, float], requests: int) -> dict[str, float]:
+        """The metrics once ``requests`` more prefills than ``before`` are counted (a
+        finished request's metrics can trail its response), or after a second."""
+        after = before
+        for _ in range(50):
+            after = metric_sums(await self.metrics(), names)
+            if after[PREFILL_COUNT] - before[PREFILL_COUNT] >= requests:
+                break
+            await asyncio.sleep(0.02)
+        return after
 
     async def _phase_times(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float, int]:
         """Run ``prompts`` at once: Δ prefill seconds, Δ prefill count, Δ decode seconds, decode tokens."""
         names = (PREFILL_SUM, PREFILL_COUNT, DECODE_SUM, DECODE_COUNT)
         before = metric_sums(await self.metrics(), names)
         outputs = await asyncio.gather(*(self.complete(p, max_tokens) for p in prompts))
-        after = before
-        for _ in range(50):  # the metrics of a finished request can trail its response
-            after = metric_sums(await self.metrics(), names)
-            if after[PREFILL_COUNT] - before[PREFILL_COUNT] >= len(prompts):
-                break
-            await asyncio.sleep(0.02)
+        after = await self._counted(names, before, len(prompts))
         d = {k: after[k] - before[k] for k in names}
         return d[PREFILL_SUM], d[PREFILL_COUNT], d[DECODE_SUM], sum(max(n - 1, 0) for n in outputs)
 
-    async def prefill(self, chunk: int, context: int) -> float:
+    async def prefill(self, chunk: int, context: int, keep_tokens: int = 0) -> float:
+        """One ``chunk``-token prefill after ``context`` cached tokens; with ``keep_tokens``
+        while a background request decodes (only the timed request inside its span, so a
+        slow API server does not outlast it)."""
         prefix = await self.tokens(context) if context else []
         if prefix:
             await self.complete(prefix, 1)  # now cached
-        seconds, count, _, _ = await self._phase_times([prefix + await self.tokens(chunk)], 1)
+        prompt = prefix + await self.tokens(chunk)
+        if keep_tokens:
+            seconds, count, _, _ = await while_busy(self, keep_tokens, functools.partial(self._phase_times, [prompt], 1))
+        else:
+            seconds, count, _, _ = await self._phase_times([prompt], 1)
         if count < 1:
             raise RuntimeError(f"{self.url}/metrics did not count the request's prefill (no {PREFILL_COUNT}?)")
         return seconds / count
 
-    async def prefill_batch(self, chunk: int, batch: int, blocker_tokens: int) -> float:
+    async def prefill_batch(self, chunk: int, batch: int, blocker_tokens: int, keep_tokens: int = 0) -> float:
         """Mean prefill seconds of ``batch`` ``chunk``-token requests scheduled in one step
-        (see the module docstring)."""
-        names = (PREFILL_SUM, PREFILL_COUNT)
-        before = metric_sums(await self.metrics(), names)
-        await self.complete(await self.tokens(blocker_tokens), 1)
-        alone = metric_sums(await self.metrics(), names)
+        (see the module docstring); with ``keep_tokens`` while a background request decodes."""
+        first, second = await self.tokens(blocker_tokens), await self.tokens(blocker_tokens)
         prompts = [await self.tokens(chunk) for _ in range(batch)]
-        blocker = asyncio.create_task(self.complete(await self.tokens(blocker_tokens), 1))
-        await asyncio.sleep(0.002)  # the blocker reaches the engine first
-        await asyncio.gather(*(self.complete(p, 1) for p in prompts))
-        await blocker
-        after = alone
-        for _ in range(50):
-            after = metric_sums(await self.metrics(), names)
-            if after[PREFILL_COUNT] - alone[PREFILL_COUNT] >= batch + 1:
-                break
-            await asyncio.sleep(0.02)
-        blocker_s = alone[PREFILL_SUM] - before[PREFILL_SUM]
-        return max(after[PREFILL_SUM] - alone[PREFILL_SUM] - blocker_s, 0.0) / batch
+
+        async def timed() -> float:
+            names = (PREFILL_SUM, PREFILL_COUNT)
+            before = metric_sums(await self.metrics(), names)
+            await self.complete(first, 1)
+            alone = await self._counted(names, before, 1)
+            blocker = asyncio.create_task(self.complete(second, 1))
+            await asyncio.sleep(0.002)  # the blocker reaches the engine first
+            await asyncio.gather(*(self.complete(p, 1) for p in prompts))
+            await blocker
+            after = await self._counted(names, alone, batch + 1)
+            blocker_s = alone[PREFILL_SUM] - before[PREFILL_SUM]
+            return max(after[PREFILL_SUM] - alone[PREFILL_SUM] - blocker_s, 0.0) / batch
+
+        return await (while_busy(self, keep_tokens, timed) if keep_tokens else timed())
 
     async def decode(self, batch: int, context: int, tokens: int, *, shared: int = 0) -> float:
         """Mean decode step of ``batch`` requests of ``context`` prompt tokens; the first
@@ -246,10 +282,8 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
                     continue
                 alone = [await probe.prefill(chunk, context) for _ in range(plan.repeats)]
                 idle.append(Point("prefill", chunk, 0, context + chunk, statistics.median(alone), prefill_seqs=1))
-                times = []
-                for _ in range(plan.repeats):  # a keeper each: cancelled, it leaves no stats behind
-                    async with probe.busy(keep_tokens):
-                        times.append(await probe.prefill(chunk, context))
+                # a keeper each (cancelled, it leaves no stats behind)
+                times = [await probe.prefill(chunk, context, keep_tokens) for _ in range(plan.repeats)]
                 p = Point("prefill", chunk, 1, context + chunk + KEEPER_CONTEXT, statistics.median(times),
                           prefill_seqs=1)
                 points.append(p)
@@ -260,10 +294,7 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
             for batch in plan.prefill_batches:
                 if batch > max_num_seqs - 2 or batch * chunk > max_num_batched_tokens - 1 or chunk + 1 > max_len:
                     continue
-                times = []
-                for _ in range(plan.repeats):
-                    async with probe.busy(keep_tokens):
-                        times.append(await probe.prefill_batch(chunk, batch, blocker))
+                times = [await probe.prefill_batch(chunk, batch, blocker, keep_tokens) for _ in range(plan.repeats)]
                 p = Point("prefill", batch * chunk, 1, batch * chunk + KEEPER_CONTEXT, statistics.median(times),
                           prefill_seqs=batch)
                 points.append(p)
