@@ -39,14 +39,13 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from frontdoor import Proc, wait_ready
+from frontdoor import Proc, child_pids, wait_ready
 
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
 from ops.bench.results import RunResult
@@ -183,15 +182,6 @@ async def reference_step(url: str) -> float:
     return sorted(times)[1] * 1000
 
 
-def child_pids(pid: int) -> list[int]:
-    """Every process under ``pid``, at any depth (vLLM's engine core may run its model in a
-    worker process of its own)."""
-    found: list[int] = []
-    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
-        found += [int(child), *child_pids(int(child))]
-    return found
-
-
 def process_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -209,7 +199,7 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
 def cpus_of_tree(pid: int) -> str:
     """Each process under ``pid``: its threads' allowed CPUs (to show the pinning took)."""
     out = []
-    for p in [pid, *child_pids(pid)]:
+    for p in [pid, *child_pids(pid, recursive=True)]:
         cpus: dict[str, int] = {}
         for status in Path(f"/proc/{p}/task").glob("*/status"):
             with contextlib.suppress(OSError):
@@ -286,12 +276,12 @@ async def main() -> None:
             # the model's compute alone on the engine's CPU: vLLM's worker process where it has
             # one (its engine core, scheduling and polling it, beside the API server), else
             # the engine core
-            tree = child_pids(engine.proc.pid)
+            tree = child_pids(engine.proc.pid, recursive=True)  # the model may run in a grandchild
             compute = ([p for p in tree if "Worker" in process_name(p)]
                        or [p for p in tree if "EngineCore" in process_name(p)] or tree)
             for p in [engine.proc.pid, *tree]:
                 pin_threads(p, {args.engine_cpu} if p in compute else others)
-            print(f"engine on CPU {args.engine_cpu}; client and vLLM's API server on CPU "
+            print(f"vLLM's model on CPU {args.engine_cpu}; the client, its API server and engine core on CPU "
                   f"{','.join(map(str, sorted(others)))}", flush=True)
         print("vLLM's threads by CPU: " + cpus_of_tree(engine.proc.pid), flush=True)
         profile = await calibrate_engine(vllm_url, plan=EnginePlan(), max_num_seqs=args.max_num_seqs,

@@ -52,6 +52,17 @@ PATHS = ("direct", "vllm-router", "litellm", "meshserve")
 LITELLM_KEY = "sk-meshserve-frontdoor"  # LiteLLM refuses to start without a master key
 
 
+def child_pids(pid: int, *, recursive: bool = False) -> list[int]:
+    """The processes ``pid`` started (with ``recursive``, theirs too, at any depth)."""
+    try:
+        found = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    except OSError:
+        return []
+    if recursive:
+        found += [g for c in list(found) for g in child_pids(c, recursive=True)]
+    return found
+
+
 class Proc:
     def __init__(self, name: str, argv: list[str], state: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -62,13 +73,9 @@ class Proc:
     def cpu(self) -> float:
         """CPU seconds of the process and its children (LiteLLM runs uvicorn workers)."""
         total = _cpu_seconds(self.proc.pid)
-        try:
-            children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        except OSError:
-            children = []
-        for pid in children:
+        for pid in child_pids(self.proc.pid):
             try:
-                total += _cpu_seconds(int(pid))
+                total += _cpu_seconds(pid)
             except (OSError, ValueError):
                 pass
         return total
