@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import math
 import tempfile
@@ -102,8 +103,8 @@ class Observer:
 # The hops of a request's time to first token, in order, from wall-clock stamps taken on
 # this one machine (the client's, the gateway's ``arrival_time``, the observer's, the worker's).
 HOPS = (
-    "client → gateway admitted it (HTTP in, parse, hash, admission round trip)",
-    "gateway → router (the route request's trip)",
+    "client → gateway sent it on (HTTP in, parse, hash)",
+    "gateway → router's subject (via admission: its forward, or its round trip then the route request)",
     "router: decision and forward → worker's subject",
     "worker: receipt → engine (its handler, n choices, the engine request)",
     "worker: engine receipt → first token (the engine's own TTFT)",
@@ -173,6 +174,9 @@ async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]
                     hops.append(ttfts[2])
     if cpu_ms is not None:
         cpu_ms.update({name: (_cpu_seconds(pid) - cpu0[name]) * 1000 / requests for name, pid in pids.items()})
+    with contextlib.suppress(Exception):
+        stats = await observer.bus.service_stats("admission")
+        print(f"admission: {stats.get('admitted')} admitted, {stats.get('forwarded')} sent on to the router by it")
     await observer.bus.close()
     if phases is not None:
         phases.update(seen)
@@ -337,23 +341,25 @@ def tracing_env(tracing: str, sink: OtlpSink | None) -> dict[str, str]:
     return {}
 
 
-async def main(requests: int, duration: float, latency_only: bool = False, tracing: str = "default") -> None:
+async def main(requests: int, duration: float, latency_only: bool = False, tracing: str = "default",
+               gateway_args: tuple[str, ...] = ()) -> None:
     sink = OtlpSink()
     if tracing == "otlp":
         await sink.start()
     try:
-        await _run(requests, duration, latency_only, tracing_env(tracing, sink), tracing)
+        await _run(requests, duration, latency_only, tracing_env(tracing, sink), tracing, list(gateway_args))
     finally:
         await sink.stop()
     if tracing == "otlp":
         print(f"\nSpans the mesh exported to the OTLP sink: {sink.exports} exports, {sink.bytes / 1e6:.1f} MB")
 
 
-async def _run(requests: int, duration: float, latency_only: bool, env: dict[str, str], tracing: str) -> None:
+async def _run(requests: int, duration: float, latency_only: bool, env: dict[str, str], tracing: str,
+               gateway_args: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Latency: real-time sim (speed 1) so the worker's TTFT is a realistic few ms.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0,
-                               extra_env=env))
+                               extra_env=env, gateway_args=gateway_args))
         await mesh.start()
         phases: dict[str, list[float]] = {}
         hops: list[list[float]] = []
@@ -375,7 +381,7 @@ async def _run(requests: int, duration: float, latency_only: bool, env: dict[str
             return
 
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "f", nats_port=0, http_port=free_port(), model=MODEL, workers=1,
-                               speed=1.0, extra_env=env))
+                               speed=1.0, extra_env=env, gateway_args=gateway_args))
         await mesh.start()
         try:
             features = await feature_latency(mesh, requests // 2)
@@ -391,7 +397,7 @@ async def _run(requests: int, duration: float, latency_only: bool, env: dict[str
         # Relay: fast sim workers (speed 50), large batches, one gateway.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "b", nats_port=0, http_port=free_port(), model=MODEL, workers=2,
                                speed=50.0, worker_args=["--max-num-seqs", "512", "--num-kv-blocks", "200000"],
-                               extra_env=env))
+                               extra_env=env, gateway_args=gateway_args))
         await mesh.start()
         try:
             print(f"\n### Relay throughput ({duration:.0f} s closed loop per point, 2000-token outputs)\n")
@@ -413,6 +419,8 @@ if __name__ == "__main__":
     parser.add_argument("--tracing", choices=("default", "otlp", "off"), default="default",
                         help="the mesh's tracing: as the environment says (default), exporting every span over "
                              "OTLP/HTTP to a sink in this process (otlp), or the SDK off (off)")
+    parser.add_argument("--placement-path", choices=("admission", "gateway"), default=None,
+                        help="the gateway's --placement-path (default: the gateway's default)")
     parser.add_argument("--request-path", default=None, metavar="RATES",
                         help="only the request-path throughput: comma-separated req/s of tiny requests, in turn")
     args = parser.parse_args()
@@ -421,4 +429,5 @@ if __name__ == "__main__":
     if args.request_path:
         uvloop.run(request_path([float(r) for r in args.request_path.split(",")], args.duration))
     else:
-        uvloop.run(main(args.requests, args.duration, args.latency_only, args.tracing))
+        uvloop.run(main(args.requests, args.duration, args.latency_only, args.tracing,
+                        ("--placement-path", args.placement_path) if args.placement_path else ()))

@@ -340,6 +340,14 @@ class AdmissionRequest(Struct, kw_only=True, omit_defaults=True):
     block_hashes: list[int] = []
     block_size: int = 0
     lora: str | None = None
+    # Admit and place in one trip: when admitted, admission forwards ``route`` (with its
+    # replica, slack, reservation and these block hashes filled in) to the router, whose
+    # Placement goes to ``placement_reply`` (the gateway's), so the request reaches its
+    # worker without first coming back to the gateway. Only before ``forward_by`` (epoch
+    # seconds): past it the gateway may have stopped waiting and placed the request itself.
+    route: RouteRequest | None = None
+    placement_reply: str = ""
+    forward_by: float = 0.0
 
 
 AdmissionReason = Literal["quota_tokens", "quota_requests", "slo", "no_capacity"]
@@ -359,6 +367,7 @@ class AdmissionDecision(Struct, kw_only=True, omit_defaults=True):
     # with the prefill tokens the request could wait for on top and still meet its SLO.
     worker_id: str = ""
     slack_tokens: int = 0
+    forwarded: bool = False  # AdmissionRequest.route went on to the router: its Placement comes to placement_reply
 
 
 class TtftObservation(Struct, kw_only=True, omit_defaults=True):

@@ -93,6 +93,13 @@ class Subjects:
     def worker_kv_snapshot(self, worker_id: str) -> str:
         return f"{self.root}.worker.{subject_token(worker_id)}.kv_snapshot"
 
+    # placements of requests admission forwarded to the router (core NATS, one gateway's)
+    def placement(self, gateway_id: str, request_id: str) -> str:
+        return f"{self.root}.placed.{subject_token(gateway_id)}.{subject_token(request_id)}"
+
+    def placements_of_gateway(self, gateway_id: str) -> str:
+        return f"{self.root}.placed.{subject_token(gateway_id)}.*"
+
     # token streams (JetStream TOKENS)
     def tokens(self, gateway_id: str, request_id: str) -> str:
         return f"{self.root}.tokens.{subject_token(gateway_id)}.{subject_token(request_id)}"

@@ -176,6 +176,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
     control = wildcard(s.worker_control, 1)
     kv_snapshot = wildcard(s.worker_kv_snapshot, 1)
     tokens = wildcard(s.tokens, 2)
+    placements = wildcard(s.placement, 2)
     gauges = wildcard(s.gauges, 2)
     kv_events = wildcard(s.kv_events, 2)
     usage = wildcard(s.usage, 1)
@@ -211,6 +212,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(s.api_chat, "NATS API (queue group gateway)"),
                 Rule(s.api_completions, "NATS API (queue group gateway)"),
                 Rule(tokens, "token chunks of its own requests (mesh.tokens.<gateway>.*)"),
+                Rule(placements, "placements of requests admission forwarded (mesh.placed.<gateway>.*)"),
                 *connections,
             ],
             GATEWAY_RESPONSES,
@@ -232,6 +234,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
         ),
         "admission": (
             [
+                Rule(s.router_route, "an admitted request forwarded to the router (its placement goes to the gateway)"),
                 Rule(kv_snapshot, "KV index resync after an event gap"),
                 *_provision([kv_stream(lease), kv_stream(state)]),
                 *_kv_write(lease, "leader lease"),

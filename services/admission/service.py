@@ -79,6 +79,7 @@ from proto import (
     DecodeError,
     ErrorCode,
     MeshError,
+    RouteRequest,
     TtftObservation,
     UsageEvent,
     decode,
@@ -178,6 +179,23 @@ class AdmissionMetrics:
         )
 
 
+def forwarded_route(req: AdmissionRequest, decision: AdmissionDecision, now: float) -> RouteRequest | None:
+    """The route request to forward for an admitted ``req`` that asked for it, with what
+    the gateway would have added from the decision (replica, slack, reservation) and the
+    block hashes the request already carries; None when refused, not asked, or past
+    ``forward_by`` (the gateway may have stopped waiting and be placing it itself)."""
+    route = req.route
+    if not decision.admitted or route is None or not req.placement_reply or now >= req.forward_by:
+        return None
+    request = route.request
+    if decision.reserved_tokens:
+        request = msgspec.structs.replace(request, reserved_tokens=decision.reserved_tokens)
+    return msgspec.structs.replace(
+        route, request=request, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
+        block_hashes=route.block_hashes or req.block_hashes, block_size=route.block_size or req.block_size,
+    )
+
+
 # ============================================================================ the shell
 
 
@@ -218,6 +236,7 @@ class AdmissionService(Service):
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
         self.admitted = 0
+        self.forwarded = 0  # admitted requests sent on to the router (AdmissionRequest.route)
         self.rejected: dict[str, int] = {}
         self.reconciled = 0
         self.takeovers = 0
@@ -266,6 +285,7 @@ class AdmissionService(Service):
         return {
             "leading": self.leading,
             "admitted": self.admitted,
+            "forwarded": self.forwarded,  # of those, sent on to the router by admission (one hop fewer)
             "rejected": dict(self.rejected),
             "open_reservations": len(self.policy.limiter),
             "reconciled": self.reconciled,
@@ -444,6 +464,19 @@ class AdmissionService(Service):
     async def handle_check(self, req: AdmissionRequest, msg: Msg) -> None:
         # Synchronous from here to the reply: no other check can interleave with this one.
         decision = self.decide(req)
+        route = forwarded_route(req, decision, self.clock())
+        if route is not None:
+            # The request goes on to the router from here (one hop fewer before its worker);
+            # the router answers the gateway. The gateway's trace context goes with it.
+            trace_headers = {k: v for k, v in (msg.headers or {}).items() if k in ("traceparent", "tracestate")}
+            try:
+                await self.bus.publish(self.bus.subjects.router_route, route, reply=req.placement_reply,
+                                       headers=trace_headers, trace=False)
+            except Exception:  # not forwarded: the gateway places it itself, as without a route
+                log.exception("forwarding %s to the router failed", req.request_id)
+            else:
+                decision.forwarded = True
+                self.forwarded += 1
         await self.bus.respond(msg, decision)
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:

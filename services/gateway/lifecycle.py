@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from opentelemetry import trace
 
 from proto import (
@@ -154,26 +155,37 @@ class ActiveRequest:
         # An adapter's KV is its own: its blocks hash with its name as salt (as vLLM's).
         hashes = block_hashes(request.prompt_token_ids, block_size, request.lora or "") if block_size else []
         phases.mark("hash")
-        with tracer.start_as_current_span("gateway.admission") as admission_span:
-            decision = await g.upstream.admit(AdmissionRequest(
-                request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
-                prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm, tpm_limit=key.tpm,
-                block_hashes=hashes, block_size=block_size, lora=request.lora,
-            ))
-            phases.mark("admission")
-            admission_span.set_attribute("meshserve.admitted", decision.admitted)
-            if decision.reason:
-                admission_span.set_attribute("meshserve.admission_reason", decision.reason)
-        span.set_attribute("meshserve.admission", "admitted" if decision.admitted else str(decision.reason))
-        if not decision.admitted:
-            g.metrics.errors.labels(code=str(decision.reason)).inc()
-            raise from_admission(decision)
+        # Open before admission: admission may send the request on to the router itself,
+        # and its first chunk can come before the decision does.
         stream = g.dispatcher.open(request_id)  # from here on the request counts as in flight
         generate = request.generate_request(
             request_id=request_id, token_subject=stream.subject, gateway_id=g.gateway_id, org=key.org,
             key_id=key.key_id, tier=key.tier, priority=g.config.tier_priority.get(key.tier, 1),
-            arrival_time=time.time(), reserved_tokens=decision.reserved_tokens or request.reserved_tokens,
+            arrival_time=time.time(), reserved_tokens=request.reserved_tokens,
         )
+        try:
+            with tracer.start_as_current_span("gateway.admission") as admission_span:
+                # A resumable request's record must exist before any worker has it: it is
+                # placed from here, after the record is saved.
+                decision = await g.upstream.admit(AdmissionRequest(
+                    request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
+                    prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm,
+                    tpm_limit=key.tpm, block_hashes=hashes, block_size=block_size, lora=request.lora,
+                ), route=None if resumable else RouteRequest(request=generate, block_size=block_size))
+                phases.mark("admission")
+                admission_span.set_attribute("meshserve.admitted", decision.admitted)
+                if decision.reason:
+                    admission_span.set_attribute("meshserve.admission_reason", decision.reason)
+        except BaseException:
+            g.dispatcher.close(request_id)
+            raise
+        span.set_attribute("meshserve.admission", "admitted" if decision.admitted else str(decision.reason))
+        if not decision.admitted:
+            g.dispatcher.close(request_id)
+            g.metrics.errors.labels(code=str(decision.reason)).inc()
+            raise from_admission(decision)
+        if decision.reserved_tokens:
+            generate = msgspec.structs.replace(generate, reserved_tokens=decision.reserved_tokens)
         record = RequestRecord(request_id=request_id, key_id=key.key_id, org=key.org, gateway_id=g.gateway_id,
                                token_subject=stream.subject, kind=request.kind, model=request.requested_model,
                                created=int(time.time()), include_usage=request.include_usage, resumable=resumable,
@@ -183,10 +195,13 @@ class ActiveRequest:
                 await g.records.save(record, required=True)
                 phases.mark("record")
             with tracer.start_as_current_span("gateway.route"):
-                placement = await g.upstream.place(RouteRequest(
-                    request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
-                    block_hashes=hashes, block_size=block_size,
-                ), arrived_from=lambda: stream.arrived_from)
+                if decision.forwarded:
+                    placement = await g.upstream.placed(request_id, arrived_from=lambda: stream.arrived_from)
+                else:
+                    placement = await g.upstream.place(RouteRequest(
+                        request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
+                        block_hashes=hashes, block_size=block_size,
+                    ), arrived_from=lambda: stream.arrived_from)
             phases.mark("route")
         except BaseException as exc:
             g.dispatcher.close(request_id)

@@ -33,7 +33,8 @@ _OPTIONS = {"host": "host", "port": "port", "gateway_id": "gateway_id", "tls_cer
 _OIDC_OPTIONS = {"oidc_issuer": "issuer", "oidc_audience": "audience", "oidc_jwks_uri": "jwks_uri",
                  "oidc_jwks_file": "jwks_file"}
 # option dest → UpstreamConfig field
-_UPSTREAM_OPTIONS = {"admission_unreachable": "admission_unreachable", "admission_grace": "admission_grace_s"}
+_UPSTREAM_OPTIONS = {"admission_unreachable": "admission_unreachable", "admission_grace": "admission_grace_s",
+                     "placement_path": "placement_path"}
 
 
 def _default(name: str) -> str:
@@ -85,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {default_of(UpstreamConfig, 'admission_unreachable')})")
     parser.add_argument("--admission-grace", type=float, default=None,
                         help=f"(default {default_of(UpstreamConfig, 'admission_grace_s')})")
+    parser.add_argument("--placement-path", choices=["admission", "gateway"], default=None,
+                        help="who sends an admitted request to the router: admission, on its way (one hop fewer), "
+                             "or the gateway once admission has answered "
+                             f"(default {default_of(UpstreamConfig, 'placement_path')})")
     parser.add_argument("--dev-key-file", default=None, metavar="PATH",
                         help=f"development key file: GET /dev-key hands it to browsers on this host only "
                              f"(env {DEV_KEY_FILE_ENV}; meshserve up passes its own)")

@@ -25,7 +25,7 @@ from bus import BusSettings, Service
 from bus.keys import AdapterStore, KeyStore
 from bus.provision import requests_bucket
 from bus.registry import WorkerRegistry
-from proto import RequestRecord, UsageEvent, usage_dedup_id
+from proto import SUPERSEDED, Placement, RequestRecord, UsageEvent, usage_dedup_id
 
 from .auth import Authenticator
 from .config import GatewayConfig
@@ -82,7 +82,9 @@ class GatewayService(Service):
         self.upstream = UpstreamClient(
             self.bus, self.registry, self.config.upstream,
             on_unreachable=lambda outcome: self.metrics.admission_unreachable.labels(outcome=outcome).inc(),
+            gateway_id=self.gateway_id, on_late_placement=self._late_placement,
         )
+        await self.upstream.start()
         await NatsApi(self).add_endpoints()
         await self._start_http()
 
@@ -98,6 +100,7 @@ class GatewayService(Service):
             timer.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.upstream.stop()
         await self.dispatcher.stop()
         await self.registry.stop()
         await self.keys.stop()
@@ -140,6 +143,14 @@ class GatewayService(Service):
         addresses = self._runner.addresses  # (host, port, ...) of each bound socket; port 0 picks one
         self.bound_port = addresses[0][1] if addresses else self.config.port
         log.info("gateway %s serving %s", self.gateway_id, self.http_url)
+
+    def _late_placement(self, placement: Placement) -> None:
+        """A forwarded request placed after its start stopped waiting: when nothing here
+        reads it any more (its client went away), that copy is stopped and bills nothing;
+        one still in flight was adopted where it runs."""
+        if placement.request_id not in self.dispatcher.streams:
+            self.spawn(self.upstream.cancel(placement.worker_id, placement.request_id, SUPERSEDED),
+                       name=f"cancel-{placement.request_id}")
 
     # ---- what outlives a request's relay ----------------------------------------------
     async def publish_usage(self, event: UsageEvent, dedup_id: str) -> None:

@@ -7,6 +7,17 @@ placing directly on a ready worker of the model from the registry, so a mesh wit
 router still serves; when admission is unreachable the gateway fails open for a grace
 window, then closed (configurable), and counts every such decision.
 
+Admit and place in one trip: ``admit`` given the route request asks admission to send
+it on to the router itself when it admits (``AdmissionRequest.route``), and the router's
+``Placement`` comes to this gateway's ``mesh.placed.<gateway>.<request>`` subject, where
+``placed`` waits for it: the request reaches its worker without first coming back to
+the gateway. Asked only once a router has answered this gateway (a mesh without one
+gets ``NoResponders`` on the direct path, which a forward cannot report); a forward that
+gets no placement by the deadline is handled as a silent router (below). A placement
+that arrives when nobody waits for it any more (the client went away, or admission
+answered past the gateway's timeout and the gateway placed the request itself) goes to
+``on_late_placement``.
+
 Each placement carries a deadline (``GenerateRequest.place_by``, the route timeout from
 now): past it the router forwards nothing and no worker takes the request. So when a
 router does not answer in time (stalled, paused), the request is either on the worker
@@ -17,6 +28,7 @@ worker and never will be: the gateway adopts that worker, or places the request 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -24,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from bus import Bus
 from bus.registry import WorkerRegistry
@@ -44,6 +58,7 @@ from proto import (
     RequestTimeout,
     RouteRequest,
 )
+from proto.subjects import unescape_token
 
 from .errors import from_mesh_error
 
@@ -72,6 +87,13 @@ class UpstreamConfig:
     # grace_s after admission was last seen, then closed.
     admission_unreachable: str = "grace"
     admission_grace_s: float = 30.0
+    # "admission": an admitted request goes on from admission to the router (one hop fewer
+    # before its worker); "gateway": admission answers, then the gateway asks the router.
+    placement_path: str = "admission"
+
+    def __post_init__(self) -> None:
+        if self.placement_path not in ("admission", "gateway"):
+            raise ValueError(f"placement_path must be 'admission' or 'gateway', not {self.placement_path!r}")
 
 
 class UpstreamClient:
@@ -79,8 +101,11 @@ class UpstreamClient:
         self, bus: Bus, registry: WorkerRegistry, config: UpstreamConfig | None = None,
         clock: Callable[[], float] = time.monotonic, on_unreachable: Callable[[str], None] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        gateway_id: str = "", on_late_placement: Callable[[Placement], None] | None = None,
     ) -> None:
         self.bus = bus
+        self.gateway_id = gateway_id  # "" : admission is never asked to forward (no placement inbox)
+        self.on_late_placement = on_late_placement
         self.registry = registry
         self.config = config or UpstreamConfig()
         self.clock = clock
@@ -93,8 +118,66 @@ class UpstreamClient:
         self.direct_placements = 0
         self.router_timeouts = 0  # placements the router did not answer in time
         self.adopted_placements = 0  # of those, requests found on a worker (the others were placed directly)
+        self.forwarded_placements = 0  # placed by a router that admission forwarded the request to
+        self.late_placements = 0  # placements that came when nobody waited for them
+        # Whether a router has answered a placement lately: only then is admission asked to
+        # forward (a forward to no router would wait out the deadline; the direct path is told at once).
+        self.router_seen = False
+        self._placements: dict[str, tuple[asyncio.Future[Msg], RouteRequest]] = {}
+        self._placement_sub: Subscription | None = None
 
-    async def admit(self, request: AdmissionRequest) -> AdmissionDecision:
+    async def start(self) -> None:
+        """Subscribe to this gateway's placements (forwarded requests' router replies)."""
+        if self.gateway_id:
+            self._placement_sub = await self.bus.nc.subscribe(
+                self.bus.subjects.placements_of_gateway(self.gateway_id), cb=self._on_placement)
+
+    async def stop(self) -> None:
+        if self._placement_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._placement_sub.unsubscribe()
+            self._placement_sub = None
+
+    async def _on_placement(self, msg: Msg) -> None:
+        request_id = unescape_token(msg.subject.rsplit(".", 1)[-1])
+        waiting = self._placements.get(request_id)
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_result(msg)
+            return
+        self.late_placements += 1
+        try:
+            placement = self.bus.decode_reply(msg, Placement)
+        except MeshError:
+            return  # an error reply: nothing runs anywhere
+        log.warning("placement of %s on %s came when nobody waited for it", request_id, placement.worker_id)
+        if self.on_late_placement is not None:
+            self.on_late_placement(placement)
+
+    async def admit(self, request: AdmissionRequest, route: RouteRequest | None = None) -> AdmissionDecision:
+        """Admission's decision on ``request``. With ``route`` (and a router seen), admission
+        is asked to send it on to the router when it admits: then ``decision.forwarded``
+        is set and ``placed`` returns its placement."""
+        if (route is not None and self.router_seen and self._placement_sub is not None
+                and self.config.placement_path == "admission"):
+            route = msgspec.structs.replace(route, request=self._with_deadline(route.request))
+            request_id = route.request.request_id
+            self._placements[request_id] = (asyncio.get_running_loop().create_future(), route)
+            # Past half the wait admission no longer forwards: its answer could come after the
+            # gateway has given up on it and placed the request itself.
+            request = msgspec.structs.replace(
+                request, route=msgspec.structs.replace(route, block_hashes=[]),
+                placement_reply=self.bus.subjects.placement(self.gateway_id, request_id),
+                forward_by=self.wall_clock() + self.config.admission_timeout_s / 2,
+            )
+        decision: AdmissionDecision | None = None
+        try:
+            decision = await self._admit(request)
+        finally:
+            if decision is None or not decision.forwarded:
+                self._placements.pop(request.request_id, None)
+        return decision
+
+    async def _admit(self, request: AdmissionRequest) -> AdmissionDecision:
         try:
             decision = await self.bus.request(
                 self.bus.subjects.admission_check, request, AdmissionDecision, timeout=self.config.admission_timeout_s
@@ -111,6 +194,22 @@ class UpstreamClient:
             raise error from exc
         self._admission_seen_at = self.clock()
         return decision
+
+    async def placed(self, request_id: str, *, arrived_from: Callable[[], str] | None = None) -> Placement:
+        """The placement of a request admission forwarded (``decision.forwarded``): the
+        router's answer, or, none by the request's deadline, what ``place`` does for a
+        router that stays silent."""
+        future, route = self._placements[request_id]
+        try:
+            msg = await asyncio.wait_for(future, timeout=max(route.request.place_by - self.wall_clock(), 0.0))
+        except TimeoutError:
+            self.router_seen = False  # the next requests go by the direct path, which hears "no router" at once
+            return await self._after_silent_router(route, arrived_from)
+        finally:
+            self._placements.pop(request_id, None)
+        placement = self.bus.decode_reply(msg, Placement)
+        self.forwarded_placements += 1
+        return placement
 
     def _admission_unreachable(self, request: AdmissionRequest, exc: MeshError) -> AdmissionDecision:
         mode = self.config.admission_unreachable
@@ -136,11 +235,18 @@ class UpstreamClient:
         arrived, if any (adopted when the router does not answer in time)."""
         route = msgspec.structs.replace(route, request=self._with_deadline(route.request))
         try:
-            return await self.bus.request(self.bus.subjects.router_route, route, Placement, timeout=self.config.route_timeout_s)
+            placement = await self.bus.request(self.bus.subjects.router_route, route, Placement,
+                                               timeout=self.config.route_timeout_s)
         except NoResponders:
+            self.router_seen = False
             return await self._place_directly(route)
         except RequestTimeout:
             return await self._after_silent_router(route, arrived_from)
+        except RemoteError:
+            self.router_seen = True  # it answered, with an error for this request
+            raise
+        self.router_seen = True
+        return placement
 
     async def _after_silent_router(self, route: RouteRequest, arrived_from: Callable[[], str] | None) -> Placement:
         """The router did not answer by the request's deadline: adopt the worker holding

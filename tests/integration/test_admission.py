@@ -11,11 +11,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import openai
 import pytest
+from nats.aio.msg import Msg
 
 from bus import Bus, BusSettings
+from bus.client import error_reply_headers
 from bus.keys import KeyStore
 from ops.keys import create_key
-from proto import AdmissionDecision, AdmissionRequest, UsageEvent, usage_dedup_id
+from proto import (
+    SUPERSEDED,
+    AdmissionDecision,
+    AdmissionRequest,
+    CancelRequest,
+    Placement,
+    RouteRequest,
+    UsageEvent,
+    decode,
+    usage_dedup_id,
+)
 from services.admission.buckets import LimiterConfig
 from services.admission.config import AdmissionConfig
 from services.admission.service import AdmissionService
@@ -243,6 +255,91 @@ async def test_slo_sheds_standard_while_premium_is_kept(bus: Bus, mesh: dict[str
     assert late_standard.count((429, "slo_overloaded")) >= 2, late_standard
     stats = admission.stats()  # every decision saw the fleet: none was admitted on quota alone
     assert stats["registry_synced"] and stats["slo_skipped"] == 0, stats
+
+
+# ---- admit and place in one trip ------------------------------------------------------------
+
+
+async def test_admission_sends_admitted_requests_on_to_the_router_and_refused_ones_reach_none(
+    bus: Bus, mesh: dict[str, Factory]
+) -> None:
+    await mesh["worker"]("w1")
+    await mesh["router"]()
+    admission: AdmissionService = await mesh["admission"](clock=FrozenClock())  # type: ignore[assignment]
+    gateway: GatewayService = await mesh["gateway"]()  # type: ignore[assignment]
+    routed: list[tuple[str, str]] = []  # (request id, where its placement goes), as the router sees them
+
+    async def on_route(msg: Msg) -> None:
+        routed.append((decode(msg.data, RouteRequest).request.request_id, msg.reply))
+
+    await bus.nc.subscribe(bus.subjects.router_route, cb=on_route)
+    await bus.nc.flush()
+    key, record = await create_key(bus, org="acme", tpm=350)
+    await wait_for_key(gateway, record.key_id)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.bound_port}/v1", api_key=key, max_retries=0)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 100, "extra_body": {"ignore_eos": True}}
+    for _ in range(3):  # each reserves prompt + 100 of the 350-token bucket
+        done = await client.completions.create(**body)  # type: ignore[call-overload]
+        assert done.usage is not None and done.usage.completion_tokens == 100
+    with pytest.raises(openai.RateLimitError):
+        await client.completions.create(**body)  # type: ignore[call-overload]
+    await client.close()
+    # The first went the gateway's way (no router seen yet), the next two on from admission,
+    # their placements to this gateway's subject; the refused one reached no router.
+    assert len(routed) == 3, routed
+    assert routed[0][1].startswith("_INBOX.")
+    assert all(reply == bus.subjects.placement(gateway.gateway_id, rid) for rid, reply in routed[1:]), routed
+    assert admission.forwarded == 2 and gateway.upstream.forwarded_placements == 2
+    assert gateway.upstream.late_placements == 0
+
+
+async def test_a_forward_to_a_router_gone_is_placed_by_the_gateway_after_its_deadline(
+    bus: Bus, mesh: dict[str, Factory]
+) -> None:
+    await mesh["worker"]("w1")
+    router: RouterService = await mesh["router"]()  # type: ignore[assignment]
+    admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
+    upstream = UpstreamConfig(route_timeout_s=1.0)
+    gateway: GatewayService = await mesh["gateway"](GatewayConfig(port=0, upstream=upstream))  # type: ignore[assignment]
+    key, record = await create_key(bus, org="o")
+    await wait_for_key(gateway, record.key_id)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.bound_port}/v1", api_key=key, max_retries=0)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+    await client.completions.create(**body)  # type: ignore[call-overload]
+    assert gateway.upstream.router_seen
+    await router.drain_and_close()
+    # Admission forwards it to nobody: at its deadline no worker holds it, so the gateway
+    # places it itself, and from then on asks the router directly (told "no router" at once).
+    done = await client.completions.create(**body)  # type: ignore[call-overload]
+    assert done.choices[0].finish_reason == "length"
+    assert admission.forwarded == 1 and gateway.upstream.router_timeouts == 1
+    assert gateway.upstream.direct_placements == 1 and not gateway.upstream.router_seen
+    await client.completions.create(**body)  # type: ignore[call-overload]
+    assert admission.forwarded == 1 and gateway.upstream.direct_placements == 2
+    await client.close()
+
+
+async def test_a_placement_nobody_waits_for_has_its_copy_stopped(bus: Bus, mesh: dict[str, Factory]) -> None:
+    gateway: GatewayService = await mesh["gateway"]()  # type: ignore[assignment]
+    cancels: asyncio.Queue[CancelRequest] = asyncio.Queue()
+
+    async def on_cancel(msg: Msg) -> None:
+        cancels.put_nowait(decode(msg.data, CancelRequest))
+
+    await bus.nc.subscribe(bus.subjects.worker_cancel("w9"), cb=on_cancel)
+    # A placement for a request this gateway no longer relays (its client went away while
+    # admission's forward was on its way): the copy on w9 is told it is superseded.
+    late = Placement(request_id="gone-1", worker_id="w9", model=MODEL)
+    await bus.publish(bus.subjects.placement(gateway.gateway_id, "gone-1"), late)
+    cancel = await asyncio.wait_for(cancels.get(), timeout=5)
+    assert (cancel.request_id, cancel.reason) == ("gone-1", SUPERSEDED)
+    assert gateway.upstream.late_placements == 1
+    # An error reply placed nothing anywhere: nothing to stop.
+    await bus.nc.publish(bus.subjects.placement(gateway.gateway_id, "gone-2"), b"{}",
+                         headers=error_reply_headers("no_capacity", "no worker"))
+    await eventually(lambda: gateway.upstream.late_placements == 2, what="the error reply counted")
+    await asyncio.sleep(0.2)
+    assert cancels.empty()
 
 
 # ---- admission unreachable ----------------------------------------------------------------

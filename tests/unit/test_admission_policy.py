@@ -225,3 +225,24 @@ def test_worst_predictions_name_the_requests_furthest_off_either_way() -> None:
     assert [w["actual_s"] for w in worst] == [0.6, 0.05]  # 4× under, then 3× over
     assert worst[0]["at_s"] == 1.0 and worst[0]["predicted_s"] == pytest.approx(0.15)
     assert AdmissionPolicy().worst_predictions() == {}
+
+
+def test_an_admitted_request_goes_on_with_the_decisions_replica_slack_reservation_and_hashes() -> None:
+    from proto import AdmissionDecision, GenerateRequest, RouteRequest, pack_tokens
+    from services.admission.service import forwarded_route
+
+    generate = GenerateRequest(request_id="r1", model="m", prompt=pack_tokens([1, 2, 3]), token_subject="t",
+                               reserved_tokens=900)
+    ask = msgspec.structs.replace(req("r1", block_hashes=[11, 12], block_size=16),
+                                  route=RouteRequest(request=generate), placement_reply="mesh.placed.gw.r1",
+                                  forward_by=100.0)
+    admitted = AdmissionDecision(request_id="r1", admitted=True, reserved_tokens=1500, worker_id="w3", slack_tokens=42)
+    route = forwarded_route(ask, admitted, now=99.0)
+    assert route is not None
+    assert (route.prefer_worker, route.prefer_slack_tokens, route.block_hashes, route.block_size) == ("w3", 42, [11, 12], 16)
+    assert route.request.reserved_tokens == 1500 and route.request.prompt == generate.prompt
+    # Refused, not asked for, or past the gateway's deadline: nothing goes on.
+    refused = AdmissionDecision(request_id="r1", admitted=False, reason="slo")
+    assert forwarded_route(ask, refused, now=99.0) is None
+    assert forwarded_route(ask, admitted, now=100.0) is None
+    assert forwarded_route(req("r1"), admitted, now=99.0) is None
