@@ -102,6 +102,15 @@ class Observer:
 
 # The hops of a request's time to first token, in order, from wall-clock stamps taken on
 # this one machine (the client's, the gateway's ``arrival_time``, the observer's, the worker's).
+# The gateway's Server-Timing phases inside the first hop (before its arrival stamp), and
+# the two it then waits through while the request travels on (admission, placement).
+FIRST_HOP_PHASES = ("auth", "parse", "hash")
+HTTP_IN = "rest: client send, HTTP in, handler start"
+PHASE_HOP = {"auth": 0, "parse": 0, "hash": 0, HTTP_IN: 0, "admission": 1, "record": 1, "route": 1}
+PHASE_NAMES = {"auth": "gateway: the key check", "parse": "gateway: body, validation, template, tokenizer",
+               "hash": "gateway: the prompt's block hashes",
+               "admission": "the gateway waits for admission's verdict (from its stamp)",
+               "record": "then saves the resume record", "route": "then waits for the placement"}
 HOPS = (
     "client → gateway sent it on (HTTP in, parse, hash)",
     "gateway → router's subject (via admission: its forward, or its round trip then the route request)",
@@ -143,15 +152,20 @@ async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object]
         admitted_at, at_router = observer.route_seen[request_id]
         stamps = (sent_wall, admitted_at, at_router, observer.forward_seen[request_id], t.arrival, t.first_token, first_wall)
         hops = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
+        if phases is not None and all(phases.get(p) for p in FIRST_HOP_PHASES):
+            # What the gateway's own phases leave of the first hop: the client's send, the
+            # kernel, aiohttp reading the request and starting the handler.
+            phases.setdefault(HTTP_IN, []).append(hops[0] - sum(phases[p][-1] for p in FIRST_HOP_PHASES))
     return first, t.first_token - t.arrival, hops
 
 
 async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]] | None = None,
                         hops: list[list[float]] | None = None,
-                        cpu_ms: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Client and worker TTFT (s) of sequential requests; ``phases`` collects the gateway's
-    Server-Timing per request (ms), ``hops`` the ms per hop of ``HOPS`` per request,
-    ``cpu_ms`` each process's CPU milliseconds per request."""
+                        cpu_ms: dict[str, float] | None = None, gap_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Client and worker TTFT (s) of sequential requests, ``gap_s`` apart (0: each sent as
+    the previous one ends); ``phases`` collects the gateway's Server-Timing per request
+    (ms), ``hops`` the ms per hop of ``HOPS`` per request, ``cpu_ms`` each process's CPU
+    milliseconds per request."""
     observer = await Observer.open(mesh)
     client_ttft, worker_ttft = [], []
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
@@ -161,6 +175,8 @@ async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]
     cpu0: dict[str, float] = {}
     async with aiohttp.ClientSession(mesh.gateway_url) as http:
         for i in range(requests + 10):
+            if gap_s:
+                await asyncio.sleep(gap_s)
             if i == 10:  # the first ten warm things up
                 cpu0 = {name: _cpu_seconds(pid) for name, pid in pids.items()}
             one: dict[str, list[float]] = {}
@@ -194,17 +210,18 @@ def _pids(mesh: Mesh) -> dict[str, int]:
 
 def print_hops(hops: list[list[float]], phases: dict[str, list[float]]) -> None:
     """The per-hop table: each hop's p50/p99/mean in ms, the gateway's own phases inside
-    the first hop, and the total added by the mesh (every hop but the engine's TTFT)."""
+    the first hop (and what the gateway waits through meanwhile during the second), and
+    the total added by the mesh (every hop but the engine's TTFT)."""
     table = np.array(hops)
     print("| hop | p50 ms | p99 ms | mean ms |\n|---|---:|---:|---:|")
     for i, name in enumerate(HOPS):
         values = table[:, i]
         print(f"| {name} | {np.percentile(values, 50):.3f} | {np.percentile(values, 99):.3f} | {values.mean():.3f} |")
-        if i == 0:
-            for phase, ms in phases.items():
+        for phase, ms in phases.items():
+            if PHASE_HOP.get(phase, 0) == i:
                 v = np.array(ms)
-                print(f"| &nbsp;&nbsp;of which gateway {phase} | {np.percentile(v, 50):.3f} | {np.percentile(v, 99):.3f} "
-                      f"| {v.mean():.3f} |")
+                print(f"| &nbsp;&nbsp;{'of which' if i == 0 else 'meanwhile'} {PHASE_NAMES.get(phase, phase)} "
+                      f"| {np.percentile(v, 50):.3f} | {np.percentile(v, 99):.3f} | {v.mean():.3f} |")
     added = table.sum(axis=1) - table[:, 4]
     print(f"| added by the mesh (all but the engine's TTFT) | {np.percentile(added, 50):.3f} "
           f"| {np.percentile(added, 99):.3f} | {added.mean():.3f} |")
@@ -342,12 +359,12 @@ def tracing_env(tracing: str, sink: OtlpSink | None) -> dict[str, str]:
 
 
 async def main(requests: int, duration: float, latency_only: bool = False, tracing: str = "default",
-               gateway_args: tuple[str, ...] = ()) -> None:
+               gateway_args: tuple[str, ...] = (), gap_s: float = 0.0) -> None:
     sink = OtlpSink()
     if tracing == "otlp":
         await sink.start()
     try:
-        await _run(requests, duration, latency_only, tracing_env(tracing, sink), tracing, list(gateway_args))
+        await _run(requests, duration, latency_only, tracing_env(tracing, sink), tracing, list(gateway_args), gap_s)
     finally:
         await sink.stop()
     if tracing == "otlp":
@@ -355,7 +372,7 @@ async def main(requests: int, duration: float, latency_only: bool = False, traci
 
 
 async def _run(requests: int, duration: float, latency_only: bool, env: dict[str, str], tracing: str,
-               gateway_args: list[str]) -> None:
+               gateway_args: list[str], gap_s: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Latency: real-time sim (speed 1) so the worker's TTFT is a realistic few ms.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0,
@@ -365,11 +382,12 @@ async def _run(requests: int, duration: float, latency_only: bool, env: dict[str
         hops: list[list[float]] = []
         cpu_ms: dict[str, float] = {}
         try:
-            client, worker = await added_latency(mesh, requests, phases, hops, cpu_ms)
+            client, worker = await added_latency(mesh, requests, phases, hops, cpu_ms, gap_s)
         finally:
             mesh.stop()
         added = (client - worker) * 1000
-        print(f"### Added latency ({len(added)} sequential requests, 256-token prompts, tracing: {tracing})\n")
+        gap = f", {gap_s * 1000:g} ms apart" if gap_s else ""
+        print(f"### Added latency ({len(added)} sequential requests{gap}, 256-token prompts, tracing: {tracing})\n")
         print("| | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|")
         for name, values in (("client TTFT", client * 1000), ("worker's own TTFT", worker * 1000), ("added by the mesh", added)):
             print(f"| {name} | {np.percentile(values, 50):.2f} | {np.percentile(values, 90):.2f} | {np.percentile(values, 99):.2f} |")
@@ -421,6 +439,8 @@ if __name__ == "__main__":
                              "OTLP/HTTP to a sink in this process (otlp), or the SDK off (off)")
     parser.add_argument("--placement-path", choices=("admission", "gateway"), default=None,
                         help="the gateway's --placement-path (default: the gateway's default)")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="idle time between the sequential requests (default 0: each as the previous one ends)")
     parser.add_argument("--request-path", default=None, metavar="RATES",
                         help="only the request-path throughput: comma-separated req/s of tiny requests, in turn")
     args = parser.parse_args()
@@ -430,4 +450,4 @@ if __name__ == "__main__":
         uvloop.run(request_path([float(r) for r in args.request_path.split(",")], args.duration))
     else:
         uvloop.run(main(args.requests, args.duration, args.latency_only, args.tracing,
-                        ("--placement-path", args.placement_path) if args.placement_path else ()))
+                        ("--placement-path", args.placement_path) if args.placement_path else (), args.gap_ms / 1000))

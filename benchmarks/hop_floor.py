@@ -90,11 +90,13 @@ async def serve_http(port: int) -> None:
     await asyncio.Event().wait()
 
 
-async def measure_http(port: int, requests: int) -> np.ndarray:
+async def measure_http(port: int, requests: int, gap_s: float = 0.0) -> np.ndarray:
     body = {"model": "m", "prompt": "x" * 256, "max_tokens": 4, "stream": True}
     times = []
     async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
         for i in range(requests + 100):
+            if gap_s:
+                await asyncio.sleep(gap_s)
             start = time.perf_counter()
             async with http.post("/sse", json=body) as r:
                 async for line in r.content:
@@ -134,7 +136,7 @@ def _spawn(url: str, role: str, subject: str, forward_to: str = "") -> subproces
     return proc
 
 
-async def measure(url: str, requests: int) -> dict[str, np.ndarray]:
+async def measure(url: str, requests: int, gap_s: float = 0.0) -> dict[str, np.ndarray]:
     nc = await nats.connect(url)
     shapes = {
         "round trip": ("admission",),
@@ -145,6 +147,8 @@ async def measure(url: str, requests: int) -> dict[str, np.ndarray]:
     results: dict[str, list[float]] = {name: [] for name in shapes}
     for i in range(requests + 100):
         for name, hops in shapes.items():  # interleaved: each shape meets the same machine
+            if gap_s:  # every process idle first, as between a mesh's requests at a low rate
+                await asyncio.sleep(gap_s)
             start = time.perf_counter()
             for subject in hops:
                 await nc.request(subject, PAYLOAD, timeout=5.0)
@@ -154,7 +158,7 @@ async def measure(url: str, requests: int) -> dict[str, np.ndarray]:
     return {name: np.array(values) for name, values in results.items()}
 
 
-async def main(requests: int) -> None:
+async def main(requests: int, gap_s: float = 0.0) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = NatsServer(store_dir=Path(tmp) / "nats").start()
         procs = []
@@ -163,14 +167,15 @@ async def main(requests: int) -> None:
             procs = [_spawn(server.url, "echo", "admission"), _spawn(server.url, "echo", "router"),
                      _spawn(server.url, "echo", "worker"), _spawn(server.url, "forward", "forward", "worker"),
                      _spawn(server.url, "stamp", "stamp", "stamped"), _spawn("", "http", str(port))]
-            results = await measure(server.url, requests)
+            results = await measure(server.url, requests, gap_s)
             results["one way"] = await measure_one_way(server.url, requests)
-            results["HTTP/SSE"] = await measure_http(port, requests)
+            results["HTTP/SSE"] = await measure_http(port, requests, gap_s)
         finally:
             for proc in procs:
                 proc.kill()
             server.stop()
-    print(f"### NATS hops between Python processes, handlers that do nothing ({requests} sequential each)\n")
+    gap = f", {gap_s * 1000:g} ms idle before each (one way: none)" if gap_s else ""
+    print(f"### NATS hops between Python processes, handlers that do nothing ({requests} sequential each{gap})\n")
     print("| shape | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|")
     for name, values in results.items():
         print(f"| {name} | {np.percentile(values, 50):.3f} | {np.percentile(values, 90):.3f} "
@@ -183,5 +188,7 @@ if __name__ == "__main__":
     else:
         parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--requests", type=int, default=3000)
+        parser.add_argument("--gap-ms", type=float, default=0.0,
+                            help="idle time before each measured request (0: back to back)")
         args = parser.parse_args()
-        uvloop.run(main(args.requests))
+        uvloop.run(main(args.requests, args.gap_ms / 1000))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol, TypeVar
 
@@ -26,6 +27,7 @@ from .oidc import looks_like_jwt
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=web.StreamResponse)
+AUTH_MS = web.RequestKey("auth_ms", float)  # the key check's milliseconds, on the aiohttp request
 
 
 class Authenticator:
@@ -76,6 +78,9 @@ def authenticated(
 
     @functools.wraps(handler)
     async def with_key(api: S, http: web.Request) -> R:
-        return await handler(api, http, await api.auth.from_headers(http.headers))
+        started = time.perf_counter()
+        key = await api.auth.from_headers(http.headers)
+        http[AUTH_MS] = (time.perf_counter() - started) * 1000  # for the Server-Timing header
+        return await handler(api, http, key)
 
     return with_key

@@ -23,7 +23,7 @@ from proto.metering import UsageReport
 from services.common.usage import org_usage_query, usage_report_json
 
 from .apikeys import key_allows_model
-from .auth import Authenticator, authenticated
+from .auth import AUTH_MS, Authenticator, authenticated
 from .errors import (
     ApiError,
     from_mesh_error,
@@ -132,7 +132,8 @@ class HttpApi:
         started = time.perf_counter()
         body = await http.read()
         request = parse_request(kind, body, g.models.specs(), allowed_models=key.models or None)
-        parsed = [("parse", (time.perf_counter() - started) * 1000)]  # body, validation, template, tokenizer
+        # the key check, then body, validation, template, tokenizer
+        parsed = [("auth", http.get(AUTH_MS, 0.0)), ("parse", (time.perf_counter() - started) * 1000)]
         resumable = request.stream and http.headers.get(RESUMABLE_HEADER, "").lower() in ("1", "true", "yes")
         active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)), resumable=resumable)
         # Where the gateway's time went before the worker had the request (W3C Server-Timing).

@@ -288,8 +288,8 @@ async def test_server_timing_says_where_the_gateways_time_went(gateway: GatewayS
     # W3C Server-Timing: each phase before the worker had the request, in order, in ms.
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": MODEL, "prompt": "timing", "max_tokens": 2}
-    for extra, resumable, expected in (({}, False, ["parse", "hash", "admission", "route"]),
-                                       ({"stream": True}, True, ["parse", "hash", "admission", "record", "route"])):
+    for extra, resumable, expected in (({}, False, ["auth", "parse", "hash", "admission", "route"]),
+                                       ({"stream": True}, True, ["auth", "parse", "hash", "admission", "record", "route"])):
         sent = {**headers, **({"X-Meshserve-Resumable": "true"} if resumable else {})}
         async with aiohttp.ClientSession() as http, http.post(f"{gateway.http_url}/v1/completions",
                                                               json={**body, **extra}, headers=sent) as r:
