@@ -7,7 +7,7 @@ round trip and a revocation reaches every gateway within moments.
 
 from __future__ import annotations
 
-from proto.messages import AdapterRecord, ApiKeyRecord
+from proto.records import AdapterRecord, ApiKeyRecord
 
 from .client import Bus
 from .mirror import KvMirror

@@ -13,14 +13,12 @@ from .errors import (
 )
 from .hashing import block_hashes, extend_block_hashes, pack_tokens, root_hash, unpack_tokens
 from .messages import (
-    MESSAGE_TYPES,
     SCHEMA_VERSION,
     SUPERSEDED,
-    AdapterRecord,
+    WIRE_TYPES,
     AdmissionDecision,
     AdmissionRequest,
     AllCleared,
-    ApiKeyRecord,
     BlockRemoved,
     BlockStored,
     CancelRequest,
@@ -34,11 +32,9 @@ from .messages import (
     KvEventBatch,
     KvSnapshot,
     KvSnapshotRequest,
-    OutputOptions,
     Placement,
     RequestProbe,
     RequestProbeReply,
-    RequestRecord,
     RouteRequest,
     SamplingParams,
     StructuredOutput,
@@ -55,7 +51,11 @@ from .messages import (
     segment_usage,
     usage_dedup_id,
 )
+from .records import RECORD_TYPES, AdapterRecord, ApiKeyRecord, OutputOptions, RequestRecord
 from .subjects import Subjects, subject_token, unescape_token
+
+# Every versioned top-level type: what travels over NATS and what is stored in KV buckets.
+MESSAGE_TYPES = (*WIRE_TYPES, *RECORD_TYPES)
 
 __all__ = [
     "MESSAGE_TYPES",

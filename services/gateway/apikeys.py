@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
-from proto.messages import ApiKeyRecord
+from proto.records import ApiKeyRecord
 
 KEY_PREFIX = "msk"
 KEY_ID_HEX_CHARS = 12

@@ -21,7 +21,7 @@ from typing import Any
 import jwt
 from jwt import PyJWK, PyJWS
 
-from proto.messages import ApiKeyRecord
+from proto.records import ApiKeyRecord
 
 from .apikeys import parse_key
 

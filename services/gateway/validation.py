@@ -23,7 +23,8 @@ import msgspec
 from msgspec import Struct
 
 from proto.hashing import pack_tokens
-from proto.messages import GenerateRequest, OutputOptions, SamplingParams
+from proto.messages import GenerateRequest, SamplingParams
+from proto.records import OutputOptions
 
 from .chat_template import ChatTemplateError
 from .errors import ApiError, bad_request, clip, invalid_json, model_not_found

@@ -68,9 +68,10 @@ def test_every_versioned_message_is_listed() -> None:
     """A top-level message (one with a schema version) missing from MESSAGE_TYPES would
     escape the round-trip and hostile-bytes properties below."""
     import proto.messages
+    import proto.records
 
     versioned = {
-        obj for obj in vars(proto.messages).values()
+        obj for module in (proto.messages, proto.records) for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and "v" in obj.__struct_fields__
     }
     assert versioned == set(MESSAGE_TYPES)
