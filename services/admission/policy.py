@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from proto.messages import AdmissionDecision, AdmissionRequest, UsageEvent
+import msgspec
+
+from proto.messages import AdmissionDecision, AdmissionRequest, RouteRequest, UsageEvent
 
 from .buckets import Limiter, Limits
 from .slo import ReplicaLoad, SloAdmitter, SloVerdict
@@ -172,6 +174,23 @@ class AdmissionPolicy:
         for rid in [rid for rid, (*_, at) in self.predictions.items() if at < cutoff]:
             del self.predictions[rid]
         return self.limiter.expire(now)
+
+
+def forwarded_route(req: AdmissionRequest, decision: AdmissionDecision, now: float) -> RouteRequest | None:
+    """The route request to forward for an admitted ``req`` that asked for it, with what
+    the gateway would have added from the decision (replica, slack, reservation) and the
+    block hashes the request already carries; None when refused, not asked, or past
+    ``forward_by`` (the gateway may have stopped waiting and be placing it itself)."""
+    route = req.route
+    if not decision.admitted or route is None or not req.placement_reply or now >= req.forward_by:
+        return None
+    request = route.request
+    if decision.reserved_tokens:
+        request = msgspec.structs.replace(request, reserved_tokens=decision.reserved_tokens)
+    return msgspec.structs.replace(
+        route, request=request, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
+        block_hashes=route.block_hashes or req.block_hashes, block_size=route.block_size or req.block_size,
+    )
 
 
 def _spread(ratios: list[float]) -> dict[str, float]:

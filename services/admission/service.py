@@ -79,7 +79,6 @@ from proto import (
     DecodeError,
     ErrorCode,
     MeshError,
-    RouteRequest,
     TtftObservation,
     UsageEvent,
     decode,
@@ -90,7 +89,7 @@ from services.common.residency import residency, swap_costs
 
 from .buckets import InvalidLimits, Limiter, LimiterState
 from .config import AdmissionConfig
-from .policy import AdmissionPolicy
+from .policy import AdmissionPolicy, forwarded_route
 from .replicas import ReplicaBook
 from .slo import ReplicaLoad, SloAdmitter
 
@@ -177,23 +176,6 @@ class AdmissionMetrics:
             "meshserve:admission_ttft_calibration", "Factor on predicted TTFT learned from outcomes, per tier", ["tier"],
             registry=r,
         )
-
-
-def forwarded_route(req: AdmissionRequest, decision: AdmissionDecision, now: float) -> RouteRequest | None:
-    """The route request to forward for an admitted ``req`` that asked for it, with what
-    the gateway would have added from the decision (replica, slack, reservation) and the
-    block hashes the request already carries; None when refused, not asked, or past
-    ``forward_by`` (the gateway may have stopped waiting and be placing it itself)."""
-    route = req.route
-    if not decision.admitted or route is None or not req.placement_reply or now >= req.forward_by:
-        return None
-    request = route.request
-    if decision.reserved_tokens:
-        request = msgspec.structs.replace(request, reserved_tokens=decision.reserved_tokens)
-    return msgspec.structs.replace(
-        route, request=request, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
-        block_hashes=route.block_hashes or req.block_hashes, block_size=route.block_size or req.block_size,
-    )
 
 
 # ============================================================================ the shell

@@ -156,7 +156,8 @@ class UpstreamClient:
     async def admit(self, request: AdmissionRequest, route: RouteRequest | None = None) -> AdmissionDecision:
         """Admission's decision on ``request``. With ``route`` (and a router seen), admission
         is asked to send it on to the router when it admits: then ``decision.forwarded``
-        is set and ``placed`` returns its placement."""
+        is set and ``placed`` returns its placement. ``route`` need not carry the block
+        hashes: admission adds the admission request's own."""
         if (route is not None and self.router_seen and self._placement_sub is not None
                 and self.config.placement_path == "admission"):
             route = msgspec.structs.replace(route, request=self._with_deadline(route.request))
@@ -165,7 +166,7 @@ class UpstreamClient:
             # Past half the wait admission no longer forwards: its answer could come after the
             # gateway has given up on it and placed the request itself.
             request = msgspec.structs.replace(
-                request, route=msgspec.structs.replace(route, block_hashes=[]),
+                request, route=route,
                 placement_reply=self.bus.subjects.placement(self.gateway_id, request_id),
                 forward_by=self.wall_clock() + self.config.admission_timeout_s / 2,
             )

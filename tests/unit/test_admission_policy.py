@@ -229,7 +229,7 @@ def test_worst_predictions_name_the_requests_furthest_off_either_way() -> None:
 
 def test_an_admitted_request_goes_on_with_the_decisions_replica_slack_reservation_and_hashes() -> None:
     from proto import AdmissionDecision, GenerateRequest, RouteRequest, pack_tokens
-    from services.admission.service import forwarded_route
+    from services.admission.policy import forwarded_route
 
     generate = GenerateRequest(request_id="r1", model="m", prompt=pack_tokens([1, 2, 3]), token_subject="t",
                                reserved_tokens=900)
