@@ -62,7 +62,7 @@ from .vllm_args import (
 )
 from .vllm_kv import KvEventBridge, KvPredictor
 from .vllm_plugin import DEFAULT_CPU_SPIN_SLEEP_S, SPIN_SLEEP_ENV
-from .vllm_stats import VllmStatsTracker
+from .vllm_stats import VllmStatsTracker, record_step, stat_logger_factory
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class VllmEngine(Engine):
             engine_args = AsyncEngineArgs(**kwargs)
         except TypeError as exc:
             raise ValueError(f"bad vLLM engine argument: {exc}") from exc
-        logger_factory = _stat_logger_factory(self)
+        logger_factory = stat_logger_factory(lambda sched, it: record_step(self._stats, sched, it, time.monotonic()))
         try:
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[logger_factory])
         except BaseException:
@@ -540,33 +540,6 @@ class VllmEngine(Engine):
 
     # --------------------------------------------------------------- internals
 
-    def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        """vLLM's stats of one step (called by the stat logger, on this event loop)."""
-        elapsed: float | None = None
-        if scheduler_stats is not None:
-            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
-            self._stats.on_scheduler(
-                running=int(scheduler_stats.num_running_reqs),
-                waiting=int(scheduler_stats.num_waiting_reqs) + int(getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)),
-                kv_usage=float(scheduler_stats.kv_cache_usage),
-                prefix_requests=int(getattr(prefix, "requests", 0) or 0),
-                prefix_queries=int(getattr(prefix, "queries", 0) or 0),
-                prefix_hits=int(getattr(prefix, "hits", 0) or 0),
-                prefix_reset=bool(getattr(prefix, "reset", False)),
-            )
-            details = getattr(scheduler_stats, "iteration_details", None)
-            elapsed_ms = float(getattr(details, "elapsed_ms", 0.0) or 0.0)
-            if elapsed_ms > 0:
-                elapsed = elapsed_ms / 1000.0
-        if iteration_stats is not None:
-            token_stats = getattr(iteration_stats, "prompt_token_stats", None)
-            computed = getattr(token_stats, "computed", None)
-            prompt = int(computed if computed is not None else getattr(iteration_stats, "num_prompt_tokens", 0))
-            self._stats.on_iteration(
-                time.monotonic(), prompt_tokens=prompt, generation_tokens=int(iteration_stats.num_generation_tokens),
-                preempted=int(getattr(iteration_stats, "num_preempted_reqs", 0)), elapsed_s=elapsed,
-            )
-
     async def _read_kv_events(self) -> None:
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
@@ -623,23 +596,3 @@ class VllmEngine(Engine):
                                       "kv_blocks_total": self.kv_blocks_total, "start_seconds": self.start_seconds},
                                      default=str))
 
-
-def _stat_logger_factory(engine: VllmEngine) -> Any:
-    """A per-engine ``StatLoggerBase`` factory feeding ``engine._record``."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class MeshStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
-            try:
-                engine._record(scheduler_stats, iteration_stats)
-            except Exception:  # stats must never break vLLM's output loop
-                log.exception("recording vLLM stats failed")
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return MeshStatLogger

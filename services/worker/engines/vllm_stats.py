@@ -19,16 +19,22 @@ from the requests it hands to the engine:
   time would read near zero on an idle engine, and a step carrying a short or cached
   prompt costs mostly the fixed per-step time: neither says how fast a queue drains.
 
-Plain synchronous code with the clock passed in; no vLLM import (the shell unpacks
-vLLM's stats objects by attribute), so it is unit-tested without vLLM.
+Plain synchronous code with the clock passed in; ``record_step`` unpacks vLLM's stats
+objects by attribute and ``stat_logger_factory`` imports vLLM only when called, so the
+module is unit-tested without vLLM.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .base import EngineStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -188,3 +194,56 @@ class VllmStatsTracker:
             lora_adapters=list(self.lora_adapters),
             kv_events_mode=self.kv_events_mode,
         )
+
+
+def record_step(tracker: VllmStatsTracker, scheduler_stats: Any, iteration_stats: Any, now: float) -> None:
+    """vLLM's stats of one step into ``tracker``: its ``SchedulerStats`` and
+    ``IterationStats`` (either may be None), read by attribute so that fields missing
+    from an older vLLM read as zero."""
+    elapsed: float | None = None
+    if scheduler_stats is not None:
+        prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+        tracker.on_scheduler(
+            running=int(scheduler_stats.num_running_reqs),
+            waiting=int(scheduler_stats.num_waiting_reqs) + int(getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)),
+            kv_usage=float(scheduler_stats.kv_cache_usage),
+            prefix_requests=int(getattr(prefix, "requests", 0) or 0),
+            prefix_queries=int(getattr(prefix, "queries", 0) or 0),
+            prefix_hits=int(getattr(prefix, "hits", 0) or 0),
+            prefix_reset=bool(getattr(prefix, "reset", False)),
+        )
+        details = getattr(scheduler_stats, "iteration_details", None)
+        elapsed_ms = float(getattr(details, "elapsed_ms", 0.0) or 0.0)
+        if elapsed_ms > 0:
+            elapsed = elapsed_ms / 1000.0
+    if iteration_stats is not None:
+        token_stats = getattr(iteration_stats, "prompt_token_stats", None)
+        computed = getattr(token_stats, "computed", None)
+        prompt = int(computed if computed is not None else getattr(iteration_stats, "num_prompt_tokens", 0))
+        tracker.on_iteration(
+            now, prompt_tokens=prompt, generation_tokens=int(iteration_stats.num_generation_tokens),
+            preempted=int(getattr(iteration_stats, "num_preempted_reqs", 0)), elapsed_s=elapsed,
+        )
+
+
+def stat_logger_factory(on_step: Callable[[Any, Any], None]) -> Any:
+    """A ``StatLoggerBase`` subclass for ``AsyncLLM.from_engine_args(stat_loggers=...)``
+    that hands each step's (scheduler, iteration) stats to ``on_step`` (vLLM calls it on
+    the engine's event loop). vLLM is imported only here."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class MeshStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            try:
+                on_step(scheduler_stats, iteration_stats)
+            except Exception:  # stats must never break vLLM's output loop
+                log.exception("recording vLLM stats failed")
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return MeshStatLogger
