@@ -17,7 +17,7 @@ import pytest
 from proto.hashing import block_hashes, extend_block_hashes, root_hash
 from proto.messages import AllCleared, BlockRemoved, BlockStored
 from services.worker.engines.vllm_kv import KvEventBridge, KvPredictor
-from services.worker.engines.vllm_stats import VllmStatsTracker
+from services.worker.engines.vllm_stats import VllmStatsTracker, record_step
 
 B = 4  # block size of these tests
 def vllm_installed() -> bool:
@@ -197,6 +197,31 @@ def test_stats_tracker_gauges() -> None:
     assert (s.waiting, s.running, s.prefill_tokens_per_s, s.decode_tokens_per_s) == (0, 0, 0.0, 0.0)
     t.on_scheduler(running=0, waiting=0, kv_usage=0.0, prefix_reset=True)
     assert t.snapshot(10.0).prefix_hit_rate == 0.0
+
+
+def test_a_steps_stats_are_read_by_attribute_and_missing_fields_read_as_zero() -> None:
+    from types import SimpleNamespace as NS
+
+    t = VllmStatsTracker(kv_blocks_total=100, rate_window_s=2.0)
+    t.add("a", 40)
+    t.add("b", 10)
+    # vLLM's names (SchedulerStats, IterationStats), with the newer fields present
+    sched = NS(num_running_reqs=1, num_waiting_reqs=0, num_skipped_waiting_reqs=1, kv_cache_usage=0.1,
+               prefix_cache_stats=NS(requests=1, queries=40, hits=16, reset=False),
+               iteration_details=NS(elapsed_ms=20.0))
+    record_step(t, sched, NS(prompt_token_stats=NS(computed=24), num_prompt_tokens=40, num_generation_tokens=1,
+                             num_preempted_reqs=0), now=1.0)
+    t.progress("a", 1)
+    s = t.snapshot(1.0)
+    assert (s.running, s.waiting, s.kv_blocks_used) == (1, 1, 10)
+    assert s.prefix_hit_rate == pytest.approx(16 / 40) and s.step_time_s == pytest.approx(0.02)
+    # An older vLLM: no skipped-waiting count, prefix stats, step details or computed tokens
+    record_step(t, NS(num_running_reqs=2, num_waiting_reqs=0, kv_cache_usage=0.2),
+                NS(num_prompt_tokens=10, num_generation_tokens=2), now=1.05)
+    record_step(t, None, None, now=1.1)  # a step without either report changes nothing
+    t.progress("b", 1)
+    s = t.snapshot(1.1)
+    assert (s.running, s.waiting, s.kv_blocks_used, s.preemptions) == (2, 0, 20, 0)
 
 
 def test_stats_tracker_prefill_rate_is_a_capacity() -> None:
