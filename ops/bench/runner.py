@@ -15,7 +15,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,29 +53,56 @@ class PlannedSession:
     n_turns: int       # turns to send (the request bound may cut the last session)
 
 
+def iter_sessions(
+    workload: Workload,
+    offsets: Sequence[float] | np.ndarray | None,
+    max_requests: int | None,
+) -> Iterator[PlannedSession]:
+    """Pair sessions with offsets until the offsets, the workload or ``max_requests``
+    (counted in requests, i.e. turns) runs out; ``offsets=None``: closed loop, unbounded
+    when neither the workload nor ``max_requests`` bounds it (the run's duration does)."""
+    budget = max_requests if max_requests is not None else math.inf
+    i = 0
+    while budget > 0:
+        if offsets is not None and i >= len(offsets):
+            return
+        if workload.size is not None and i >= workload.size:
+            return
+        s = workload.session(i)
+        n = int(min(len(s.turns), budget))
+        yield PlannedSession(s, float(offsets[i]) if offsets is not None else 0.0, n)
+        budget -= n
+        i += 1
+
+
 def plan_sessions(
     workload: Workload,
     offsets: Sequence[float] | np.ndarray | None,
     max_requests: int | None,
 ) -> list[PlannedSession]:
-    """Pair sessions with offsets until the offsets, the workload or ``max_requests``
-    (counted in requests, i.e. turns) runs out. ``offsets=None``: closed loop."""
-    out: list[PlannedSession] = []
-    budget = max_requests if max_requests is not None else math.inf
-    i = 0
-    while budget > 0:
-        if offsets is not None and i >= len(offsets):
-            break
-        if workload.size is not None and i >= workload.size:
-            break
-        if offsets is None and max_requests is None:
-            raise ValueError("a closed loop without a request bound needs a bounded workload")
-        s = workload.session(i)
-        n = int(min(len(s.turns), budget))
-        out.append(PlannedSession(s, float(offsets[i]) if offsets is not None else 0.0, n))
-        budget -= n
-        i += 1
-    return out
+    """``iter_sessions`` planned ahead: every session of a bounded plan."""
+    if offsets is None and max_requests is None and workload.size is None:
+        raise ValueError("a closed loop without a request bound needs a bounded workload")
+    return list(iter_sessions(workload, offsets, max_requests))
+
+
+@dataclass(frozen=True, slots=True)
+class LazyPlan:
+    """A closed loop's sessions, generated as its workers take them. A session depends
+    only on its index and the seed, so every endpoint still gets the same ones; planning
+    a million-request bound ahead (or refusing a loop bounded by its duration alone) made
+    the client spend the run building prompts it never sent."""
+
+    workload: Workload
+    max_requests: int | None
+
+    def __iter__(self) -> Iterator[PlannedSession]:
+        return iter_sessions(self.workload, None, self.max_requests)
+
+
+def planned_turns(plan: list[PlannedSession] | LazyPlan) -> int | None:
+    """Requests a plan sends at most (None: as many as its duration allows)."""
+    return plan.max_requests if isinstance(plan, LazyPlan) else sum(ps.n_turns for ps in plan)
 
 
 def arrival_offsets(config: BenchConfig, workload: Workload, rate: float | None) -> np.ndarray:
@@ -140,7 +167,7 @@ class _Run:
     """One load point on one endpoint."""
 
     def __init__(self, config: BenchConfig, target: Target, model: str, text: TextFactory,
-                 plan: list[PlannedSession], progress: Any = None, task_id: Any = None,
+                 plan: list[PlannedSession] | LazyPlan, progress: Any = None, task_id: Any = None,
                  concurrency: int = 1) -> None:
         self.config = config
         self.concurrency = concurrency
@@ -356,7 +383,11 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
 
         for li, (rate, conc) in enumerate(loads):
             offsets = None if config.closed_loop else arrival_offsets(config, workload, rate)
-            plan = plan_sessions(workload, offsets, config.num_requests)
+            plan: list[PlannedSession] | LazyPlan
+            if offsets is None and workload.size is None:
+                plan = LazyPlan(workload, config.num_requests)
+            else:
+                plan = plan_sessions(workload, offsets, config.num_requests)
             if rate is None and offsets is not None and len(offsets) > 1 and offsets[-1] > 0:
                 rate = (len(offsets) - 1) / float(offsets[-1])  # a trace's native mean rate
             for ti, target in enumerate(targets):
@@ -381,7 +412,7 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
 
 
 async def _one_run(config: BenchConfig, target: Target, model: str, text: TextFactory,
-                   plan: list[PlannedSession], rate: float | None, conc: int | None,
+                   plan: list[PlannedSession] | LazyPlan, rate: float | None, conc: int | None,
                    progress: Any) -> RunResult:
     ep = target.endpoint
     mode = "closed-loop" if config.closed_loop else "open-loop"
@@ -390,7 +421,7 @@ async def _one_run(config: BenchConfig, target: Target, model: str, text: TextFa
     label = fmt_load(mode, arrival, rate, conc, unit)
     if arrival == "trace" and config.rates is None:
         label = f"trace native ({rate:.3g} req/s)" if rate else "trace native"
-    total = sum(ps.n_turns for ps in plan)
+    total = planned_turns(plan)
     task_id = None
     if progress is not None:
         task_id = progress.add_task(f"{ep.label} · {label}", total=total, errors=0, inflight=0)

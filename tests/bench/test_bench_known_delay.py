@@ -140,6 +140,19 @@ async def test_closed_loop_keeps_concurrency(http_server: KnownDelayServer) -> N
     assert http_server.max_inflight <= 2
 
 
+async def test_closed_loop_bounded_by_its_duration_alone(http_server: KnownDelayServer) -> None:
+    # No request bound: the sessions are planned as the loop takes them, so the run
+    # neither refuses to start nor plans prompts it never sends.
+    cfg = _config(http_server.base_url, n=6, rates=None, concurrency=[3], duration=0.8, drain_timeout=5.0)
+    cfg.num_requests = None
+    result = await run_bench(cfg)
+    (run,) = result.runs
+    # 3 streams of one request each ~0.4 s (200 ms TTFT + 9 × 20 ms) for 0.8 s of sending
+    assert 6 <= run.summary.ok <= 12 and run.summary.requests == run.summary.ok
+    assert http_server.max_inflight <= 3
+    assert sorted(r.session for r in run.requests) == list(range(run.summary.requests))
+
+
 async def test_multi_turn_history_and_think_time(http_server: KnownDelayServer) -> None:
     wl = WorkloadConfig(kind="multi-turn", turns="3", input_tokens="20", output_tokens="5",
                         think_time="0.1", prefix_tokens=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from ops.bench.bodies import build_body
 from ops.bench.config import BenchConfig, EndpointConfig, WorkloadConfig
-from ops.bench.runner import arrival_offsets, plan_sessions
+from ops.bench.runner import LazyPlan, arrival_offsets, plan_sessions, planned_turns
 from ops.bench.workload import (
     LengthDist,
     MultiTurnWorkload,
@@ -126,6 +127,12 @@ def test_plan_counts_requests_not_sessions() -> None:
     assert len(plan_sessions(wl, [0.0, 1.0], max_requests=100)) == 2  # offsets run out first
     closed = plan_sessions(wl, None, max_requests=4)
     assert [p.n_turns for p in closed] == [3, 1]
+    # A closed loop bounded by its duration alone is planned as it runs, the same sessions
+    lazy = LazyPlan(wl, None)
+    assert planned_turns(lazy) is None and planned_turns(closed) == 4
+    assert [p.session for p in itertools.islice(lazy, 2)] == [p.session for p in closed]
+    with pytest.raises(ValueError, match="bounded workload"):
+        plan_sessions(wl, None, max_requests=None)
 
 
 def test_parse_trace_spellings_units_and_errors() -> None:
