@@ -1,7 +1,9 @@
-"""A worker: one inference engine (sim or vLLM) serving the mesh.
+"""A worker: one inference engine (sim, vLLM, or echo) serving the mesh.
 
 ``meshserve serve worker --engine sim --model NAME --profile NAME --speed X`` plus the
-engine's options. Engine options left unset keep the engine's own defaults.
+engine's options. Engine options left unset keep the engine's own defaults. ``--engine
+echo`` streams each prompt back at ``--echo-tokens-per-s`` (no model): for measuring the
+serving path.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ GIB = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
+    parser.add_argument("--engine", choices=["sim", "vllm", "echo"], default="sim",
+                        help="echo: no model, each prompt streamed back at a fixed rate (measures the serving path)")
     parser.add_argument("--model", default="sim-llama-8b", help="model name requests are routed by (vllm: model directory)")
     parser.add_argument("--worker-id", default="", help="stable id (default: model-host-pid)")
     sim = parser.add_argument_group("sim engine")
     sim.add_argument("--profile", default=None, help="step-time profile name or JSON path (default: llama-3.1-8b-h100)")
     sim.add_argument("--speed", type=float, default=None, help="simulation speed factor; 1.0 = real time")
     sim.add_argument("--seed", type=int, default=None)
+    echo = parser.add_argument_group("echo engine (--engine echo)")
+    echo.add_argument("--echo-tokens-per-s", type=float, default=None, help="tokens a second per request (default 1000)")
+    echo.add_argument("--echo-interval-ms", type=float, default=None,
+                      help="time between a request's outputs; each carries the tokens due (default 10)")
     engine = parser.add_argument_group("engine arguments (vLLM meaning)")
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -99,12 +106,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "engine", "sim") == "vllm":
         return vllm_engine_options(args)
+    if args.engine == "echo":
+        return echo_engine_options(args)
     names = ("profile", "speed", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
              "max_loras", "max_cpu_loras", "max_lora_rank")
     options: dict[str, Any] = {"model": args.model}
     options.update({name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
     if args.lora_adapters:
         options["lora_adapters"] = [a.split("=", 1)[0].strip() for a in args.lora_adapters.split(",") if a.strip()]
+    return options
+
+
+def echo_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EchoEngine keyword options (the sim's --profile, --speed and cache flags do not apply)."""
+    options: dict[str, Any] = {"model": args.model}
+    for name in ("max_num_seqs", "max_model_len", "block_size"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    if args.echo_tokens_per_s is not None:
+        if args.echo_tokens_per_s <= 0:
+            raise SystemExit(f"--echo-tokens-per-s must be > 0, got {args.echo_tokens_per_s:g}")
+        options["tokens_per_s"] = args.echo_tokens_per_s
+    if args.echo_interval_ms is not None:
+        if args.echo_interval_ms <= 0:
+            raise SystemExit(f"--echo-interval-ms must be > 0, got {args.echo_interval_ms:g}")
+        options["interval_s"] = args.echo_interval_ms / 1000.0
+    if args.lora_adapters or args.host_models:
+        raise SystemExit("--engine echo takes no LoRA adapters and hosts no models")
     return options
 
 

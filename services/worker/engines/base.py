@@ -35,7 +35,7 @@ from proto.messages import FinishReason, KvEvent, SamplingParams, Timings, Token
 
 # Engines the factory can build; ``vllm`` is imported only when asked for, because it
 # pulls in torch and CUDA, which laptops and CI do not have.
-ENGINE_NAMES: tuple[str, ...] = ("sim", "vllm")
+ENGINE_NAMES: tuple[str, ...] = ("sim", "vllm", "echo")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,7 +138,7 @@ _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
 
 
 class Engine(ABC):
-    """An inference engine as the worker sees it. Implementations: ``sim`` (and ``vllm``).
+    """An inference engine as the worker sees it. Implementations: ``sim``, ``vllm`` and ``echo``.
 
     Concurrency contract: every method is called from one asyncio event loop. ``generate``
     may be iterated by many tasks at once (one per request); ``kv_events`` by one.
@@ -149,7 +149,7 @@ class Engine(ABC):
     @property
     @abstractmethod
     def engine_name(self) -> str:
-        """``"sim"`` or ``"vllm"``: goes into ``WorkerInfo.engine``."""
+        """``"sim"``, ``"vllm"`` or ``"echo"``: goes into ``WorkerInfo.engine``."""
 
     @property
     @abstractmethod
@@ -273,13 +273,18 @@ class Engine(ABC):
 def create_engine(name: str, **options: Any) -> Engine:
     """Build the engine called ``name`` with its own keyword options.
 
-    ``sim`` takes the options of ``services.worker.engines.sim.SimEngine``. Engines are
+    ``sim`` takes the options of ``services.worker.engines.sim.SimEngine``, ``echo``
+    those of ``services.worker.engines.echo.EchoEngine``. Engines are
     imported here, on demand, so a worker running ``sim`` never imports vLLM.
     """
     if name == "sim":
         from .sim import SimEngine
 
         return SimEngine(**options)
+    if name == "echo":
+        from .echo import EchoEngine
+
+        return EchoEngine(**options)
     if name == "vllm":
         try:
             from .vllm import VllmEngine  # type: ignore[import-not-found]
