@@ -9,9 +9,11 @@
    them; the output goes through the Hermes parser), a forced tool call (guided decoding,
    the call assembled from the output) and logprobs with ``top_logprobs=5``.
 2. Relay throughput: closed-loop streams at 1, 64 and 512 concurrent, long outputs from
-   fast sim workers, measured with ``meshserve bench``'s Python API; output tokens/s the
-   one gateway delivered over SSE, and the gateway's CPU use; and at 64 streams with
-   ``top_logprobs=5`` (each token then carries six candidates).
+   two echo workers (``--relay-engine sim``: fast sim workers, whose per-token work takes
+   half this machine), measured with ``meshserve bench``'s Python API; output tokens/s the
+   one gateway delivered over SSE, ITL p50/p99, and each process's CPU (the gateway's per
+   1k tokens); and at 64 streams with ``top_logprobs=5`` (each token then carries six
+   candidates). ``--relay-only`` runs that part alone.
 
 Everything shares this machine's cores (client, gateway, workers, nats-server), so the
 relay figure is a floor for a gateway on its own host.
@@ -201,7 +203,11 @@ async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]
 
 def _pids(mesh: Mesh) -> dict[str, int]:
     """The mesh's processes by name (nats-server's too), for their CPU time."""
-    pids = {p.name: p.proc.pid for p in mesh.processes if p.proc is not None}
+    pids: dict[str, int] = {}
+    for p in mesh.processes:
+        if p.proc is not None:
+            name = p.name if p.name not in pids else f"{p.name}-{sum(n.startswith(p.name) for n in pids) + 1}"
+            pids[name] = p.proc.pid
     for i, node in enumerate(mesh.nats_nodes):
         if (pid := node.pid) is not None:
             pids[f"nats-server{'' if i == 0 else i}"] = pid
@@ -257,20 +263,70 @@ async def feature_latency(mesh: Mesh, requests: int) -> dict[str, tuple[np.ndarr
 
 
 async def relay(mesh: Mesh, concurrency: int, duration: float,
-                extra_body: dict[str, object] | None = None) -> tuple[float, float, float]:
-    gateway = next(p for p in mesh.processes if p.name == "gateway")
-    assert gateway.proc is not None
-    cpu0, t0 = _cpu_seconds(gateway.proc.pid), time.monotonic()
+                extra_body: dict[str, object] | None = None) -> tuple[float, dict[str, float], float, float, float]:
+    """Closed-loop streams for ``duration``: output tokens/s the client received, each
+    process's CPU (cores) over the run, the client's ITL p50/p99 (ms), and the mean
+    tokens per SSE event."""
+    pids = _pids(mesh)
+    cpu0 = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    client0, t0 = time.process_time(), time.monotonic()
     config = BenchConfig(
-        endpoints=[EndpointConfig(url=mesh.gateway_url + "/v1", api="completions", model=MODEL, api_key=mesh.dev_key)],
+        endpoints=[EndpointConfig(url=mesh.gateway_url + "/v1", api="completions", model=mesh.config.model,
+                                  api_key=mesh.dev_key)],
         workload=WorkloadConfig(kind="random", input_tokens="64", output_tokens="2000"),
-        concurrency=[concurrency], duration=duration, num_requests=10**6, request_timeout=120, drain_timeout=30, seed=1,
+        concurrency=[concurrency], duration=duration, num_requests=None, request_timeout=120, drain_timeout=30, seed=1,
         extra_body=dict(extra_body or {}),
     )
     result = await run_bench(config)
-    cpu = (_cpu_seconds(gateway.proc.pid) - cpu0) / (time.monotonic() - t0)
+    wall = time.monotonic() - t0
+    cpu = {name: (_cpu_seconds(pid) - cpu0[name]) / wall for name, pid in pids.items()}
+    cpu["client"] = (time.process_time() - client0) / wall
     run = result.runs[0]
-    return run.summary.output_token_throughput, cpu, run.summary.itl_ms.p50 or 0.0
+    events = sum(len(r.chunk_tokens) for r in run.requests)
+    per_event = sum(sum(r.chunk_tokens) for r in run.requests) / max(events, 1)
+    return (run.summary.output_token_throughput, cpu, run.summary.itl_ms.p50 or 0.0, run.summary.itl_ms.p99 or 0.0,
+            per_event)
+
+
+async def relay_table(tmp: Path, duration: float, engine: str, env: dict[str, str], gateway_args: list[str],
+                      max_messages_per_s: float | None = None) -> None:
+    """Relay throughput through one gateway from two workers of ``engine``; each worker
+    sends at most ``max_messages_per_s`` chunks a second (None: the worker's default),
+    more tokens a chunk beyond it."""
+    cap = ["--max-messages-per-s", f"{max_messages_per_s:g}"] if max_messages_per_s else []
+    if engine == "echo":
+        # 3200 tokens/s a stream in outputs of 16 (every 5 ms): the chunks a sim worker sends
+        # at 64 streams, for a few µs of the worker's CPU a token instead of ~13.
+        model = "echo"
+        workers = MeshConfig(state_dir=tmp, nats_port=0, http_port=free_port(), model=model, workers=2,
+                             worker_args=["--engine", "echo", "--echo-tokens-per-s", "3200", "--echo-interval-ms", "5",
+                                          "--max-num-seqs", "512", *cap], extra_env=env, gateway_args=gateway_args)
+        source = "two echo workers (3200 tokens/s a stream, 16 an output)"
+    else:
+        model = MODEL
+        workers = MeshConfig(state_dir=tmp, nats_port=0, http_port=free_port(), model=model, workers=2, speed=50.0,
+                             worker_args=["--max-num-seqs", "512", "--num-kv-blocks", "200000", *cap],
+                             extra_env=env, gateway_args=gateway_args)
+        source = "two sim workers at speed 50"
+    if cap:
+        source += f", at most {max_messages_per_s:g} chunks/s each"
+    mesh = Mesh(workers)
+    await mesh.start()
+    try:
+        print(f"\n### Relay throughput ({duration:.0f} s closed loop per point, 2000-token outputs, {source})\n")
+        print("| concurrent streams | output tokens/s | tokens an event | ITL p50 ms | ITL p99 ms | gateway CPU (cores) "
+              "| gateway CPU s per 1k tokens | workers (cores) | nats-server | client |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        points: list[tuple[int, dict[str, object] | None]] = [(1, None), (64, None), (512, None), (64, {"logprobs": 5})]
+        for c, extra in points:
+            tps, cpu, itl50, itl99, per_event = await relay(mesh, c, duration, extra)
+            label = f"{c}, logprobs 5" if extra else str(c)
+            gw = cpu.get("gateway", 0.0)
+            worker_cores = sum(v for k, v in cpu.items() if k.startswith("worker"))
+            print(f"| {label} | {tps:,.0f} | {per_event:.1f} | {itl50:.2f} | {itl99:.2f} | {gw:.2f} | {gw / max(tps, 1) * 1000:.4f} "
+                  f"| {worker_cores:.2f} | {cpu.get('nats-server', 0.0):.2f} | {cpu['client']:.2f} |", flush=True)
+    finally:
+        mesh.stop()
 
 
 async def request_path(rates: list[float], seconds: float) -> None:
@@ -359,12 +415,19 @@ def tracing_env(tracing: str, sink: OtlpSink | None) -> dict[str, str]:
 
 
 async def main(requests: int, duration: float, latency_only: bool = False, tracing: str = "default",
-               gateway_args: tuple[str, ...] = (), gap_s: float = 0.0) -> None:
+               gateway_args: tuple[str, ...] = (), gap_s: float = 0.0, relay_only: bool = False,
+               relay_engine: str = "echo", max_messages_per_s: float | None = None) -> None:
     sink = OtlpSink()
     if tracing == "otlp":
         await sink.start()
     try:
-        await _run(requests, duration, latency_only, tracing_env(tracing, sink), tracing, list(gateway_args), gap_s)
+        env = tracing_env(tracing, sink)
+        if relay_only:
+            with tempfile.TemporaryDirectory() as tmp:
+                await relay_table(Path(tmp), duration, relay_engine, env, list(gateway_args), max_messages_per_s)
+        else:
+            await _run(requests, duration, latency_only, env, tracing, list(gateway_args), gap_s, relay_engine,
+                       max_messages_per_s)
     finally:
         await sink.stop()
     if tracing == "otlp":
@@ -372,7 +435,7 @@ async def main(requests: int, duration: float, latency_only: bool = False, traci
 
 
 async def _run(requests: int, duration: float, latency_only: bool, env: dict[str, str], tracing: str,
-               gateway_args: list[str], gap_s: float) -> None:
+               gateway_args: list[str], gap_s: float, relay_engine: str, max_messages_per_s: float | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Latency: real-time sim (speed 1) so the worker's TTFT is a realistic few ms.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0,
@@ -412,21 +475,7 @@ async def _run(requests: int, duration: float, latency_only: bool, env: dict[str
             print(f"| {name} | {np.percentile(a, 50):.2f} | {np.percentile(a, 90):.2f} | {np.percentile(a, 99):.2f} "
                   f"| {np.percentile(worker_s * 1000, 50):.2f} |")
 
-        # Relay: fast sim workers (speed 50), large batches, one gateway.
-        mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "b", nats_port=0, http_port=free_port(), model=MODEL, workers=2,
-                               speed=50.0, worker_args=["--max-num-seqs", "512", "--num-kv-blocks", "200000"],
-                               extra_env=env, gateway_args=gateway_args))
-        await mesh.start()
-        try:
-            print(f"\n### Relay throughput ({duration:.0f} s closed loop per point, 2000-token outputs)\n")
-            print("| concurrent streams | output tokens/s | gateway CPU (cores) | ITL p50 ms |\n|---:|---:|---:|---:|")
-            for c in (1, 64, 512):
-                tps, cpu, itl = await relay(mesh, c, duration)
-                print(f"| {c} | {tps:,.0f} | {cpu:.2f} | {itl:.2f} |")
-            tps, cpu, itl = await relay(mesh, 64, duration, {"logprobs": 5})
-            print(f"| 64, logprobs 5 | {tps:,.0f} | {cpu:.2f} | {itl:.2f} |")
-        finally:
-            mesh.stop()
+        await relay_table(Path(tmp) / "b", duration, relay_engine, env, gateway_args, max_messages_per_s)
 
 
 if __name__ == "__main__":
@@ -441,6 +490,13 @@ if __name__ == "__main__":
                         help="the gateway's --placement-path (default: the gateway's default)")
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle time between the sequential requests (default 0: each as the previous one ends)")
+    parser.add_argument("--relay-only", action="store_true", help="the relay throughput alone")
+    parser.add_argument("--relay-engine", choices=("echo", "sim"), default="echo",
+                        help="the relay's token source: echo workers (a few µs of CPU a token, so the gateway is"
+                             " what is measured) or sim workers at speed 50 (~13 µs a token, half this machine)")
+    parser.add_argument("--worker-max-messages-per-s", type=float, default=None,
+                        help="the relay's workers' --max-messages-per-s (default: the worker's, 1000): higher keeps"
+                             " chunks near 16 tokens at high rates, the gateway's hardest case")
     parser.add_argument("--request-path", default=None, metavar="RATES",
                         help="only the request-path throughput: comma-separated req/s of tiny requests, in turn")
     args = parser.parse_args()
@@ -450,4 +506,5 @@ if __name__ == "__main__":
         uvloop.run(request_path([float(r) for r in args.request_path.split(",")], args.duration))
     else:
         uvloop.run(main(args.requests, args.duration, args.latency_only, args.tracing,
-                        ("--placement-path", args.placement_path) if args.placement_path else (), args.gap_ms / 1000))
+                        ("--placement-path", args.placement_path) if args.placement_path else (), args.gap_ms / 1000,
+                        args.relay_only, args.relay_engine, args.worker_max_messages_per_s))
