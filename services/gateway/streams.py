@@ -127,7 +127,14 @@ class RequestStream:
 
     async def get(self, timeout: float) -> TokenChunk:
         """The next chunk; TimeoutError after ``timeout`` without one, or when woken."""
-        chunk = await asyncio.wait_for(self._ready.get(), timeout)
+        ready = self._ready
+        if ready.empty():
+            # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own,
+            # once per chunk relayed.
+            async with asyncio.timeout(timeout):
+                chunk = await ready.get()
+        else:
+            chunk = ready.get_nowait()
         if chunk is None:
             raise TimeoutError("woken")
         return chunk
