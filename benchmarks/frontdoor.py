@@ -217,20 +217,22 @@ async def latency(fleet: Fleet, paths: list[str], concurrency: int, requests: in
 
 
 async def relay(fleet: Fleet, path: str, concurrency: int, duration: float) -> tuple[float, float | None, str]:
-    cpu0, t0 = fleet.cpu(path), time.monotonic()
+    cpu0 = fleet.cpu(path)
     config = BenchConfig(endpoints=[endpoint(fleet, path)],
                          workload=WorkloadConfig(kind="random", input_tokens="64", output_tokens="2000"),
-                         concurrency=[concurrency], duration=duration, num_requests=10**6, request_timeout=120,
+                         concurrency=[concurrency], duration=duration, num_requests=None, request_timeout=120,
                          drain_timeout=30, seed=1)
     result = await run_bench(config)
     cpu1 = fleet.cpu(path)
-    summary = result.runs[0].summary
+    run = result.runs[0]
+    summary = run.summary
     tokens = summary.output_token_throughput
     outcome = f"{summary.ok} ok" + "".join(f", {n} {code}" for code, n in sorted(summary.errors.items()))
-    elapsed = time.monotonic() - t0
+    # The proxy's CPU over every token it relayed in the window, the drain's included
+    relayed = sum(sum(r.chunk_tokens) for r in run.requests)
     per_k = None
-    if cpu0 is not None and cpu1 is not None and tokens:
-        per_k = (cpu1 - cpu0) / (tokens * elapsed / 1000)
+    if cpu0 is not None and cpu1 is not None and relayed:
+        per_k = (cpu1 - cpu0) / (relayed / 1000)
     return tokens, per_k, outcome
 
 
@@ -241,6 +243,7 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--relay-streams", type=int, default=256)
     ap.add_argument("--relay-duration", type=float, default=20.0)
+    ap.add_argument("--relay-only", action="store_true", help="the relay alone (no latency rounds)")
     args = ap.parse_args()
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if bad := [p for p in paths if p not in PATHS]:
@@ -252,19 +255,20 @@ async def main() -> None:
             ap.error(f"{binary} not found: run `make peers`")
     state = Path(tempfile.mkdtemp(prefix="meshserve-frontdoor-"))
     rows: dict[str, dict[str, Any]] = {p: {} for p in paths}
-    fleet = Fleet(1.0, state / "latency")
-    (state / "latency").mkdir()
-    try:
-        await fleet.start(paths)
-        for concurrency, n in ((1, args.requests), (64, args.requests * 4)):
-            await latency(fleet, paths, concurrency, 20, 1)  # warm-up
-            got = await latency(fleet, paths, concurrency, n, args.rounds)
-            base50, base99 = pct(got["direct"], 0.5), pct(got["direct"], 0.99)
-            for p in paths:
-                rows[p][f"c{concurrency}"] = (pct(got[p], 0.5) - base50, pct(got[p], 0.99) - base99,
-                                              statistics.median(got[p]))
-    finally:
-        fleet.stop()
+    if not args.relay_only:
+        fleet = Fleet(1.0, state / "latency")
+        (state / "latency").mkdir()
+        try:
+            await fleet.start(paths)
+            for concurrency, n in ((1, args.requests), (64, args.requests * 4)):
+                await latency(fleet, paths, concurrency, 20, 1)  # warm-up
+                got = await latency(fleet, paths, concurrency, n, args.rounds)
+                base50, base99 = pct(got["direct"], 0.5), pct(got["direct"], 0.99)
+                for p in paths:
+                    rows[p][f"c{concurrency}"] = (pct(got[p], 0.5) - base50, pct(got[p], 0.99) - base99,
+                                                  statistics.median(got[p]))
+        finally:
+            fleet.stop()
     fast = Fleet(50.0, state / "relay")
     (state / "relay").mkdir()
     try:
@@ -273,6 +277,13 @@ async def main() -> None:
             rows[p]["relay"] = await relay(fast, p, args.relay_streams, args.relay_duration)
     finally:
         fast.stop()
+    if args.relay_only:
+        print(f"\nrelay: {args.relay_streams} closed-loop streams of 2000-token outputs, sim at speed 50\n")
+        print("| path | relay tokens/s | relay streams | proxy CPU s per 1k tokens |\n| --- | ---: | --- | ---: |")
+        for p in paths:
+            tokens, per_k, outcome = rows[p]["relay"]
+            print(f"| {p} | {tokens:,.0f} | {outcome} | {'—' if per_k is None else f'{per_k:.4f}'} |")
+        return
     print("\nadded latency = TTFT through the path − TTFT direct (ms; p50 of each minus p50 direct, p99 likewise); "
           f"relay: {args.relay_streams} closed-loop streams of 2000-token outputs, sim at speed 50\n")
     print("| path | added p50 ms (1 stream) | added p99 ms (1) | added p50 ms (64 streams) | added p99 ms (64) "
