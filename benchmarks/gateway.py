@@ -347,7 +347,7 @@ async def request_path(rates: list[float], seconds: float) -> None:
                     endpoints=[EndpointConfig(url=mesh.gateway_url + "/v1", api="completions", model=MODEL,
                                               api_key=mesh.dev_key)],
                     workload=WorkloadConfig(kind="random", input_tokens="16", output_tokens="1"),
-                    rates=[rate], duration=seconds, request_timeout=30, seed=1,
+                    rates=[rate], duration=seconds, num_requests=None, request_timeout=30, seed=1,
                 )
                 run = (await run_bench(config)).runs[0]
                 elapsed = time.monotonic() - t0
