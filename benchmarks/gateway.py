@@ -338,7 +338,7 @@ async def request_path(rates: list[float], seconds: float) -> None:
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "p", nats_port=0, http_port=free_port(), model=MODEL, workers=2,
                                speed=100.0, worker_args=["--max-num-seqs", "256"]))
         await mesh.start()
-        pids = {p.name: p.proc.pid for p in mesh.processes if p.name in ("gateway", "router", "admission") and p.proc}
+        pids = _pids(mesh)
         rows = []
         try:
             for rate in rates:
@@ -357,7 +357,8 @@ async def request_path(rates: list[float], seconds: float) -> None:
             mesh.stop()
     print(f"\n### Request path: tiny requests through one gateway, router and admission ({seconds:.0f} s per rate)\n")
     print("| offered req/s | sent req/s | served req/s | errors | TTFT p50 ms | p99 ms | gateway CPU | router CPU "
-          "| admission CPU | client lag p99 ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| admission CPU | workers | metering | nats-server | client lag p99 ms |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     best = None
     for rate, run, cpu in rows:
         s = run.summary
@@ -369,7 +370,8 @@ async def request_path(rates: list[float], seconds: float) -> None:
         print(f"| {rate:g} | {s.offered_rate or 0:.0f} | {s.request_throughput:.0f} | {sum(s.errors.values())} "
               f"| {s.ttft_ms.p50 or 0:.2f} | {p99:.2f} "
               f"| {cpu.get('gateway', 0):.0%} | {cpu.get('router', 0):.0%} | {cpu.get('admission', 0):.0%} "
-              f"| {run.client.lag_ms.p99:.1f} |")
+              f"| {sum(v for k, v in cpu.items() if k.startswith('worker')):.0%} | {cpu.get('metering', 0):.0%} "
+              f"| {cpu.get('nats-server', 0):.0%} | {run.client.lag_ms.p99:.1f} |")
     print(f"\nhighest rate with TTFT p99 ≤ 5 ms: {best:g} req/s" if best else "\nno rate kept TTFT p99 ≤ 5 ms")
 
 
