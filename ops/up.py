@@ -172,6 +172,8 @@ class Mesh:
         if c.engine == "vllm":
             argv = ["--engine", "vllm", "--model", c.model, "--worker-id", worker_id,
                     *(["--model-dir", c.model_dir] if c.model_dir else []), *c.worker_args]
+        elif c.engine == "echo":
+            argv = ["--engine", "echo", "--model", c.model, "--worker-id", worker_id, *c.worker_args]
         else:
             argv = ["--model", c.model, "--speed", str(c.speed), "--worker-id", worker_id, *c.worker_args]
             if c.profile:
@@ -204,8 +206,9 @@ class Mesh:
     def autoscaler_process(self) -> ServiceProcess:
         """The autoscaler with the local driver: it starts (and drains) the pool's workers itself."""
         c = self.config
-        worker_args = ["--engine", "sim", "--speed", str(c.speed), *(["--profile", c.profile] if c.profile else []),
-                       "--drain-timeout", "20", *c.worker_args]
+        engine = ["--engine", "echo"] if c.engine == "echo" else [
+            "--engine", "sim", "--speed", str(c.speed), *(["--profile", c.profile] if c.profile else [])]
+        worker_args = [*engine, "--drain-timeout", "20", *c.worker_args]
         argv = [
             "--driver", "local", "--pool", c.model, "--min-replicas", str(c.workers),
             "--max-replicas", str(max(4, c.workers)), "--max-workers", str(max(4, c.workers)),

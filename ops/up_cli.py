@@ -37,8 +37,9 @@ def add_parser(subparsers: Any) -> None:
                         help="use this NATS (with JetStream) instead of starting one; comma-separated for a cluster")
     parser.add_argument("--http-port", type=_port, default=8080, help="the gateway's HTTP port")
     parser.add_argument("--root", default="mesh", help="subject root of this mesh")
-    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim",
-                        help="the workers' engine: sim (simulated, default) or vllm (real, needs vLLM installed)")
+    parser.add_argument("--engine", choices=["sim", "vllm", "echo"], default="sim",
+                        help="the workers' engine: sim (simulated, default), vllm (real, needs vLLM installed) or"
+                             " echo (no model: each prompt streamed back, for measuring the mesh itself)")
     parser.add_argument("--model", default=None,
                         help="sim: the model name (default sim-llama-8b); vllm: the model directory (or hub id)")
     parser.add_argument("--workers", type=_count, default=None,
@@ -84,10 +85,10 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
         raise StartupError("--engine vllm needs --model DIR (weights directory or hub id); "
                            "make one with: meshserve make-tiny-model ./tiny-llama")
     workers = args.workers if args.workers is not None else (1 if vllm else 2)
-    model = args.model or "sim-llama-8b"
+    model = args.model or ("echo" if args.engine == "echo" else "sim-llama-8b")
     hosted = getattr(args, "host_models", None)
     if hosted:
-        if vllm:
+        if args.engine != "sim":
             raise StartupError("--host-models starts sim hosts; for vLLM, start hosts with "
                                "meshserve serve worker --engine vllm --host-models NAME=DIR,...")
         model = hosted.split(",")[0].split("=")[0].strip()

@@ -26,3 +26,20 @@ def test_service_args_reach_their_service_only(tmp_path: Path) -> None:
 def test_a_mesh_without_admission_fails_open_on_purpose(tmp_path: Path) -> None:
     argv = argv_of(Mesh(MeshConfig(state_dir=tmp_path, services=("worker", "router", "gateway"), workers=1)))
     assert argv["gateway"][-2:] == ["--admission-unreachable", "open"]
+
+
+def test_up_with_the_echo_engine_starts_echo_workers_under_the_autoscaler(tmp_path: Path) -> None:
+    import argparse
+
+    from ops.up_cli import add_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    config = config_from_args(parser.parse_args(["up", "--engine", "echo", "--state-dir", str(tmp_path)]))
+    assert (config.engine, config.model) == ("echo", "echo")
+    argv = argv_of(Mesh(config))
+    if "autoscaler" in argv:  # the default: the autoscaler starts the pool's workers itself
+        worker_args = argv["autoscaler"][argv["autoscaler"].index("--worker-args") + 1].split()
+        assert worker_args[:2] == ["--engine", "echo"] and "--speed" not in worker_args
+    fixed = Mesh(MeshConfig(state_dir=tmp_path, engine="echo", model="echo", workers=1, services=("worker",)))
+    assert argv_of(fixed)["worker-1"][:4] == ["--engine", "echo", "--model", "echo"]
