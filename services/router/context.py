@@ -39,7 +39,11 @@ class DecisionContext:
         if mask:
             q = self.q
             hashed = (q.block_size, q.block_hashes) if q.block_hashes else None
-            self.blocks.update(self.pool.cached_prefix_blocks(q.prompt, q.lora or "", mask, hashed))
+            walked = self.pool.cached_prefix_blocks(q.prompt, q.lora or "", mask, hashed)
+            if self.done:
+                self.blocks.update(walked)
+            else:  # the first walk (every prefix decision's only one): its dict as it is
+                self.blocks = walked
             self.done |= mask
         return self.blocks
 

@@ -380,10 +380,10 @@ class Router:
     ) -> RouteDecision:
         cfg = ctx.cfg
         by_slot = ctx.ensure(eligible)  # the holders are needed: walk the whole eligible set
+        top = max(by_slot.values(), default=0)  # the longest cached prefix, in blocks
         if len(eligible) <= max(cfg.full_scan_max, cfg.d):
             pick = eligible
         else:
-            top = max(by_slot.values(), default=0)
             holder_slots = [s for s, n in by_slot.items() if n == top] if top else []
             if len(holder_slots) > cfg.max_prefix_candidates:
                 holder_slots = self.rng.sample(holder_slots, cfg.max_prefix_candidates)
@@ -396,12 +396,12 @@ class Router:
             else:
                 others = eligible
             pick.extend(self.rng.sample(others, min(cfg.d, len(others))))
-        scored = [(ctx.prefix_cost(w), w) for w in pick]
+        cost_of = ctx.prefix_cost
+        scored = [(cost_of(w), w) for w in pick]
         hinted, budget = self._hinted(eligible, ctx)
         if hinted is not None:
             if all(w is not hinted for _, w in scored):
                 scored.append((ctx.prefix_cost(hinted), hinted))
-        top = max(by_slot.values(), default=0)
         # The holders the policy scored (every holder in a pool scanned whole), for the
         # spill counters; before the slack filter, which may leave none of them.
         holders = [(c, w) for c, w in scored if by_slot.get(w.slot, 0) == top] if top else []
@@ -437,7 +437,7 @@ class Router:
             rebalanced=best in under,
             spill_held=held and best not in under,
             holder_cached_tokens=ctx.cached(holders[0][1]) if holders else 0,
-            holder_cost=min(c for c, _ in holders) if holders else 0.0,
+            holder_cost=min([c for c, _ in holders]) if holders else 0.0,
             queued_tokens=best.queued_prefill_tokens,
             running_tokens=best.running_tokens,
         )
