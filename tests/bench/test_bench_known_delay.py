@@ -147,8 +147,9 @@ async def test_closed_loop_bounded_by_its_duration_alone(http_server: KnownDelay
     cfg.num_requests = None
     result = await run_bench(cfg)
     (run,) = result.runs
-    # 3 streams of one request each ~0.4 s (200 ms TTFT + 9 × 20 ms) for 0.8 s of sending
-    assert 6 <= run.summary.ok <= 12 and run.summary.requests == run.summary.ok
+    # 3 streams of requests that take ≥ 0.38 s (200 ms TTFT + 9 × 20 ms) for 0.8 s of
+    # sending: each stream sends 1 to 3 (fewer only on a machine slower than the delays)
+    assert 3 <= run.summary.ok <= 9 and run.summary.requests == run.summary.ok
     assert http_server.max_inflight <= 3
     assert sorted(r.session for r in run.requests) == list(range(run.summary.requests))
 
