@@ -56,7 +56,8 @@ async def test_requests_beyond_max_num_seqs_wait_for_a_slot() -> None:
     async with EchoEngine(tokens_per_s=500, max_num_seqs=1) as eng:
         a = asyncio.create_task(collect(eng, req("a", max_tokens=20)))
         b = asyncio.create_task(collect(eng, req("b", max_tokens=20)))
-        await asyncio.sleep(0.01)
+        for _ in range(3):  # both requests enter the engine (no time passes: a runs 40 ms)
+            await asyncio.sleep(0)
         s = eng.stats()
         assert (s.running, s.waiting) == (1, 1) and s.queued_prefill_tokens == len(req("b").prompt_token_ids)
         outs_a, outs_b = await asyncio.gather(a, b)
