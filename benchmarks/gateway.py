@@ -298,8 +298,8 @@ async def relay_table(tmp: Path, duration: float, engine: str, env: dict[str, st
         # 3200 tokens/s a stream in outputs of 16 (every 5 ms): the chunks a sim worker sends
         # at 64 streams, for a few µs of the worker's CPU a token instead of ~13.
         model = "echo"
-        workers = MeshConfig(state_dir=tmp, nats_port=0, http_port=free_port(), model=model, workers=2,
-                             worker_args=["--engine", "echo", "--echo-tokens-per-s", "3200", "--echo-interval-ms", "5",
+        workers = MeshConfig(state_dir=tmp, nats_port=0, http_port=free_port(), model=model, workers=2, engine="echo",
+                             worker_args=["--echo-tokens-per-s", "3200", "--echo-interval-ms", "5",
                                           "--max-num-seqs", "512", *cap], extra_env=env, gateway_args=gateway_args)
         source = "two echo workers (3200 tokens/s a stream, 16 an output)"
     else:

@@ -3,27 +3,20 @@ chunks of several tokens, and what the engine cannot do is a clear 400."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig
+from ops.up import Mesh
+from tests.conftest import running_mesh
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(MeshConfig(state_dir=tmp_path_factory.mktemp("echo"), nats_port=0, http_port=free_port(), model="echo",
-                        workers=1, worker_args=["--engine", "echo", "--echo-tokens-per-s", "4000"]))
-    try:
-        asyncio.run(m.start(timeout=90))
-    except BaseException:
-        m.stop(timeout=10)
-        raise
-    yield m
-    m.stop(timeout=30)
+    with running_mesh(tmp_path_factory.mktemp("echo"), engine="echo", model="echo", workers=1,
+                      worker_args=["--echo-tokens-per-s", "4000"]) as m:
+        yield m
 
 
 def test_the_prompt_comes_back_streamed_in_multi_token_chunks(mesh: Mesh) -> None:
