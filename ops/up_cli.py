@@ -89,8 +89,8 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
     hosted = getattr(args, "host_models", None)
     if hosted:
         if args.engine != "sim":
-            raise StartupError("--host-models starts sim hosts; for vLLM, start hosts with "
-                               "meshserve serve worker --engine vllm --host-models NAME=DIR,...")
+            raise StartupError("--host-models starts sim hosts (the echo engine hosts none); for vLLM, start "
+                               "hosts with meshserve serve worker --engine vllm --host-models NAME=DIR,...")
         model = hosted.split(",")[0].split("=")[0].strip()
     config = MeshConfig(
         state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,

@@ -24,7 +24,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from proto.messages import KvEvent, Timings, TokenLogprob, TopLogprob
 from services.common.tokenizer import IncrementalDecoder, load_tokenizer
@@ -44,7 +44,6 @@ class _Echo:
     scheduled: float = 0.0
     first_token: float = 0.0
     generated: int = 0
-    token_ids: list[int] = field(default_factory=list)
 
 
 class EchoEngine(Engine):
