@@ -197,10 +197,15 @@ class SimServer:
             await response.prepare(http)
             builder = EventBuilder(kind, request_id, request.requested_model, created, request.include_usage,
                                    request.output)
-            async for chunk in chunks:
-                frames = [b"data: " + e.data + b"\n\n" for e in builder.events(chunk, first=chunk.seq == 0)]
-                if frames:
-                    await response.write(b"".join(frames))
+            try:
+                async for chunk in chunks:
+                    frames = [b"data: " + e.data + b"\n\n" for e in builder.events(chunk, first=chunk.seq == 0)]
+                    if frames:
+                        await response.write(b"".join(frames))
+            except ConnectionResetError:
+                # The client left mid-stream, as clients do (vLLM aborts quietly too): closing
+                # ``chunks`` aborts the engine request and frees its blocks.
+                log.debug("request %s: client gone mid-stream", request_id)
             return response
 
     async def _chunks(self, request: NormalizedRequest, request_id: str) -> AsyncGenerator[TokenChunk, None]:
