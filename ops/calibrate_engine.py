@@ -18,6 +18,10 @@ tokenization time enters the step times:
   costs beyond the same step on a busy engine (vLLM's CPU build parks its threads when
   idle: 2.5 ms, as much as a small prefill, which a fit of idle points alone reads as a
   fixed cost of every prefill);
+- a mixed point: one prefill of N tokens while B requests decode (B keepers), the step
+  a Poisson load makes all the time (a prefill chunk beside a decoding batch): the
+  one-keeper points alone left the fit to add the two kinds of work up, and the sim
+  came out 10–29 % fast on vLLM's CPU build under load (BENCHMARKS.md);
 - a batched prefill point: B requests of N new tokens each, sent while a long prefill
   (a blocker, as long as the token budget allows) holds the engine, so that all B join the
   engine's queue during the blocker's step and are scheduled together in the next: their
@@ -104,6 +108,9 @@ class EnginePlan:
     decode_tokens: int = 32
     repeats: int = 3
     prefill_batches: tuple[int, ...] = (4, 8)  # behind a blocker; chunks: the first two prefill_chunks
+    # a prefill while this many requests decode (a step of both, as under load); chunks:
+    # the second and third prefill_chunks
+    mixed_decode_batches: tuple[int, ...] = (4, 12)
 
 
 T = TypeVar("T")
@@ -115,12 +122,12 @@ class KeeperEnded(RuntimeError):
 
 
 async def while_busy(probe: EngineProbe, keep_tokens: int, measure: Callable[[], Awaitable[T]],
-                     attempts: int = 3) -> T:
-    """``measure()`` while a background request decodes; redone with a fresh one when it
-    ended first (a slow engine: its tokens ran out)."""
+                     attempts: int = 3, keepers: int = 1) -> T:
+    """``measure()`` while ``keepers`` background requests decode; redone with fresh ones
+    when one ended first (a slow engine: its tokens ran out)."""
     for attempt in range(attempts):
         try:
-            async with probe.busy(keep_tokens):
+            async with probe.busy(keep_tokens, keepers):
                 return await measure()
         except KeeperEnded:
             if attempt == attempts - 1:
@@ -162,13 +169,15 @@ class EngineProbe:
         return int(usage.get("completion_tokens", max_tokens))
 
     @contextlib.asynccontextmanager
-    async def busy(self, max_tokens: int) -> AsyncIterator[None]:
-        """A background request decoding (the keeper) for the duration of the block."""
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        body = {"model": self.model, "prompt": await self.tokens(KEEPER_PROMPT), "max_tokens": max_tokens,
-                "ignore_eos": True, "temperature": 0.0, "stream": True}
+    async def busy(self, max_tokens: int, keepers: int = 1) -> AsyncIterator[None]:
+        """``keepers`` background requests decoding for the duration of the block, each past
+        its first token before the block starts."""
+        loop = asyncio.get_running_loop()
+        started = [loop.create_future() for _ in range(keepers)]
 
-        async def keep() -> None:
+        async def keep(started: asyncio.Future[None]) -> None:
+            body = {"model": self.model, "prompt": await self.tokens(KEEPER_PROMPT), "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0.0, "stream": True}
             async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{self.url}/v1/completions: HTTP {r.status}: {(await r.text())[:300]}")
@@ -176,21 +185,28 @@ class EngineProbe:
                     if not started.done():
                         started.set_result(None)
 
-        keeper = asyncio.create_task(keep())
+        tasks = [asyncio.create_task(keep(f)) for f in started]
         try:
-            await asyncio.wait({keeper, started}, return_when=asyncio.FIRST_COMPLETED)
-            if keeper.done():
-                keeper.result()  # its error, if it failed
-                raise RuntimeError("the background request ended before it decoded")
+            for f in started:
+                await asyncio.wait({*tasks, f}, return_when=asyncio.FIRST_COMPLETED)
+                if any(t.done() for t in tasks):
+                    for t in tasks:
+                        if t.done():
+                            t.result()  # its error, if it failed
+                    raise RuntimeError("a background request ended before it decoded")
             yield
-            if keeper.done():
-                keeper.result()  # its error, if it failed
-                raise KeeperEnded(f"the background request's {max_tokens} tokens ran out before the point was "
+            if any(t.done() for t in tasks):
+                for t in tasks:
+                    if t.done():
+                        t.result()  # its error, if it failed
+                raise KeeperEnded(f"a background request's {max_tokens} tokens ran out before the point was "
                                   "measured (a larger --max-model-len gives it more)")
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                await keeper
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await t
 
     async def _counted(self, names: Sequence[str], before: dict[str, float], requests: int) -> dict[str, float]:
         """The metrics once ``requests`` more prefills than ``before`` are counted (a
@@ -212,16 +228,17 @@ class EngineProbe:
         d = {k: after[k] - before[k] for k in names}
         return d[PREFILL_SUM], d[PREFILL_COUNT], d[DECODE_SUM], sum(max(n - 1, 0) for n in outputs)
 
-    async def prefill(self, chunk: int, context: int, keep_tokens: int = 0) -> float:
+    async def prefill(self, chunk: int, context: int, keep_tokens: int = 0, keepers: int = 1) -> float:
         """One ``chunk``-token prefill after ``context`` cached tokens; with ``keep_tokens``
-        while a background request decodes (only the timed request inside its span, so a
-        slow API server does not outlast it)."""
+        while ``keepers`` background requests decode (only the timed request inside their
+        span, so a slow API server does not outlast them)."""
         prefix = await self.tokens(context) if context else []
         if prefix:
             await self.complete(prefix, 1)  # now cached
         prompt = prefix + await self.tokens(chunk)
         if keep_tokens:
-            seconds, count, _, _ = await while_busy(self, keep_tokens, functools.partial(self._phase_times, [prompt], 1))
+            seconds, count, _, _ = await while_busy(self, keep_tokens, functools.partial(self._phase_times, [prompt], 1),
+                                                    keepers=keepers)
         else:
             seconds, count, _, _ = await self._phase_times([prompt], 1)
         if count < 1:
@@ -289,6 +306,15 @@ async def measure_engine(url: str, model: str, plan: EnginePlan, *, max_len: int
                 points.append(p)
                 log(f"  prefill chunk {chunk:5d} after {context:5d} cached: {p.seconds * 1000:8.3f} ms busy, "
                     f"{idle[-1].seconds * 1000:8.3f} ms from idle")
+        for keepers in plan.mixed_decode_batches:
+            for chunk in plan.prefill_chunks[1:3]:
+                if keepers + 1 > max_num_seqs or chunk + keepers > max_num_batched_tokens - 1 or chunk + 1 > max_len:
+                    continue
+                times = [await probe.prefill(chunk, 0, keep_tokens, keepers) for _ in range(plan.repeats)]
+                p = Point("prefill", chunk, keepers, chunk + keepers * KEEPER_CONTEXT, statistics.median(times),
+                          prefill_seqs=1)
+                points.append(p)
+                log(f"  prefill chunk {chunk:5d} beside {keepers:2d} decodes:   {p.seconds * 1000:8.3f} ms")
         blocker = min(max_num_batched_tokens - 1, max_len - 2)
         for chunk in plan.prefill_chunks[:2]:
             for batch in plan.prefill_batches:

@@ -503,9 +503,10 @@ async def test_calibrate_fits_vllms_own_phase_times(urls: Urls, tmp_path: Path) 
     assert all(v >= 0 for v in step.values()) and step["base_s"] > 0, step
     assert step["per_prefill_token_s"] > 0 or step["per_decode_seq_s"] > 0, step
     kinds = [p["kind"] for p in profile["calibration"]["points"]]
-    # 6 single prefills (timed busy; from idle too, for idle_wake_s) and 2 batches of 4 behind a blocker
-    # 6 decode batches: 8 × 512 tokens pass the 2,048-token step budget, so they share a cached prefix
-    assert kinds.count("prefill") == 8 and kinds.count("decode") == 6, lines
+    # 6 single prefills (timed busy; from idle too, for idle_wake_s), 2 beside 4 decodes (12 do not fit
+    # MAX_NUM_SEQS) and 2 batches of 4 behind a blocker; 6 decode batches: 8 × 512 tokens pass the
+    # 2,048-token step budget, so they share a cached prefix
+    assert kinds.count("prefill") == 10 and kinds.count("decode") == 6, lines
     assert "idle_wake_s" in step and "per_prefill_step_s" in step, step
     assert profile["calibration"]["fit_error_median"] >= 0  # reported
     path = tmp_path / "vllm-cpu.json"
