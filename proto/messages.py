@@ -399,6 +399,16 @@ class RouteRequest(Struct, kw_only=True, omit_defaults=True):
     block_hashes: list[int] = []
     block_size: int = 0
 
+    def admitted_by(self, decision: AdmissionDecision) -> RouteRequest:
+        """This route with what admission decided: its replica and slack for the router,
+        its token reservation on the request. One mapping for both places that send an
+        admitted request to the router (the gateway, or admission forwarding it)."""
+        request = self.request
+        if decision.reserved_tokens:
+            request = msgspec.structs.replace(request, reserved_tokens=decision.reserved_tokens)
+        return msgspec.structs.replace(self, request=request, prefer_worker=decision.worker_id,
+                                       prefer_slack_tokens=decision.slack_tokens)
+
 
 class Placement(Struct, kw_only=True, omit_defaults=True):
     v: int = SCHEMA_VERSION

@@ -184,13 +184,10 @@ def forwarded_route(req: AdmissionRequest, decision: AdmissionDecision, now: flo
     route = req.route
     if not decision.admitted or route is None or not req.placement_reply or now >= req.forward_by:
         return None
-    request = route.request
-    if decision.reserved_tokens:
-        request = msgspec.structs.replace(request, reserved_tokens=decision.reserved_tokens)
-    return msgspec.structs.replace(
-        route, request=request, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
-        block_hashes=route.block_hashes or req.block_hashes, block_size=route.block_size or req.block_size,
-    )
+    if not route.block_hashes or not route.block_size:  # the gateway sends its hashes once, in ``req``
+        route = msgspec.structs.replace(route, block_hashes=route.block_hashes or req.block_hashes,
+                                        block_size=route.block_size or req.block_size)
+    return route.admitted_by(decision)
 
 
 def _spread(ratios: list[float]) -> dict[str, float]:

@@ -198,10 +198,9 @@ class ActiveRequest:
                 if decision.forwarded:
                     placement = await g.upstream.placed(request_id, arrived_from=lambda: stream.arrived_from)
                 else:
-                    placement = await g.upstream.place(RouteRequest(
-                        request=generate, prefer_worker=decision.worker_id, prefer_slack_tokens=decision.slack_tokens,
-                        block_hashes=hashes, block_size=block_size,
-                    ), arrived_from=lambda: stream.arrived_from)
+                    route = RouteRequest(request=generate, block_hashes=hashes, block_size=block_size)
+                    placement = await g.upstream.place(route.admitted_by(decision),
+                                                       arrived_from=lambda: stream.arrived_from)
             phases.mark("route")
         except BaseException as exc:
             g.dispatcher.close(request_id)
