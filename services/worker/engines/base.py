@@ -61,6 +61,19 @@ class EngineRequest:
     pinned_models: list[str] = field(default_factory=list)
 
 
+def prompt_error(req: EngineRequest, max_model_len: int, detail: str = "") -> str | None:
+    """Why ``req``'s prompt cannot run on an engine of ``max_model_len`` (``detail``: what
+    the engine adds to the too-long message); None when it can."""
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        return "prompt is empty"
+    if n > max_model_len:
+        return f"prompt has {n} tokens, more than max_model_len {max_model_len}{detail}"
+    if not 0 <= req.output_offset <= n:
+        return f"output_offset {req.output_offset} outside the prompt of {n} tokens"
+    return None
+
+
 @dataclass(kw_only=True, slots=True)
 class EngineOutput:
     """What one engine step produced for one request.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from proto.messages import KvEvent, Timings, TokenLogprob, TopLogprob
 from services.common.tokenizer import IncrementalDecoder, load_tokenizer
 
-from .base import Engine, EngineOutput, EngineRequest, EngineStats
+from .base import Engine, EngineOutput, EngineRequest, EngineStats, prompt_error
 
 
 @dataclass(slots=True)
@@ -177,13 +177,9 @@ class EchoEngine(Engine):
                 self._admit_waiting()
 
     def _check(self, req: EngineRequest) -> str | None:
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            return "prompt is empty"
-        if n > self._max_model_len:
-            return f"prompt has {n} tokens, more than max_model_len {self._max_model_len}"
-        if not 0 <= req.output_offset <= n:
-            return f"output_offset {req.output_offset} outside the prompt of {n} tokens"
+        error = prompt_error(req, self._max_model_len)
+        if error is not None:
+            return error
         if req.sampling.max_tokens < 1:
             return "max_tokens must be at least 1"
         if req.sampling.structured is not None:

@@ -42,7 +42,7 @@ from proto.hashing import extend_block_hashes, root_hash
 from proto.messages import KvEvent, Timings
 
 from . import guided
-from .base import EngineOutput, EngineRequest, EngineStats, FinishReason
+from .base import EngineOutput, EngineRequest, EngineStats, FinishReason, prompt_error
 from .sim_blocks import BlockPool, KVBlock
 from .sim_lora import LoraSlots
 from .sim_profile import SimConfig
@@ -145,22 +145,15 @@ class SimCore:
             raise ValueError(f"request {req.request_id!r} is already in flight")
         sp = req.sampling
         n = len(req.prompt_token_ids)
-        error: str | None = None
-        if n == 0:
-            error = "prompt is empty"
-        elif n > self.config.max_model_len:
-            error = (
-                f"prompt has {n} tokens, more than max_model_len {self.config.max_model_len} "
-                f"(the KV cache holds {self.config.num_blocks} blocks of {self._bs})"
-            )
-        elif not 0 <= req.output_offset <= n:
-            error = f"output_offset {req.output_offset} outside the prompt of {n} tokens"
-        elif req.lora and not self.lora.accepts(req.lora, req.lora_size_bytes):
-            error = f"unknown LoRA adapter {req.lora!r}"
-        elif sp.max_tokens < 1:
-            error = "max_tokens must be at least 1"
-        elif sp.min_tokens < 0:
-            error = "min_tokens must not be negative"
+        error = prompt_error(req, self.config.max_model_len,
+                             f" (the KV cache holds {self.config.num_blocks} blocks of {self._bs})")
+        if error is None:
+            if req.lora and not self.lora.accepts(req.lora, req.lora_size_bytes):
+                error = f"unknown LoRA adapter {req.lora!r}"
+            elif sp.max_tokens < 1:
+                error = "max_tokens must be at least 1"
+            elif sp.min_tokens < 0:
+                error = "min_tokens must not be negative"
         if error is not None:
             return EngineOutput(
                 request_id=req.request_id,
