@@ -50,10 +50,10 @@ from proto import (
 
 from .errors import from_admission, from_mesh_error, overloaded
 from .migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration, replica_wait
+from .normalized import NormalizedRequest
 from .openai_api import new_request_id
 from .output import ChoiceAssembler
 from .streams import RequestStream
-from .validation import NormalizedRequest
 
 if TYPE_CHECKING:
     from .service import GatewayService

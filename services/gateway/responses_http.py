@@ -23,6 +23,7 @@ from .auth import authenticated
 from .errors import ApiError, bad_request, overloaded, payload_too_large
 from .events import DONE, EventBuilder
 from .lifecycle import ActiveRequest
+from .normalized import NormalizedRequest
 from .openai_api import encode_json
 from .response_store import ResponseStore, StoredResponse, responses_bucket
 from .responses_api import (
@@ -37,7 +38,7 @@ from .responses_output import (
     response_from_chat,
     stored_history,
 )
-from .validation import NormalizedRequest, parse_request
+from .validation import parse_request
 
 if TYPE_CHECKING:
     from .auth import Authenticator

@@ -29,12 +29,13 @@ from msgspec import Struct
 from proto import ApiKeyRecord
 
 from .auth import authenticated
+from .chat_request import chat_messages
 from .chat_template import ChatTemplateError
 from .errors import ApiError, bad_request, from_template_error, payload_too_large
 from .models import ModelSpec
+from .normalized import Body, decode_body, resolve_model
 from .openai_api import ChatCompletionRequest, ChatMessage, encode_json
 from .tools import plan_tools
-from .validation import Body, _chat_messages, _decode, _resolve_model
 
 if TYPE_CHECKING:
     from .auth import Authenticator
@@ -102,7 +103,7 @@ def _tokenizer_failed(exc: Exception) -> ApiError:
 def _model(name: str | None, models: Mapping[str, ModelSpec], allowed: Collection[str] | None) -> ModelSpec:
     """The named model, or without a name the only one the key can use."""
     if name is not None:
-        return _resolve_model(name, models, allowed)
+        return resolve_model(name, models, allowed)
     usable = {spec.name: spec for alias, spec in models.items()
               if not allowed or alias in allowed or spec.name in allowed}
     if len(usable) == 1:
@@ -114,17 +115,17 @@ def _model(name: str | None, models: Mapping[str, ModelSpec], allowed: Collectio
 
 def parse_tokenize(body: Body) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """The completion or the chat form, told apart by ``prompt`` / ``messages``."""
-    fields = _decode(_probe, body)
+    fields = decode_body(_probe, body)
     if "messages" in fields and "prompt" in fields:
         raise bad_request("Send either 'prompt' (completion form) or 'messages' (chat form), not both.", "prompt",
                           "invalid_value")
     if "messages" in fields:
-        chat: TokenizeChatRequest = _decode(_chat, body)
+        chat: TokenizeChatRequest = decode_body(_chat, body)
         return chat
     if "prompt" not in fields:
         raise bad_request("Missing required parameter: 'prompt' (or 'messages' for a conversation).", "prompt",
                           "missing_required_parameter")
-    completion: TokenizeCompletionRequest = _decode(_completion, body)
+    completion: TokenizeCompletionRequest = decode_body(_completion, body)
     return completion
 
 
@@ -139,7 +140,7 @@ def _chat_prompt(req: TokenizeChatRequest, spec: ModelSpec) -> str:
                           " ('add_generation_prompt' defaults to true: set it to false).",
                           "continue_final_message", "invalid_value")
     # The chat path's own message handling, so counts match what /v1/chat/completions sends.
-    messages = _chat_messages(ChatCompletionRequest(model=spec.name, messages=req.messages))
+    messages = chat_messages(ChatCompletionRequest(model=spec.name, messages=req.messages))
     # Tools are rendered as given (vLLM's tokenize takes no tool_choice): checked, never forced.
     tools = plan_tools(req.tools, "none").tools
     try:
@@ -167,7 +168,7 @@ def tokenize(body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Col
 def detokenize(body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None
                ) -> DetokenizeResponse:
     """``POST /detokenize``: the text of token ids, special tokens included (as vLLM's)."""
-    req: DetokenizeRequest = _decode(_detokenize, body)
+    req: DetokenizeRequest = decode_body(_detokenize, body)
     spec = _model(req.model, models, allowed_models)
     vocab = spec.tokenizer.vocab_size
     for i, t in enumerate(req.tokens):

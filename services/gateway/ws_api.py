@@ -17,8 +17,9 @@ from proto import ApiKeyRecord
 from .auth import presented_key
 from .errors import ApiError, from_mesh_error, missing_api_key
 from .lifecycle import ActiveRequest
+from .normalized import NormalizedRequest, parse_ws_message
 from .openai_api import WsAuth, WsCancel, ws_done, ws_token
-from .validation import NormalizedRequest, parse_ws_message, parse_ws_request
+from .validation import parse_ws_request
 
 if TYPE_CHECKING:
     from .service import GatewayService

@@ -18,10 +18,8 @@ from proto import GenerateRequest, decode, encode
 from services.common.tokenizer import ByteTokenizer
 from services.gateway.errors import ApiError
 from services.gateway.models import ModelLimits, ModelSpec
-from services.gateway.validation import (
-    parse_request,
-    parse_ws_message,
-)
+from services.gateway.normalized import parse_ws_message
+from services.gateway.validation import parse_request
 
 BYTE = ByteTokenizer()
 MODELS = {

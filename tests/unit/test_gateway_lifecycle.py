@@ -14,8 +14,8 @@ from proto import GenerateRequest, RequestRecord, SamplingParams, TokenChunk, pa
 from services.gateway.config import GatewayConfig
 from services.gateway.lifecycle import ActiveRequest, RequestState
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.normalized import NormalizedRequest
 from services.gateway.streams import RequestStream
-from services.gateway.validation import NormalizedRequest
 
 
 class _Upstream:

@@ -11,6 +11,7 @@ import pytest
 
 from proto import AdmissionDecision, ErrorCode, GenerateRequest, decode, encode, unpack_tokens
 from services.common.tokenizer import ByteTokenizer, HFTokenizer
+from services.gateway.chat_request import parse_chat_request
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.errors import (
     ApiError,
@@ -22,14 +23,8 @@ from services.gateway.errors import (
     rate_limited,
 )
 from services.gateway.models import ModelLimits, ModelSpec
-from services.gateway.validation import (
-    NormalizedRequest,
-    parse_chat_request,
-    parse_completion_request,
-    parse_request,
-    parse_ws_message,
-    parse_ws_request,
-)
+from services.gateway.normalized import NormalizedRequest, parse_ws_message
+from services.gateway.validation import parse_completion_request, parse_request, parse_ws_request
 
 BYTE = ByteTokenizer()
 LIMITS = ModelLimits(max_model_len=256, max_tokens_cap=200, max_top_k=100)

@@ -21,11 +21,11 @@ from tokenizers import Tokenizer
 from ops.tiny_model import build_tokenizer_json, tokenizer_config
 from ops.tokenizer_cli import export_tokenizer
 from services.common.tokenizer import ByteTokenizer, HFTokenizer
+from services.gateway.chat_request import parse_chat_request
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.errors import ApiError
 from services.gateway.models import ModelLimits, ModelSpec
 from services.gateway.tokenize_api import detokenize, tokenize
-from services.gateway.validation import parse_chat_request
 
 PROMPT = "The cache of the model is warm."
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is the cache warm?"}]
