@@ -366,7 +366,7 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
                 if other is None:
                     why = f" ({target.discovery_error})" if target.discovery_error else ""
                     raise ValueError(f"{target.endpoint.label}: no model given and none discovered{why}; "
-                                     "pass --model")
+                                     f"{target.discovery_hint}")
                 model = other
             models[target.endpoint.label] = model
         result.meta["models"] = models

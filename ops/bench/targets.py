@@ -40,6 +40,7 @@ HDR_ERROR_CODE = "Nats-Service-Error-Code"
 class Target(Protocol):
     endpoint: EndpointConfig
     discovery_error: str | None  # why discover_model found none, for the error the user sees
+    discovery_hint: str  # and what to do about it
 
     async def start(self) -> None: ...
 
@@ -50,6 +51,10 @@ class Target(Protocol):
     async def send(self, body: dict[str, Any], acc: StreamAccumulator) -> None:
         """Send ``body``; ``acc.t_sent`` is set to the send instant here."""
         ...
+
+
+PASS_MODEL = "pass --model"
+PASS_KEY = "pass the API key with --api-key, or set MESHSERVE_API_KEY or OPENAI_API_KEY"
 
 
 def make_target(endpoint: EndpointConfig) -> Target:
@@ -71,6 +76,7 @@ class OpenAITarget:
         self.url = self.base + path
         self._session: aiohttp.ClientSession | None = None
         self.discovery_error: str | None = None
+        self.discovery_hint = PASS_MODEL
 
     async def start(self) -> None:
         # limit=0: an open-loop client must never queue requests behind a pool limit.
@@ -98,6 +104,8 @@ class OpenAITarget:
                     except msgspec.DecodeError:
                         message = raw[:200].decode(errors="replace")
                     self.discovery_error = f"GET {self.base}/models answered {resp.status}: {message}"
+                    if resp.status in (401, 403):  # --model would only move the refusal to every request
+                        self.discovery_hint = PASS_KEY
                     return None
                 data = _decode(raw)
             models = data.get("data") or []
@@ -106,6 +114,8 @@ class OpenAITarget:
             return str(models[0]["id"]) if models else None
         except (aiohttp.ClientError, msgspec.DecodeError, KeyError, TypeError, IndexError) as exc:
             self.discovery_error = f"GET {self.base}/models failed: {type(exc).__name__}: {exc}"
+            if isinstance(exc, aiohttp.ClientConnectionError):
+                self.discovery_hint = f"is a server running at {self.base}? (`make up` prints its address)"
             return None
 
     async def send(self, body: dict[str, Any], acc: StreamAccumulator) -> None:
@@ -158,6 +168,7 @@ class NatsTarget:
         subjects = Subjects(endpoint.root)
         self.subject = subjects.api_chat if endpoint.api == "chat" else subjects.api_completions
         self.discovery_error: str | None = "meshserve's NATS API lists no models"
+        self.discovery_hint = PASS_MODEL
         self._nc: Any = None
         self._prefix = ""
         self._seq = itertools.count()

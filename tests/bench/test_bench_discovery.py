@@ -1,4 +1,5 @@
-"""A bench run without --model says why the endpoint named no model (a refused key, say)."""
+"""A bench run without --model says why the endpoint named no model (a refused key, say)
+and what to do about it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 from aiohttp import web
 
 from ops.bench.config import EndpointConfig
-from ops.bench.targets import OpenAITarget
+from ops.bench.targets import PASS_KEY, PASS_MODEL, OpenAITarget
+from ops.natsserver import free_port
 
 
 @pytest.fixture
@@ -39,3 +41,16 @@ async def test_discovery_reports_the_servers_answer(refusing_server: str) -> Non
         await target.close()
     assert target.discovery_error is not None
     assert "answered 401: Incorrect API key provided" in target.discovery_error
+    assert target.discovery_hint == PASS_KEY  # not "pass --model": every request would be refused too
+
+
+async def test_discovery_says_when_nothing_answers() -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    target = OpenAITarget(EndpointConfig(url=url))
+    await target.start()
+    try:
+        assert await target.discover_model() is None
+    finally:
+        await target.close()
+    assert target.discovery_error is not None and "failed" in target.discovery_error
+    assert target.discovery_hint != PASS_MODEL and url in target.discovery_hint
