@@ -27,7 +27,8 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   worker always may), so long queues everywhere never scatter prompts (issue 17: that made a second, stable
   equilibrium with a cache-blind hit rate; ``benchmarks/router_sim.py`` shows it), and
   only when it saves the request more wait than the prefill it repeats
-  (``spill_repeat_weight``).
+  (``spill_repeat_weight``; three times that when the prefix it repeats is private, one
+  no earlier placement matched: ``spill_private_weight``).
   Near ties (within ``tie_tokens`` of the cheapest, holding as much of the prompt) take
   turns: the one placed on least recently wins, as round robin spaces arrivals.
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
@@ -151,6 +152,17 @@ class PolicyConfig:
     # against 100 with the wait alone deciding, 42 against 122 at 100 %, p90 equal.
     # 0: the wait alone decides.
     spill_repeat_weight: float = 1.0
+    # ... that many times over when what it repeats is private: a prefix whose deepest
+    # cached block no earlier placement has matched (a conversation's own history, which
+    # only its next turn reuses). Spilling a shared prompt adds a holder that later
+    # requests use; spilling a conversation moves its history and leaves the old copy
+    # unused, so its repeated prefill is pure extra work, which slows the decodes where it
+    # lands. Multi-turn against the peers (benchmarks/peers.py, seeds 1-5): weighing every
+    # spill at 3 closed the reuse gap there and doubled the shared prefix's p99.
+    # Needs the gateway's block hashes (RouteQuery.block_hashes); 0: as spill_repeat_weight.
+    spill_private_weight: float = 3.0
+    # How many prefixes' reuse the router remembers (their deepest matched block's hash).
+    spill_reuse_memory: int = 65_536
     # Near ties (prefix policy): workers whose costs are within this many tokens of the
     # cheapest and that hold at least as much of the prompt count as equal, and the one
     # placed on least recently wins. Load figures that close are noise (a gauge period
@@ -172,8 +184,10 @@ class PolicyConfig:
             raise ValueError("balance_factor must be 0 (off) or ≥ 1")
         if self.balance_max_load_tokens < 0:
             raise ValueError("balance_max_load_tokens must be ≥ 0")
-        if self.spill_repeat_weight < 0:
-            raise ValueError("spill_repeat_weight must be ≥ 0 (0: the wait alone decides a spill)")
+        if self.spill_repeat_weight < 0 or self.spill_private_weight < 0:
+            raise ValueError("spill_repeat_weight and spill_private_weight must be ≥ 0 (0: the wait alone decides a spill)")
+        if self.spill_reuse_memory < 1:
+            raise ValueError("spill_reuse_memory must be ≥ 1")
         if self.tie_tokens < 0:
             raise ValueError("tie_tokens must be ≥ 0 (0: the strict minimum)")
         if self.spill_wait_tokens < 0:
@@ -243,6 +257,9 @@ class Router:
         self._low: tuple[list[FleetWorker], PolicyConfig, float, list[FleetWorker], int] | None = None
         self._cascades = {name: Cascade(c) for name, c in self.config.cascades.items()}
         self.demand = Demand(self.config.demand_window_s)
+        # Deepest matched block hash → placements that matched it (oldest first, bounded):
+        # whether a spill would repeat a shared prompt or a private history.
+        self._matched: dict[int, int] = {}
 
     def set_cascade(self, name: str, cascade: CascadeConfig) -> None:
         """Add or replace a cascade, e.g. once the shell has tokenized its keywords."""
@@ -409,6 +426,12 @@ class Router:
             scored = [(c, w) for c, w in scored if ctx.prefill_cost(w) <= budget]  # keeps hinted
         cost, best = self._pick_rotating(scored, ctx)
         held = False
+        # the hash of the deepest block any worker holds, from the gateway's hashes (when
+        # the holders' block size is theirs)
+        hashes = ctx.q.block_hashes
+        deepest = None
+        if holders and len(hashes) >= top and holders[0][1].block_size == ctx.q.block_size:
+            deepest = hashes[top - 1]
         if cfg.spill_wait_tokens and top and by_slot.get(best.slot, 0) < top:
             kept = [(c, w) for c, w in scored if by_slot.get(w.slot, 0) == top]
             if kept:
@@ -416,7 +439,10 @@ class Router:
                 wait = max(cfg.spill_wait_tokens, ctx.prompt_tokens - ctx.cached(best))
                 holder_wait, best_wait = ctx.prefill_cost(holder), ctx.prefill_cost(best)
                 repeated = ctx.cached(holder) - ctx.cached(best)
-                if not (holder_wait > wait >= best_wait and holder_wait - best_wait > cfg.spill_repeat_weight * repeated):
+                weight = cfg.spill_repeat_weight
+                if cfg.spill_private_weight and deepest is not None and not self._matched.get(deepest):
+                    weight = cfg.spill_private_weight
+                if not (holder_wait > wait >= best_wait and holder_wait - best_wait > weight * repeated):
                     cost, best, held = hcost, holder, True
         under = self._underused(eligible, cfg, ctx.pool)
         if under:
@@ -428,6 +454,8 @@ class Router:
         if under and best not in under:
             cost, best = self._pick([(ctx.prefix_cost(w), w) for w in under])
             note = _join(note, f"{best.worker_id} underused")
+        if deepest is not None and cfg.spill_private_weight:
+            self._note_matched(deepest, cfg.spill_reuse_memory)
         hint = ""
         if ctx.q.prefer_worker and cfg.admission_hints:
             hint = "unavailable" if hinted is None else "kept" if best is hinted else "moved"
@@ -441,6 +469,12 @@ class Router:
             queued_tokens=best.queued_prefill_tokens,
             running_tokens=best.running_tokens,
         )
+
+    def _note_matched(self, block_hash: int, memory: int) -> None:
+        matched = self._matched
+        matched[block_hash] = matched.pop(block_hash, 0) + 1  # to the newest end
+        if len(matched) > memory:
+            del matched[next(iter(matched))]
 
     @staticmethod
     def _hinted(eligible: Sequence[FleetWorker], ctx: DecisionContext) -> tuple[FleetWorker | None, float]:

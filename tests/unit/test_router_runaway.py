@@ -19,6 +19,7 @@ import statistics
 import pytest
 
 from benchmarks.router_sim import SimResult, burst, simulate, steady
+from proto.hashing import block_hashes
 from services.router.policy import PolicyConfig
 from tests.unit.test_router_policy import SYSTEM, cache, decided, make_view, q, router, set_load
 
@@ -82,6 +83,34 @@ def test_a_spill_must_save_more_wait_than_the_prefill_it_repeats() -> None:
     set_load(v, "llama-1", queued=4200, ts=2.0)  # wait 4300: 2152 saved > 2048 repeated
     d = decided(router(v, balance_factor=0).decide(q(prompt=prompt), 0.5))
     assert (d.worker_id, d.spilled) == ("llama-0", True)
+
+
+def test_repeating_a_private_prefix_weighs_more_than_repeating_a_shared_one() -> None:
+    v = make_view(2)
+    cache(v, "llama-1", SYSTEM)
+    prompt = [*SYSTEM, *range(100)]  # 2148 tokens, 2048 cached on llama-1
+    hashed = {"block_hashes": block_hashes(prompt, 16), "block_size": 16}
+    set_load(v, "llama-1", queued=4200)  # wait 4300: 2152 saved > 2048 repeated, < 3 × 2048
+    set_load(v, "llama-0", queued=0)
+    r = router(v, balance_factor=0)
+    # No earlier placement matched this prefix: a conversation's own history, say. Moving
+    # it would only move it, so the repeated prefill weighs spill_private_weight (3×).
+    d = decided(r.decide(q("turn", prompt=prompt, **hashed), 0.5))
+    assert (d.worker_id, d.spill_held) == ("llama-1", True)
+    # Matched before (the decision above): a prompt others share; a second holder of it
+    # is worth its prefill, weighed once.
+    d = decided(r.decide(q("next", prompt=prompt, **hashed), 0.6))
+    assert (d.worker_id, d.spilled) == ("llama-0", True)
+    # Without the gateway's hashes, or with the weight off: every spill weighed once.
+    assert decided(router(v, balance_factor=0).decide(q(prompt=prompt), 0.5)).spilled
+    off = router(v, balance_factor=0, spill_private_weight=0)
+    assert decided(off.decide(q("turn", prompt=prompt, **hashed), 0.5)).spilled
+    # The memory of matched prefixes is bounded, oldest forgotten first.
+    small = router(v, balance_factor=0, spill_reuse_memory=1)
+    small.decide(q("a", prompt=prompt, **hashed), 0.5)
+    other = [*SYSTEM[:1024], *range(500, 1600)]
+    small.decide(q("b", prompt=other, block_hashes=block_hashes(other, 16), block_size=16), 0.5)
+    assert decided(small.decide(q("c", prompt=prompt, **hashed), 0.6)).spill_held
 
 
 def test_spill_repeat_weight_must_not_be_negative() -> None:
