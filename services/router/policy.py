@@ -52,6 +52,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -259,7 +260,7 @@ class Router:
         self.demand = Demand(self.config.demand_window_s)
         # Deepest matched block hash → placements that matched it (oldest first, bounded):
         # whether a spill would repeat a shared prompt or a private history.
-        self._matched: dict[int, int] = {}
+        self._matched: OrderedDict[int, int] = OrderedDict()  # a dict's first key slows as its front is deleted
 
     def set_cascade(self, name: str, cascade: CascadeConfig) -> None:
         """Add or replace a cascade, e.g. once the shell has tokenized its keywords."""
@@ -474,7 +475,7 @@ class Router:
         matched = self._matched
         matched[block_hash] = matched.pop(block_hash, 0) + 1  # to the newest end
         if len(matched) > memory:
-            del matched[next(iter(matched))]
+            matched.popitem(last=False)
 
     @staticmethod
     def _hinted(eligible: Sequence[FleetWorker], ctx: DecisionContext) -> tuple[FleetWorker | None, float]:
