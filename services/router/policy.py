@@ -3,7 +3,8 @@
 ``Router.decide`` reads the view and returns a ``RouteDecision`` (or ``NoCapacity``) without
 touching it; ``Router.commit`` then adds the placement to the view's optimistic
 accounting, and ``Router.place`` does both. The only state a decision mutates is policy
-state (the round-robin cursor, the injected RNG, the cached session ring).
+state (the round-robin cursor, the injected RNG, the cached session ring, the memory of
+matched prefixes).
 
 Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default``):
 
@@ -153,9 +154,9 @@ class PolicyConfig:
     # against 100 with the wait alone deciding, 42 against 122 at 100 %, p90 equal.
     # 0: the wait alone decides.
     spill_repeat_weight: float = 1.0
-    # ... that many times over when what it repeats is private: a prefix whose deepest
-    # cached block no earlier placement has matched (a conversation's own history, which
-    # only its next turn reuses). Spilling a shared prompt adds a holder that later
+    # The weight instead of spill_repeat_weight when what a spill repeats is private: a
+    # prefix whose deepest cached block no earlier placement has matched (a conversation's
+    # own history, which only its next turn reuses). Spilling a shared prompt adds a holder that later
     # requests use; spilling a conversation moves its history and leaves the old copy
     # unused, so its repeated prefill is pure extra work, which slows the decodes where it
     # lands. Multi-turn against the peers (benchmarks/peers.py, seeds 1-5): weighing every
