@@ -11,7 +11,7 @@ from typing import Any
 from proto.records import OutputOptions
 
 from .chat_template import ChatTemplateError
-from .errors import ApiError, bad_request, clip
+from .errors import bad_request, clip, from_template_error
 from .models import ModelSpec
 from .normalized import (
     Body,
@@ -154,20 +154,7 @@ def _render(spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[st
         return spec.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     continue_final_message=continue_final_message, extra_context=extra_context)
     except ChatTemplateError as exc:
-        if exc.reason == "raised":
-            raise bad_request(exc.message, "messages", "invalid_value") from None
-        if exc.reason == "too_long":
-            raise bad_request(
-                f"The conversation is too long: {exc.message}.", "messages", "context_length_exceeded"
-            ) from None
-        if exc.reason == "budget":
-            raise bad_request(
-                f"The conversation is too large for this model's chat template: {exc.message}.",
-                "messages",
-                "invalid_value",
-            ) from None
-        raise ApiError(500, f"The model's chat template is broken: {exc.message}", "server_error", None,
-                       "chat_template_error") from None
+        raise from_template_error(exc) from None
 
 
 def parse_chat_request(

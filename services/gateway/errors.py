@@ -99,6 +99,11 @@ def from_template_error(exc: ChatTemplateError) -> ApiError:
                     "chat_template_error")
 
 
+def tokenizer_failed(exc: Exception) -> ApiError:
+    """A tokenizer that raised: a bug of ours, not the client's (500)."""
+    return ApiError(500, f"The tokenizer failed: {type(exc).__name__}", "server_error", None, "tokenizer_error")
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,

@@ -23,7 +23,7 @@ from proto.hashing import pack_tokens
 from proto.messages import GenerateRequest, SamplingParams
 from proto.records import OutputOptions
 
-from .errors import ApiError, bad_request, clip, invalid_json, model_not_found
+from .errors import ApiError, bad_request, clip, invalid_json, model_not_found, tokenizer_failed
 from .models import ModelLimits, ModelSpec
 from .openai_api import RequestKind, SamplingFields, WsClientMessage, ws_client_decoder
 from .sampling_fields import check_metadata, invalid
@@ -288,4 +288,4 @@ def encode_text(spec: ModelSpec, text: str) -> list[int]:
     try:
         return spec.tokenizer.encode(text)
     except Exception as exc:  # a tokenizer bug is ours, not the client's
-        raise ApiError(500, f"The tokenizer failed: {type(exc).__name__}", "server_error", None, "tokenizer_error") from None
+        raise tokenizer_failed(exc) from None

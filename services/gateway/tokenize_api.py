@@ -31,7 +31,7 @@ from proto import ApiKeyRecord
 from .auth import authenticated
 from .chat_request import chat_messages
 from .chat_template import ChatTemplateError
-from .errors import ApiError, bad_request, from_template_error, payload_too_large
+from .errors import bad_request, from_template_error, payload_too_large, tokenizer_failed
 from .models import ModelSpec
 from .normalized import Body, decode_body, resolve_model
 from .openai_api import ChatCompletionRequest, ChatMessage, encode_json
@@ -96,10 +96,6 @@ class _Vocabulary(Protocol):
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]: ...
 
 
-def _tokenizer_failed(exc: Exception) -> ApiError:
-    return ApiError(500, f"The tokenizer failed: {type(exc).__name__}", "server_error", None, "tokenizer_error")
-
-
 def _model(name: str | None, models: Mapping[str, ModelSpec], allowed: Collection[str] | None) -> ModelSpec:
     """The named model, or without a name the only one the key can use."""
     if name is not None:
@@ -161,7 +157,7 @@ def tokenize(body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Col
         ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     except Exception as exc:  # a tokenizer bug is ours, not the client's
-        raise _tokenizer_failed(exc) from None
+        raise tokenizer_failed(exc) from None
     return TokenizeResponse(count=len(ids), max_model_len=spec.limits.max_model_len, tokens=ids, token_strs=strs)
 
 
@@ -178,7 +174,7 @@ def detokenize(body: Body, models: Mapping[str, ModelSpec], *, allowed_models: C
     try:
         text = cast(_Vocabulary, spec.tokenizer).decode(req.tokens, skip_special_tokens=False)
     except Exception as exc:
-        raise _tokenizer_failed(exc) from None
+        raise tokenizer_failed(exc) from None
     return DetokenizeResponse(prompt=text)
 
 

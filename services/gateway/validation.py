@@ -22,7 +22,7 @@ from typing import Any
 from proto.records import OutputOptions
 
 from .chat_request import parse_chat_request
-from .errors import ApiError, bad_request
+from .errors import bad_request, tokenizer_failed
 from .models import ModelSpec
 from .normalized import (
     Body,
@@ -108,8 +108,7 @@ def _completion_output(req: CompletionRequest, spec: ModelSpec, prompt: list[int
         try:
             echo = spec.tokenizer.decode(prompt)
         except Exception as exc:  # a tokenizer bug is ours, not the client's
-            raise ApiError(500, f"The tokenizer failed: {type(exc).__name__}", "server_error", None,
-                           "tokenizer_error") from None
+            raise tokenizer_failed(exc) from None
     first_token = ""
     if echo is not None and req.logprobs is not None:
         common["prompt_logprobs"] = max(top, common.get("prompt_logprobs", 0))
