@@ -18,13 +18,23 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The placement hot path compiled with mypyc (services/common/native.py), rebuilt when its
+# sources change; without a C compiler it says so and the mesh runs as plain Python.
+NATIVE_SOURCES := services/common/native.py services/common/kvindex.py services/common/fleet.py \
+	services/router/decision.py services/router/context.py services/router/policy.py
+NATIVE_STAMP := $(VENV)/.meshserve-native
 
-up: $(STAMP)
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(BIN)/python -c "from services.common.native import main; main()"
+	touch $(NATIVE_STAMP)
+
+install: $(STAMP) $(NATIVE_STAMP)
+
+up: install
 	$(BIN)/meshserve up $(ARGS)
 
 # pytest exits 5 when it ran no test: that is a failure here, never a green run.
-test: $(STAMP)
+test: install
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest ran no tests: failing"; exit 1; fi; exit $$rc
 

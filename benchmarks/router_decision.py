@@ -13,6 +13,10 @@ request without ``RouteRequest.block_hashes``: a migrated segment, a NATS client
 RouteRequest) and with the hashes the gateway computed for admission (every request
 through a gateway), hashed outside the timed region as the gateway does.
 
+Each row names the code that ran: ``compiled`` (the mypyc build ``make install`` makes,
+services/common/native.py) or ``python`` (``MESHSERVE_NATIVE=0``, or no fresh build).
+``--code python,compiled`` (the default) runs both, one process each, in one run.
+
     .venv/bin/python benchmarks/router_decision.py
 """
 
@@ -20,13 +24,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
 
 from proto.hashing import block_hashes
 from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
+from services.common import native
 from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 
@@ -96,6 +104,20 @@ def measure(
     return statistics.median(times), times[int(0.99 * len(times))]
 
 
+def _without_code(argv: list[str]) -> list[str]:
+    """``argv`` less its ``--code X`` / ``--code=X``: each child runs one code."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--code":
+            skip = True
+        elif not a.startswith("--code="):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 64])
@@ -104,14 +126,33 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--hit-rate", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--code", default="python,compiled",
+                    help="which placement code to time, in this order: python, compiled (the mypyc build)")
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # one code's rows, for the parent
     args = ap.parse_args()
-    print(
-        f"cached blocks/worker {args.blocks} (block size {BLOCK}), prompts {DOC_TOKENS}+64..511 tokens, "
-        f"prefix reuse {args.hit_rate:.0%}, {args.samples} placements per row"
-    )
-    print()
-    print("| workers | policy | prompt hashed by | median µs | p99 µs | index entries | view memory MB |")
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    if not args.rows_only:
+        print(
+            f"cached blocks/worker {args.blocks} (block size {BLOCK}), prompts {DOC_TOKENS}+64..511 tokens, "
+            f"prefix reuse {args.hit_rate:.0%}, {args.samples} placements per row"
+        )
+        print()
+        print("| workers | policy | prompt hashed by | code | median µs | p99 µs | index entries | view memory MB |")
+        print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |", flush=True)
+        codes = [c.strip() for c in args.code.split(",") if c.strip()]
+        unknown = set(codes) - {"python", "compiled"}
+        if unknown:
+            raise SystemExit(f"--code: unknown {', '.join(sorted(unknown))} (python, compiled)")
+        for code in codes:
+            env = {**os.environ, native.ENV: "0" if code == "python" else "1"}
+            argv = _without_code(sys.argv[1:])
+            rc = subprocess.call([sys.executable, __file__, *argv, "--rows-only"], env=env)
+            if rc:
+                raise SystemExit(rc)
+        return
+    code = "compiled" if native.status().startswith("compiled") else "python"
+    if os.environ.get(native.ENV) == "1" and code != "compiled":
+        print(f"| | | | compiled code not in use: {native.status()} | | | | |", flush=True)
+        return
     for n in args.workers:
         rng = random.Random(args.seed)
         docs = [[rng.randrange(100_000) for _ in range(DOC_TOKENS)] for _ in range(64)]
@@ -125,7 +166,7 @@ def main() -> None:
             for gateway_hashes in (False, True):
                 med, p99 = measure(view, docs, policy, args.samples, args.hit_rate, args.seed, gateway_hashes)
                 by = "gateway" if gateway_hashes else "router"
-                print(f"| {n} | {policy} | {by} | {med:.0f} | {p99:.0f} | {entries:,} | {mem_mb:.0f} |")
+                print(f"| {n} | {policy} | {by} | {code} | {med:.0f} | {p99:.0f} | {entries:,} | {mem_mb:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import math
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from proto.hashing import pack_tokens
 from proto.messages import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
 
@@ -269,6 +271,7 @@ class Pool:
         return self.kv.cached_prefix_blocks(prompt, salt, mask, hashed)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # admission's ReplicaBook extends it (services/common/native.py)
 class FleetView:
     """All pools the consumer knows, keyed by model name."""
 

@@ -62,6 +62,7 @@ from proto import (
     WorkerInfo,
     placement_expired,
 )
+from services.common import native
 from services.common.feed import FleetFeed
 from services.common.fleet import FleetView
 
@@ -183,6 +184,7 @@ class RouterService(Service):
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
         s = self.bus.subjects
+        log.info("placement code: %s", native.status())
         await self.feed.start()
         await self.add_endpoint("route", s.router_route, RouteRequest, self.handle_route, queue_group="router")
         self._loop_task = asyncio.create_task(self._maintenance(), name="router-maintenance")
@@ -231,6 +233,7 @@ class RouterService(Service):
             "resyncs_applied": self.feed.resyncs_applied,
             "mean_decision_us": 1e6 * self.decision_s_total / self.placed if self.placed else 0.0,
             "prompts_hashed_by_gateway": self.prehashed,
+            "placement_code": native.status(),
         }
 
     # ---- feeds (the view is fed by FleetFeed) -------------------------------------------
