@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 from proto.hashing import extend_block_hashes, root_hash
 from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
@@ -108,11 +108,14 @@ class KvHolder:
 class KvIndex:
     """The prefix index of one pool (one model): block hash → workers holding it."""
 
-    __slots__ = ("_bs_masks", "_free_slots", "_slots", "config", "holders", "index")
+    __slots__ = ("_bs_masks", "_free_slots", "_masks", "_slots", "config", "holders", "index")
 
     def __init__(self, config: KvIndexConfig | None = None) -> None:
         self.config = config or KvIndexConfig()
         self.index: dict[int, int] = {}  # block hash → bitmask of slots holding it
+        # One object per distinct mask (a shared prompt's blocks hold the same one), so a
+        # walk along a prefix reads one mask from memory, not one per block.
+        self._masks: dict[int, int] = {}
         self.holders: dict[str, KvHolder] = {}
         self._slots: list[KvHolder | None] = []
         self._free_slots: list[int] = []
@@ -201,33 +204,44 @@ class KvIndex:
         h.published_seq = -1
 
     # ---- index maintenance ----
+    # The masks are handled as objects (Any) here: compiled (services/common/native.py),
+    # an ``int`` below 2**62 would be unboxed and boxed anew on every store, unshared.
     def _store(self, h: KvHolder, hashes: Iterable[int]) -> None:
-        index, blocks, bit = self.index, h.blocks, h.bit
+        index: dict[int, Any] = self.index
+        masks: dict[Any, Any] = self._masks
+        blocks, bit = h.blocks, h.bit
         for x in hashes:
             if x in blocks:
                 continue
             blocks.add(x)
             m = index.get(x)
-            index[x] = bit if m is None else (m | bit)
+            m = bit if m is None else (m | bit)
+            index[x] = masks.setdefault(m, m)
+        if len(masks) > _MAX_SHARED_MASKS:
+            masks.clear()
 
     def _drop(self, h: KvHolder, hashes: Iterable[int]) -> None:
-        index, blocks, notbit = self.index, h.blocks, ~h.bit
+        index: dict[int, Any] = self.index
+        masks: dict[Any, Any] = self._masks
+        blocks, notbit = h.blocks, ~h.bit
         for x in hashes:
             if x not in blocks:
                 continue
             blocks.discard(x)
             m = index[x] & notbit
             if m:
-                index[x] = m
+                index[x] = masks.setdefault(m, m)
             else:
                 del index[x]
 
     def _clear(self, h: KvHolder) -> None:
-        index, notbit = self.index, ~h.bit
+        index: dict[int, Any] = self.index
+        masks: dict[Any, Any] = self._masks
+        notbit = ~h.bit
         for x in h.blocks:
             m = index[x] & notbit
             if m:
-                index[x] = m
+                index[x] = masks.setdefault(m, m)
             else:
                 del index[x]
         h.blocks = set()
@@ -428,14 +442,16 @@ class KvIndex:
         _flush(alive, i, out)
 
 
+_MAX_SHARED_MASKS = 1 << 16  # distinct masks kept for sharing; past it the set starts over
+
+
 def _walk(hashes: Sequence[int], index: dict[int, int], alive: int, offset: int, out: dict[int, int]) -> int:
     """AND masks along ``hashes`` (blocks ``offset`` onwards), recording each worker that
     drops out with its prefix length. Returns the workers holding every block of
     ``hashes`` (0: none), not recorded yet: the caller walks on or flushes them."""
-    get = index.get
     i = offset
     for x in hashes:
-        m = get(x, 0) & alive
+        m = index.get(x, 0) & alive
         if m != alive:
             lost = alive & ~m
             if i:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.hashing import block_hashes, pack_tokens
-from proto.messages import BlockStored, KvEventBatch, KvSnapshot
+from proto.messages import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 from services.common.kvindex import KvApply, KvIndex
 
 PROMPT = list(range(500, 500 + 16 * 8))  # 8 full blocks
@@ -107,3 +107,20 @@ def test_prompt_walk_equals_hash_walk(seed: int, workers: int) -> None:
         idx.apply(batch(f"w{w}", 0, held))
     cut = rng.randrange(len(tokens) + 1)
     assert idx.cached_prefix_tokens(pack_tokens(tokens[:cut])) == idx.prefix_tokens(block_hashes(tokens[:cut], 16), 16)
+
+
+def test_blocks_held_by_the_same_workers_share_one_mask_object() -> None:
+    # A walk along a shared prompt then reads one mask from memory, not one per block
+    # (benchmarks/router_decision.py: the walk is bound by memory reads).
+    idx = KvIndex()
+    for i in range(12):  # slots past 8: masks above 256, which Python does not cache itself
+        idx.add(f"w{i}", 16)
+    for wid in ("a", "b", "c"):
+        idx.add(wid, 16)
+        idx.apply(batch(wid, 0, HASHES))
+    masks = [idx.index[h] for h in HASHES]
+    assert all(m is masks[0] for m in masks)
+    idx.apply(KvEventBatch(worker_id="c", model="m", seq=1, ts=0.0, events=[BlockRemoved(block_hashes=HASHES[4:])]))
+    tail = [idx.index[h] for h in HASHES[4:]]
+    assert all(m is tail[0] for m in tail) and tail[0] != masks[0]
+    assert idx.prefix_tokens(HASHES, 16) == {"a": 128, "b": 128, "c": 64}
