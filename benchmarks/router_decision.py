@@ -104,6 +104,32 @@ def measure(
     return statistics.median(times), times[int(0.99 * len(times))]
 
 
+def walk_times(view: FleetView, docs: list[list[int]], samples: int, seed: int) -> dict[str, float]:
+    """Median µs of the prefix walk alone (gateway's hashes, a shared document + 200 tokens)
+    back to back, after 1 ms asleep, and after building a 20,000-element list: how much of
+    a placement is the machine's caches going cold between requests."""
+    rng = random.Random(seed)
+    pool = view.pool(MODEL)
+    assert pool is not None
+    eligible = view.placeable_in(pool, 1.0)
+    mask = pool.mask_of(eligible)
+    prompts = [block_hashes(d + [rng.randrange(100_000) for _ in range(200)], BLOCK) for d in docs]
+    out: dict[str, float] = {}
+    for gap in ("back to back", "after 1 ms asleep", "after other work"):
+        times: list[float] = []
+        for _ in range(samples):
+            hashes = list(rng.choice(prompts))
+            if gap == "after 1 ms asleep":
+                time.sleep(0.001)
+            elif gap == "after other work":
+                _ = [rng.random() for _ in range(20_000)]
+            t0 = time.perf_counter_ns()
+            pool.cached_prefix_blocks(b"", "", mask, (BLOCK, hashes))
+            times.append((time.perf_counter_ns() - t0) / 1000)
+        out[gap] = statistics.median(times)
+    return out
+
+
 def _without_code(argv: list[str]) -> list[str]:
     """``argv`` less its ``--code X`` / ``--code=X``: each child runs one code."""
     out: list[str] = []
@@ -128,6 +154,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--code", default="python,compiled",
                     help="which placement code to time, in this order: python, compiled (the mypyc build)")
+    ap.add_argument("--walk", action="store_true",
+                    help="time the prefix walk alone: back to back, after 1 ms asleep, after other work")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # one code's rows, for the parent
     args = ap.parse_args()
     if not args.rows_only:
@@ -136,8 +164,12 @@ def main() -> None:
             f"prefix reuse {args.hit_rate:.0%}, {args.samples} placements per row"
         )
         print()
-        print("| workers | policy | prompt hashed by | code | median µs | p99 µs | index entries | view memory MB |")
-        print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |", flush=True)
+        if args.walk:
+            print("| workers | code | walk back to back µs | after 1 ms asleep µs | after other work µs |")
+            print("| ---: | --- | ---: | ---: | ---: |", flush=True)
+        else:
+            print("| workers | policy | prompt hashed by | code | median µs | p99 µs | index entries | view memory MB |")
+            print("| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |", flush=True)
         codes = [c.strip() for c in args.code.split(",") if c.strip()]
         unknown = set(codes) - {"python", "compiled"}
         if unknown:
@@ -162,6 +194,11 @@ def main() -> None:
         mem_mb = tracemalloc.get_traced_memory()[0] / 2**20
         tracemalloc.stop()
         entries = len(view.pools[MODEL].index)
+        if args.walk:
+            w = walk_times(view, docs, min(args.samples, 1500), args.seed)
+            print(f"| {n} | {code} | {w['back to back']:.1f} | {w['after 1 ms asleep']:.1f} | {w['after other work']:.1f} |",
+                  flush=True)
+            continue
         for policy in args.policies:
             for gateway_hashes in (False, True):
                 med, p99 = measure(view, docs, policy, args.samples, args.hit_rate, args.seed, gateway_hashes)
