@@ -739,3 +739,35 @@ def test_near_ties_rotate_by_last_placement_and_never_give_up_cache_or_a_clear_g
     rh = router(held)
     for i in range(3):
         assert decided(rh.place(q(f"h{i}", SYSTEM + [9000 + i] * 16), 0.1 * (i + 1))).worker_id == "llama-1"
+
+
+@pytest.mark.parametrize(("n", "holders"), [(64, 8), (64, 40), (10, 9), (3, 3)])
+def test_the_random_others_are_uniform_distinct_and_never_the_holders(n: int, holders: int) -> None:
+    # the candidates' random draw (policy._add_others): both its rejection draw (most of
+    # the pool left) and its list draw (most of it picked), against random.sample's law
+    from services.router.policy import _add_others
+
+    view = FleetView()
+    for i in range(n):
+        view.update_worker(WorkerInfo(worker_id=f"w{i}", model="m", engine="sim", state="ready"), 0.0)
+    pool = view.pool("m")
+    assert pool is not None
+    eligible = view.placeable_in(pool, 0.0)
+    rng = random.Random(7)
+    counts: Counter[str] = Counter()
+    draws = 4000
+    for _ in range(draws):
+        pick = list(eligible[:holders])
+        _add_others(rng, eligible, pick, 2)
+        others = pick[holders:]
+        assert len(others) == min(2, n - holders)
+        assert len({w.worker_id for w in pick}) == len(pick)
+        counts.update(w.worker_id for w in others)
+    rest = n - holders
+    if rest:
+        expected = draws * min(2, rest) / rest
+        assert set(counts) == {f"w{i}" for i in range(holders, n)}
+        # chi-square against uniform, bounded at its mean + 5 standard deviations
+        chi2 = sum((counts[f"w{i}"] - expected) ** 2 / expected for i in range(holders, n))
+        df = rest - 1
+        assert chi2 <= df + 5 * (2 * df) ** 0.5 + 1
