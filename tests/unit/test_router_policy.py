@@ -718,18 +718,18 @@ def test_near_ties_rotate_by_last_placement_and_never_give_up_cache_or_a_clear_g
     v = make_view(4)
     for wid, running in (("llama-0", 0), ("llama-1", 1000), ("llama-2", 2000)):
         set_load(v, wid, running=running)  # β · running: 0, 100, 200 tokens apart
-    set_load(v, "llama-3", queued=1500)  # beyond the tie
+    set_load(v, "llama-3", queued=3000)  # beyond the tie (tie_tokens_uncached: nobody holds these prompts)
     r = router(v)
     placed = [decided(r.place(q(f"r{i}", list(range(100 * i, 100 * i + 64)), max_tokens=16), 0.1 * (i + 1))).worker_id
               for i in range(6)]
     # the cheapest first, then the two never placed on (in either order), then the same
-    # rotation; llama-3, 1,500 tokens busier, never
+    # rotation; llama-3, 3,000 tokens busier, never
     assert placed[0] == "llama-0" and set(placed[:3]) == {"llama-0", "llama-1", "llama-2"} and placed[3:] == placed[:3]
     strict = make_view(4)
     for wid, running in (("llama-0", 0), ("llama-1", 1000), ("llama-2", 2000)):
         set_load(strict, wid, running=running)
-    set_load(strict, "llama-3", queued=1500)
-    r0 = router(strict, tie_tokens=0)
+    set_load(strict, "llama-3", queued=3000)
+    r0 = router(strict, tie_tokens=0, tie_tokens_uncached=0)
     first = [decided(r0.place(q(f"r{i}", list(range(100 * i, 100 * i + 64)), max_tokens=16), 0.1 * (i + 1))).worker_id
              for i in range(3)]
     assert first[:2] == ["llama-0"] * 2  # the strict minimum piles on the worker that reads lowest
@@ -739,6 +739,24 @@ def test_near_ties_rotate_by_last_placement_and_never_give_up_cache_or_a_clear_g
     rh = router(held)
     for i in range(3):
         assert decided(rh.place(q(f"h{i}", SYSTEM + [9000 + i] * 16), 0.1 * (i + 1))).worker_id == "llama-1"
+
+
+def test_prompts_nobody_holds_rotate_over_the_wider_band() -> None:
+    """With nothing cached anywhere there is no cache to keep: workers within
+    ``tie_tokens_uncached`` (2,048) of the cheapest take turns, where a held prompt's
+    band is ``tie_tokens`` (1,024)."""
+    v = make_view(2)
+    set_load(v, "llama-1", queued=1500)  # inside 2,048, outside 1,024
+    r = router(v)
+    placed = [decided(r.place(q(f"r{i}", list(range(100 * i, 100 * i + 64)), max_tokens=16), 0.1 * (i + 1))).worker_id
+              for i in range(4)]
+    assert placed == ["llama-0", "llama-1", "llama-0", "llama-1"]
+    narrow = make_view(2)
+    set_load(narrow, "llama-1", queued=1500)
+    rn = router(narrow, tie_tokens_uncached=1024)
+    placed = [decided(rn.place(q(f"r{i}", list(range(100 * i, 100 * i + 64)), max_tokens=16), 0.1 * (i + 1))).worker_id
+              for i in range(4)]
+    assert placed == ["llama-0"] * 4
 
 
 @pytest.mark.parametrize(("n", "holders"), [(64, 8), (64, 40), (10, 9), (3, 3)])

@@ -23,7 +23,7 @@ from proto.hashing import block_hashes
 from services.router.policy import PolicyConfig
 from tests.unit.test_router_policy import SYSTEM, cache, decided, make_view, q, router, set_load
 
-RAW_COST = PolicyConfig(policy="prefix", spill_wait_tokens=0, tie_tokens=0)  # the policy before the fix
+RAW_COST = PolicyConfig(policy="prefix", spill_wait_tokens=0, tie_tokens=0, tie_tokens_uncached=0)  # the policy before the fix
 PREFIX = PolicyConfig(policy="prefix")
 ROUND_ROBIN = PolicyConfig(policy="round_robin")
 SECONDS = 20.0
