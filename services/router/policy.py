@@ -51,15 +51,12 @@ unbiased across equal workers.
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
-
-import xxhash
 
 from services.common.fleet import FleetView, FleetWorker, Pool
 from services.common.residency import swap_costs
@@ -69,6 +66,7 @@ from .cascade import Cascade, CascadeConfig
 from .context import DecisionContext
 from .decision import Candidate, NoCapacity, NoCapacityReason, RouteDecision, RouteQuery
 from .hotswap import Demand, pinned_models
+from .ring import SessionRing
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
@@ -222,34 +220,6 @@ class RouterConfig:
         return self.models.get(model, self.default)
 
 
-class _Ring:
-    __slots__ = ("generation", "hashes", "owners", "vnodes")
-
-    def __init__(self, pool: Pool, vnodes: int) -> None:
-        points = sorted(
-            (xxhash.xxh64_intdigest(f"{w.worker_id}#{i}".encode()), w.worker_id)
-            for w in pool
-            for i in range(vnodes)
-        )
-        self.generation = pool.generation
-        self.vnodes = vnodes
-        self.hashes = [h for h, _ in points]
-        self.owners = [wid for _, wid in points]
-
-    def walk(self, key: str) -> Iterable[str]:
-        """Distinct workers clockwise from the key's point."""
-        n = len(self.hashes)
-        if not n:
-            return
-        start = bisect.bisect_left(self.hashes, xxhash.xxh64_intdigest(key.encode()))
-        seen: set[str] = set()
-        for k in range(n):
-            wid = self.owners[(start + k) % n]
-            if wid not in seen:
-                seen.add(wid)
-                yield wid
-
-
 class Router:
     """Model resolution and placement policies over a ``FleetView``."""
 
@@ -260,7 +230,7 @@ class Router:
         self.config = config or RouterConfig()
         self.rng = rng if rng is not None else random.Random(0)
         self._rr: dict[str, int] = {}
-        self._rings: dict[str, _Ring] = {}
+        self._rings: dict[str, SessionRing] = {}
         # The last placeable set's load-average floor and the members under it (see
         # _underused), kept with that set: a new one is built whenever a gauge moves them.
         self._low: tuple[list[FleetWorker], PolicyConfig, float, list[FleetWorker], int] | None = None
@@ -527,7 +497,7 @@ class Router:
         pool = ctx.pool
         ring = self._rings.get(model)
         if ring is None or ring.generation != pool.generation or ring.vnodes != ctx.cfg.session_vnodes:
-            ring = self._rings[model] = _Ring(pool, ctx.cfg.session_vnodes)
+            ring = self._rings[model] = SessionRing(pool, ctx.cfg.session_vnodes)
         allowed = {w.worker_id: w for w in eligible}
         target = next(allowed[wid] for wid in ring.walk(key) if wid in allowed)
         cfg = ctx.cfg
