@@ -93,11 +93,17 @@ def install() -> bool:
     except (OSError, ValueError):
         _state["why"] = "not built (make install)"
         return False
+    if not isinstance(manifest, dict):
+        _state["why"] = "build incomplete (make install)"
+        return False
     if not fresh(manifest):
         _state["why"] = "source changed since the build (make install)"
         return False
-    files = {name: out / rel for name, rel in manifest["files"].items()}
-    if not all(f.is_file() for f in files.values()):
+    try:
+        files = {str(name): out / str(rel) for name, rel in manifest["files"].items()}
+    except (KeyError, TypeError, AttributeError):
+        files = {}
+    if not files or not all(f.is_file() for f in files.values()):
         _state["why"] = "build incomplete (make install)"
         return False
     sys.meta_path.insert(0, _Finder(files))

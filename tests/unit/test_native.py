@@ -94,3 +94,18 @@ def test_a_fresh_build_serves_every_module_compiled() -> None:
     files = _loaded_from({k: v for k, v in os.environ.items() if k != native.ENV})
     assert files.pop("status") == "compiled (mypyc)"
     assert all(f.endswith(".so") and f.startswith(str(native.build_dir())) for f in files.values())
+
+
+def test_a_damaged_build_leaves_every_module_python_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a manifest that lists fresh sources but no files, or is not an object at all, never
+    # breaks an import: the mesh runs as plain Python and the router's log says why
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
+    monkeypatch.setitem(native._state, "active", False)
+    before = list(sys.meta_path)
+    (tmp_path / "manifest.json").write_text(json.dumps(_manifest(ROOT)))
+    assert native.install() is False
+    assert native.status() == "plain Python (build incomplete (make install))"
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    assert native.install() is False
+    assert native.status() == "plain Python (build incomplete (make install))"
+    assert sys.meta_path == before
