@@ -101,6 +101,7 @@ def test_a_damaged_build_leaves_every_module_python_and_says_why(tmp_path: Path,
     # breaks an import: the mesh runs as plain Python and the router's log says why
     monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
     monkeypatch.setitem(native._state, "active", False)
+    monkeypatch.delenv(native.ENV, raising=False)
     before = list(sys.meta_path)
     (tmp_path / "manifest.json").write_text(json.dumps(_manifest(ROOT)))
     assert native.install() is False
