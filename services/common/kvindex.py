@@ -235,16 +235,7 @@ class KvIndex:
                 del index[x]
 
     def _clear(self, h: KvHolder) -> None:
-        index: dict[int, Any] = self.index
-        masks: dict[Any, Any] = self._masks
-        notbit = ~h.bit
-        for x in h.blocks:
-            m = index[x] & notbit
-            if m:
-                index[x] = masks.setdefault(m, m)
-            else:
-                del index[x]
-        h.blocks = set()
+        self._drop(h, list(h.blocks))
 
     def _replace(self, h: KvHolder, hashes: Iterable[int]) -> None:
         new = set(hashes)

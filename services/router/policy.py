@@ -56,7 +56,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from services.common.fleet import FleetView, FleetWorker, Pool
 from services.common.residency import swap_costs
@@ -67,6 +67,8 @@ from .context import DecisionContext
 from .decision import Candidate, NoCapacity, NoCapacityReason, RouteDecision, RouteQuery
 from .hotswap import Demand, pinned_models
 from .ring import SessionRing
+
+_T = TypeVar("_T")
 
 PolicyName = Literal["round_robin", "least_load", "prefix", "session"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "prefix", "session")
@@ -536,7 +538,7 @@ class Router:
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
 
-def _sample(rng: random.Random, items: list[int], k: int) -> list[int]:
+def _sample(rng: random.Random, items: list[_T], k: int) -> list[_T]:
     """``k`` of ``items`` (reordered in place), uniformly without replacement: the first
     ``k`` steps of a Fisher-Yates shuffle, a fifth of ``random.sample``'s time here."""
     n = len(items)
@@ -557,9 +559,7 @@ def _add_others(rng: random.Random, eligible: list[FleetWorker], pick: list[Flee
     if want <= 0:
         return
     if left * 2 < n:  # mostly picked already: draw from the rest as a list
-        rest = [w for w in eligible if w.slot not in chosen]
-        for i in _sample(rng, list(range(len(rest))), want):
-            pick.append(rest[i])
+        pick.extend(_sample(rng, [w for w in eligible if w.slot not in chosen], want))
         return
     while want:
         w = eligible[int(rng.random() * n)]
