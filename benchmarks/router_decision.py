@@ -130,20 +130,6 @@ def walk_times(view: FleetView, docs: list[list[int]], samples: int, seed: int) 
     return out
 
 
-def _without_code(argv: list[str]) -> list[str]:
-    """``argv`` less its ``--code X`` / ``--code=X``: each child runs one code."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--code":
-            skip = True
-        elif not a.startswith("--code="):
-            out.append(a)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 64])
@@ -176,8 +162,8 @@ def main() -> None:
             raise SystemExit(f"--code: unknown {', '.join(sorted(unknown))} (python, compiled)")
         for code in codes:
             env = {**os.environ, native.ENV: "0" if code == "python" else "1"}
-            argv = _without_code(sys.argv[1:])
-            rc = subprocess.call([sys.executable, __file__, *argv, "--rows-only"], env=env)
+            # the child runs the code the environment selects; it ignores --code
+            rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--rows-only"], env=env)
             if rc:
                 raise SystemExit(rc)
         return
