@@ -57,7 +57,7 @@ def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
         burst_s = 60
         [slo]                      # SloConfig: headroom, long_prompt_slack, priority_queues, ...
         headroom = 0.8
-        calibration_quantile = 0.995  # the share of admitted requests meant to meet the SLO
+        calibration_quantile = 0.999  # the share of admitted requests meant to meet the SLO
         [replicas]                 # BookConfig: gauge_stale_s, settle_s, pending_max_age_s
         [service]                  # lease_ttl_s, lease_renew_s, checkpoint_interval_s, ...
 

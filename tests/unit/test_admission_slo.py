@@ -346,6 +346,19 @@ def test_calibration_quantile_ignores_the_rare_outlier() -> None:
     assert adm.calibration.factor("standard") == pytest.approx(1.2)
 
 
+def test_the_default_bound_covers_every_recent_outcome() -> None:
+    """Issue 14: at the 0.995 quantile (the third largest of 500 ratios) one admitted
+    standard request in ~600 still missed its SLO at 2× overload: requests met the rare
+    burst that two outcomes in the window had met before. The default bound now covers
+    the worst of the window."""
+    cfg = SloConfig()
+    adm = SloAdmitter(cfg)
+    for i in range(cfg.calibration_window):
+        adm.observe("standard", 1.0, 2.4 if i in (100, 300) else 1.3 + (i % 7) * 0.1)
+    assert adm.calibration.factor("standard") == pytest.approx(2.4)
+    assert adm.calibration.expected_factor("standard") == pytest.approx(1.6)
+
+
 def test_slack_shrinks_with_the_factor() -> None:
     cfg = SloConfig(priority_queues=False, calibration_min_samples=1, calibration_prior=1.0)
     replica = [ReplicaLoad("w", queued_prefill_tokens=0, prefill_tokens_per_s=10_000, step_time_s=0.05)]
