@@ -134,6 +134,9 @@ class ChoiceDelta:
     chat_logprobs: list[LogprobEntry] | None = None
     completion_logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # A reasoning or tool parser took this chunk's text and has nothing to send yet: like
+    # vLLM's server, no empty delta goes out for it (a plain choice's textless tokens do).
+    parsed: bool = False
 
     @property
     def has_output(self) -> bool:
@@ -324,6 +327,7 @@ class ChoiceAssembler:
             delta.tool_calls.extend(choice.forced.feed(content))
             content = ""
         delta.content = content
+        delta.parsed = choice.reasoning_stream is not None or choice.tool_stream is not None or choice.forced is not None
         if logprobs is not None and self.options.logprobs:
             if self.kind == "chat":
                 delta.chat_logprobs = [self._entry(lp) for lp in logprobs]
@@ -414,9 +418,12 @@ class ChoiceAssembler:
         logprobs = ChoiceLogprobs(content=delta.chat_logprobs) if delta.chat_logprobs is not None else None
         if delta.first:
             out.append(self._chat_chunk(ChatDelta(role="assistant", content=""), delta.index, None, None))
-        if delta.reasoning or delta.content or delta.tool_calls or (delta.token_ids and delta.finish_reason is None):
+        if delta.reasoning or delta.content or delta.tool_calls or (
+                delta.token_ids and delta.finish_reason is None and (not delta.parsed or delta.chat_logprobs)):
             # Tokens that render no text (special tokens, a UTF-8 sequence still incomplete)
             # still get an empty delta, as vLLM's server sends: the client sees progress.
+            # Not text a parser holds back (a tool call being written): vLLM skips those,
+            # unless they carry logprobs (vLLM loses them; we do not).
             out.append(self._chat_chunk(ChatDelta(
                 content=delta.content if delta.content or not (delta.reasoning or delta.tool_calls) else None,
                 reasoning_content=delta.reasoning or None, tool_calls=delta.tool_calls or None,

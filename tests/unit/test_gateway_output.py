@@ -153,6 +153,41 @@ def test_a_required_array_of_calls() -> None:
     assert "tool_calls" not in run("chat", OutputOptions(tool_choice="required"), cut)[0]["choices"][0]["message"]
 
 
+def test_text_a_parser_holds_sends_no_empty_deltas() -> None:
+    """A tool call being written streamed one empty ``content`` delta per token; vLLM's
+    server sends nothing until its parser has something (its ``delta_message is None``
+    case). Textless tokens of a plain choice still get their progress delta, and held
+    tokens that carry logprobs still stream them."""
+    text = '[{"name": "a", "parameters": {"x": 1}}]'
+    chunks = [TokenChunk(request_id="r1", seq=i, token_ids=[i], text=text[i:i + 1]) for i in range(len(text))]
+    chunks.append(TokenChunk(request_id="r1", seq=len(text), finish_reason="stop", usage=USAGE))
+    _, streamed = run("chat", OutputOptions(tool_choice="required"), chunks)
+    deltas = [c["choices"][0] for c in streamed if c["choices"]]
+    assert [d["delta"] for d in deltas] == [
+        {"role": "assistant", "content": ""},
+        {"tool_calls": [{"index": 0, "id": tool_call_id("r1", 0, 0), "type": "function",
+                         "function": {"name": "a", "arguments": '{"x": 1}'}}]},
+        {},
+    ]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    hermes = [TokenChunk(request_id="r1", seq=0, token_ids=[1], text="<tool_call>"),
+              TokenChunk(request_id="r1", seq=1, token_ids=[2], text='{"name": "a", '),
+              TokenChunk(request_id="r1", seq=2, token_ids=[3], text='"arguments": {}}</tool_call>',
+                         finish_reason="stop", usage=USAGE)]
+    _, streamed = run("chat", OutputOptions(tool_choice="auto", tool_parser="hermes"), hermes)
+    assert not any(c["choices"][0]["delta"] == {"content": ""} for c in streamed if c["choices"])
+    with_lp = [TokenChunk(request_id="r1", seq=i, token_ids=[i], text=text[i:i + 1], logprobs=[lp("x", -0.5)])
+               for i in range(len(text))]
+    with_lp.append(TokenChunk(request_id="r1", seq=len(text), finish_reason="stop", usage=USAGE))
+    _, streamed = run("chat", OutputOptions(tool_choice="required", logprobs=True, top_logprobs=1), with_lp)
+    assert len(merged_chat(streamed)[0]["lp"]) == len(text)
+    plain = [TokenChunk(request_id="r1", seq=0, token_ids=[1], text="hi"),
+             TokenChunk(request_id="r1", seq=1, token_ids=[2], text=""),
+             TokenChunk(request_id="r1", seq=2, token_ids=[3], text="!", finish_reason="stop", usage=USAGE)]
+    _, streamed = run("chat", OutputOptions(), plain)
+    assert [c["choices"][0]["delta"] for c in streamed if c["choices"]][2] == {"content": ""}
+
+
 @pytest.mark.parametrize("split", [1, 3, 7, 1000])
 def test_auto_tool_calls_and_reasoning_through_the_parsers(split: int) -> None:
     text = ('<think>the user wants weather</think>Let me check.<tool_call>\n'
