@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.messages import WorkerGauge
-from services.admission.slo import DEFAULT_TIERS, ReplicaLoad, SloAdmitter, SloConfig, TierSLO
+from services.admission.slo import DEFAULT_TIERS, RankedWindow, ReplicaLoad, SloAdmitter, SloConfig, TierSLO
 
 TIERS = ("premium", "standard", "batch")
 
@@ -344,6 +345,23 @@ def test_calibration_quantile_ignores_the_rare_outlier() -> None:
     for i in range(100):
         adm.observe("standard", 1.0, 9.0 if i == 50 else 1.2)
     assert adm.calibration.factor("standard") == pytest.approx(1.2)
+
+
+def test_the_ranked_window_reads_what_sorting_the_window_reads() -> None:
+    """The calibration's window keeps its values ranked as they come and go; every read
+    must equal sorting the last ``size`` values (duplicates and evictions included)."""
+    rng = random.Random(7)
+    window = RankedWindow(50)
+    recent: list[float] = []
+    for i in range(600):
+        value = rng.choice([1.0, 1.5, 2.0]) if i % 3 == 0 else round(rng.lognormvariate(0, 0.5), 2)
+        window.append(value)
+        recent = [*recent, value][-50:]
+        ranked = sorted(recent)
+        assert list(window) == recent and len(window) == len(recent)
+        for q in (0.0, 0.25, 0.5, 0.995, 0.999):
+            assert window.at(q) == ranked[min(int(q * len(ranked)), len(ranked) - 1)]
+        assert window.largest() == ranked[-1]
 
 
 def test_the_default_bound_covers_every_recent_outcome() -> None:
