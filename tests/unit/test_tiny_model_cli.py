@@ -1,4 +1,5 @@
-"""``meshserve make-tiny-model`` in an environment without torch: one clear line, nothing written."""
+"""``meshserve make-tiny-model`` and ``calibrate`` in an environment without torch: one clear
+line saying what to install, nothing written."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ def test_without_torch_it_says_what_to_install_and_writes_nothing(tmp_path: Path
     assert "make vllm-cpu" in result.stderr and "torch" in result.stderr
     assert "Traceback" not in result.stderr
     assert not target.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here (.venv-vllm)")
+def test_calibrate_without_torch_says_what_to_install(tmp_path: Path) -> None:
+    """It printed a traceback (``ModuleNotFoundError: torch``) in the default venv."""
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "calibrate", "--out", str(out)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "make vllm-cpu" in result.stderr and "--engine-url" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
