@@ -331,7 +331,20 @@ class Service:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
+        # A stop during start-up (NATS not reachable yet: connecting retries for ever) ends
+        # the process at once: SIGTERM must not wait for a server that may never come.
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not starting.done():
+            log.info("%s: stop requested during start-up; not started", self.name)
+            await cancel_and_wait([starting])
+            await self.abandon_start()
+            return 0
+        starting.result()  # a failed start raises here, as before
         await self._stop.wait()
         finished = await self.drain_and_close()
         return 0 if finished else 3
