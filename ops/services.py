@@ -12,7 +12,9 @@ import json
 import sys
 from typing import Any
 
-from bus import Bus, BusSettings
+from bus import Bus
+
+from .console import mesh_bus
 
 
 def add_parser(subparsers: Any) -> None:
@@ -53,11 +55,8 @@ def run_services(args: argparse.Namespace) -> int:
     apply_common_arguments(args)
 
     async def main() -> int:
-        bus = await Bus.open(BusSettings.from_env(), "meshserve-services", initial_attempts=3)
-        try:
+        async with mesh_bus("meshserve-services") as bus:  # one error line, as every command
             infos = await discover_info(bus, args.name, args.wait)
-        finally:
-            await bus.close()
         if args.json:
             sys.stdout.write(json.dumps(infos, indent=2) + "\n")
             return 0

@@ -124,12 +124,13 @@ def test_revoke_takes_a_whole_key_and_list_shows_broken_records(
 
 def test_every_command_without_a_mesh_says_so_in_one_line() -> None:
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
-    commands = [["keys", "--nats-url", url, "list"], ["status", "--nats-url", url], ["usage", "--nats-url", url]]
+    commands = [["keys", "--nats-url", url, "list"], ["status", "--nats-url", url], ["usage", "--nats-url", url],
+                ["services", "--nats-url", url], ["adapters", "--nats-url", url, "list"]]
     procs = [subprocess.Popen([sys.executable, "-m", "ops.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for argv in commands]
     for argv, proc in zip(commands, procs, strict=True):
         out, err = proc.communicate(timeout=120)
-        name = "keys list" if argv[0] == "keys" else argv[0]
+        name = f"{argv[0]} list" if argv[0] in ("keys", "adapters") else argv[0]
         assert proc.returncode == 1, err
         assert out == "" and err.count("\n") == 1, err
         assert err.startswith(f"meshserve {name}: cannot reach NATS at {url}")
