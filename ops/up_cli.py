@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import Bus
+from services.common.cli_types import port_number
 
 from .up import Mesh, MeshConfig, StartupError, ready_workers
 
@@ -32,10 +33,10 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--state-dir", default=".meshserve", help="NATS data, logs, the ledger and the dev key live here")
-    parser.add_argument("--nats-port", type=_port, default=4222, help="port of the nats-server started here (0: a free one)")
+    parser.add_argument("--nats-port", type=port_number, default=4222, help="port of the nats-server started here (0: a free one)")
     parser.add_argument("--nats-url", default=None,
                         help="use this NATS (with JetStream) instead of starting one; comma-separated for a cluster")
-    parser.add_argument("--http-port", type=_port, default=8080, help="the gateway's HTTP port")
+    parser.add_argument("--http-port", type=port_number, default=8080, help="the gateway's HTTP port")
     parser.add_argument("--root", default="mesh", help="subject root of this mesh")
     parser.add_argument("--engine", choices=["sim", "vllm", "echo"], default="sim",
                         help="the workers' engine: sim (simulated, default), vllm (real, needs vLLM installed) or"
@@ -56,16 +57,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the mesh (default 60; 600 with --engine vllm)")
     parser.set_defaults(func=run_up)
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, not {value}")
-    return value
 
 
 def _count(text: str) -> int:

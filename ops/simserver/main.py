@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 from ops.console import EXIT_USAGE, CliError
+from services.common.cli_types import port_number
 
 
 def add_parser(subparsers: Any) -> None:
@@ -24,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
         description="The mesh's sim engine (batching, chunked prefill, paged KV, prefix cache, preemption) behind"
                     " vLLM's HTTP surface, for routers, proxies and benchmark clients. No NATS.")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (vLLM's default 8000; 0: any free port)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (vLLM's default 8000; 0: any free port)")
     p.add_argument("--model", default=None, help="served model name (default: the profile's model)")
     p.add_argument("--profile", default=None, help="step-time profile name or JSON path (default: llama-3.1-8b-h100)")
     p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (1.0 = real time)")
@@ -56,8 +57,6 @@ def _check(args: argparse.Namespace) -> None:
     def bad(message: str) -> None:
         raise CliError(message, EXIT_USAGE)
 
-    if not 0 <= args.port <= 65535:
-        bad(f"--port {args.port} is not a port number")
     if not args.speed > 0:
         bad("--speed must be positive")
     if not 0.0 <= args.error_rate <= 1.0:

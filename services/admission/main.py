@@ -19,6 +19,7 @@ import argparse
 
 from bus import RunOptions, run_service
 from bus.config import default_of, given
+from services.common.cli_types import port_number
 
 from .buckets import LimiterConfig
 from .config import AdmissionConfig, load_config
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl", type=float, default=None,
                         help="seconds a dead leader's lease outlives it before a standby takes over "
                              f"(default {default_of(AdmissionConfig, 'lease_ttl_s'):g}); renewed every third of it")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    parser.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
     parser.add_argument("--metrics-host", default=None,
                         help=f"address of /metrics (default {default_of(AdmissionConfig, 'metrics_host')})")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import RunOptions, run_service
+from services.common.cli_types import port_number
 
 _DRIVER_KEYS = ("worker_args", "nomad_job", "compose_service")
 
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shell.add_argument("--drain-grace", type=float, default=15.0, help="beyond the drain timeout before a forced stop")
     shell.add_argument("--start-timeout", type=float, default=600.0, help="a launch with no gauge by then is written off")
     shell.add_argument("--history", type=int, default=50, help="decisions kept per pool for status")
-    shell.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    shell.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
     shell.add_argument("--metrics-host", default="127.0.0.1")
     local = parser.add_argument_group("local driver")
     local.add_argument("--state-dir", default=".meshserve", help="worker logs go to STATE_DIR/logs")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from bus import RunOptions, run_service
 from bus.config import default_of, given
+from services.common.cli_types import port_number
 
 from .config import GatewayConfig, load_config, load_oidc_config
 from .upstream import UpstreamConfig
@@ -54,7 +55,7 @@ def _seconds(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults come from GatewayConfig (None here: not given); the help quotes them.
     parser.add_argument("--host", default=None, help=f"address to listen on (0.0.0.0 in containers) {_default('host')}")
-    parser.add_argument("--port", type=int, default=None, help=f"HTTP port (0 picks a free one) {_default('port')}")
+    parser.add_argument("--port", type=port_number, default=None, help=f"HTTP port (0 picks a free one) {_default('port')}")
     parser.add_argument("--gateway-id", default=None, help="stable id (default: gateway-host-random)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")

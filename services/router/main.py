@@ -18,6 +18,7 @@ import argparse
 
 from bus import RunOptions, run_service
 from bus.config import default_of, given
+from services.common.cli_types import port_number
 
 from .config import RouterServiceConfig, load_config
 from .policy import POLICIES, PolicyConfig
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a worker gets to accept a request before the next one is tried "
                              f"(default {default_of(RouterServiceConfig, 'forward_timeout_s'):g})")
     parser.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and candidate sampling")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    parser.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
     parser.add_argument("--metrics-host", default=None,
                         help=f"address of /metrics (default {default_of(RouterServiceConfig, 'metrics_host')})")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import RunOptions, run_service, run_services
+from services.common.cli_types import port_number
 from services.common.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 from .engines.hosted import LOAD_PRESETS
@@ -97,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--chunk-retention", type=float, default=10.0,
                         help="seconds a request's published chunks are kept after it ends, for a gateway that lost"
                              " one to ask again (0: keep none; a lost chunk then costs a stall and a migration)")
-    stream.add_argument("--metrics-port", type=int, default=None,
+    stream.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics with vLLM's names on this port (0: any free port)")
     stream.add_argument("--metrics-host", default="127.0.0.1")
     stream.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
@@ -217,7 +218,15 @@ def run(args: argparse.Namespace) -> int:
     if args.host_models:
         return run_services(lambda: [WorkerService(engine, replace(config, worker_id=worker_id), options.settings)
                                      for worker_id, engine in host_engines(args)], options)
-    return run_service(lambda: WorkerService(create_engine(args.engine, **engine_options(args)), config, options.settings), options)
+
+    def worker() -> WorkerService:
+        try:
+            engine = create_engine(args.engine, **engine_options(args))
+        except ValueError as exc:  # an engine option out of range (--speed -1): one line, not a traceback
+            raise SystemExit(f"meshserve serve worker: {exc}") from None
+        return WorkerService(engine, config, options.settings)
+
+    return run_service(worker, options)
 
 
 def parse_host_models(text: str) -> list[tuple[str, str]]:

@@ -165,7 +165,7 @@ def test_a_bad_return_error_header_is_a_400(value: str) -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--speed", "0"], ["--error-rate", "1.5"], ["--port", "70000"], ["--block-size", "0"],
+    ["--speed", "0"], ["--error-rate", "1.5"], ["--block-size", "0"],  # --port: test_cli_arguments.py
     ["--kv-events-replay", "tcp://127.0.0.1:5999"], ["--profile", "no-such-profile"],
 ])
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

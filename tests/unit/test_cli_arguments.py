@@ -1,0 +1,52 @@
+"""Bad numbers on the command line get a one-line usage error (exit 2) before anything
+starts: every port flag of ``meshserve`` and its services, and a worker's engine option.
+``serve gateway --port 99999`` used to start and wait for NATS; ``serve worker --speed -1``
+printed a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops.cli import build_parser
+from ops.natsserver import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PORT_FLAGS = [
+    ["serve", "gateway", "--port"],
+    ["serve", "router", "--metrics-port"],
+    ["serve", "admission", "--metrics-port"],
+    ["serve", "autoscaler", "--metrics-port"],
+    ["serve", "worker", "--metrics-port"],
+    ["up", "--http-port"],
+    ["up", "--nats-port"],
+    ["sim-server", "--port"],
+]
+
+
+@pytest.mark.parametrize("argv", PORT_FLAGS, ids=lambda a: " ".join(a))
+@pytest.mark.parametrize("value", ["99999", "-1", "http"])
+def test_every_port_flag_takes_only_a_port(argv: list[str], value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[-1]}:" in err and ("a port is 0-65535" in err or "not a port number" in err)
+
+
+@pytest.mark.parametrize("value", ["0", "8080", "65535"])
+def test_ports_in_range_pass(value: str) -> None:
+    assert build_parser().parse_args(["serve", "gateway", "--port", value]).port == int(value)
+
+
+def test_a_worker_engine_option_out_of_range_is_one_line() -> None:
+    url = f"nats://127.0.0.1:{free_port()}"  # never reached: the engine is checked first
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "worker", "--engine", "sim", "--speed", "-1",
+                             "--nats-url", url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "meshserve serve worker: speed must be positive"
