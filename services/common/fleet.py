@@ -145,6 +145,12 @@ class FleetWorker:
         return base + self.opt_prefill_tokens + self.opt_running_tokens
 
     @property
+    def requests(self) -> int:
+        """Requests running or waiting here: the gauge's, plus those placed since."""
+        g = self.gauge
+        return (g.running + g.waiting if g is not None else 0) + len(self.placements)
+
+    @property
     def kv_usage(self) -> float:
         return self.gauge.kv_usage if self.gauge is not None else 0.0
 

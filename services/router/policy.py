@@ -32,7 +32,9 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   no earlier placement matched: ``spill_private_weight``).
   Near ties (within ``tie_tokens`` of the cheapest, holding as much of the prompt;
   ``tie_tokens_uncached`` when nobody holds any of it) take turns: the one placed on
-  least recently wins, as round robin spaces arrivals.
+  least recently wins, as round robin spaces arrivals. Optionally
+  (``prefill_harm_weight``), a prompt nobody holds is also charged its prompt per
+  request running or waiting on the worker: its prefill stalls those decodes.
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
   the session key; falls back to ``prefix`` without a key or when the target is
   overloaded (outstanding tokens above ``session_overload_factor`` × the pool mean and
@@ -183,6 +185,15 @@ class PolicyConfig:
     # seeds 1-5, gauges every 0.4 s), p90 TTFT median / worst: 163 / 176 ms at 1024, 159 /
     # 170 at 2048, 160 / 170 at 4096, round robin 161 / 171.
     tie_tokens_uncached: int = 2048
+    # A prompt nobody holds costs the same prefill wherever it runs, and that prefill
+    # stalls every request decoding beside it for as long. > 0: such a placement is also
+    # charged this many times its prompt per request running or waiting on the worker
+    # (its gauge's, plus those placed since), so it goes where it stalls fewest decodes.
+    # A trade, off by default: on the mesh (benchmarks/peers.py, seeds 1-5) 0.5 with
+    # tie_tokens_uncached 0 cut multi-turn TPOT 3-4 % and its decodes beside each prefill
+    # step, but raised its TTFT p99 (108-129 → 116-181 ms) and distinct prompts' p90
+    # (152-158 → 166-187 ms): a new prompt then waits behind more queued prefill.
+    prefill_harm_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -197,6 +208,8 @@ class PolicyConfig:
             raise ValueError("spill_repeat_weight and spill_private_weight must be ≥ 0 (0: the wait alone decides a spill)")
         if self.spill_reuse_memory < 1:
             raise ValueError("spill_reuse_memory must be ≥ 1")
+        if self.prefill_harm_weight < 0:
+            raise ValueError("prefill_harm_weight must be ≥ 0 (0: off)")
         if self.tie_tokens < 0 or self.tie_tokens_uncached < 0:
             raise ValueError("tie_tokens and tie_tokens_uncached must be ≥ 0 (0: the strict minimum)")
         if self.spill_wait_tokens < 0:
@@ -395,6 +408,11 @@ class Router:
         if hinted is not None:
             if all(w is not hinted for _, w in scored):
                 scored.append((ctx.prefix_cost(hinted), hinted))
+        if not top and cfg.prefill_harm_weight:
+            # nothing cached anywhere: the prefill costs the same wherever it runs, but it
+            # stalls every request decoding beside it for as long
+            harm = cfg.prefill_harm_weight * ctx.prompt_tokens
+            scored = [(c + harm * w.requests, w) for c, w in scored]
         # The holders the policy scored (every holder in a pool scanned whole), for the
         # spill counters; before the slack filter, which may leave none of them.
         holders = [(c, w) for c, w in scored if by_slot.get(w.slot, 0) == top] if top else []

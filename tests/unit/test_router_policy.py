@@ -789,3 +789,38 @@ def test_the_random_others_are_uniform_distinct_and_never_the_holders(n: int, ho
         chi2 = sum((counts[f"w{i}"] - expected) ** 2 / expected for i in range(holders, n))
         df = rest - 1
         assert chi2 <= df + 5 * (2 * df) ** 0.5 + 1
+
+
+def test_a_prompt_nobody_holds_goes_where_its_prefill_stalls_fewest_decodes() -> None:
+    """With nothing cached anywhere the prefill costs the same wherever it runs, but it
+    stalls every request decoding beside it for as long: its prompt, weighed by
+    ``prefill_harm_weight`` (off by default: a trade of TTFT for TPOT), counts once per
+    request running or waiting there (the gauge's and those placed since). A held prompt
+    is not moved by it: its cache is worth more."""
+    def load(v: FleetView, wid: str, requests: int, queued: int = 0) -> None:
+        v.apply_gauge(WorkerGauge(worker_id=wid, model=MODEL, ts=1.0, running=requests, queued_prefill_tokens=queued,
+                                  running_tokens=3000), 0.0)
+
+    prompt = list(range(10_000, 11_000))  # 1,000 tokens, held by nobody
+    v = make_view(2)
+    load(v, "llama-0", 6)  # six decodes, nothing queued
+    load(v, "llama-1", 1, queued=300)  # one decode and a queued prefill
+    blind = router(v, tie_tokens_uncached=0)  # the default: no harm counted
+    assert decided(blind.place(q("a", prompt), 0.1)).worker_id == "llama-0"  # 300 tokens less wait
+    v = make_view(2)
+    load(v, "llama-0", 6)
+    load(v, "llama-1", 1, queued=300)
+    r = router(v, prefill_harm_weight=0.5, tie_tokens_uncached=0)
+    first = decided(r.place(q("b", prompt), 0.1))
+    assert first.worker_id == "llama-1"  # 0.5 · 1,000 tokens · (6 − 1) requests outweigh 300 tokens of wait
+    # what was placed since the gauge counts too: llama-1 now runs 2 and has 1,300 queued
+    assert decided(r.place(q("c", list(range(20_000, 21_000))), 0.2)).worker_id == "llama-1"
+    # a holder keeps the prompt however many decode there
+    held = make_view(2)
+    cache(held, "llama-0", SYSTEM)
+    load(held, "llama-0", 6)
+    load(held, "llama-1", 0)
+    rh = router(held, prefill_harm_weight=0.5, tie_tokens_uncached=0)
+    assert decided(rh.place(q("d", SYSTEM + [9000] * 16), 0.1)).worker_id == "llama-0"
+    with pytest.raises(ValueError):
+        PolicyConfig(prefill_harm_weight=-1)
