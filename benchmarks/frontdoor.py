@@ -43,24 +43,13 @@ from gateway import _cpu_seconds
 
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
 from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig
+from ops.up import Mesh, MeshConfig, child_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / ".venv-tools"
 MODEL = "sim-llama-8b"
 PATHS = ("direct", "vllm-router", "litellm", "meshserve")
 LITELLM_KEY = "sk-meshserve-frontdoor"  # LiteLLM refuses to start without a master key
-
-
-def child_pids(pid: int, *, recursive: bool = False) -> list[int]:
-    """The processes ``pid`` started (with ``recursive``, theirs too, at any depth)."""
-    try:
-        found = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-    except OSError:
-        return []
-    if recursive:
-        found += [g for c in list(found) for g in child_pids(c, recursive=True)]
-    return found
 
 
 class Proc:

@@ -30,6 +30,18 @@ from proto.messages import WorkerInfo
 from .natsserver import NatsServer, cluster, free_port, last_line, port_in_use, port_owner
 
 
+def child_pids(pid: int, *, recursive: bool = False) -> list[int]:
+    """The processes ``pid`` started (with ``recursive``, theirs too, at any depth); [] where
+    ``pgrep`` is missing."""
+    try:
+        found = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    except OSError:
+        return []
+    if recursive:
+        found += [g for c in list(found) for g in child_pids(c, recursive=True)]
+    return found
+
+
 @dataclass
 class ServiceProcess:
     name: str  # service kind: worker, gateway, ...
@@ -64,8 +76,13 @@ class ServiceProcess:
             self.proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
+        """Kill -9 the process and every process under it: the autoscaler's workers run in
+        sessions of their own and would outlive it, and so would an engine's own children."""
         if self.running():
             assert self.proc is not None
+            for pid in child_pids(self.proc.pid, recursive=True):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.kill()
 
     def wait(self, timeout: float) -> int | None:
@@ -74,7 +91,7 @@ class ServiceProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
             return self.proc.wait()
 
 

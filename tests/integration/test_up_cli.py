@@ -8,7 +8,9 @@ hand, and ``--nats-url`` never falls back to a NATS it was not given.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -126,6 +128,39 @@ def test_ctrl_c_during_start_up_stops_everything_started(tmp_path: Path, up_runs
     assert "meshserve is up" not in text and "development API key" not in text, text
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert leftover == [], f"processes left running: {leftover}"
+
+
+def test_a_second_ctrl_c_kills_the_autoscalers_workers_too(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    """An impatient double Ctrl-C kills every process at once: the workers the autoscaler
+    started (in sessions of their own) go too, not left running for good without it."""
+    run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()))
+    text = run.wait_for("Ctrl-C stops everything")
+    pids = [int(m) for m in re.findall(r"worker \S+\s*│ pid (\d+) \(", text)]
+    assert len(pids) == 2, text
+    run.proc.send_signal(signal.SIGINT)
+    run.wait_for("stopping...", timeout=10)  # the gateway goes first; the autoscaler has not been told yet
+    run.proc.send_signal(signal.SIGINT)
+    run.finish(timeout=60)
+    assert "second interrupt: killing everything" in run.text(), run.text()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if _running(pid)]
+        time.sleep(0.1)
+    for pid in alive:  # not left for the next test
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"the autoscaler's workers outlived meshserve up: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie waiting for its parent is gone for our purpose
+        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+            return False
+    return True
 
 
 def test_one_development_key_per_state_folder(tmp_path: Path, up_runs: list[UpProcess]) -> None:
