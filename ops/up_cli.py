@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -128,10 +129,19 @@ def run_up(args: argparse.Namespace) -> int:
             console.print("second interrupt: killing everything", markup=False)
             mesh.kill()
 
+    def on_hangup() -> None:
+        # The terminal is gone (closed, or an SSH session dropped): stop as on Ctrl-C, not
+        # die alone and leave every service running on its ports. Writes to the dead
+        # terminal would fail from here on; what is left to say goes to the logs.
+        console.file = open(mesh.log_dir / "up.log", "a") if mesh.log_dir.is_dir() else open(os.devnull, "w")
+        on_signal()
+
     async def main() -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
+        if hasattr(signal, "SIGHUP"):
+            loop.add_signal_handler(signal.SIGHUP, on_hangup)
         wait_workers = config.workers > 0
         with console.status("starting...") as status:
             start = asyncio.create_task(mesh.start(timeout=timeout, progress=status.update, wait_workers=wait_workers))

@@ -152,6 +152,26 @@ def test_a_second_ctrl_c_kills_the_autoscalers_workers_too(tmp_path: Path, up_ru
     assert alive == [], f"the autoscaler's workers outlived meshserve up: {alive}"
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+def test_a_closed_terminal_stops_the_mesh_it_started(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    """Closing the terminal (or an SSH session dropping) sends SIGHUP: the mesh stops as on
+    Ctrl-C, instead of ``meshserve up`` dying alone and leaving every service it started
+    running and holding its ports."""
+    run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()))
+    text = run.wait_for("Ctrl-C stops everything")
+    pids = [int(m) for m in re.findall(r"│ pid (\d+)", text)]
+    assert len(pids) >= 7, text  # router, admission, gateway, metering, autoscaler and its two workers
+    run.proc.send_signal(signal.SIGHUP)
+    assert run.finish(timeout=60) == 0, run.text()
+    alive = [pid for pid in pids if _running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    nats = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    for pid in nats:
+        os.kill(int(pid), signal.SIGKILL)
+    assert alive == [] and nats == [], f"left running after the hangup: {alive} {nats}"
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
