@@ -117,6 +117,7 @@ class NatsServer:
     routes: list[str] = field(default_factory=list)
     log_file: Path | None = None
     root: str = "mesh"  # the subject root the connection advisories are imported under
+    env: dict[str, str] | None = None  # the process's environment (None: ours)
     _proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -163,6 +164,7 @@ class NatsServer:
         with open(self.log_file or os.devnull, "ab") as out:  # the child keeps its own descriptor
             self._proc = subprocess.Popen(
                 [nats_server_binary(), "-c", str(config)],
+                env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in a terminal reaches meshserve, which stops us in order

@@ -42,6 +42,66 @@ def child_pids(pid: int, *, recursive: bool = False) -> list[int]:
     return found
 
 
+# Every process a ``meshserve up`` starts carries ``<its pid>:<state dir>`` in this variable
+# (the autoscaler's workers inherit it), so the next ``up`` of that folder can tell what an
+# earlier one left running when it was killed outright (kill -9, an OOM kill).
+UP_MARK = "MESHSERVE_UP"
+
+
+def _proc_read(pid: int, name: str) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / name).read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int:
+    fields = _proc_read(pid, "stat").rsplit(b") ", 1)[-1].split()
+    return int(fields[1]) if len(fields) > 1 else 0
+
+
+def marked_processes(state_dir: Path) -> dict[int, int]:
+    """pid → the pid of the ``meshserve up`` that started it, for each process an ``up`` of
+    ``state_dir`` started that is still running (Linux: from /proc; elsewhere none)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return {}
+    mark = f"{UP_MARK}=".encode()
+    want = str(state_dir).encode()
+    found: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        for var in _proc_read(int(entry.name), "environ").split(b"\0"):
+            if var.startswith(mark):
+                up, _, where = var[len(mark):].partition(b":")
+                if where == want and up.isdigit():
+                    found[int(entry.name)] = int(up)
+                break
+    return found
+
+
+def stop_leftovers(pids: list[int], grace_s: float = 10.0) -> None:
+    """SIGTERM ``pids`` (nats-server last, so the services can say goodbye to it), then SIGKILL
+    whatever still runs after ``grace_s``."""
+    def alive(pid: int) -> bool:
+        state = _proc_read(pid, "stat").rsplit(b") ", 1)[-1][:1]
+        return bool(state) and state != b"Z"
+
+    nats = [p for p in pids if _proc_read(p, "comm").strip() == b"nats-server"]
+    for group in ([p for p in pids if p not in nats], nats):
+        for pid in group:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(alive(p) for p in group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in group:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
 @dataclass
 class ServiceProcess:
     name: str  # service kind: worker, gateway, ...
@@ -140,7 +200,10 @@ class Mesh:
         else:
             self.nats_nodes = [NatsServer(store_dir=self.state_dir / "nats", port=config.nats_port or free_port(),
                                           log_file=self.log_dir / "nats.log", root=config.root)]
+        for node in self.nats_nodes:
+            node.env = {**os.environ, UP_MARK: self._mark}
         self.processes: list[ServiceProcess] = []
+        self.leftovers_stopped = 0  # processes an earlier, killed ``up`` of this folder left running
         self.dev_key = ""
         self.dev_key_reused = False
         self.workers: list[WorkerInfo] = []  # the ready workers when start() returned
@@ -178,9 +241,30 @@ class Mesh:
             "MESHSERVE_JS_REPLICAS": str(self.replicas),
             "MESHSERVE_ROOT": self.config.root,
             "PYTHONUNBUFFERED": "1",
+            UP_MARK: self._mark,
             **self.config.extra_env,
         }
         return env
+
+    @property
+    def _mark(self) -> str:
+        return f"{os.getpid()}:{self.state_dir}"
+
+    def take_over_leftovers(self) -> None:
+        """Stop what an earlier ``meshserve up`` of this state folder left running when it was
+        killed outright; refuse to start beside one that still runs."""
+        marked = {pid: up for pid, up in marked_processes(self.state_dir).items() if up != os.getpid()}
+        # A starter still running is still the parent of the services it started.
+        live = sorted({up for pid, up in marked.items() if _parent(pid) == up})
+        if live:
+            starter = b" ".join(_proc_read(live[0], "cmdline").split(b"\0")).decode(errors="replace").strip()
+            raise StartupError(f"a mesh from {self.state_dir} is already running, started by pid {live[0]} "
+                               f"({starter[:80]}): stop it (Ctrl-C in its terminal, or kill {live[0]}), or give "
+                               f"this one another --state-dir")
+        stale = [pid for pid, up in marked.items() if up not in live]
+        if stale:
+            stop_leftovers(stale)
+            self.leftovers_stopped = len(stale)
 
     def worker_process(self, index: int) -> ServiceProcess:
         c = self.config
@@ -271,6 +355,8 @@ class Mesh:
 
     async def _start(self, timeout: float, progress: Callable[[str], None] | None, wait_workers: bool) -> None:
         say = progress or (lambda _text: None)
+        say("looking for a mesh an earlier run left behind")
+        self.take_over_leftovers()
         busy = self.busy_ports()
         if busy:
             raise StartupError("; ".join(busy))

@@ -160,6 +160,9 @@ def run_up(args: argparse.Namespace) -> int:
             console.print(f"meshserve up failed: {error}", markup=False)
             await asyncio.to_thread(mesh.stop, 10)
             return 1
+        if mesh.leftovers_stopped:
+            console.print(f"stopped {mesh.leftovers_stopped} processes an earlier meshserve up of {mesh.state_dir} "
+                          "left running (it was killed before it could stop them)", markup=False)
         _print_banner(console, mesh)
         known = {w.worker_id for w in mesh.workers}
         watch_from = time.monotonic()

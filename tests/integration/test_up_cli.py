@@ -172,6 +172,37 @@ def test_a_closed_terminal_stops_the_mesh_it_started(tmp_path: Path, up_runs: li
     assert alive == [] and nats == [], f"left running after the hangup: {alive} {nats}"
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="leftovers are found through /proc")
+def test_a_mesh_left_by_a_killed_up_is_stopped_by_the_next(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    """``meshserve up`` killed outright (kill -9, an OOM kill) leaves its services running on
+    their ports; the next ``up`` of the same state folder stops them and starts, where it
+    used to fail on the busy ports and suggest other ones."""
+    http_port = free_port()
+    first = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(http_port))
+    text = first.wait_for("Ctrl-C stops everything")
+    left = [int(m) for m in re.findall(r"│ pid (\d+)", text)]
+    left += [int(p) for p in subprocess.run(["pgrep", "-f", str(tmp_path / ".meshserve" / "nats")],
+                                            capture_output=True, text=True).stdout.split()]
+    assert len(left) >= 8, text  # nats-server, five services, the autoscaler's two workers
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.finish()
+    second = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(http_port))
+    text = second.wait_for("Ctrl-C stops everything", timeout=90)
+    assert "processes an earlier meshserve up of" in text, text
+    assert [pid for pid in left if _running(pid)] == [], text
+    assert second.interrupt() == 0, second.text()
+
+
+def test_a_second_up_of_a_running_mesh_names_the_first(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    first = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--workers", "0")
+    first.wait_for("Ctrl-C stops everything")
+    second = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--workers", "0")
+    assert second.finish(timeout=60) == 1, second.text()
+    assert f"already running, started by pid {first.proc.pid}" in second.text(), second.text()
+    assert first.proc.poll() is None  # untouched
+    assert first.interrupt() == 0, first.text()
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
