@@ -513,6 +513,7 @@ class Mesh:
             deadline = time.monotonic() + timeout  # one deadline for the group: they drain in parallel
             for p in group:
                 codes[p.label] = p.wait(max(deadline - time.monotonic(), 0.1))
+        stop_leftovers(self._strays())
         for node in self.nats_nodes:
             node.stop()
         return codes
@@ -521,8 +522,17 @@ class Mesh:
         """Kill -9 every process at once (a second Ctrl-C while stopping)."""
         for p in self.processes:
             p.kill()
+        for pid in self._strays():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for node in self.nats_nodes:
             node.kill()
+
+    def _strays(self) -> list[int]:
+        """Processes this mesh started that run on without a parent here: the workers of an
+        autoscaler that died (they run in sessions of their own)."""
+        nats = {node.pid for node in self.nats_nodes}
+        return [pid for pid, up in marked_processes(self.state_dir).items() if up == os.getpid() and pid not in nats]
 
     def summary(self) -> list[tuple[str, str, str]]:
         rows = [(f"nats-server-{i}" if len(self.nats_nodes) > 1 else "nats-server", n.url, str(n.log_file))

@@ -203,6 +203,23 @@ def test_a_second_up_of_a_running_mesh_names_the_first(tmp_path: Path, up_runs: 
     assert first.interrupt() == 0, first.text()
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="strays are found through /proc")
+def test_the_workers_of_an_autoscaler_that_died_stop_with_the_mesh(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()))
+    text = run.wait_for("Ctrl-C stops everything")
+    autoscaler = int(re.findall(r"autoscaler\s*│ pid (\d+)", text)[0])
+    workers = [int(m) for m in re.findall(r"worker \S+\s*│ pid (\d+) \(", text)]
+    assert len(workers) == 2, text
+    os.kill(autoscaler, signal.SIGKILL)
+    run.wait_for("exited: autoscaler", timeout=30)
+    assert all(_running(pid) for pid in workers)  # they serve on without it
+    assert run.interrupt() == 0, run.text()
+    alive = [pid for pid in workers if _running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"the dead autoscaler's workers outlived meshserve up: {alive}"
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
