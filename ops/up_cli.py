@@ -129,12 +129,31 @@ def run_up(args: argparse.Namespace) -> int:
             console.print("second interrupt: killing everything", markup=False)
             mesh.kill()
 
+    hung_up = False
+
     def on_hangup() -> None:
         # The terminal is gone (closed, or an SSH session dropped): stop as on Ctrl-C, not
         # die alone and leave every service running on its ports. Writes to the dead
         # terminal would fail from here on; what is left to say goes to the logs.
+        nonlocal hung_up
+        if hung_up:
+            return
+        hung_up = True
         console.file = open(mesh.log_dir / "up.log", "a") if mesh.log_dir.is_dir() else open(os.devnull, "w")
         on_signal()
+
+    async def watch_terminal(fd: int) -> None:
+        # SIGHUP goes to the terminal's session leader only. Under a shell that passes it
+        # on to its jobs, so it reaches us; but when the leader is ``make up`` itself
+        # (``ssh -t host make up``, a terminal running make directly), make waits for us
+        # and we would never hear of it. A hung-up terminal fails every ioctl: look.
+        while not hung_up:
+            try:
+                os.tcgetpgrp(fd)
+            except OSError:
+                on_hangup()
+                return
+            await asyncio.sleep(0.5)
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
@@ -142,6 +161,15 @@ def run_up(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, on_signal)
         if hasattr(signal, "SIGHUP"):
             loop.add_signal_handler(signal.SIGHUP, on_hangup)
+        terminal = next((fd for fd in (0, 1, 2) if _controlling_terminal(fd)), None)
+        watching = asyncio.create_task(watch_terminal(terminal)) if terminal is not None else None
+        try:
+            return await run()
+        finally:
+            if watching is not None:
+                watching.cancel()
+
+    async def run() -> int:
         wait_workers = config.workers > 0
         with console.status("starting...") as status:
             start = asyncio.create_task(mesh.start(timeout=timeout, progress=status.update, wait_workers=wait_workers))
@@ -205,6 +233,15 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(main())
+
+
+def _controlling_terminal(fd: int) -> bool:
+    """Whether ``fd`` is our controlling terminal (one that can hang up on us): a terminal
+    whose foreground process group we may read."""
+    try:
+        return os.isatty(fd) and os.tcgetpgrp(fd) >= 0
+    except OSError:
+        return False
 
 
 def _print_banner(console: Any, mesh: Mesh) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from ops.natsserver import NatsServer, free_port
+from ops.up import child_pids, marked_processes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,46 +131,34 @@ def test_ctrl_c_during_start_up_stops_everything_started(tmp_path: Path, up_runs
     assert leftover == [], f"processes left running: {leftover}"
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="the mesh's processes are found through /proc")
 def test_a_second_ctrl_c_kills_the_autoscalers_workers_too(tmp_path: Path, up_runs: list[UpProcess]) -> None:
     """An impatient double Ctrl-C kills every process at once: the workers the autoscaler
     started (in sessions of their own) go too, not left running for good without it."""
     run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()))
-    text = run.wait_for("Ctrl-C stops everything")
-    pids = [int(m) for m in re.findall(r"worker \S+\s*│ pid (\d+) \(", text)]
-    assert len(pids) == 2, text
+    run.wait_for("Ctrl-C stops everything")
+    _wait_for_the_whole_mesh(tmp_path)
     run.proc.send_signal(signal.SIGINT)
     run.wait_for("stopping...", timeout=10)  # the gateway goes first; the autoscaler has not been told yet
     run.proc.send_signal(signal.SIGINT)
     run.finish(timeout=60)
     assert "second interrupt: killing everything" in run.text(), run.text()
-    deadline = time.monotonic() + 10
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in pids if _running(pid)]
-        time.sleep(0.1)
-    for pid in alive:  # not left for the next test
-        os.kill(pid, signal.SIGKILL)
-    assert alive == [], f"the autoscaler's workers outlived meshserve up: {alive}"
+    left = _left_running(tmp_path)
+    assert left == [], f"outlived meshserve up: {left}"
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP") or not Path("/proc").is_dir(), reason="no SIGHUP or /proc here")
 def test_a_closed_terminal_stops_the_mesh_it_started(tmp_path: Path, up_runs: list[UpProcess]) -> None:
     """Closing the terminal (or an SSH session dropping) sends SIGHUP: the mesh stops as on
     Ctrl-C, instead of ``meshserve up`` dying alone and leaving every service it started
     running and holding its ports."""
     run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()))
-    text = run.wait_for("Ctrl-C stops everything")
-    pids = [int(m) for m in re.findall(r"│ pid (\d+)", text)]
-    assert len(pids) >= 7, text  # router, admission, gateway, metering, autoscaler and its two workers
+    run.wait_for("Ctrl-C stops everything")
+    _wait_for_the_whole_mesh(tmp_path)
     run.proc.send_signal(signal.SIGHUP)
     assert run.finish(timeout=60) == 0, run.text()
-    alive = [pid for pid in pids if _running(pid)]
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    nats = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    for pid in nats:
-        os.kill(int(pid), signal.SIGKILL)
-    assert alive == [] and nats == [], f"left running after the hangup: {alive} {nats}"
+    left = _left_running(tmp_path)
+    assert left == [], f"left running after the hangup: {left}"
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="leftovers are found through /proc")
@@ -179,11 +168,8 @@ def test_a_mesh_left_by_a_killed_up_is_stopped_by_the_next(tmp_path: Path, up_ru
     used to fail on the busy ports and suggest other ones."""
     http_port = free_port()
     first = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(http_port))
-    text = first.wait_for("Ctrl-C stops everything")
-    left = [int(m) for m in re.findall(r"│ pid (\d+)", text)]
-    left += [int(p) for p in subprocess.run(["pgrep", "-f", str(tmp_path / ".meshserve" / "nats")],
-                                            capture_output=True, text=True).stdout.split()]
-    assert len(left) >= 8, text  # nats-server, five services, the autoscaler's two workers
+    first.wait_for("Ctrl-C stops everything")
+    left = _wait_for_the_whole_mesh(tmp_path)
     os.kill(first.proc.pid, signal.SIGKILL)
     first.finish()
     second = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(http_port))
@@ -191,6 +177,7 @@ def test_a_mesh_left_by_a_killed_up_is_stopped_by_the_next(tmp_path: Path, up_ru
     assert "processes an earlier meshserve up of" in text, text
     assert [pid for pid in left if _running(pid)] == [], text
     assert second.interrupt() == 0, second.text()
+    assert _left_running(tmp_path) == []
 
 
 def test_a_second_up_of_a_running_mesh_names_the_first(tmp_path: Path, up_runs: list[UpProcess]) -> None:
@@ -207,17 +194,88 @@ def test_a_second_up_of_a_running_mesh_names_the_first(tmp_path: Path, up_runs: 
 def test_the_workers_of_an_autoscaler_that_died_stop_with_the_mesh(tmp_path: Path, up_runs: list[UpProcess]) -> None:
     run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()))
     text = run.wait_for("Ctrl-C stops everything")
+    _wait_for_the_whole_mesh(tmp_path)
     autoscaler = int(re.findall(r"autoscaler\s*│ pid (\d+)", text)[0])
-    workers = [int(m) for m in re.findall(r"worker \S+\s*│ pid (\d+) \(", text)]
+    workers = child_pids(autoscaler)
     assert len(workers) == 2, text
     os.kill(autoscaler, signal.SIGKILL)
     run.wait_for("exited: autoscaler", timeout=30)
     assert all(_running(pid) for pid in workers)  # they serve on without it
     assert run.interrupt() == 0, run.text()
-    alive = [pid for pid in workers if _running(pid)]
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    assert alive == [], f"the dead autoscaler's workers outlived meshserve up: {alive}"
+    left = _left_running(tmp_path)
+    assert left == [], f"the dead autoscaler's workers outlived meshserve up: {left}"
+
+
+# A session leader on a terminal that, like ``make up``, handles SIGHUP by waiting for its child.
+_LEADER = """
+import fcntl, signal, subprocess, sys, termios
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+signal.signal(signal.SIGHUP, lambda *_: None)
+sys.exit(subprocess.call(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP") or not Path("/proc").is_dir(), reason="no SIGHUP or /proc here")
+def test_a_terminal_that_hangs_up_under_make_stops_the_mesh(tmp_path: Path) -> None:
+    """The kernel sends a hangup to the terminal's session leader only. When that is
+    ``make up`` (``ssh -t host make up``), make waits for ``meshserve up``, which never hears
+    of it: ``up`` watches its terminal and stops the mesh when it is gone."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    leader = subprocess.Popen(
+        [sys.executable, "-c", _LEADER, sys.executable, "-m", "ops.cli", "up", "--state-dir",
+         str(tmp_path / ".meshserve"), "--nats-port", "0", "--http-port", str(free_port())],
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True, env={**os.environ, "COLUMNS": "200"},
+    )
+    os.close(slave)
+    out = bytearray()
+    try:
+        # read in this thread: a reader blocked on the master in another one would keep the
+        # terminal open after the close below
+        deadline = time.monotonic() + 90
+        while b"Ctrl-C stops everything" not in out and time.monotonic() < deadline and leader.poll() is None:
+            if select.select([master], [], [], 0.2)[0]:
+                out.extend(os.read(master, 65536))
+        text = out.decode(errors="replace")
+        assert "Ctrl-C stops everything" in text, text
+        _wait_for_the_whole_mesh(tmp_path)
+        os.close(master)  # the terminal goes away
+        master = -1
+        assert leader.wait(60) == 0, (tmp_path / ".meshserve" / "logs" / "up.log").read_text()
+        assert "stopped: gateway=0" in (tmp_path / ".meshserve" / "logs" / "up.log").read_text()
+        left = _left_running(tmp_path)
+        assert left == [], f"left running after the hangup: {left}"
+    finally:
+        if master >= 0:
+            os.close(master)
+        if leader.poll() is None:
+            os.killpg(leader.pid, signal.SIGKILL)
+            leader.wait()
+        _left_running(tmp_path, within_s=0)  # whatever a failure left behind
+
+
+def _wait_for_the_whole_mesh(tmp_path: Path, timeout: float = 30.0) -> list[int]:
+    """The processes ``up`` started in ``tmp_path`` (by the mark they carry), once all are
+    there: nats-server, five services and the autoscaler's two workers."""
+    deadline = time.monotonic() + timeout
+    while len(found := list(marked_processes((tmp_path / ".meshserve").resolve()))) < 8:
+        assert time.monotonic() < deadline, f"only {len(found)} processes of the mesh appeared"
+        time.sleep(0.1)
+    return found
+
+
+def _left_running(tmp_path: Path, within_s: float = 10.0) -> list[int]:
+    """Processes ``up`` started in ``tmp_path`` that still run after ``within_s`` (then
+    killed, so that none is left for the next test)."""
+    deadline = time.monotonic() + within_s
+    while (left := list(marked_processes((tmp_path / ".meshserve").resolve()))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def _running(pid: int) -> bool:
