@@ -43,7 +43,8 @@ from gateway import _cpu_seconds
 
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
 from ops.natsserver import free_port
-from ops.up import Mesh, MeshConfig, child_pids
+from ops.processes import child_pids
+from ops.up import Mesh, MeshConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / ".venv-tools"

@@ -32,9 +32,7 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   no earlier placement matched: ``spill_private_weight``).
   Near ties (within ``tie_tokens`` of the cheapest, holding as much of the prompt;
   ``tie_tokens_uncached`` when nobody holds any of it) take turns: the one placed on
-  least recently wins, as round robin spaces arrivals. Optionally
-  (``prefill_harm_weight``), a prompt nobody holds is also charged its prompt per
-  request running or waiting on the worker: its prefill stalls those decodes.
+  least recently wins, as round robin spaces arrivals (``prefill_harm_weight``: see PolicyConfig).
 - ``session``: a consistent-hash ring (``session_vnodes`` virtual nodes per worker) of
   the session key; falls back to ``prefix`` without a key or when the target is
   overloaded (outstanding tokens above ``session_overload_factor`` × the pool mean and
@@ -185,14 +183,10 @@ class PolicyConfig:
     # seeds 1-5, gauges every 0.4 s), p90 TTFT median / worst: 163 / 176 ms at 1024, 159 /
     # 170 at 2048, 160 / 170 at 4096, round robin 161 / 171.
     tie_tokens_uncached: int = 2048
-    # A prompt nobody holds costs the same prefill wherever it runs, and that prefill
-    # stalls every request decoding beside it for as long. > 0: such a placement is also
-    # charged this many times its prompt per request running or waiting on the worker
-    # (its gauge's, plus those placed since), so it goes where it stalls fewest decodes.
-    # A trade, off by default: on the mesh (benchmarks/peers.py, seeds 1-5) 0.5 with
-    # tie_tokens_uncached 0 cut multi-turn TPOT 3-4 % and its decodes beside each prefill
-    # step, but raised its TTFT p99 (108-129 → 116-181 ms) and distinct prompts' p90
-    # (152-158 → 166-187 ms): a new prompt then waits behind more queued prefill.
+    # > 0: a prompt nobody holds is also charged this many times its prompt per request
+    # running or waiting on the worker, whose decodes its prefill stalls. A trade, off by
+    # default (BENCHMARKS.md, multi-turn): 0.5 with tie_tokens_uncached 0 cut TPOT 3-4 %
+    # but raised multi-turn's TTFT p99 and distinct prompts' p90 (more queued prefill ahead).
     prefill_harm_weight: float = 0.0
 
     def __post_init__(self) -> None:
@@ -409,8 +403,7 @@ class Router:
             if all(w is not hinted for _, w in scored):
                 scored.append((ctx.prefix_cost(hinted), hinted))
         if not top and cfg.prefill_harm_weight:
-            # nothing cached anywhere: the prefill costs the same wherever it runs, but it
-            # stalls every request decoding beside it for as long
+            # nothing cached anywhere: the prefill stalls the decodes where it lands
             harm = cfg.prefill_harm_weight * ctx.prompt_tokens
             scored = [(c + harm * w.requests, w) for c, w in scored]
         # The holders the policy scored (every holder in a pool scanned whole), for the

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ops.natsserver import NatsServer, free_port
-from ops.up import child_pids, marked_processes
+from ops.processes import child_pids, marked_processes
 
 pytestmark = pytest.mark.timeout(180)
 
