@@ -63,13 +63,22 @@ def marked_processes(state_dir: Path) -> dict[int, int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: exists and is not a zombie (exited, waiting for its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    state = proc_read(pid, "stat").rsplit(b") ", 1)[-1][:1]
+    return state != b"Z"  # no /proc (not Linux): it exists, so it runs
+
+
 def stop_leftovers(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM ``pids`` (nats-server last, so the services can say goodbye to it), then SIGKILL
     whatever still runs after ``grace_s``."""
-    def alive(pid: int) -> bool:
-        state = proc_read(pid, "stat").rsplit(b") ", 1)[-1][:1]
-        return bool(state) and state != b"Z"
-
+    alive = running
     nats = [p for p in pids if proc_read(p, "comm").strip() == b"nats-server"]
     for group in ([p for p in pids if p not in nats], nats):
         for pid in group:

@@ -18,6 +18,7 @@ import pytest
 
 from bus import Bus
 from ops.cli import build_parser
+from ops.processes import running
 from ops.status import fetch_status
 from proto.errors import MeshError
 from services.autoscaler.control import ScheduleWindow
@@ -126,7 +127,7 @@ async def test_autoscaler_process_with_local_driver(tmp_path: Path, bus: Bus, na
         code = await asyncio.to_thread(proc.wait, 60)
     assert code == 0, log_path.read_text()[-3000:]
     for pid in pids:
-        assert not _alive(pid), f"worker pid {pid} outlived the autoscaler"
+        assert not running(pid), f"worker pid {pid} outlived the autoscaler"
 
 
 def _worker_pids() -> list[int]:
@@ -142,15 +143,3 @@ def _worker_pids() -> list[int]:
         if b"sim-cli" in cmdline and b"worker" in cmdline and b"--worker-id" in cmdline:
             pids.append(int(entry.name))
     return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent, now gone) is not running.
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

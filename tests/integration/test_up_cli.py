@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ops.natsserver import NatsServer, free_port
-from ops.processes import child_pids, marked_processes
+from ops.processes import child_pids, marked_processes, running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -143,7 +143,7 @@ def test_a_second_ctrl_c_kills_the_autoscalers_workers_too(tmp_path: Path, up_ru
     run.proc.send_signal(signal.SIGINT)
     run.finish(timeout=60)
     assert "second interrupt: killing everything" in run.text(), run.text()
-    left = _left_running(tmp_path)
+    left = _leftrunning(tmp_path)
     assert left == [], f"outlived meshserve up: {left}"
 
 
@@ -157,7 +157,7 @@ def test_a_closed_terminal_stops_the_mesh_it_started(tmp_path: Path, up_runs: li
     _wait_for_the_whole_mesh(tmp_path)
     run.proc.send_signal(signal.SIGHUP)
     assert run.finish(timeout=60) == 0, run.text()
-    left = _left_running(tmp_path)
+    left = _leftrunning(tmp_path)
     assert left == [], f"left running after the hangup: {left}"
 
 
@@ -175,9 +175,9 @@ def test_a_mesh_left_by_a_killed_up_is_stopped_by_the_next(tmp_path: Path, up_ru
     second = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(http_port))
     text = second.wait_for("Ctrl-C stops everything", timeout=90)
     assert "processes an earlier meshserve up of" in text, text
-    assert [pid for pid in left if _running(pid)] == [], text
+    assert [pid for pid in left if running(pid)] == [], text
     assert second.interrupt() == 0, second.text()
-    assert _left_running(tmp_path) == []
+    assert _leftrunning(tmp_path) == []
 
 
 def test_a_second_up_of_a_running_mesh_names_the_first(tmp_path: Path, up_runs: list[UpProcess]) -> None:
@@ -200,9 +200,9 @@ def test_the_workers_of_an_autoscaler_that_died_stop_with_the_mesh(tmp_path: Pat
     assert len(workers) == 2, text
     os.kill(autoscaler, signal.SIGKILL)
     run.wait_for("exited: autoscaler", timeout=30)
-    assert all(_running(pid) for pid in workers)  # they serve on without it
+    assert all(running(pid) for pid in workers)  # they serve on without it
     assert run.interrupt() == 0, run.text()
-    left = _left_running(tmp_path)
+    left = _leftrunning(tmp_path)
     assert left == [], f"the dead autoscaler's workers outlived meshserve up: {left}"
 
 
@@ -245,7 +245,7 @@ def test_a_terminal_that_hangs_up_under_make_stops_the_mesh(tmp_path: Path) -> N
         master = -1
         assert leader.wait(60) == 0, (tmp_path / ".meshserve" / "logs" / "up.log").read_text()
         assert "stopped: gateway=0" in (tmp_path / ".meshserve" / "logs" / "up.log").read_text()
-        left = _left_running(tmp_path)
+        left = _leftrunning(tmp_path)
         assert left == [], f"left running after the hangup: {left}"
     finally:
         if master >= 0:
@@ -253,7 +253,7 @@ def test_a_terminal_that_hangs_up_under_make_stops_the_mesh(tmp_path: Path) -> N
         if leader.poll() is None:
             os.killpg(leader.pid, signal.SIGKILL)
             leader.wait()
-        _left_running(tmp_path, within_s=0)  # whatever a failure left behind
+        _leftrunning(tmp_path, within_s=0)  # whatever a failure left behind
 
 
 def _wait_for_the_whole_mesh(tmp_path: Path, timeout: float = 30.0) -> list[int]:
@@ -266,7 +266,7 @@ def _wait_for_the_whole_mesh(tmp_path: Path, timeout: float = 30.0) -> list[int]
     return found
 
 
-def _left_running(tmp_path: Path, within_s: float = 10.0) -> list[int]:
+def _leftrunning(tmp_path: Path, within_s: float = 10.0) -> list[int]:
     """Processes ``up`` started in ``tmp_path`` that still run after ``within_s`` (then
     killed, so that none is left for the next test)."""
     deadline = time.monotonic() + within_s
@@ -276,17 +276,6 @@ def _left_running(tmp_path: Path, within_s: float = 10.0) -> list[int]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return left
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):  # a zombie waiting for its parent is gone for our purpose
-        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
-            return False
-    return True
 
 
 def test_one_development_key_per_state_folder(tmp_path: Path, up_runs: list[UpProcess]) -> None:
