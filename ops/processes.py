@@ -75,19 +75,20 @@ def running(pid: int) -> bool:
     return state != b"Z"  # no /proc (not Linux): it exists, so it runs
 
 
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``; one that has gone meanwhile is skipped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def stop_leftovers(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM ``pids`` (nats-server last, so the services can say goodbye to it), then SIGKILL
     whatever still runs after ``grace_s``."""
-    alive = running
     nats = [p for p in pids if proc_read(p, "comm").strip() == b"nats-server"]
     for group in ([p for p in pids if p not in nats], nats):
-        for pid in group:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        signal_all(group, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while any(alive(p) for p in group) and time.monotonic() < deadline:
+        while any(running(p) for p in group) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for pid in group:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        signal_all([p for p in group if running(p)], signal.SIGKILL)

@@ -28,7 +28,15 @@ from bus import Bus, BusSettings, provision
 from proto.messages import WorkerInfo
 
 from .natsserver import NatsServer, cluster, free_port, last_line, port_in_use, port_owner
-from .processes import UP_MARK, child_pids, marked_processes, parent_pid, proc_read, stop_leftovers
+from .processes import (
+    UP_MARK,
+    child_pids,
+    marked_processes,
+    parent_pid,
+    proc_read,
+    signal_all,
+    stop_leftovers,
+)
 
 
 @dataclass
@@ -69,9 +77,7 @@ class ServiceProcess:
         sessions of their own and would outlive it, and so would an engine's own children."""
         if self.running():
             assert self.proc is not None
-            for pid in child_pids(self.proc.pid, recursive=True):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            signal_all(child_pids(self.proc.pid, recursive=True), signal.SIGKILL)
             self.proc.kill()
 
     def wait(self, timeout: float) -> int | None:
@@ -451,9 +457,7 @@ class Mesh:
         """Kill -9 every process at once (a second Ctrl-C while stopping)."""
         for p in self.processes:
             p.kill()
-        for pid in self._strays():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_all(self._strays(), signal.SIGKILL)
         for node in self.nats_nodes:
             node.kill()
 

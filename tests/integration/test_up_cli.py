@@ -8,7 +8,6 @@ hand, and ``--nats-url`` never falls back to a NATS it was not given.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ops.natsserver import NatsServer, free_port
-from ops.processes import child_pids, marked_processes, running
+from ops.processes import child_pids, marked_processes, running, signal_all
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -272,9 +271,7 @@ def _leftrunning(tmp_path: Path, within_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + within_s
     while (left := list(marked_processes((tmp_path / ".meshserve").resolve()))) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    signal_all(left, signal.SIGKILL)
     return left
 
 
