@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
 from proto import GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens
-from proto.messages import TokenLogprob, UsageStatus
+from proto.messages import TokenChunk, TokenLogprob, UsageStatus
 
 from .engines.base import EngineOutput
 
-# Gauges name the requests the engine took in over this window (several gauge periods,
-# so a lost gauge does not lose a name), at most this many of the newest.
+# Gauges name each request the engine took in this many times (so a lost gauge does not
+# lose a name) and within this window, at most this many of the newest. A count, not only
+# a window: gauges come on every change, and a window's worth of ids in each made their
+# bytes grow with the square of the request rate.
+ARRIVALS_GAUGES = 8
 ARRIVALS_WINDOW_S = 2.0
 ARRIVALS_REPORTED = 256
 # How long a superseded copy (request id, segment) is remembered: its cancel may come
@@ -69,14 +72,20 @@ def request_choices(request: GenerateRequest, prompt: list[int]) -> list[Choice]
     return choices
 
 
+@dataclass(slots=True)
+class EngineArrival:
+    at: float
+    request_id: str
+    named: int = 0  # gauges that named it
+
+
 class RequestBook:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.arrived_at: dict[str, float] = {}  # held requests: when each arrived
         self.output_at: dict[str, float] = {}  # ... and when each last had output
         self.engine_output_at = clock()  # when the engine as a whole last had output
-        # (clock, request id) of what the engine took in lately
-        self.engine_arrivals: deque[tuple[float, str]] = deque(maxlen=ARRIVALS_REPORTED)
+        self.engine_arrivals: deque[EngineArrival] = deque(maxlen=ARRIVALS_REPORTED)  # what it took in lately
         self.segments: dict[str, int] = {}  # request id → the segment (migrations) held here
         self.engine_ids: dict[str, list[str]] = {}  # request id → its engine requests (n choices)
         self.drain_errors: set[str] = set()  # requests ended by the drain timeout
@@ -102,16 +111,22 @@ class RequestBook:
         return not (self.arrived_at or self.output_at or self.segments or self.engine_ids or self.drain_errors)
 
     def engine_took(self, request_id: str) -> None:
-        self.engine_arrivals.append((self.clock(), request_id))
+        self.engine_arrivals.append(EngineArrival(self.clock(), request_id))
 
     def output(self, request_id: str) -> None:
         """The engine produced tokens for ``request_id``."""
         self.output_at[request_id] = self.engine_output_at = self.clock()
 
-    def arrived(self) -> list[str]:
-        """What the engine took in over the last ``ARRIVALS_WINDOW_S``, once each, oldest first."""
+    def arrivals_for_gauge(self) -> list[str]:
+        """For the next gauge (each call counts as one naming): what the engine took in over the last ``ARRIVALS_WINDOW_S``
+        and fewer than ``ARRIVALS_GAUGES`` gauges have named, once each, oldest first."""
         since = self.clock() - ARRIVALS_WINDOW_S
-        return list(dict.fromkeys(rid for at, rid in self.engine_arrivals if at >= since))
+        arrivals = self.engine_arrivals
+        while arrivals and (arrivals[0].at < since or arrivals[0].named >= ARRIVALS_GAUGES):
+            arrivals.popleft()  # in arrival order: the oldest were named most
+        for arrival in arrivals:
+            arrival.named += 1
+        return list(dict.fromkeys(arrival.request_id for arrival in arrivals))
 
     def progress(self, request_id: str) -> tuple[ProbeState, float, float]:
         """(state, seconds since its last output or arrival, seconds the engine has been idle)
@@ -176,3 +191,37 @@ def usage_event(request: GenerateRequest, usage: Usage, status: UsageStatus, tim
         user=request.user,
         metadata=request.metadata,
     )
+
+
+class SentChunks:
+    """The chunks published for each request, kept for resends (a gateway that found a gap
+    JetStream cannot fill asks for them again) until ``retention_s`` after it ended."""
+
+    def __init__(self, retention_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.retention_s = retention_s
+        self.clock = clock
+        self._chunks: dict[str, tuple[str, dict[int, TokenChunk]]] = {}  # id → its subject, chunks by seq
+        self._until: deque[tuple[float, str]] = deque()  # (when to forget, id), in the order requests ended
+
+    def keep(self, request_id: str, subject: str, chunk: TokenChunk) -> None:
+        if self.retention_s > 0:
+            self._chunks.setdefault(request_id, (subject, {}))[1][chunk.seq] = chunk
+
+    def between(self, request_id: str, from_seq: int, to_seq: int) -> tuple[str, list[TokenChunk]]:
+        """The subject and the kept chunks ``from_seq`` to ``to_seq`` (inclusive) of a request."""
+        subject, chunks = self._chunks.get(request_id, ("", {}))
+        return subject, [chunks[seq] for seq in range(from_seq, to_seq + 1) if seq in chunks]
+
+    def drop(self, request_id: str) -> None:
+        self._chunks.pop(request_id, None)
+
+    def ended(self, request_id: str, held: Container[str]) -> None:
+        """The request ended: keep its chunks ``retention_s`` longer, drop older ones (not
+        of a request ``held`` again: an id reused by a migration back here)."""
+        now = self.clock()
+        if request_id in self._chunks:
+            self._until.append((now + self.retention_s, request_id))
+        while self._until and self._until[0][0] <= now:
+            _, old = self._until.popleft()
+            if old not in held:
+                self._chunks.pop(old, None)

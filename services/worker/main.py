@@ -97,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--max-messages-per-s", type=float, default=1000.0,
                         help="chunk messages per second the whole worker may send; the interval widens at large batches")
     stream.add_argument("--gauge-interval", type=float, default=0.25, help="seconds between gauge publishes")
+    stream.add_argument("--gauge-min-interval", type=float, default=0.01,
+                        help="a change (an arrival, an end) publishes a gauge at once, but no sooner than this many"
+                             " seconds after the last")
     stream.add_argument("--chunk-retention", type=float, default=10.0,
                         help="seconds a request's published chunks are kept after it ends, for a gateway that lost"
                              " one to ask again (0: keep none; a lost chunk then costs a stall and a migration)")
@@ -214,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.chunk_retention < 0:
         raise SystemExit(f"--chunk-retention must be 0 or more seconds, got {args.chunk_retention}")
+    if not 0 <= args.gauge_min_interval <= args.gauge_interval or args.gauge_interval <= 0:
+        raise SystemExit("--gauge-interval must be more than 0 seconds and --gauge-min-interval between 0 and it,"
+                         f" got {args.gauge_interval} and {args.gauge_min_interval}")
     if args.engine == "vllm" and not vllm_importable():
         # Before connecting: it failed only after start-up, with a ModuleNotFoundError traceback.
         raise SystemExit(vllm_missing("serve worker"))
@@ -223,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         coalesce_max_tokens=args.coalesce_tokens,
         max_messages_per_s=args.max_messages_per_s,
         gauge_interval_s=args.gauge_interval,
+        gauge_min_interval_s=args.gauge_min_interval,
         chunk_retention_s=args.chunk_retention,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,

