@@ -97,9 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--max-messages-per-s", type=float, default=1000.0,
                         help="chunk messages per second the whole worker may send; the interval widens at large batches")
     stream.add_argument("--gauge-interval", type=float, default=0.25, help="seconds between gauge publishes")
-    stream.add_argument("--gauge-min-interval", type=float, default=0.01,
+    stream.add_argument("--gauge-min-interval", type=float, default=0.0,
                         help="a change (an arrival, an end) publishes a gauge at once, but no sooner than this many"
-                             " seconds after the last")
+                             " seconds after the last (fewer gauges in a large fleet at high rates; default 0: off)")
     stream.add_argument("--chunk-retention", type=float, default=10.0,
                         help="seconds a request's published chunks are kept after it ends, for a gateway that lost"
                              " one to ask again (0: keep none; a lost chunk then costs a stall and a migration)")

@@ -79,8 +79,10 @@ class WorkerConfig:
     max_messages_per_s: float = 1000.0  # chunk rate budget of the whole worker (widens the interval)
     gauge_interval_s: float = 0.25
     # A change (an arrival, an end) publishes a gauge at once, but never sooner than this
-    # after the last: at high request rates one gauge carries many changes.
-    gauge_min_interval_s: float = 0.01
+    # after the last (one gauge then carries many changes: fewer messages to every reader
+    # in a large fleet). Off by default: a delayed gauge lands on the next request's first
+    # token (+0.3 ms of added latency, sequential requests; BENCHMARKS.md, Gauges).
+    gauge_min_interval_s: float = 0.0
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 60.0
     metrics_port: int | None = None  # serve vLLM-named Prometheus metrics here (0: any free port)

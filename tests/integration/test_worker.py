@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -198,7 +199,7 @@ async def test_a_burst_of_changes_is_carried_by_gauges_no_closer_than_the_floor(
         serving = list(gauges)  # the last gauge, on stop, goes out at once
     finally:
         await service.drain_and_close()
-    gaps = [later.ts - earlier.ts for earlier, later in zip(serving, serving[1:], strict=False)]
+    gaps = [later.ts - earlier.ts for earlier, later in itertools.pairwise(serving)]
     assert len(gaps) >= 2 and min(gaps) >= floor - 0.005, gaps  # 24 changes, none sooner than the floor
     assert {rid for g in gauges for rid in g.arrived or []} == set(ids)  # every arrival still named
     assert serving[-1].running == serving[-1].waiting == 0
