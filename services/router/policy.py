@@ -29,7 +29,8 @@ Policies, chosen per model (``RouterConfig.models``, else ``RouterConfig.default
   equilibrium with a cache-blind hit rate; ``benchmarks/router_sim.py`` shows it), and
   only when it saves the request more wait than the prefill it repeats
   (``spill_repeat_weight``; three times that when the prefix it repeats is private, one
-  no earlier placement matched: ``spill_private_weight``).
+  no earlier placement matched: ``spill_private_weight``; nothing for a shared one
+  repeated on an idle worker, whose copy delays nobody and serves the next requests).
   Near ties (within ``tie_tokens`` of the cheapest, holding as much of the prompt;
   ``tie_tokens_uncached`` when nobody holds any of it) take turns: the one placed on
   least recently wins, as round robin spaces arrivals (``prefill_harm_weight``: see PolicyConfig).
@@ -157,11 +158,9 @@ class PolicyConfig:
     spill_repeat_weight: float = 1.0
     # The weight instead of spill_repeat_weight when what a spill repeats is private: a
     # prefix whose deepest cached block no earlier placement has matched (a conversation's
-    # own history, which only its next turn reuses). Spilling a shared prompt adds a holder that later
-    # requests use; spilling a conversation moves its history and leaves the old copy
-    # unused, so its repeated prefill is pure extra work, which slows the decodes where it
-    # lands. Multi-turn against the peers (benchmarks/peers.py, seeds 1-5): weighing every
-    # spill at 3 closed the reuse gap there and doubled the shared prefix's p99.
+    # own history). Spilling a shared prompt adds a holder later requests use; spilling a
+    # conversation moves its history, so its repeated prefill is pure extra work (weighing
+    # every spill at 3 doubled the shared prefix's p99: BENCHMARKS.md, multi-turn).
     # Needs the gateway's block hashes (RouteQuery.block_hashes); 0: as spill_repeat_weight.
     spill_private_weight: float = 3.0
     # How many prefixes' reuse the router remembers (their deepest matched block's hash).
@@ -172,9 +171,8 @@ class PolicyConfig:
     # old, a step's prefill either side of its end) and picking their minimum bunches
     # arrivals on whichever worker reads lowest; rotating among them spaces each
     # worker's arrivals as round robin does. Distinct 1-2k-token prompts at 80 %
-    # (benchmarks/router_sim.py, seeds 1-3, gauges every 0.4 s): p90 TTFT 176 ms at 0
-    # (the strict minimum), 164 at 512, 162 at 1024, 161 at 2048, round robin's 161; the
-    # shared prefix's p99 grew at 2048 (a holder up to a prompt busier than the other).
+    # (benchmarks/router_sim.py, seeds 1-3): p90 TTFT 176 ms at 0 (the strict minimum), 162
+    # at 1024, round robin's 161; the shared prefix's p99 grew at 2048.
     # 0: the strict minimum, ties at random.
     tie_tokens: int = 1024
     # The band instead of tie_tokens when no eligible worker holds any of the prompt (a
@@ -429,6 +427,8 @@ class Router:
                 weight = cfg.spill_repeat_weight
                 if cfg.spill_private_weight and deepest is not None and not self._matched.get(deepest):
                     weight = cfg.spill_private_weight
+                elif deepest is not None and not best.requests:
+                    weight = 0.0  # a shared prompt's copy on an idle worker: no waste (hot spot's warm-up)
                 if not (holder_wait > wait >= best_wait and holder_wait - best_wait > weight * repeated):
                     cost, best, held = hcost, holder, True
         under = self._underused(eligible, cfg, ctx.pool)

@@ -113,6 +113,33 @@ def test_repeating_a_private_prefix_weighs_more_than_repeating_a_shared_one() ->
     assert decided(small.decide(q("c", prompt=prompt, **hashed), 0.6)).spill_held
 
 
+def test_a_shared_prompt_spills_to_an_idle_worker_as_soon_as_the_request_gains() -> None:
+    # A second holder of a prompt others share, on a worker with nothing to do, delays
+    # nobody and serves the requests after this one: its prefill is no waste. Weighed as
+    # waste, a hot prompt queued 4k tokens on its one holder before an idle worker took
+    # a copy, and a fleet warming up to it (the hot spot's first seconds) queued there.
+    v = make_view(2)
+    cache(v, "llama-1", SYSTEM)
+    prompt = [*SYSTEM, *range(100)]  # 2148 tokens, 2048 cached on llama-1
+    hashed = {"block_hashes": block_hashes(prompt, 16), "block_size": 16}
+    set_load(v, "llama-1", queued=2500)  # wait 2600: over the idle worker's 2148
+    set_load(v, "llama-0", queued=0)
+    r = router(v, balance_factor=0)
+    first = decided(r.decide(q("first", prompt=prompt, **hashed), 0.5))  # nobody matched it before: private
+    assert (first.worker_id, first.spill_held) == ("llama-1", True)
+    d = decided(r.decide(q("next", prompt=prompt, **hashed), 0.6))
+    assert (d.worker_id, d.spilled) == ("llama-0", True)
+    # Busy, even a little: the repeated prefill delays what runs there, and is weighed.
+    set_load(v, "llama-0", queued=100, ts=2.0)
+    d = decided(r.decide(q("third", prompt=prompt, **hashed), 0.7))
+    assert (d.worker_id, d.spill_held) == ("llama-1", True)
+    # Idle, but the request would wait longer there: the holder's cost wins outright.
+    set_load(v, "llama-0", queued=0, ts=3.0)
+    set_load(v, "llama-1", queued=1500, ts=3.0)
+    d = decided(r.decide(q("fourth", prompt=prompt, **hashed), 0.8))
+    assert (d.worker_id, d.spilled) == ("llama-1", False)
+
+
 def test_spill_repeat_weight_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="spill_repeat_weight"):
         PolicyConfig(spill_repeat_weight=-0.5)
