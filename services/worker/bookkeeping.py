@@ -5,8 +5,8 @@ request bills. Pure.
 are held here and which segment (migration) of each, when each arrived and last made
 progress (probes), which engine requests each runs (n choices), which the drain timeout
 ended, what the engine took in lately (gauges name them), and the copies their placers
-gave up on (superseded). The clock (monotonic seconds) is passed in; the asyncio tasks
-stay in the shell.
+gave up on (superseded). ``SentChunks`` keeps each request's published chunks for
+resends. The clock (monotonic seconds) is passed in; the asyncio tasks stay in the shell.
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ class RequestBook:
         self.output_at[request_id] = self.engine_output_at = self.clock()
 
     def arrivals_for_gauge(self) -> list[str]:
-        """For the next gauge (each call counts as one naming): what the engine took in over the last ``ARRIVALS_WINDOW_S``
-        and fewer than ``ARRIVALS_GAUGES`` gauges have named, once each, oldest first."""
+        """For the next gauge (each call counts as one naming): what the engine took in
+        over the last ``ARRIVALS_WINDOW_S`` and fewer than ``ARRIVALS_GAUGES`` gauges have
+        named, once each, oldest first."""
         since = self.clock() - ARRIVALS_WINDOW_S
         arrivals = self.engine_arrivals
         while arrivals and (arrivals[0].at < since or arrivals[0].named >= ARRIVALS_GAUGES):

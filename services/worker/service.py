@@ -81,7 +81,7 @@ class WorkerConfig:
     # A change (an arrival, an end) publishes a gauge at once, but never sooner than this
     # after the last (one gauge then carries many changes: fewer messages to every reader
     # in a large fleet). Off by default: a delayed gauge lands on the next request's first
-    # token (+0.3 ms of added latency, sequential requests; BENCHMARKS.md, Gauges).
+    # token (+0.3 ms of added latency, sequential requests; BENCHMARKS.md, Smaller gauges).
     gauge_min_interval_s: float = 0.0
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 60.0
