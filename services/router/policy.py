@@ -424,10 +424,10 @@ class Router:
                 wait = max(cfg.spill_wait_tokens, ctx.prompt_tokens - ctx.cached(best))
                 holder_wait, best_wait = ctx.prefill_cost(holder), ctx.prefill_cost(best)
                 repeated = ctx.cached(holder) - ctx.cached(best)
-                weight = cfg.spill_repeat_weight
-                if cfg.spill_private_weight and deepest is not None and not self._matched.get(deepest):
+                weight, shared = cfg.spill_repeat_weight, deepest is not None and deepest in self._matched
+                if cfg.spill_private_weight and deepest is not None and not shared:
                     weight = cfg.spill_private_weight
-                elif deepest is not None and not best.requests:
+                elif shared and not best.requests:
                     weight = 0.0  # a shared prompt's copy on an idle worker: no waste (hot spot's warm-up)
                 if not (holder_wait > wait >= best_wait and holder_wait - best_wait > weight * repeated):
                     cost, best, held = hcost, holder, True

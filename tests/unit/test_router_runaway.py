@@ -129,6 +129,10 @@ def test_a_shared_prompt_spills_to_an_idle_worker_as_soon_as_the_request_gains()
     assert (first.worker_id, first.spill_held) == ("llama-1", True)
     d = decided(r.decide(q("next", prompt=prompt, **hashed), 0.6))
     assert (d.worker_id, d.spilled) == ("llama-0", True)
+    # With the shared/private distinction off, every spill weighs its repeat once.
+    off = router(v, balance_factor=0, spill_private_weight=0)
+    off.decide(q("first", prompt=prompt, **hashed), 0.5)
+    assert decided(off.decide(q("next", prompt=prompt, **hashed), 0.6)).spill_held
     # Busy, even a little: the repeated prefill delays what runs there, and is weighed.
     set_load(v, "llama-0", queued=100, ts=2.0)
     d = decided(r.decide(q("third", prompt=prompt, **hashed), 0.7))
