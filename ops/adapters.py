@@ -25,6 +25,7 @@ from bus import Bus
 from bus.keys import AdapterStore
 from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
 from proto import AdapterRecord, WorkerInfo
+from services.common.cli_types import add_nats_url_argument
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -97,7 +98,7 @@ def add_parser(subparsers: Any) -> None:
         "adapters", help="add, list and remove LoRA adapters",
         description="LoRA adapters served from their base model's pool: a request with \"model\": NAME goes to the "
                     "base model's workers, which load the adapter when they do not hold it.")
-    p.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
+    add_nats_url_argument(p)
     p.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     actions = p.add_subparsers(dest="action", required=True)
     add = actions.add_parser(

@@ -67,8 +67,12 @@ async def mesh_bus(name: str, *, initial_attempts: int = 3) -> AsyncIterator[Bus
     """
     from bus import Bus, BusSettings
     from proto.errors import MeshError
+    from services.common.cli_types import nats_url_problem
 
     settings = BusSettings.from_env()
+    problem = nats_url_problem(",".join(settings.servers))  # MESHSERVE_NATS_URL: --nats-url is checked by argparse
+    if problem:
+        raise CliError(f"{problem} in MESHSERVE_NATS_URL", EXIT_USAGE)
     client_log = logging.getLogger("bus.client")
     level = client_log.level
     client_log.setLevel(logging.ERROR)

@@ -24,6 +24,7 @@ from bus.keys import KeyStore
 from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
 from proto import ApiKeyRecord, DecodeError, decode
 from services.admission.buckets import Limits, limits_problem
+from services.common.cli_types import add_nats_url_argument
 from services.gateway.apikeys import generate_key, is_valid_key_id, parse_key, redact_key
 
 
@@ -132,7 +133,7 @@ def add_parser(subparsers: Any) -> None:
         "keys", help="create, list and revoke API keys",
         description="API keys in the mesh's key bucket. Only a key's SHA-256 hash is stored; the key itself is "
                     "printed once, at creation. `keys list --json` for scripts.")
-    keys.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
+    add_nats_url_argument(keys)
     keys.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     actions = keys.add_subparsers(dest="action", required=True)
     create = actions.add_parser(

@@ -13,6 +13,8 @@ import argparse
 import importlib
 from typing import Any
 
+from services.common.cli_types import add_nats_url_argument
+
 # service name → module with add_arguments/run
 SERVICES: dict[str, str] = {
     "worker": "services.worker.main",
@@ -25,7 +27,7 @@ SERVICES: dict[str, str] = {
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", help="NATS server URL(s), comma-separated (env MESHSERVE_NATS_URL)")
+    add_nats_url_argument(parser)
     parser.add_argument("--root", help="subject root of this mesh (env MESHSERVE_ROOT, default mesh)")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (env MESHSERVE_LOG_LEVEL)")
     parser.add_argument("--log-format", choices=["text", "json"], default=None, help="json for JSON lines (env MESHSERVE_LOG_FORMAT)")

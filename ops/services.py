@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from bus import Bus
+from services.common.cli_types import add_nats_url_argument
 
 from .console import mesh_bus
 
@@ -24,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
                     "and endpoints. --json prints the raw INFO replies.",
     )
     parser.add_argument("name", nargs="?", default="", help="only this service (e.g. meshserve-worker)")
-    parser.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
+    add_nats_url_argument(parser)
     parser.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     parser.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
     parser.add_argument("--json", action="store_true", help="print the INFO replies as JSON")

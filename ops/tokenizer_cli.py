@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.common.cli_types import add_nats_url_argument
 from services.common.tokenizer import (
     BYTE_SPECIALS,
     ByteTokenizer,
@@ -58,7 +59,7 @@ def add_parser(subparsers: Any) -> None:
                         help="skip the mesh lookup: byte (the sim models') or a directory with tokenizer.json")
     export.add_argument("--max-model-len", type=int, default=None,
                         help="model_max_length to record (default: what the model's workers register)")
-    export.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
+    add_nats_url_argument(export)
     export.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     export.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the mesh")
     export.set_defaults(func=run_export)
@@ -126,7 +127,8 @@ def export_tokenizer(directory: str | Path, source: str, *, model: str = "", max
     try:
         tokenizer = load_tokenizer(source)
     except Exception as exc:  # a missing or unreadable tokenizer.json, whatever the library raises
-        raise ExportError(f"cannot load tokenizer {source!r}: {exc}") from None
+        raise ExportError(f"cannot load tokenizer {source!r}: {exc} (--tokenizer takes `byte` or a model directory "
+                          "holding tokenizer.json)") from None
     template = ChatTemplate.for_tokenizer(tokenizer).source  # the one the gateway renders
     if isinstance(tokenizer, ByteTokenizer):
         tokenizer_json = byte_tokenizer_json()

@@ -26,6 +26,7 @@ from proto.metering import (
     UsageRow,
     check_query,
 )
+from services.common.cli_types import add_nats_url_argument
 from services.common.usage import parse_time, usage_report_json
 
 
@@ -34,7 +35,7 @@ def add_parser(subparsers: Any) -> None:
         "usage", help="usage and spend totals per org, key and model (from metering)",
         description="Usage and spend totals from the metering service's ledger: a table for people (whole at any "
                     "width: a narrow terminal gets it stacked), --json for scripts.")
-    usage.add_argument("--nats-url", default=None, help="NATS URL (env MESHSERVE_NATS_URL)")
+    add_nats_url_argument(usage)
     usage.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     usage.add_argument("--org", default=None, help="only this org")
     usage.add_argument("--key", default=None, help="only this API key id")

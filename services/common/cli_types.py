@@ -14,3 +14,41 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535, not {value}")
     return value
+
+
+# The schemes nats-py connects with; a URL without one is taken as nats://.
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def nats_url_problem(urls: str) -> str | None:
+    """What is wrong with a comma-separated list of NATS URLs, or None. A typo such as
+    ``http://`` or a missing host would otherwise read as an unreachable server after the
+    connect timeout."""
+    from urllib.parse import urlsplit
+
+    servers = [s.strip() for s in urls.split(",") if s.strip()]
+    if not servers:
+        return "no NATS URL given"
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        try:
+            port_ok = parts.port is None or 0 < parts.port
+        except ValueError:  # a port that is not a number, or out of range
+            port_ok = False
+        if parts.scheme not in NATS_SCHEMES or not parts.hostname or not port_ok:
+            return f"not a NATS URL: {server!r} (expected nats://HOST:PORT; schemes {', '.join(NATS_SCHEMES)})"
+    return None
+
+
+def nats_urls(text: str) -> str:
+    """An argparse ``type`` for ``--nats-url``: one or more NATS URLs, comma-separated."""
+    problem = nats_url_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def add_nats_url_argument(parser: argparse.ArgumentParser,
+                          help_text: str = "NATS server URL(s), comma-separated (env MESHSERVE_NATS_URL)") -> None:
+    """``--nats-url``, checked as a NATS URL list: every command that connects to a mesh takes it."""
+    parser.add_argument("--nats-url", type=nats_urls, default=None, help=help_text)

@@ -72,3 +72,39 @@ def test_gauge_intervals_out_of_range_are_one_line(flags: list[str]) -> None:
                              "--nats-url", url], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "--gauge-min-interval between 0 and it" in result.stderr.strip().splitlines()[-1]
+
+
+# Every command that connects to a mesh takes --nats-url; a URL NATS cannot use was taken
+# as given and read, after the connect timeout, as "cannot reach NATS at bogus://x: TimeoutError()".
+NATS_URL_COMMANDS = [
+    ["status"], ["services"], ["usage"], ["keys"], ["adapters"], ["tokenizer", "export", "DIR", "--model", "m"],
+    ["up"], ["serve", "gateway"], ["serve", "worker"],
+]
+
+
+@pytest.mark.parametrize("argv", NATS_URL_COMMANDS, ids=lambda a: " ".join(a[:2]))
+@pytest.mark.parametrize("value", ["http://127.0.0.1:4222", "bogus://x", "nats://", "nats://host:99999",
+                                   "nats://a:4222,http://b:4222", ","])
+def test_every_nats_url_flag_takes_only_nats_urls(argv: list[str], value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, "--nats-url", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --nats-url:" in err and ("not a NATS URL" in err or "no NATS URL given" in err)
+
+
+@pytest.mark.parametrize("value", ["nats://127.0.0.1:4222", "127.0.0.1:4222", "tls://a:4443,nats://b:4222",
+                                   "ws://nats.example:8080", "nats://user:pass@host"])
+def test_nats_urls_nats_py_connects_with_pass(value: str) -> None:
+    assert build_parser().parse_args(["status", "--nats-url", value]).nats_url == value
+
+
+def test_a_bad_nats_url_in_the_environment_is_one_line() -> None:
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "status"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "MESHSERVE_NATS_URL": "http://127.0.0.1:4222"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "meshserve status: not a NATS URL: 'http://127.0.0.1:4222' (expected nats://HOST:PORT; schemes nats, tls, ws, wss)"
+        " in MESHSERVE_NATS_URL"]
