@@ -25,7 +25,7 @@ from bus import Bus
 from bus.keys import AdapterStore
 from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
 from proto import AdapterRecord, WorkerInfo
-from services.common.cli_types import add_nats_url_argument
+from services.common.cli_types import add_mesh_arguments
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -98,8 +98,6 @@ def add_parser(subparsers: Any) -> None:
         "adapters", help="add, list and remove LoRA adapters",
         description="LoRA adapters served from their base model's pool: a request with \"model\": NAME goes to the "
                     "base model's workers, which load the adapter when they do not hold it.")
-    add_nats_url_argument(p)
-    p.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     actions = p.add_subparsers(dest="action", required=True)
     add = actions.add_parser(
         "add", help="register an adapter of a served model",
@@ -115,6 +113,7 @@ def add_parser(subparsers: Any) -> None:
     remove.add_argument("name")
     for action, sub in (("add", add), ("list", listing), ("remove", remove)):
         sub.set_defaults(cli_prog=f"meshserve adapters {action}")
+    add_mesh_arguments(p, add, listing, remove)
     p.set_defaults(func=run)
 
 

@@ -24,7 +24,7 @@ from bus.keys import KeyStore
 from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
 from proto import ApiKeyRecord, DecodeError, decode
 from services.admission.buckets import Limits, limits_problem
-from services.common.cli_types import add_nats_url_argument
+from services.common.cli_types import add_mesh_arguments
 from services.gateway.apikeys import generate_key, is_valid_key_id, parse_key, redact_key
 
 
@@ -133,8 +133,6 @@ def add_parser(subparsers: Any) -> None:
         "keys", help="create, list and revoke API keys",
         description="API keys in the mesh's key bucket. Only a key's SHA-256 hash is stored; the key itself is "
                     "printed once, at creation. `keys list --json` for scripts.")
-    add_nats_url_argument(keys)
-    keys.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
     actions = keys.add_subparsers(dest="action", required=True)
     create = actions.add_parser(
         "create", help="create a key and print it once",
@@ -163,6 +161,7 @@ def add_parser(subparsers: Any) -> None:
     revoke.add_argument("key_id", metavar="KEY_ID_OR_KEY", help="the key id (12 hex characters) or the whole key")
     for action, sub in (("create", create), ("list", listing), ("revoke", revoke)):
         sub.set_defaults(cli_prog=f"meshserve keys {action}")
+    add_mesh_arguments(keys, create, listing, revoke)
     keys.set_defaults(func=run_keys)
 
 

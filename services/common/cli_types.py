@@ -49,6 +49,17 @@ def nats_urls(text: str) -> str:
 
 
 def add_nats_url_argument(parser: argparse.ArgumentParser,
-                          help_text: str = "NATS server URL(s), comma-separated (env MESHSERVE_NATS_URL)") -> None:
+                          help_text: str = "NATS server URL(s), comma-separated (env MESHSERVE_NATS_URL)",
+                          default: str | None = None) -> None:
     """``--nats-url``, checked as a NATS URL list: every command that connects to a mesh takes it."""
-    parser.add_argument("--nats-url", type=nats_urls, default=None, help=help_text)
+    parser.add_argument("--nats-url", type=nats_urls, default=default, help=help_text)
+
+
+def add_mesh_arguments(parser: argparse.ArgumentParser, *subcommands: argparse.ArgumentParser) -> None:
+    """``--nats-url`` and ``--root`` for a command with subcommands (``keys``, ``adapters``),
+    taken before the subcommand or after it: ``keys create --nats-url …`` was refused as an
+    unrecognized argument. A subcommand's default is SUPPRESS, so its absent flag does not
+    reset the one given before it."""
+    for target, default in ((parser, None), *((sub, argparse.SUPPRESS) for sub in subcommands)):
+        add_nats_url_argument(target, default=default)
+        target.add_argument("--root", default=default, help="subject root (env MESHSERVE_ROOT)")

@@ -77,7 +77,8 @@ def test_gauge_intervals_out_of_range_are_one_line(flags: list[str]) -> None:
 # Every command that connects to a mesh takes --nats-url; a URL NATS cannot use was taken
 # as given and read, after the connect timeout, as "cannot reach NATS at bogus://x: TimeoutError()".
 NATS_URL_COMMANDS = [
-    ["status"], ["services"], ["usage"], ["keys"], ["adapters"], ["tokenizer", "export", "DIR", "--model", "m"],
+    ["status"], ["services"], ["usage"], ["keys"], ["keys", "create", "--org", "a"], ["adapters"], ["adapters", "list"],
+    ["tokenizer", "export", "DIR", "--model", "m"],
     ["up"], ["serve", "gateway"], ["serve", "worker"],
 ]
 
@@ -108,3 +109,23 @@ def test_a_bad_nats_url_in_the_environment_is_one_line() -> None:
     assert result.stderr.strip().splitlines() == [
         "meshserve status: not a NATS URL: 'http://127.0.0.1:4222' (expected nats://HOST:PORT; schemes nats, tls, ws, wss)"
         " in MESHSERVE_NATS_URL"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["keys", "create", "--org", "a", "--nats-url", "nats://h:1", "--root", "r"],
+    ["keys", "--nats-url", "nats://h:1", "--root", "r", "create", "--org", "a"],
+    ["keys", "--nats-url", "nats://h:1", "list", "--root", "r"],
+    ["keys", "revoke", "0123456789ab", "--nats-url", "nats://h:1", "--root", "r"],
+    ["adapters", "list", "--nats-url", "nats://h:1", "--root", "r"],
+    ["adapters", "--root", "r", "remove", "x", "--nats-url", "nats://h:1"],
+], ids=lambda a: " ".join(a))
+def test_keys_and_adapters_take_the_mesh_flags_before_or_after_their_action(argv: list[str]) -> None:
+    """``keys create --nats-url …`` was refused (unrecognized arguments): the flags sat on
+    ``keys`` alone. A flag given before the action is not reset by the action's parser."""
+    args = build_parser().parse_args(argv)
+    assert (args.nats_url, args.root) == ("nats://h:1", "r")
+
+
+def test_keys_without_mesh_flags_use_the_environment() -> None:
+    args = build_parser().parse_args(["keys", "list"])
+    assert (args.nats_url, args.root) == (None, None)
