@@ -73,23 +73,57 @@ async def mesh_bus(name: str, *, initial_attempts: int = 3) -> AsyncIterator[Bus
     problem = nats_url_problem(",".join(settings.servers))  # MESHSERVE_NATS_URL: --nats-url is checked by argparse
     if problem:
         raise CliError(f"{problem} in MESHSERVE_NATS_URL", EXIT_USAGE)
+    hint = "(is the mesh up? start it with `meshserve up`, or pass --nats-url / set MESHSERVE_NATS_URL)"
+    unreachable = await unreachable_servers(settings.servers, timeout_s=settings.connect_timeout_s)
+    if len(unreachable) == len(settings.servers):
+        # nats-py retries a refused connection until its connect timeout and then reports
+        # only TimeoutError(): ~10 s to say nothing listens there. Say it at once.
+        raise CliError(f"cannot reach NATS at {'; '.join(unreachable)} {hint}")
     client_log = logging.getLogger("bus.client")
     level = client_log.level
     client_log.setLevel(logging.ERROR)
     try:
         bus = await Bus.open(settings, name, initial_attempts=initial_attempts)
     except MeshError as exc:
-        cause = f": {exc.__cause__!r}" if exc.__cause__ is not None else ""
-        raise CliError(
-            f"cannot reach NATS at {', '.join(settings.servers)}{cause} (is the mesh up? start it with "
-            "`meshserve up`, or pass --nats-url / set MESHSERVE_NATS_URL)"
-        ) from exc
+        cause = exc.__cause__
+        why = ("it takes connections but did not answer as a NATS server in time"
+               if isinstance(cause, TimeoutError) else str(cause) or type(cause).__name__ if cause else exc.message)
+        raise CliError(f"cannot reach NATS at {', '.join(settings.servers)}: {why} {hint}") from exc
     finally:
         client_log.setLevel(level)
     try:
         yield bus
     finally:
         await bus.close()
+
+
+async def unreachable_servers(servers: list[str] | tuple[str, ...], timeout_s: float) -> list[str]:
+    """Why each of ``servers`` (NATS URLs) takes no TCP connection, one phrase per server
+    that does not ("nats://127.0.0.1:4222: connection refused, nothing listens there"); the
+    servers that do are left out."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    async def probe(server: str) -> str | None:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if parts.scheme == "wss" else 80 if parts.scheme == "ws" else 4222)
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, writer = await asyncio.open_connection(host, port)
+        except ConnectionRefusedError:
+            return f"{server}: connection refused, nothing listens there"
+        except TimeoutError:
+            return f"{server}: no answer within {timeout_s:g} s"
+        except OSError as exc:  # a name that does not resolve, a network that is down
+            return f"{server}: {exc.strerror or exc}"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return None
+
+    found = await asyncio.gather(*(probe(s) for s in servers))
+    return [why for why in found if why is not None]
 
 
 # ============================================================================ tables

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -126,12 +127,30 @@ def test_every_command_without_a_mesh_says_so_in_one_line() -> None:
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     commands = [["keys", "--nats-url", url, "list"], ["status", "--nats-url", url], ["usage", "--nats-url", url],
                 ["services", "--nats-url", url], ["adapters", "--nats-url", url, "list"]]
-    procs = [subprocess.Popen([sys.executable, "-m", "ops.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for argv in commands]
-    for argv, proc in zip(commands, procs, strict=True):
-        out, err = proc.communicate(timeout=120)
+    with socket.socket() as silent:  # takes connections (the kernel's backlog) and never speaks NATS
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        silent_url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+        commands.append(["status", "--nats-url", silent_url])
+        procs = [subprocess.Popen([sys.executable, "-m", "ops.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for argv in commands]
+        results = [proc.communicate(timeout=120) for proc in procs]
+    for argv, proc, (out, err) in zip(commands, procs, results, strict=True):
         name = f"{argv[0]} list" if argv[0] in ("keys", "adapters") else argv[0]
         assert proc.returncode == 1, err
         assert out == "" and err.count("\n") == 1, err
-        assert err.startswith(f"meshserve {name}: cannot reach NATS at {url}")
         assert "is the mesh up?" in err and "--nats-url" in err
+        if silent_url in argv:
+            assert err.startswith(f"meshserve {name}: cannot reach NATS at {silent_url}: it takes connections "
+                                  "but did not answer as a NATS server in time"), err
+        else:  # said at once, not after the client's connect timeout as "TimeoutError()"
+            assert err.startswith(f"meshserve {name}: cannot reach NATS at {url}: connection refused, "
+                                  "nothing listens there"), err
+
+
+def test_a_name_that_does_not_resolve_is_named() -> None:
+    from ops.console import unreachable_servers
+
+    found = asyncio.run(unreachable_servers(["nats://no-such-host.invalid:4222"], timeout_s=5.0))
+    assert len(found) == 1 and found[0].startswith("nats://no-such-host.invalid:4222: "), found
+    assert "refused" not in found[0]
