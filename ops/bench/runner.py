@@ -439,9 +439,12 @@ async def _one_run(config: BenchConfig, target: Target, model: str, text: TextFa
 
 def _make_progress(console: Any = None) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
 
     return Progress(
-        TextColumn("[bold]{task.description}"),
+        # A long description (endpoint and load) wraps rather than cut the counts and
+        # the time off the line: a pipe or a log is 80 columns wide.
+        TextColumn("[bold]{task.description}", table_column=Column(overflow="fold")),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("in-flight {task.fields[inflight]}"),
