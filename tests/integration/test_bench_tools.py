@@ -94,6 +94,7 @@ def test_aiperf_runs_clean(mesh: Mesh, tokenizer_dir: Path, tmp_path: Path) -> N
         "--api-key", mesh.dev_key, "--tokenizer", str(tokenizer_dir), "--isl", "256", "--osl", "64",
         "--extra-inputs", "ignore_eos:true", "--request-rate", "5", "--arrival-pattern", "poisson",
         "--benchmark-duration", str(SECONDS), "--artifact-dir", str(out), "--ui-type", "none",
+        "--no-gpu-telemetry",
     ], dict(os.environ), tmp_path)
     result = json.loads((out / "profile_export_aiperf.json").read_text())
     assert result["error_summary"] == [] and not result["was_cancelled"]
