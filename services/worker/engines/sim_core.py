@@ -89,18 +89,63 @@ class _HitRecord:
 
 @dataclass
 class _Window:
-    """Sliding window (in the core's clock) behind the rates in ``stats``."""
+    """Sliding window (in the core's clock) behind the rates in ``stats``, with its sums kept
+    as steps come and go: a gauge reads them on every arrival and end of a request, and
+    summing a 5-second window of steps each time was a tenth of a busy worker's CPU.
+
+    ``full_prefill`` is the step prefill that counts towards the prefill rate (``stats``
+    says why). Token sums are exact; a duration sum is reset when its last step leaves,
+    so rounding cannot leave a rate divided by a remainder of nothing."""
 
     span: float
+    full_prefill: float
     steps: deque[_StepRecord] = field(default_factory=deque)
     hits: deque[_HitRecord] = field(default_factory=deque)
+    duration: float = 0.0
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_time: float = 0.0
+    sampling_steps: int = 0
+    sampled_tokens: int = 0
+    sampling_time: float = 0.0
+    queries: int = 0
+    query_hits: int = 0
+
+    def add_step(self, rec: _StepRecord) -> None:
+        self.steps.append(rec)
+        self._count(rec, 1)
+
+    def add_hits(self, rec: _HitRecord) -> None:
+        self.hits.append(rec)
+        self.queries += rec.queries
+        self.query_hits += rec.hits
+
+    def _count(self, rec: _StepRecord, sign: int) -> None:
+        self.duration += sign * rec.duration
+        if rec.prefill_tokens >= self.full_prefill:
+            self.prefill_steps += sign
+            self.prefill_tokens += sign * rec.prefill_tokens
+            self.prefill_time += sign * rec.duration
+        if rec.sampled_tokens:
+            self.sampling_steps += sign
+            self.sampled_tokens += sign * rec.sampled_tokens
+            self.sampling_time += sign * rec.duration
 
     def prune(self, now: float) -> None:
         horizon = now - self.span
-        while self.steps and self.steps[0].end < horizon:
-            self.steps.popleft()
+        steps = self.steps
+        while steps and steps[0].end < horizon:
+            self._count(steps.popleft(), -1)
+        if not steps:
+            self.duration = 0.0
+        if not self.prefill_steps:
+            self.prefill_time = 0.0
+        if not self.sampling_steps:
+            self.sampling_time = 0.0
         while self.hits and self.hits[0].t < horizon:
-            self.hits.popleft()
+            gone = self.hits.popleft()
+            self.queries -= gone.queries
+            self.query_hits -= gone.hits
 
 
 class SimCore:
@@ -121,7 +166,7 @@ class SimCore:
         self._admit_counter = 0
         self._roots: dict[str, int] = {}
         self.preemptions = 0
-        self._window = _Window(config.rate_window_s)
+        self._window = _Window(config.rate_window_s, config.max_num_batched_tokens / 2)
         self._queries_total = 0
         self._hits_total = 0
         costs = config.profile.costs
@@ -343,7 +388,7 @@ class SimCore:
                 out.prompt_logprobs = prompt_logprobs(self.config.seed, original, sp.prompt_logprobs)
             outputs.append(out)
 
-        self._window.steps.append(_StepRecord(end, duration, prefill_tokens, sampled))
+        self._window.add_step(_StepRecord(end, duration, prefill_tokens, sampled))
         self._window.prune(end)
         self._step_time = duration
         return StepResult(
@@ -373,23 +418,12 @@ class SimCore:
         per step reads as ~300 tokens/s on a 14k tokens/s profile)."""
         win = self._window
         win.prune(now)
-        full = self.config.max_num_batched_tokens / 2
-        pre_tok = pre_time = out_tok = out_time = dur = 0.0
-        for rec in win.steps:
-            dur += rec.duration
-            if rec.prefill_tokens >= full:
-                pre_tok += rec.prefill_tokens
-                pre_time += rec.duration
-            if rec.sampled_tokens:
-                out_tok += rec.sampled_tokens
-                out_time += rec.duration
-        if pre_time > 0:
-            self._prefill_rate = pre_tok / pre_time
-        if out_time > 0:
-            self._decode_rate = out_tok / out_time
-        step_time = dur / len(win.steps) if win.steps else self._step_time
-        queries = sum(h.queries for h in win.hits)
-        hits = sum(h.hits for h in win.hits)
+        if win.prefill_steps and win.prefill_time > 0:
+            self._prefill_rate = win.prefill_tokens / win.prefill_time
+        if win.sampling_steps and win.sampling_time > 0:
+            self._decode_rate = win.sampled_tokens / win.sampling_time
+        step_time = win.duration / len(win.steps) if win.steps else self._step_time
+        queries, hits = win.queries, win.query_hits
         if not queries:  # nothing admitted lately: the lifetime figure
             queries, hits = self._queries_total, self._hits_total
         queued = sum(s.num_tokens for _, _, _, s in self._waiting if s.status == "waiting")
@@ -535,7 +569,7 @@ class SimCore:
         del self._seqs[seq.request_id]
 
     def _record_hits(self, now: float, queries: int, hits: int) -> None:
-        self._window.hits.append(_HitRecord(now, queries, hits))
+        self._window.add_hits(_HitRecord(now, queries, hits))
         self._queries_total += queries
         self._hits_total += hits
 
