@@ -163,11 +163,14 @@ async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object]
 
 async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]] | None = None,
                         hops: list[list[float]] | None = None,
-                        cpu_ms: dict[str, float] | None = None, gap_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Client and worker TTFT (s) of sequential requests, ``gap_s`` apart (0: each sent as
-    the previous one ends); ``phases`` collects the gateway's Server-Timing per request
-    (ms), ``hops`` the ms per hop of ``HOPS`` per request, ``cpu_ms`` each process's CPU
-    milliseconds per request."""
+                        cpu_ms: dict[str, float] | None = None, gap_s: float = 0.0,
+                        concurrency: int = 1, client_lag_ms: list[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Client and worker TTFT (s) of ``requests`` requests from ``concurrency`` clients, each
+    sending its next as its previous one ends (and ``gap_s`` after, if set); ``phases``
+    collects the gateway's Server-Timing per request (ms), ``hops`` the ms per hop of
+    ``HOPS`` per request, ``cpu_ms`` each process's CPU milliseconds per request, and
+    ``client_lag_ms`` how late the client's own event loop ran (sampled every 10 ms: a
+    busy client reads its first event late, which would count as the mesh's)."""
     observer = await Observer.open(mesh)
     client_ttft, worker_ttft = [], []
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
@@ -175,23 +178,53 @@ async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]
     seen: dict[str, list[float]] = {}
     pids = _pids(mesh)
     cpu0: dict[str, float] = {}
-    async with aiohttp.ClientSession(mesh.gateway_url) as http:
-        for i in range(requests + 10):
-            if gap_s:
-                await asyncio.sleep(gap_s)
-            if i == 10:  # the first ten warm things up
-                cpu0 = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-            one: dict[str, list[float]] = {}
-            ttfts = await _ttfts(http, "/v1/completions", {**body, "seed": i}, headers, b'"text":""', observer, one)
-            if i >= 10 and ttfts is not None:
+    warmup = 10
+    async with aiohttp.ClientSession(mesh.gateway_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+        async def one(i: int) -> None:
+            one_phases: dict[str, list[float]] = {}
+            ttfts = await _ttfts(http, "/v1/completions", {**body, "seed": i}, headers, b'"text":""', observer, one_phases)
+            if i >= warmup and ttfts is not None:
                 client_ttft.append(ttfts[0])
                 worker_ttft.append(ttfts[1])
-                for name, values in one.items():
+                for name, values in one_phases.items():
                     seen.setdefault(name, []).extend(values)
                 if hops is not None and ttfts[2] is not None:
                     hops.append(ttfts[2])
+
+        for i in range(warmup):  # sequential, to warm things up
+            await one(i)
+        cpu0 = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        cpu0["client (with the bus observer)"] = time.process_time()
+        numbers = iter(range(warmup, warmup + requests))
+
+        async def client() -> None:
+            for i in numbers:
+                if gap_s:
+                    await asyncio.sleep(gap_s)
+                await one(i)
+
+        done = asyncio.Event()
+
+        async def watch_lag() -> None:
+            while not done.is_set():
+                before = time.perf_counter()
+                await asyncio.sleep(0.01)
+                if client_lag_ms is not None:
+                    client_lag_ms.append((time.perf_counter() - before - 0.01) * 1000)
+
+        watcher = asyncio.create_task(watch_lag())
+        started = time.perf_counter()
+        try:
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        finally:
+            done.set()
+            await watcher
+        print(f"{requests} requests in {time.perf_counter() - started:.1f} s: "
+              f"{requests / (time.perf_counter() - started):.0f} req/s")
     if cpu_ms is not None:
         cpu_ms.update({name: (_cpu_seconds(pid) - cpu0[name]) * 1000 / requests for name, pid in pids.items()})
+        client_cpu = "client (with the bus observer)"
+        cpu_ms[client_cpu] = (time.process_time() - cpu0[client_cpu]) * 1000 / requests
     with contextlib.suppress(Exception):
         stats = await observer.bus.service_stats("admission")
         print(f"admission: {stats.get('admitted')} admitted, {stats.get('forwarded')} sent on to the router by it")
@@ -418,7 +451,7 @@ def tracing_env(tracing: str, sink: OtlpSink | None) -> dict[str, str]:
 
 async def main(requests: int, duration: float, latency_only: bool = False, tracing: str = "default",
                gateway_args: tuple[str, ...] = (), gap_s: float = 0.0, relay_only: bool = False,
-               relay_engine: str = "echo", max_messages_per_s: float | None = None) -> None:
+               relay_engine: str = "echo", max_messages_per_s: float | None = None, concurrency: int = 1) -> None:
     sink = OtlpSink()
     if tracing == "otlp":
         await sink.start()
@@ -429,7 +462,7 @@ async def main(requests: int, duration: float, latency_only: bool = False, traci
                 await relay_table(Path(tmp), duration, relay_engine, env, list(gateway_args), max_messages_per_s)
         else:
             await _run(requests, duration, latency_only, env, tracing, list(gateway_args), gap_s, relay_engine,
-                       max_messages_per_s)
+                       max_messages_per_s, concurrency)
     finally:
         await sink.stop()
     if tracing == "otlp":
@@ -437,7 +470,8 @@ async def main(requests: int, duration: float, latency_only: bool = False, traci
 
 
 async def _run(requests: int, duration: float, latency_only: bool, env: dict[str, str], tracing: str,
-               gateway_args: list[str], gap_s: float, relay_engine: str, max_messages_per_s: float | None) -> None:
+               gateway_args: list[str], gap_s: float, relay_engine: str, max_messages_per_s: float | None,
+               concurrency: int = 1) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Latency: real-time sim (speed 1) so the worker's TTFT is a realistic few ms.
         mesh = Mesh(MeshConfig(state_dir=Path(tmp) / "a", nats_port=0, http_port=free_port(), model=MODEL, workers=1, speed=1.0,
@@ -446,13 +480,15 @@ async def _run(requests: int, duration: float, latency_only: bool, env: dict[str
         phases: dict[str, list[float]] = {}
         hops: list[list[float]] = []
         cpu_ms: dict[str, float] = {}
+        lag_ms: list[float] = []
         try:
-            client, worker = await added_latency(mesh, requests, phases, hops, cpu_ms, gap_s)
+            client, worker = await added_latency(mesh, requests, phases, hops, cpu_ms, gap_s, concurrency, lag_ms)
         finally:
             mesh.stop()
         added = (client - worker) * 1000
         gap = f", {gap_s * 1000:g} ms apart" if gap_s else ""
-        print(f"### Added latency ({len(added)} sequential requests{gap}, 256-token prompts, tracing: {tracing})\n")
+        how = "sequential requests" if concurrency == 1 else f"requests from {concurrency} concurrent streams"
+        print(f"### Added latency ({len(added)} {how}{gap}, 256-token prompts, tracing: {tracing})\n")
         print("| | p50 ms | p90 ms | p99 ms |\n|---|---:|---:|---:|")
         for name, values in (("client TTFT", client * 1000), ("worker's own TTFT", worker * 1000), ("added by the mesh", added)):
             print(f"| {name} | {np.percentile(values, 50):.2f} | {np.percentile(values, 90):.2f} | {np.percentile(values, 99):.2f} |")
@@ -460,6 +496,9 @@ async def _run(requests: int, duration: float, latency_only: bool, env: dict[str
         print_hops(hops, phases)
         print("\nCPU per request (ms, each process's user + system time over the same requests): "
               + ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(cpu_ms.items(), key=lambda kv: -kv[1])))
+        if lag_ms:
+            print(f"Client event loop lag (ms, sampled every 10 ms): p50 {np.percentile(lag_ms, 50):.2f}, "
+                  f"p99 {np.percentile(lag_ms, 99):.2f}, max {max(lag_ms):.2f}")
         if latency_only:
             return
 
@@ -492,6 +531,9 @@ if __name__ == "__main__":
                         help="the gateway's --placement-path (default: the gateway's default)")
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle time between the sequential requests (default 0: each as the previous one ends)")
+    parser.add_argument("--concurrency", type=int, choices=range(1, 1025), metavar="N", default=1,
+                        help="the added latency from this many concurrent streams, each sending its next request as"
+                             " its previous one ends (default 1: sequential requests)")
     parser.add_argument("--relay-only", action="store_true", help="the relay throughput alone")
     parser.add_argument("--relay-engine", choices=("echo", "sim"), default="echo",
                         help="the relay's token source: echo workers (a few µs of CPU a token, so the gateway is"
@@ -509,4 +551,4 @@ if __name__ == "__main__":
     else:
         uvloop.run(main(args.requests, args.duration, args.latency_only, args.tracing,
                         ("--placement-path", args.placement_path) if args.placement_path else (), args.gap_ms / 1000,
-                        args.relay_only, args.relay_engine, args.worker_max_messages_per_s))
+                        args.relay_only, args.relay_engine, args.worker_max_messages_per_s, args.concurrency))
