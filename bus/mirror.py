@@ -15,7 +15,7 @@ from typing import Generic, Self, TypeVar
 
 from msgspec import Struct
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from proto.codec import decode, encode
@@ -29,6 +29,30 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=Struct)
 BucketOpener = Callable[..., Awaitable[KeyValue]]  # bus.provision's bucket functions
+
+
+async def live_entries(js: JetStreamContext, kv: KeyValue) -> list[KeyValue.Entry]:
+    """Every entry of ``kv`` that holds a value, read once, in key order.
+
+    The keys come from the bucket's stream (its subjects, one JetStream API reply), not
+    from nats-py's ``kv.keys()``: that watcher signals "no more entries" when the
+    consumer's info reports nothing pending and nothing has reached the callback yet, and
+    the info reply can overtake the deliveries, so a listing now and then read a full
+    bucket as empty (``meshserve keys list`` printed no keys on a mesh serving two).
+    """
+    status = await kv.status()
+    prefix = f"$KV.{status.bucket}."
+    stream = status.stream_info.config.name or f"KV_{status.bucket}"
+    info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
+    entries = []
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            entry = await kv.get(subject[len(prefix):])
+        except (KeyNotFoundError, KeyDeletedError):  # deleted, or expired since the listing
+            continue
+        if entry.value:
+            entries.append(entry)
+    return entries
 
 
 class KvMirror(Generic[T]):
@@ -62,7 +86,7 @@ class KvMirror(Generic[T]):
             return self.records.get(key)
         try:
             entry = await self.kv.get(key)
-        except KeyNotFoundError:
+        except (KeyNotFoundError, KeyDeletedError):
             return None
         if not entry.value:
             return None
@@ -76,12 +100,13 @@ class KvMirror(Generic[T]):
         return True
 
     async def all(self) -> list[T]:
+        """Every record that decodes, read from the bucket (a bad one is logged and left out)."""
         out: list[T] = []
-        with contextlib.suppress(Exception):  # nats-py raises when the bucket is empty
-            for key in await self.kv.keys():
-                record = await self.get(key)
-                if record is not None:
-                    out.append(record)
+        for entry in await live_entries(self.bus.js, self.kv):
+            try:
+                out.append(decode(entry.value or b"", self._type))
+            except DecodeError as exc:
+                log.warning("ignoring bad %s record %s: %s", self._what, entry.key, exc)
         return out
 
     async def watch(self) -> None:

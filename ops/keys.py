@@ -98,25 +98,15 @@ def key_id_of(text: str) -> str:
 async def read_keys(store: KeyStore) -> tuple[list[ApiKeyRecord], list[str]]:
     """Every record, oldest first, and the ids of entries that do not decode (an operator
     should see those: the gateway ignores them, so their keys are refused)."""
-    import nats.js.errors
+    from bus.mirror import live_entries
 
-    try:
-        ids = await store.kv.keys()
-    except nats.js.errors.NoKeysError:
-        return [], []
     records: list[ApiKeyRecord] = []
     unreadable: list[str] = []
-    for key_id in ids:
+    for entry in await live_entries(store.bus.js, store.kv):
         try:
-            entry = await store.kv.get(key_id)
-        except nats.js.errors.KeyNotFoundError:
-            continue  # deleted meanwhile
-        if not entry.value:
-            continue
-        try:
-            records.append(decode(entry.value, ApiKeyRecord))
+            records.append(decode(entry.value or b"", ApiKeyRecord))
         except DecodeError:
-            unreadable.append(key_id)
+            unreadable.append(entry.key)
     return sorted(records, key=lambda r: r.created_at), sorted(unreadable)
 
 

@@ -512,22 +512,18 @@ async def discover(bus: Bus, service: str, wait: float = 0.3) -> list[dict[str, 
 
 async def ready_workers(bus: Bus) -> list[WorkerInfo]:
     """The workers whose registry entry says ready, read once from the ``mesh_workers`` bucket."""
+    from bus.mirror import live_entries
     from bus.provision import workers_bucket
     from proto.codec import decode
+    from proto.errors import DecodeError
 
     kv = await workers_bucket(bus.js, bus.subjects, replicas=bus.settings.js_replicas)
     found = []
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats.py raises NoKeysError on an empty bucket
-        return []
-    for key in keys:
-        with contextlib.suppress(Exception):  # an entry that expired between keys() and get()
-            entry = await kv.get(key)
-            if entry.value:
-                info = decode(entry.value, WorkerInfo)
-                if info.state == "ready":
-                    found.append(info)
+    for entry in await live_entries(bus.js, kv):
+        with contextlib.suppress(DecodeError):  # a record of another version: not one of ours to count
+            info = decode(entry.value or b"", WorkerInfo)
+            if info.state == "ready":
+                found.append(info)
     return sorted(found, key=lambda w: w.worker_id)
 
 

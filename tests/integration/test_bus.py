@@ -417,3 +417,27 @@ async def test_two_publishers_of_one_message_id_both_succeed(nats_cluster: list[
     finally:
         for client in (*publishers, setup):
             await client.close()
+
+
+async def test_a_bucket_read_once_holds_every_live_entry_and_no_deleted_one(bus: Bus) -> None:
+    from bus.keys import KeyStore
+    from bus.mirror import live_entries
+    from ops.keys import read_keys
+    from services.gateway.apikeys import generate_key
+
+    store = await KeyStore(bus).open()
+    assert await live_entries(bus.js, store.kv) == [] and await store.list() == []
+    records = [generate_key(org=f"org{i}")[1] for i in range(12)]
+    for record in records:
+        await store.put(record)
+    await store.kv.delete(records[3].key_id)
+    await store.kv.purge(records[5].key_id)
+    await store.kv.put("00000000000f", b"\x00not a record")
+    live = sorted(r.key_id for i, r in enumerate(records) if i not in (3, 5))
+    # Read again and again, it never comes back short of a key.
+    for _ in range(20):
+        entries = await live_entries(bus.js, store.kv)
+        assert [e.key for e in entries] == sorted([*live, "00000000000f"])
+    assert sorted(r.key_id for r in await store.list()) == live
+    listed, unreadable = await read_keys(store)
+    assert sorted(r.key_id for r in listed) == live and unreadable == ["00000000000f"]
