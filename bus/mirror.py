@@ -122,17 +122,25 @@ class KvMirror(Generic[T]):
     async def _watch(self) -> None:
         while True:
             try:
+                # Synced once the bucket's last message as of now has come through. nats-py's
+                # "no more" marker alone can come before the first entry (see live_entries),
+                # and a gateway would then refuse a key it holds in its first moments.
+                state = (await self.kv.status()).stream_info.state
+                synced_at = state.last_seq if state.messages else 0
                 async for entry in await self.kv.watchall():
                     if entry is None:
-                        self._synced.set()
+                        if not synced_at:
+                            self._synced.set()
                         continue
                     if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                         self.records.pop(entry.key, None)
-                        continue
-                    try:
-                        self.records[entry.key] = decode(entry.value, self._type)
-                    except DecodeError as exc:
-                        log.warning("ignoring bad %s record %s: %s", self._what, entry.key, exc)
+                    else:
+                        try:
+                            self.records[entry.key] = decode(entry.value, self._type)
+                        except DecodeError as exc:
+                            log.warning("ignoring bad %s record %s: %s", self._what, entry.key, exc)
+                    if entry.revision >= synced_at:
+                        self._synced.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -441,3 +441,25 @@ async def test_a_bucket_read_once_holds_every_live_entry_and_no_deleted_one(bus:
     assert sorted(r.key_id for r in await store.list()) == live
     listed, unreadable = await read_keys(store)
     assert sorted(r.key_id for r in listed) == live and unreadable == ["00000000000f"]
+
+
+async def test_a_mirror_is_synced_only_once_it_holds_the_bucket(bus: Bus) -> None:
+    from bus.keys import KeyStore
+    from services.gateway.apikeys import generate_key
+
+    empty = await KeyStore(bus).open()
+    await empty.watch()  # an empty bucket is synced at once
+    assert empty._synced.is_set() and empty.records == {}
+    await empty.stop()
+    records = [generate_key(org=f"org{i}")[1] for i in range(40)]
+    for record in records:
+        await empty.put(record)
+    await empty.kv.delete(records[0].key_id)
+    for _ in range(5):
+        mirror = await KeyStore(bus).open()
+        await mirror.watch()
+        try:
+            assert mirror._synced.is_set()
+            assert sorted(mirror.records) == sorted(r.key_id for r in records[1:])
+        finally:
+            await mirror.stop()
