@@ -55,6 +55,9 @@ class Target(Protocol):
 
 PASS_MODEL = "pass --model"
 PASS_KEY = "pass the API key with --api-key, or set MESHSERVE_API_KEY or OPENAI_API_KEY"
+KEY_REFUSED = ("the API key sent (--api-key, MESHSERVE_API_KEY or OPENAI_API_KEY) was refused: check it "
+               "(`meshserve keys list` shows the mesh's key ids; `make up` writes its development key to "
+               ".meshserve/dev-key)")
 
 
 def make_target(endpoint: EndpointConfig) -> Target:
@@ -105,7 +108,7 @@ class OpenAITarget:
                         message = raw[:200].decode(errors="replace")
                     self.discovery_error = f"GET {self.base}/models answered {resp.status}: {message}"
                     if resp.status in (401, 403):  # --model would only move the refusal to every request
-                        self.discovery_hint = PASS_KEY
+                        self.discovery_hint = KEY_REFUSED if self.endpoint.api_key else PASS_KEY
                     return None
                 data = _decode(raw)
             models = data.get("data") or []

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from ops.bench.config import EndpointConfig
-from ops.bench.targets import PASS_KEY, PASS_MODEL, OpenAITarget
+from ops.bench.targets import KEY_REFUSED, PASS_KEY, PASS_MODEL, OpenAITarget
 from ops.natsserver import free_port
 
 
@@ -32,8 +32,9 @@ async def refusing_server() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-async def test_discovery_reports_the_servers_answer(refusing_server: str) -> None:
-    target = OpenAITarget(EndpointConfig(url=refusing_server, api_key="msk-wrong"))
+@pytest.mark.parametrize(("api_key", "hint"), [("msk-wrong", KEY_REFUSED), (None, PASS_KEY)])
+async def test_discovery_reports_the_servers_answer(refusing_server: str, api_key: str | None, hint: str) -> None:
+    target = OpenAITarget(EndpointConfig(url=refusing_server, api_key=api_key))
     await target.start()
     try:
         assert await target.discover_model() is None
@@ -41,7 +42,9 @@ async def test_discovery_reports_the_servers_answer(refusing_server: str) -> Non
         await target.close()
     assert target.discovery_error is not None
     assert "answered 401: Incorrect API key provided" in target.discovery_error
-    assert target.discovery_hint == PASS_KEY  # not "pass --model": every request would be refused too
+    # Not "pass --model": every request would be refused too. A key that was sent is
+    # called refused, not missing.
+    assert target.discovery_hint == hint
 
 
 async def test_discovery_says_when_nothing_answers() -> None:
