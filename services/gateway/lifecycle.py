@@ -212,9 +212,13 @@ class ActiveRequest:
             raise
         span.set_attribute("meshserve.worker_id", placement.worker_id)
         record.worker_id = placement.worker_id
-        # Resume and its disconnect timer need the worker; not worth a round trip before the
-        # first token (best effort, as every later update of the record).
-        g.spawn(g.records.save(record), name=f"record-{request_id}")
+        if resumable:
+            # Resume and its disconnect timer need the worker; not worth a round trip before
+            # the first token (best effort, as every later update of the record). A request
+            # that is not resumable has no record: nothing reads it (its client's disconnect
+            # cancels it, and GET /v1/requests/{id}/stream serves resumable requests only),
+            # and storing one cost a JetStream write per request.
+            g.spawn(g.records.save(record), name=f"record-{request_id}")
         active = cls(g, request, generate, record, stream, placement.worker_id, started, span,
                      ttft_tier=key.tier if decision.worker_id else "")  # a worker_id: admission made a prediction
         active.phases = phases
@@ -429,14 +433,16 @@ async def migrate(g: GatewayService, plan: Migrate, record: RequestRecord, *,
     g.spawn(g.upstream.cancel(plan.retire, record.request_id, "migrated away"))  # a stalled worker frees its blocks
     await g.publish_usage(plan.lost_usage, plan.lost_usage_id)
     record.retired[plan.retire] = plan.cutoff
-    if record.segment is not None:
+    stored = record.segment is not None  # a resumable request's record (it holds its segment); no other is stored
+    if stored:
         record.segment = plan.generate
-    await g.records.save(record)
+        await g.records.save(record)
     placement = await place_when_ready(g, RouteRequest(request=plan.generate, exclude_workers=plan.exclude_workers),
                                        arrived_from=arrived_from)
     g.metrics.migrations.inc()
     record.worker_id = placement.worker_id
-    await g.records.save(record)
+    if stored:
+        await g.records.save(record)
     return placement.worker_id
 
 

@@ -159,6 +159,23 @@ async def test_gateway_returns_to_baseline_after_fuzz(mesh: Mesh) -> None:
     assert float(line.split()[1]) == 0
 
 
+async def test_only_a_resumable_request_can_be_streamed_again(mesh: Mesh) -> None:
+    """A request sent without X-Meshserve-Resumable has no resume record (its client's
+    disconnect cancels it): GET …/stream answers 404 while it runs, as for an unknown id."""
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    body = {"model": MODEL, "prompt": "one viewer", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        async with http.post("/v1/completions", json=body, headers=headers) as r:
+            request_id = r.headers["X-Request-Id"]
+            await read_sse(r, limit=2)
+            await asyncio.sleep(0.3)  # a record, were one kept, is stored just after the placement
+            async with http.get(f"/v1/requests/{request_id}/stream", headers=headers) as again:
+                assert again.status == 404, await again.text()
+                assert (await again.json())["error"]["code"] == "not_found"
+            rest = await read_sse(r)  # its own client still gets the whole stream
+        assert rest and rest[-1][1] == "[DONE]"
+
+
 async def test_kill_and_resume_joins_to_the_uninterrupted_text(mesh: Mesh) -> None:
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     body = {"model": MODEL, "prompt": "resume me", "max_tokens": 400, "seed": 99, "stream": True, "ignore_eos": True,
