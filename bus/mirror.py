@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, Self, TypeVar
@@ -19,7 +20,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from proto.codec import decode, encode
-from proto.errors import DecodeError
+from proto.errors import DecodeError, MeshError
 from proto.subjects import Subjects
 
 from .client import Bus
@@ -31,21 +32,31 @@ T = TypeVar("T", bound=Struct)
 BucketOpener = Callable[..., Awaitable[KeyValue]]  # bus.provision's bucket functions
 
 
-async def live_entries(js: JetStreamContext, kv: KeyValue) -> list[KeyValue.Entry]:
+async def live_entries(bus: Bus, kv: KeyValue) -> list[KeyValue.Entry]:
     """Every entry of ``kv`` that holds a value, read once, in key order.
 
-    The keys come from the bucket's stream (its subjects, one JetStream API reply), not
-    from nats-py's ``kv.keys()``: that watcher signals "no more entries" when the
-    consumer's info reports nothing pending and nothing has reached the callback yet, and
-    the info reply can overtake the deliveries, so a listing now and then read a full
+    The keys come from the bucket's stream (its subjects, from the JetStream API, page by
+    page), not from nats-py's ``kv.keys()``: that watcher signals "no more entries" when
+    the consumer's info reports nothing pending and nothing has reached the callback yet,
+    and the info reply can overtake the deliveries, so a listing now and then read a full
     bucket as empty (``meshserve keys list`` printed no keys on a mesh serving two).
     """
     status = await kv.status()
     prefix = f"$KV.{status.bucket}."
     stream = status.stream_info.config.name or f"KV_{status.bucket}"
-    info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
+    subjects: set[str] = set()
+    while True:  # the server answers up to 100,000 subjects a page
+        query = {"subjects_filter": f"{prefix}>", "offset": len(subjects)}
+        reply = await bus.nc.request(f"$JS.API.STREAM.INFO.{stream}", json.dumps(query).encode(), timeout=5.0)
+        info = json.loads(reply.data)
+        if "error" in info:
+            raise MeshError(f"cannot list bucket {status.bucket}: {info['error'].get('description', info['error'])}")
+        page = (info.get("state") or {}).get("subjects") or {}
+        subjects.update(page)
+        if not page or len(subjects) >= int(info.get("total") or 0):
+            break
     entries = []
-    for subject in sorted(info.state.subjects or {}):
+    for subject in sorted(subjects):
         try:
             entry = await kv.get(subject[len(prefix):])
         except (KeyNotFoundError, KeyDeletedError):  # deleted, or expired since the listing
@@ -102,7 +113,7 @@ class KvMirror(Generic[T]):
     async def all(self) -> list[T]:
         """Every record that decodes, read from the bucket (a bad one is logged and left out)."""
         out: list[T] = []
-        for entry in await live_entries(self.bus.js, self.kv):
+        for entry in await live_entries(self.bus, self.kv):
             try:
                 out.append(decode(entry.value or b"", self._type))
             except DecodeError as exc:

@@ -102,7 +102,7 @@ async def read_keys(store: KeyStore) -> tuple[list[ApiKeyRecord], list[str]]:
 
     records: list[ApiKeyRecord] = []
     unreadable: list[str] = []
-    for entry in await live_entries(store.bus.js, store.kv):
+    for entry in await live_entries(store.bus, store.kv):
         try:
             records.append(decode(entry.value or b"", ApiKeyRecord))
         except DecodeError:

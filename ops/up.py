@@ -519,7 +519,7 @@ async def ready_workers(bus: Bus) -> list[WorkerInfo]:
 
     kv = await workers_bucket(bus.js, bus.subjects, replicas=bus.settings.js_replicas)
     found = []
-    for entry in await live_entries(bus.js, kv):
+    for entry in await live_entries(bus, kv):
         with contextlib.suppress(DecodeError):  # a record of another version: not one of ours to count
             info = decode(entry.value or b"", WorkerInfo)
             if info.state == "ready":

@@ -426,7 +426,7 @@ async def test_a_bucket_read_once_holds_every_live_entry_and_no_deleted_one(bus:
     from services.gateway.apikeys import generate_key
 
     store = await KeyStore(bus).open()
-    assert await live_entries(bus.js, store.kv) == [] and await store.list() == []
+    assert await live_entries(bus, store.kv) == [] and await store.list() == []
     records = [generate_key(org=f"org{i}")[1] for i in range(12)]
     for record in records:
         await store.put(record)
@@ -436,7 +436,7 @@ async def test_a_bucket_read_once_holds_every_live_entry_and_no_deleted_one(bus:
     live = sorted(r.key_id for i, r in enumerate(records) if i not in (3, 5))
     # Read again and again, it never comes back short of a key.
     for _ in range(20):
-        entries = await live_entries(bus.js, store.kv)
+        entries = await live_entries(bus, store.kv)
         assert [e.key for e in entries] == sorted([*live, "00000000000f"])
     assert sorted(r.key_id for r in await store.list()) == live
     listed, unreadable = await read_keys(store)
