@@ -66,6 +66,19 @@ async def live_entries(bus: Bus, kv: KeyValue) -> list[KeyValue.Entry]:
     return entries
 
 
+async def sync_point(kv: KeyValue) -> int:
+    """The revision a new watch of ``kv`` has caught up with the bucket at: its stream's last
+    message as of now (0 when it holds none: then nats-py's "no more" marker says it).
+
+    The marker alone can come before the first entry (see ``live_entries``): a watcher
+    that counted itself synced there read an empty bucket, and a gateway would refuse a
+    key it holds, or admission find no replica, in its first moments. An ordered
+    watch delivers in stream order, so an entry at this revision or later means every
+    earlier one has come through."""
+    state = (await kv.status()).stream_info.state
+    return state.last_seq if state.messages else 0
+
+
 class KvMirror(Generic[T]):
     def __init__(self, bus: Bus, bucket: BucketOpener, record_type: type[T], what: str) -> None:
         self.bus = bus
@@ -133,11 +146,7 @@ class KvMirror(Generic[T]):
     async def _watch(self) -> None:
         while True:
             try:
-                # Synced once the bucket's last message as of now has come through. nats-py's
-                # "no more" marker alone can come before the first entry (see live_entries),
-                # and a gateway would then refuse a key it holds in its first moments.
-                state = (await self.kv.status()).stream_info.state
-                synced_at = state.last_seq if state.messages else 0
+                synced_at = await sync_point(self.kv)
                 async for entry in await self.kv.watchall():
                     if entry is None:
                         if not synced_at:

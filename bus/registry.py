@@ -35,6 +35,7 @@ from proto.messages import WorkerInfo
 
 from .client import Bus
 from .connections import ConnectionWatch, parse_advisory
+from .mirror import sync_point
 from .provision import StreamLimits, workers_bucket
 from .tasks import cancel_and_wait
 
@@ -136,31 +137,38 @@ class WorkerRegistry:
         assert self._kv is not None
         while True:
             try:
+                synced_at = await sync_point(self._kv)
                 watcher = await self._kv.watchall()
                 async for entry in watcher:
                     self._last_entry_at = time.monotonic()
-                    if entry is None:  # initial values delivered
+                    if entry is None:  # nothing more to replay: synced if the bucket held nothing
+                        if not synced_at:
+                            self._synced.set()
+                        continue
+                    self._apply(entry)
+                    if entry.revision >= synced_at:
                         self._synced.set()
-                        continue
-                    if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                        self._dead.pop(entry.key, None)
-                        self._set(entry.key, None)
-                        continue
-                    try:
-                        info = decode(entry.value, WorkerInfo)
-                    except DecodeError as exc:
-                        log.warning("ignoring bad registry entry %s: %s", entry.key, exc)
-                        continue
-                    if entry.key in self._dead:
-                        if info.heartbeat_at <= self._dead[entry.key]:
-                            continue  # the entry a dead worker left behind
-                        del self._dead[entry.key]
-                    self._set(entry.key, info)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # reconnects, consumer loss: watch again
                 log.warning("registry watch restarting: %r", exc)
                 await asyncio.sleep(0.5)
+
+    def _apply(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            self._dead.pop(entry.key, None)
+            self._set(entry.key, None)
+            return
+        try:
+            info = decode(entry.value, WorkerInfo)
+        except DecodeError as exc:
+            log.warning("ignoring bad registry entry %s: %s", entry.key, exc)
+            return
+        if entry.key in self._dead:
+            if info.heartbeat_at <= self._dead[entry.key]:
+                return  # the entry a dead worker left behind
+            del self._dead[entry.key]
+        self._set(entry.key, info)
 
     # ---- connection advisories -----------------------------------------------------------
     async def _on_connection_advisory(self, msg: Msg) -> None:

@@ -463,3 +463,28 @@ async def test_a_mirror_is_synced_only_once_it_holds_the_bucket(bus: Bus) -> Non
             assert sorted(mirror.records) == sorted(r.key_id for r in records[1:])
         finally:
             await mirror.stop()
+
+
+async def test_a_registry_is_synced_only_once_it_lists_the_bucket(bus: Bus) -> None:
+    """A service's registry counts as synced when every worker entry has come through, not
+    at nats-py's 'no more' marker (admission refuses 'no replica' until it is synced)."""
+    import time
+
+    from bus.provision import workers_bucket
+    from bus.registry import WorkerRegistry
+    from proto import WorkerInfo, encode
+
+    kv = await workers_bucket(bus.js, bus.subjects)
+    names = [f"w{i}" for i in range(30)]
+    for name in names:
+        await kv.put(name, encode(WorkerInfo(worker_id=name, model="m", engine="sim", state="ready",
+                                             heartbeat_at=time.time())))
+    await kv.delete(names[0])
+    for _ in range(5):
+        registry = WorkerRegistry(bus)
+        await registry.start()
+        try:
+            assert registry.synced
+            assert sorted(registry.workers) == sorted(names[1:])
+        finally:
+            await registry.stop()
