@@ -189,6 +189,9 @@ async def _run(args: argparse.Namespace, key_id: str) -> int:
                 json.dump(rows, sys.stdout, indent=2)
                 print()
                 return 0
+            if not records and not unreadable:
+                console.print("no API keys in this mesh: `meshserve keys create --org ORG` makes one", markup=False)
+                return 0
             print_table(console, keys_table(records, unreadable))
             return 0
         if not await store.revoke(key_id):

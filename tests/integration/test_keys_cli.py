@@ -98,6 +98,10 @@ def test_create_checks_models_against_the_registry_and_tiers_against_admissions_
 def test_revoke_takes_a_whole_key_and_list_shows_broken_records(
     nats_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    assert meshserve(nats_url, "list") == 0  # no keys yet: says so and how to make one, not an empty table
+    assert "no API keys in this mesh" in capsys.readouterr().out
+    assert meshserve(nats_url, "list", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == []
     assert meshserve(nats_url, "create", "--org", "acme", "--rpm", "60") == 0
     key = capsys.readouterr().out.strip()
     assert key.startswith("msk-")
