@@ -152,6 +152,10 @@ async def _run(args: argparse.Namespace, found: tuple[Path, int, int] | None) ->
                           indent=2)
                 print()
                 return 0
+            if not records:
+                console.print("no LoRA adapters in this mesh: `meshserve adapters add NAME --base MODEL --path DIR` "
+                              "registers one", markup=False)
+                return 0
             print_table(console, adapters_table(records))
             return 0
         if not await store.delete(args.name):

@@ -49,6 +49,8 @@ async def test_an_adapter_is_added_listed_served_from_a_slot_and_removed(
     gateway = GatewayService(GatewayConfig(port=0), bus_settings)
     await gateway.start()
     try:
+        assert await adapters_cli(bus_settings, "list") == 0  # none yet: says so, and how to add one
+        assert "no LoRA adapters in this mesh" in capsys.readouterr().out
         sql = adapter_dir(tmp_path, "sql")
         assert await adapters_cli(bus_settings, "add", "sql-writer", "--base", MODEL, "--path", str(sql)) == 0
         # refused, nothing stored: a rank above the pool's 16, a base nobody serves, a taken name, no config
