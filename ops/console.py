@@ -67,7 +67,7 @@ async def mesh_bus(name: str, *, initial_attempts: int = 3) -> AsyncIterator[Bus
     """
     from bus import Bus, BusSettings
     from proto.errors import MeshError
-    from services.common.cli_types import nats_url_problem
+    from services.common.cli_types import nats_url_problem, shown_nats_url
 
     settings = BusSettings.from_env()
     problem = nats_url_problem(",".join(settings.servers))  # MESHSERVE_NATS_URL: --nats-url is checked by argparse
@@ -79,6 +79,7 @@ async def mesh_bus(name: str, *, initial_attempts: int = 3) -> AsyncIterator[Bus
         # nats-py retries a refused connection until its connect timeout and then reports
         # only TimeoutError(): ~10 s to say nothing listens there. Say it at once.
         raise CliError(f"cannot reach NATS at {'; '.join(unreachable)} {hint}")
+    where = ", ".join(shown_nats_url(s) for s in settings.servers)
     client_log = logging.getLogger("bus.client")
     level = client_log.level
     client_log.setLevel(logging.ERROR)
@@ -86,9 +87,13 @@ async def mesh_bus(name: str, *, initial_attempts: int = 3) -> AsyncIterator[Bus
         bus = await Bus.open(settings, name, initial_attempts=initial_attempts)
     except MeshError as exc:
         cause = exc.__cause__
-        why = ("it takes connections but did not answer as a NATS server in time"
-               if isinstance(cause, TimeoutError) else str(cause) or type(cause).__name__ if cause else exc.message)
-        raise CliError(f"cannot reach NATS at {', '.join(settings.servers)}: {why} {hint}") from exc
+        if isinstance(cause, TimeoutError):
+            why = "it takes connections but did not answer as a NATS server in time"
+        elif cause is not None:
+            why = str(cause) or type(cause).__name__
+        else:
+            why = exc.message
+        raise CliError(f"cannot reach NATS at {where}: {why} {hint}") from exc
     finally:
         client_log.setLevel(level)
     try:
@@ -104,19 +109,22 @@ async def unreachable_servers(servers: list[str] | tuple[str, ...], timeout_s: f
     import asyncio
     from urllib.parse import urlsplit
 
+    from services.common.cli_types import shown_nats_url
+
     async def probe(server: str) -> str | None:
         parts = urlsplit(server if "://" in server else f"nats://{server}")
         host = parts.hostname or "127.0.0.1"
         port = parts.port or (443 if parts.scheme == "wss" else 80 if parts.scheme == "ws" else 4222)
+        shown = shown_nats_url(server)
         try:
             async with asyncio.timeout(timeout_s):
                 _, writer = await asyncio.open_connection(host, port)
         except ConnectionRefusedError:
-            return f"{server}: connection refused, nothing listens there"
+            return f"{shown}: connection refused, nothing listens there"
         except TimeoutError:
-            return f"{server}: no answer within {timeout_s:g} s"
+            return f"{shown}: no answer within {timeout_s:g} s"
         except OSError as exc:  # a name that does not resolve, a network that is down
-            return f"{server}: {exc.strerror or exc}"
+            return f"{shown}: {exc.strerror or exc}"
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()

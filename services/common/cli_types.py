@@ -40,6 +40,17 @@ def nats_url_problem(urls: str) -> str | None:
     return None
 
 
+def shown_nats_url(url: str) -> str:
+    """``url`` as a message may show it: a password or token in it replaced by ``***``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    if parts.username is None:
+        return url
+    user = f"{parts.username}:***" if parts.password is not None else "***"  # a bare user part is a token
+    return url.replace(parts.netloc, f"{user}@{parts.netloc.rsplit('@', 1)[1]}", 1)
+
+
 def nats_urls(text: str) -> str:
     """An argparse ``type`` for ``--nats-url``: one or more NATS URLs, comma-separated."""
     problem = nats_url_problem(text)

@@ -129,3 +129,23 @@ def test_keys_and_adapters_take_the_mesh_flags_before_or_after_their_action(argv
 def test_keys_without_mesh_flags_use_the_environment() -> None:
     args = build_parser().parse_args(["keys", "list"])
     assert (args.nats_url, args.root) == (None, None)
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+    ("nats://user:s3cret@host:4222", "nats://user:***@host:4222"),
+    ("nats://t0ken@host", "nats://***@host"),  # a bare user part is a token
+    ("tls://a:b@h1:4443", "tls://a:***@h1:4443"),
+])
+def test_a_nats_url_in_a_message_hides_its_secret(url: str, shown: str) -> None:
+    from services.common.cli_types import shown_nats_url
+
+    assert shown_nats_url(url) == shown
+
+
+def test_no_mesh_at_a_url_with_a_password_does_not_print_it() -> None:
+    url = f"nats://admin:s3cret@127.0.0.1:{free_port()}"  # nothing listens there
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "status", "--nats-url", url], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "connection refused" in result.stderr
+    assert "s3cret" not in result.stderr and "admin:***@" in result.stderr
