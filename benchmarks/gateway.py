@@ -161,6 +161,9 @@ async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object]
     return first, t.first_token - t.arrival, hops
 
 
+CLIENT_CPU = "client (with the bus observer)"
+
+
 async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]] | None = None,
                         hops: list[list[float]] | None = None,
                         cpu_ms: dict[str, float] | None = None, gap_s: float = 0.0,
@@ -194,7 +197,7 @@ async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]
         for i in range(warmup):  # sequential, to warm things up
             await one(i)
         cpu0 = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-        cpu0["client (with the bus observer)"] = time.process_time()
+        cpu0[CLIENT_CPU] = time.process_time()
         numbers = iter(range(warmup, warmup + requests))
 
         async def client() -> None:
@@ -219,12 +222,11 @@ async def added_latency(mesh: Mesh, requests: int, phases: dict[str, list[float]
         finally:
             done.set()
             await watcher
-        print(f"{requests} requests in {time.perf_counter() - started:.1f} s: "
-              f"{requests / (time.perf_counter() - started):.0f} req/s")
+        elapsed = time.perf_counter() - started
+        print(f"{requests} requests in {elapsed:.1f} s: {requests / elapsed:.0f} req/s")
     if cpu_ms is not None:
         cpu_ms.update({name: (_cpu_seconds(pid) - cpu0[name]) * 1000 / requests for name, pid in pids.items()})
-        client_cpu = "client (with the bus observer)"
-        cpu_ms[client_cpu] = (time.process_time() - cpu0[client_cpu]) * 1000 / requests
+        cpu_ms[CLIENT_CPU] = (time.process_time() - cpu0[CLIENT_CPU]) * 1000 / requests
     with contextlib.suppress(Exception):
         stats = await observer.bus.service_stats("admission")
         print(f"admission: {stats.get('admitted')} admitted, {stats.get('forwarded')} sent on to the router by it")

@@ -107,12 +107,11 @@ async def unreachable_servers(servers: list[str] | tuple[str, ...], timeout_s: f
     that does not ("nats://127.0.0.1:4222: connection refused, nothing listens there"); the
     servers that do are left out."""
     import asyncio
-    from urllib.parse import urlsplit
 
-    from services.common.cli_types import shown_nats_url
+    from services.common.cli_types import shown_nats_url, split_nats_url
 
     async def probe(server: str) -> str | None:
-        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        parts = split_nats_url(server)
         host = parts.hostname or "127.0.0.1"
         port = parts.port or (443 if parts.scheme == "wss" else 80 if parts.scheme == "ws" else 4222)
         shown = shown_nats_url(server)

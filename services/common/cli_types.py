@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from urllib.parse import SplitResult, urlsplit
 
 
 def port_number(text: str) -> int:
@@ -20,17 +21,20 @@ def port_number(text: str) -> int:
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 
 
+def split_nats_url(url: str) -> SplitResult:
+    """``url``'s parts, read as nats-py reads it (no scheme: nats://)."""
+    return urlsplit(url if "://" in url else f"nats://{url}")
+
+
 def nats_url_problem(urls: str) -> str | None:
     """What is wrong with a comma-separated list of NATS URLs, or None. A typo such as
     ``http://`` or a missing host would otherwise read as an unreachable server after the
     connect timeout."""
-    from urllib.parse import urlsplit
-
     servers = [s.strip() for s in urls.split(",") if s.strip()]
     if not servers:
         return "no NATS URL given"
     for server in servers:
-        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        parts = split_nats_url(server)
         try:
             port_ok = parts.port is None or 0 < parts.port
         except ValueError:  # a port that is not a number, or out of range
@@ -42,9 +46,7 @@ def nats_url_problem(urls: str) -> str | None:
 
 def shown_nats_url(url: str) -> str:
     """``url`` as a message may show it: a password or token in it replaced by ``***``."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    parts = split_nats_url(url)
     if parts.username is None:
         return url
     user = f"{parts.username}:***" if parts.password is not None else "***"  # a bare user part is a token
