@@ -188,13 +188,16 @@ def test_stats_tracker_gauges() -> None:
     s = t.snapshot(1.5)
     assert (s.waiting, s.running, s.queued_prefill_tokens) == (0, 2, 0)
     assert s.prefix_hit_rate == pytest.approx(32 / 350) and s.preemptions == 1
-    # No step with a known duration filled the step budget: the capacity is not known yet
-    assert s.prefill_tokens_per_s == 0.0 and s.decode_tokens_per_s == pytest.approx(3 / 1.0)
+    # No step with a known duration filled the step budget: the capacity is not known yet.
+    # Decode is per busy second of the timed steps (the first step's duration is unknown:
+    # the gap before it held idle time), as the sim reports it.
+    assert s.prefill_tokens_per_s == 0.0 and s.decode_tokens_per_s == pytest.approx(2 / 0.05)
     assert s.step_time_s == pytest.approx(0.05)
     t.finish("a")
     t.finish("b")
-    s = t.snapshot(10.0)  # idle: rates age out; stale scheduler counts never exceed what is in flight
-    assert (s.waiting, s.running, s.prefill_tokens_per_s, s.decode_tokens_per_s) == (0, 0, 0.0, 0.0)
+    s = t.snapshot(10.0)  # idle: speeds hold their last value; stale scheduler counts never exceed what is in flight
+    assert (s.waiting, s.running, s.prefill_tokens_per_s) == (0, 0, 0.0)
+    assert s.decode_tokens_per_s == pytest.approx(40.0) and s.step_time_s == pytest.approx(0.05)
     t.on_scheduler(running=0, waiting=0, kv_usage=0.0, prefix_reset=True)
     assert t.snapshot(10.0).prefix_hit_rate == 0.0
 

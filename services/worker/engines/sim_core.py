@@ -48,6 +48,7 @@ from .sim_lora import LoraSlots
 from .sim_profile import SimConfig
 from .sim_sampling import prompt_logprobs, sampled_logprob
 from .sim_sequence import GuidedStream, SimSequence, TokenStream
+from .step_rates import StepRecord, StepWindow
 
 # ------------------------------------------------------------------------------- core
 
@@ -73,14 +74,6 @@ class StepResult:
 
 
 @dataclass(slots=True)
-class _StepRecord:
-    end: float
-    duration: float
-    prefill_tokens: int
-    sampled_tokens: int
-
-
-@dataclass(slots=True)
 class _HitRecord:
     t: float
     queries: int
@@ -88,60 +81,22 @@ class _HitRecord:
 
 
 @dataclass
-class _Window:
-    """Sliding window (in the core's clock) behind the rates in ``stats``, with its sums kept
-    as steps come and go: a gauge reads them on every arrival and end of a request, and
-    summing a 5-second window of steps each time was a tenth of a busy worker's CPU.
-
-    ``full_prefill`` is the step prefill that counts towards the prefill rate (``stats``
-    says why). Token sums are exact; a duration sum is reset when its last step leaves,
-    so rounding cannot leave a rate divided by a remainder of nothing."""
+class _HitWindow:
+    """Prefix-cache queries and hits of the admissions in the last ``span`` seconds,
+    with their sums kept as records come and go (read by every gauge)."""
 
     span: float
-    full_prefill: float
-    steps: deque[_StepRecord] = field(default_factory=deque)
     hits: deque[_HitRecord] = field(default_factory=deque)
-    duration: float = 0.0
-    prefill_steps: int = 0
-    prefill_tokens: int = 0
-    prefill_time: float = 0.0
-    sampling_steps: int = 0
-    sampled_tokens: int = 0
-    sampling_time: float = 0.0
     queries: int = 0
     query_hits: int = 0
 
-    def add_step(self, rec: _StepRecord) -> None:
-        self.steps.append(rec)
-        self._count(rec, 1)
-
-    def add_hits(self, rec: _HitRecord) -> None:
+    def add(self, rec: _HitRecord) -> None:
         self.hits.append(rec)
         self.queries += rec.queries
         self.query_hits += rec.hits
 
-    def _count(self, rec: _StepRecord, sign: int) -> None:
-        self.duration += sign * rec.duration
-        if rec.prefill_tokens >= self.full_prefill:
-            self.prefill_steps += sign
-            self.prefill_tokens += sign * rec.prefill_tokens
-            self.prefill_time += sign * rec.duration
-        if rec.sampled_tokens:
-            self.sampling_steps += sign
-            self.sampled_tokens += sign * rec.sampled_tokens
-            self.sampling_time += sign * rec.duration
-
     def prune(self, now: float) -> None:
         horizon = now - self.span
-        steps = self.steps
-        while steps and steps[0].end < horizon:
-            self._count(steps.popleft(), -1)
-        if not steps:
-            self.duration = 0.0
-        if not self.prefill_steps:
-            self.prefill_time = 0.0
-        if not self.sampling_steps:
-            self.sampling_time = 0.0
         while self.hits and self.hits[0].t < horizon:
             gone = self.hits.popleft()
             self.queries -= gone.queries
@@ -166,17 +121,17 @@ class SimCore:
         self._admit_counter = 0
         self._roots: dict[str, int] = {}
         self.preemptions = 0
-        self._window = _Window(config.rate_window_s, config.max_num_batched_tokens / 2)
-        self._queries_total = 0
-        self._hits_total = 0
         costs = config.profile.costs
         # Until a step has been measured, advertise the profile's own speed, so a fresh
         # replica does not look infinitely slow to admission's TTFT prediction.
-        self._prefill_rate = config.max_num_batched_tokens / costs.step_time(
-            config.max_num_batched_tokens, 0, 0, 1
+        self._window = StepWindow(
+            config.rate_window_s, config.max_num_batched_tokens / 2,
+            prefill_rate=config.max_num_batched_tokens / costs.step_time(config.max_num_batched_tokens, 0, 0, 1),
+            decode_rate=1.0 / costs.step_time(0, 1, 0),
         )
-        self._decode_rate = 1.0 / costs.step_time(0, 1, 0)
-        self._step_time = 0.0
+        self._hit_window = _HitWindow(config.rate_window_s)
+        self._queries_total = 0
+        self._hits_total = 0
         self._last_end: float | None = None  # the last step's end: a step starting later starts from idle
         self.lora = LoraSlots(config.lora, config.lora_adapters)
 
@@ -388,9 +343,9 @@ class SimCore:
                 out.prompt_logprobs = prompt_logprobs(self.config.seed, original, sp.prompt_logprobs)
             outputs.append(out)
 
-        self._window.add_step(_StepRecord(end, duration, prefill_tokens, sampled))
+        self._window.add(StepRecord(end, duration, prefill_tokens, sampled))
         self._window.prune(end)
-        self._step_time = duration
+        self._hit_window.prune(end)
         return StepResult(
             start=now,
             duration=duration,
@@ -407,23 +362,12 @@ class SimCore:
     # ------------------------------------------------------------ observability
 
     def stats(self, now: float) -> EngineStats:
-        """Load and rates. Rates are per busy second of the steps in the window (the
-        speed while working, not diluted by idle time); with no step in the window they
-        hold their last value (the profile's estimate before the first step).
-
-        The prefill rate is a capacity (what admission divides a queue by), so it counts
-        only steps whose prefill fills at least half the step budget: a step carrying a
-        short or mostly cached prompt costs mostly the fixed per-step time, and its
-        tokens per second say nothing about how fast a queue drains (one cached prompt
-        per step reads as ~300 tokens/s on a 14k tokens/s profile)."""
+        """Load and rates (``step_rates``: per busy second of the steps in the window, a
+        prefill capacity from the steps that fill half the budget, held between them)."""
         win = self._window
-        win.prune(now)
-        if win.prefill_steps and win.prefill_time > 0:
-            self._prefill_rate = win.prefill_tokens / win.prefill_time
-        if win.sampling_steps and win.sampling_time > 0:
-            self._decode_rate = win.sampled_tokens / win.sampling_time
-        step_time = win.duration / len(win.steps) if win.steps else self._step_time
-        queries, hits = win.queries, win.query_hits
+        prefill_rate, decode_rate, step_time = win.rates(now)
+        self._hit_window.prune(now)
+        queries, hits = self._hit_window.queries, self._hit_window.query_hits
         if not queries:  # nothing admitted lately: the lifetime figure
             queries, hits = self._queries_total, self._hits_total
         queued = sum(s.num_tokens for _, _, _, s in self._waiting if s.status == "waiting")
@@ -442,8 +386,8 @@ class SimCore:
             kv_blocks_used=pool.num_used,
             kv_usage=pool.num_used / pool.num_blocks,
             prefix_hit_rate=hits / queries if queries else 0.0,
-            prefill_tokens_per_s=self._prefill_rate,
-            decode_tokens_per_s=self._decode_rate,
+            prefill_tokens_per_s=prefill_rate,
+            decode_tokens_per_s=decode_rate,
             step_time_s=step_time,
             preemptions=self.preemptions,
             lora_adapters=self.lora.resident(),
@@ -569,7 +513,7 @@ class SimCore:
         del self._seqs[seq.request_id]
 
     def _record_hits(self, now: float, queries: int, hits: int) -> None:
-        self._window.add_hits(_HitRecord(now, queries, hits))
+        self._hit_window.add(_HitRecord(now, queries, hits))
         self._queries_total += queries
         self._hits_total += hits
 

@@ -13,11 +13,9 @@ from the requests it hands to the engine:
 - requests that arrived after the last engine step count as waiting until the next
   step reports them (the gauge goes out as they arrive), and with nothing in flight
   the engine is idle whatever its last report said;
-- ``prefill_tokens_per_s``: a capacity, what the engine prefills per busy second when
-  prefill fills at least half its step budget (``max_num_batched_tokens``), held between
-  such steps (0 until the first: admission then uses its default). Tokens over wall
-  time would read near zero on an idle engine, and a step carrying a short or cached
-  prompt costs mostly the fixed per-step time: neither says how fast a queue drains.
+- the speeds (prefill capacity, decode tokens per busy second, step time) from a window
+  of its steps, as the sim computes them (``step_rates``); the prefill capacity reads 0
+  until the first step that fills half the budget (admission then uses its default).
 
 Plain synchronous code with the clock passed in; ``record_step`` unpacks vLLM's stats
 objects by attribute and ``stat_logger_factory`` imports vLLM only when called, so the
@@ -33,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import EngineStats
+from .step_rates import StepRecord, StepWindow
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ class VllmStatsTracker:
         self.sched_waiting = 0
         self.kv_usage = 0.0
         self.preemptions = 0
-        self.step_time_s = 0.0
         self._last_step_ts: float | None = None
         # Prefix cache: (requests, queried tokens, hit tokens) per step, recent requests only.
         self._hits: deque[tuple[int, int, int]] = deque()
@@ -69,10 +67,8 @@ class VllmStatsTracker:
         self._hit_hits = 0
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
-        # Throughput samples: (ts, prefill tokens, decode tokens, step seconds or 0 if unknown).
-        self._samples: deque[tuple[float, int, int, float]] = deque()
+        self._window = StepWindow(rate_window_s, max(max_num_batched_tokens / 2, 1))
         self._work_left = False  # the last step left requests running or waiting
-        self._prefill_rate = 0.0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
@@ -130,44 +126,17 @@ class VllmStatsTracker:
         gap = now - self._last_step_ts if self._last_step_ts is not None else 0.0
         duration = elapsed_s if elapsed_s is not None and elapsed_s > 0 else (gap if self._work_left and 0 < gap < 1.0 else 0.0)
         self._work_left = self.sched_running + self.sched_waiting > 0
-        self._samples.append((now, prompt_tokens, generation_tokens, duration))
-        if elapsed_s is not None and elapsed_s > 0:
-            self.step_time_s = elapsed_s
-        elif self._last_step_ts is not None and 0 < now - self._last_step_ts < 1.0:
-            # Between two back-to-back steps: a smoothed step time (the engine is busy).
-            dt = now - self._last_step_ts
-            self.step_time_s = dt if self.step_time_s == 0 else 0.8 * self.step_time_s + 0.2 * dt
+        self._window.add(StepRecord(now, duration, prompt_tokens, generation_tokens))
+        self._window.prune(now)
         self._last_step_ts = now
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._samples and self._samples[0][0] < now - self.rate_window_s:
-            self._samples.popleft()
 
     # ---- the gauge --------------------------------------------------------------------
     @property
     def prefix_hit_rate(self) -> float:
         return self._hit_hits / self._hit_queries if self._hit_queries else 0.0
 
-    def rates(self, now: float) -> tuple[float, float]:
-        """Prefill capacity (tokens per busy second of full prefill steps in the last
-        ``rate_window_s``, else the last such figure) and decode tokens per second."""
-        self._trim(now)
-        full = max(self.max_num_batched_tokens / 2, 1)
-        pre_tok = pre_time = 0.0
-        for _, prompt, _, duration in self._samples:
-            if prompt >= full and duration > 0:
-                pre_tok += prompt
-                pre_time += duration
-        if pre_time > 0:
-            self._prefill_rate = pre_tok / pre_time
-        if not self._samples:
-            return self._prefill_rate, 0.0
-        span = max(now - self._samples[0][0], min(self.rate_window_s, 1.0))
-        return self._prefill_rate, sum(s[2] for s in self._samples) / span
-
     def snapshot(self, now: float) -> EngineStats:
-        prefill_rate, decode_rate = self.rates(now)
+        prefill_rate, decode_rate, step_time = self._window.rates(now)
         in_flight = len(self._requests)
         # Requests in the engine are ours alone: running is the scheduler's count (never
         # above what is in flight), and every other request in flight waits, including
@@ -189,7 +158,7 @@ class VllmStatsTracker:
             prefix_hit_rate=self.prefix_hit_rate,
             prefill_tokens_per_s=prefill_rate,
             decode_tokens_per_s=decode_rate,
-            step_time_s=self.step_time_s,
+            step_time_s=step_time,
             preemptions=self.preemptions,
             lora_adapters=list(self.lora_adapters),
             kv_events_mode=self.kv_events_mode,
