@@ -152,7 +152,11 @@ class HttpApi:
     def _cut_slow_client(self, http: web.Request, active: ActiveRequest) -> None:
         log.warning("request %s: client too slow (%d chunks buffered); cutting it", active.request_id, active.stream.buffered)
         self.gateway.metrics.errors.labels(code="slow_client").inc()
-        active.record.resumable = False  # a client that cannot keep up does not get to resume
+        if active.record.resumable:
+            # A client that cannot keep up does not get to resume: its request is cancelled,
+            # and its stored record must say so to every gateway's resume endpoint.
+            active.record.resumable = False
+            self.gateway.spawn(self.gateway.records.save(active.record), name=f"unresumable-{active.request_id}")
         if http.transport is not None:
             http.transport.abort()  # the blocked write fails; the handler cancels the worker
 
@@ -162,8 +166,9 @@ class HttpApi:
         g = self.gateway
         request_id = http.match_info["request_id"]
         record = await g.records.load(request_id)
-        if record is None or record.key_id != key.key_id:
-            # Another key's request gets the same answer as an unknown id: ids are not revealed.
+        if record is None or record.key_id != key.key_id or not record.resumable:
+            # Another key's request gets the same answer as an unknown id (ids are not
+            # revealed), and so does one no longer resumable (its slow client was cut).
             raise ApiError(404, f"No resumable request {request_id!r} (unknown or expired).", "invalid_request_error", None, "not_found")
         record.resumes += 1
         await g.records.save(record)

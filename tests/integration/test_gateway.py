@@ -176,6 +176,34 @@ async def test_only_a_resumable_request_can_be_streamed_again(mesh: Mesh) -> Non
         assert rest and rest[-1][1] == "[DONE]"
 
 
+async def test_a_request_no_longer_resumable_cannot_be_streamed_again(mesh: Mesh) -> None:
+    """A resumable request whose client was cut for reading too slowly is cancelled, and
+    its stored record says it is no longer resumable: GET …/stream then answers 404 on
+    every gateway, as for an unknown id, instead of replaying a cancelled request."""
+    from proto import RequestRecord, decode, encode
+
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    body = {"model": MODEL, "prompt": "cut me", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    bus = await Bus.open(mesh.settings, "test-records", initial_attempts=10)
+    try:
+        kv = await bus.js.key_value(bus.subjects.requests_bucket)
+        async with aiohttp.ClientSession(mesh.gateway_url) as http:
+            async with http.post("/v1/completions", json=body, headers={**headers, "X-Meshserve-Resumable": "true"}) as r:
+                request_id = r.headers["X-Request-Id"]
+                await read_sse(r, limit=2)
+                async with http.get(f"/v1/requests/{request_id}/stream", headers=headers) as again:
+                    assert again.status == 200  # resumable: a second viewer may follow it
+                # What the gateway stores when it cuts a slow client.
+                record = decode((await kv.get(request_id)).value or b"", RequestRecord)
+                record.resumable = False
+                await kv.put(request_id, encode(record))
+                async with http.get(f"/v1/requests/{request_id}/stream", headers=headers) as again:
+                    assert again.status == 404, await again.text()
+                    assert (await again.json())["error"]["code"] == "not_found"
+    finally:
+        await bus.close()
+
+
 async def test_kill_and_resume_joins_to_the_uninterrupted_text(mesh: Mesh) -> None:
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     body = {"model": MODEL, "prompt": "resume me", "max_tokens": 400, "seed": 99, "stream": True, "ignore_eos": True,
