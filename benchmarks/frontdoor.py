@@ -8,11 +8,22 @@ plain proxy and LiteLLM's proxy add on top of the same engine, in one run.
 - **litellm**: the same sim-server behind LiteLLM's proxy (an ``openai/`` model entry, no
   database).
 - **meshserve**: the whole mesh (gateway, admission, router, one sim worker with the same
-  engine, profile and speed; NATS between them).
+  engine, profile and speed; NATS between them), called with a key of the ``batch`` tier
+  (``--meshserve-tier``): its 10 s TTFT SLO admits everything the proxies pass on, so
+  every path serves the same requests. With the development key (premium, 1 s) admission
+  refuses requests whose predicted TTFT passes 1 s, which the closed loop's bursts make.
 
 Added latency = TTFT through the path − TTFT direct, as medians and 99th percentiles of
 streamed completions at 1 (sequential) and 64 concurrent streams, every path measured
-in turn within each round so they meet the same machine. Relay: closed-loop streams of
+in turn within each round so they meet the same machine. The 64 streams ask for outputs
+of 128-384 tokens (uniform), so the closed loop is bound by decoding 64 streams at once
+and few prompts queue behind another. With short outputs (16 tokens, the first version)
+it saturated the engine's prefill: each path's TTFT was then its queue (direct 632 ms at
+the median; a proxy that holds requests back reads faster than the engine it fronts), and
+meshserve's admission refused what would miss the development key's SLO. With outputs all
+of one length the 64 streams end in the same step and arrive again together: 64 prompts
+at once, up to 1.2 s of queued prefill each round. Requests that failed are counted per
+path. Relay: closed-loop streams of
 long outputs from a fast sim (speed 50) through each path: output tokens/s delivered, and
 the proxy process's CPU per 1,000 tokens (meshserve: the gateway, the only process on the
 token path besides NATS).
@@ -41,7 +52,9 @@ from typing import Any
 import aiohttp
 from gateway import _cpu_seconds
 
+from bus import Bus
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
+from ops.keys import create_key
 from ops.natsserver import free_port
 from ops.processes import child_pids
 from ops.up import Mesh, MeshConfig
@@ -100,8 +113,8 @@ async def wait_ready(url: str, proc: Proc, timeout: float = 90.0) -> None:
 class Fleet:
     """One sim-server and the proxies in front of it; the mesh beside them."""
 
-    def __init__(self, speed: float, state: Path) -> None:
-        self.speed, self.state = speed, state
+    def __init__(self, speed: float, state: Path, tier: str) -> None:
+        self.speed, self.state, self.tier = speed, state, tier
         self.procs: list[Proc] = []
         self.urls: dict[str, str] = {}
         self.cpu_of: dict[str, Proc] = {}
@@ -155,6 +168,12 @@ class Fleet:
             await self.mesh.start(timeout=120)
             self.urls["meshserve"] = self.mesh.gateway_url
             self.key = self.mesh.dev_key
+            if self.tier != "premium":  # the development key's tier
+                bus = await Bus.open(self.mesh.settings, "frontdoor-keys", initial_attempts=10)
+                try:
+                    self.key, _ = await create_key(bus, org="frontdoor", tier=self.tier, name="frontdoor")
+                finally:
+                    await bus.close()
 
     def gateway_cpu(self) -> float:
         assert self.mesh is not None
@@ -180,14 +199,16 @@ def endpoint(fleet: Fleet, path: str) -> EndpointConfig:
     return EndpointConfig(fleet.urls[path] + "/v1", label=path, api="completions", model=MODEL, api_key=key)
 
 
-async def ttfts(fleet: Fleet, path: str, concurrency: int, requests: int, seed: int) -> list[float]:
-    """TTFTs (ms) of ``requests`` streamed completions at ``concurrency`` (closed loop)."""
+async def ttfts(fleet: Fleet, path: str, concurrency: int, requests: int, seed: int,
+                output_tokens: str) -> tuple[list[float], int]:
+    """TTFTs (ms) of ``requests`` streamed completions at ``concurrency`` (closed loop), and
+    how many failed."""
     config = BenchConfig(endpoints=[endpoint(fleet, path)],
-                         workload=WorkloadConfig(kind="random", input_tokens="256", output_tokens="16"),
+                         workload=WorkloadConfig(kind="random", input_tokens="256", output_tokens=output_tokens),
                          concurrency=[concurrency], num_requests=requests, seed=seed, request_timeout=60)
     result = await run_bench(config)
     run = result.runs[0]
-    return [r.ttft_s * 1000 for r in run.requests if r.ttft_s is not None]
+    return [r.ttft_s * 1000 for r in run.requests if r.ttft_s is not None], sum(run.summary.errors.values())
 
 
 def pct(values: list[float], q: float) -> float:
@@ -195,15 +216,19 @@ def pct(values: list[float], q: float) -> float:
     return ranked[min(int(q * len(ranked)), len(ranked) - 1)]
 
 
-async def latency(fleet: Fleet, paths: list[str], concurrency: int, requests: int, rounds: int) -> dict[str, list[float]]:
+async def latency(fleet: Fleet, paths: list[str], concurrency: int, requests: int, rounds: int,
+                  output_tokens: str) -> tuple[dict[str, list[float]], dict[str, int]]:
     out: dict[str, list[float]] = {p: [] for p in paths}
+    failed = dict.fromkeys(paths, 0)
     for r in range(rounds):
         for path in paths if r % 2 == 0 else list(reversed(paths)):
             # Prompts of their own for each path and round: the proxies share one sim-server,
             # whose prefix cache would otherwise serve every path after the first from cache.
             seed = 1000 * r + PATHS.index(path) if path in PATHS else 1000 * r + 999
-            out[path].extend(await ttfts(fleet, path, concurrency, requests, seed=seed))
-    return out
+            got, errors = await ttfts(fleet, path, concurrency, requests, seed, output_tokens)
+            out[path].extend(got)
+            failed[path] += errors
+    return out, failed
 
 
 async def relay(fleet: Fleet, path: str, concurrency: int, duration: float) -> tuple[float, float | None, str]:
@@ -234,6 +259,11 @@ async def main() -> None:
     ap.add_argument("--relay-streams", type=int, default=256)
     ap.add_argument("--relay-duration", type=float, default=20.0)
     ap.add_argument("--relay-only", action="store_true", help="the relay alone (no latency rounds)")
+    ap.add_argument("--meshserve-tier", default="batch",
+                    help="admission tier of meshserve's key (premium: the development key's)")
+    ap.add_argument("--streams-output-tokens", default="uniform:128:384",
+                    help="output tokens of each request at 64 streams, a distribution as for meshserve bench "
+                         "(1 stream: 16)")
     args = ap.parse_args()
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if bad := [p for p in paths if p not in PATHS]:
@@ -246,20 +276,20 @@ async def main() -> None:
     state = Path(tempfile.mkdtemp(prefix="meshserve-frontdoor-"))
     rows: dict[str, dict[str, Any]] = {p: {} for p in paths}
     if not args.relay_only:
-        fleet = Fleet(1.0, state / "latency")
+        fleet = Fleet(1.0, state / "latency", args.meshserve_tier)
         (state / "latency").mkdir()
         try:
             await fleet.start(paths)
-            for concurrency, n in ((1, args.requests), (64, args.requests * 4)):
-                await latency(fleet, paths, concurrency, 20, 1)  # warm-up
-                got = await latency(fleet, paths, concurrency, n, args.rounds)
+            for concurrency, n, out_tokens in ((1, args.requests, "16"), (64, args.requests * 4, args.streams_output_tokens)):
+                await latency(fleet, paths, concurrency, 20 if concurrency == 1 else 64, 1, out_tokens)  # warm-up
+                got, failed = await latency(fleet, paths, concurrency, n, args.rounds, out_tokens)
                 base50, base99 = pct(got["direct"], 0.5), pct(got["direct"], 0.99)
                 for p in paths:
                     rows[p][f"c{concurrency}"] = (pct(got[p], 0.5) - base50, pct(got[p], 0.99) - base99,
-                                                  statistics.median(got[p]))
+                                                  statistics.median(got[p]), failed[p])
         finally:
             fleet.stop()
-    fast = Fleet(50.0, state / "relay")
+    fast = Fleet(50.0, state / "relay", args.meshserve_tier)
     (state / "relay").mkdir()
     try:
         await fast.start(paths)
@@ -274,16 +304,17 @@ async def main() -> None:
             tokens, per_k, outcome = rows[p]["relay"]
             print(f"| {p} | {tokens:,.0f} | {outcome} | {'—' if per_k is None else f'{per_k:.4f}'} |")
         return
-    print("\nadded latency = TTFT through the path − TTFT direct (ms; p50 of each minus p50 direct, p99 likewise); "
+    print("\nadded latency = TTFT through the path − TTFT direct (ms; p50 of each minus p50 direct, p99 likewise; "
+          f"64 streams of {args.streams_output_tokens} output tokens); "
           f"relay: {args.relay_streams} closed-loop streams of 2000-token outputs, sim at speed 50\n")
     print("| path | added p50 ms (1 stream) | added p99 ms (1) | added p50 ms (64 streams) | added p99 ms (64) "
-          "| relay tokens/s | relay streams | proxy CPU s per 1k tokens |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+          "| failed (1 / 64) | relay tokens/s | relay streams | proxy CPU s per 1k tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |")
     for p in paths:
         c1, c64 = rows[p]["c1"], rows[p]["c64"]
         tokens, per_k, outcome = rows[p]["relay"]
-        print(f"| {p} | {c1[0]:.2f} | {c1[1]:.2f} | {c64[0]:.2f} | {c64[1]:.2f} | {tokens:,.0f} | {outcome} "
-              f"| {'—' if per_k is None else f'{per_k:.4f}'} |")
+        print(f"| {p} | {c1[0]:.2f} | {c1[1]:.2f} | {c64[0]:.2f} | {c64[1]:.2f} | {c1[3]} / {c64[3]} | {tokens:,.0f} "
+              f"| {outcome} | {'—' if per_k is None else f'{per_k:.4f}'} |")
     print(f"\ndirect TTFT p50: {rows['direct']['c1'][2]:.2f} ms (1 stream), {rows['direct']['c64'][2]:.2f} ms (64)")
 
 
