@@ -23,7 +23,14 @@ the median; a proxy that holds requests back reads faster than the engine it fro
 meshserve's admission refused what would miss the development key's SLO. With outputs all
 of one length the 64 streams end in the same step and arrive again together: 64 prompts
 at once, up to 1.2 s of queued prefill each round. Requests that failed are counted per
-path. Relay: closed-loop streams of
+path.
+
+A closed loop cannot tell a proxy's cost from a slower loop (a path that adds time lowers
+the request rate, the engine's queue shortens, and its TTFT can read under direct's), so a
+second table takes it request by request: the client's TTFT less the engine's own (its
+receipt of the request → its first token), matched by the response id (the sim-server's
+``--request-log``; for meshserve, its worker's final chunk on the bus). Direct's figure is
+the client's and the sim-server's HTTP; a path's added cost is its figure less direct's. Relay: closed-loop streams of
 long outputs from a fast sim (speed 50) through each path: output tokens/s delivered, and
 the proxy process's CPU per 1,000 tokens (meshserve: the gateway, the only process on the
 token path besides NATS).
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -50,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from gateway import _cpu_seconds
+from gateway import Observer, _cpu_seconds
 
 from bus import Bus
 from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
@@ -119,12 +127,16 @@ class Fleet:
         self.urls: dict[str, str] = {}
         self.cpu_of: dict[str, Proc] = {}
         self.mesh: Mesh | None = None
+        self.observer: Observer | None = None  # the mesh worker's final chunks: its own timings
+        self.request_log = state / "sim-server-requests.jsonl"
         self.key = "unused"
 
     async def start(self, paths: list[str]) -> None:
         port = free_port()
+        self.request_log = self.state / "sim-server-requests.jsonl"
         sim = Proc("sim-server", [sys.executable, "-m", "ops.cli", "sim-server", "--port", str(port), "--model", MODEL,
-                                  "--speed", str(self.speed), "--max-num-seqs", "512"], self.state)
+                                  "--speed", str(self.speed), "--max-num-seqs", "512",
+                                  "--request-log", str(self.request_log)], self.state)
         self.procs.append(sim)
         backend = f"http://127.0.0.1:{port}"
         await wait_ready(backend + "/health", sim)
@@ -174,6 +186,21 @@ class Fleet:
                     self.key, _ = await create_key(bus, org="frontdoor", tier=self.tier, name="frontdoor")
                 finally:
                     await bus.close()
+            self.observer = await Observer.open(self.mesh)
+
+    def engine_ttfts_ms(self, path: str) -> dict[str, float]:
+        """The engine's own TTFT (its receipt → its first token) of every request it served
+        on ``path`` so far, by the response id the client saw."""
+        if path == "meshserve":
+            assert self.observer is not None
+            return {f"cmpl-{rid}": (c.timings.first_token - c.timings.arrival) * 1000
+                    for rid, c in self.observer.finals.items() if c.timings and c.timings.first_token}
+        out = {}
+        for line in self.request_log.read_bytes().splitlines():
+            entry = json.loads(line)
+            if entry["first_token"]:
+                out[entry["id"]] = (entry["first_token"] - entry["arrival"]) * 1000
+        return out
 
     def gateway_cpu(self) -> float:
         assert self.mesh is not None
@@ -187,7 +214,9 @@ class Fleet:
         proc = self.cpu_of.get(path)
         return proc.cpu() if proc is not None else None
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        if self.observer is not None:
+            await self.observer.bus.close()
         if self.mesh is not None:
             self.mesh.stop(timeout=30)
         for p in reversed(self.procs):
@@ -200,15 +229,16 @@ def endpoint(fleet: Fleet, path: str) -> EndpointConfig:
 
 
 async def ttfts(fleet: Fleet, path: str, concurrency: int, requests: int, seed: int,
-                output_tokens: str) -> tuple[list[float], int]:
-    """TTFTs (ms) of ``requests`` streamed completions at ``concurrency`` (closed loop), and
-    how many failed."""
+                output_tokens: str) -> tuple[list[tuple[float, str | None]], int]:
+    """TTFTs (ms, with each response's id) of ``requests`` streamed completions at
+    ``concurrency`` (closed loop), and how many failed."""
     config = BenchConfig(endpoints=[endpoint(fleet, path)],
                          workload=WorkloadConfig(kind="random", input_tokens="256", output_tokens=output_tokens),
                          concurrency=[concurrency], num_requests=requests, seed=seed, request_timeout=60)
     result = await run_bench(config)
     run = result.runs[0]
-    return [r.ttft_s * 1000 for r in run.requests if r.ttft_s is not None], sum(run.summary.errors.values())
+    return ([(r.ttft_s * 1000, r.response_id) for r in run.requests if r.ttft_s is not None],
+            sum(run.summary.errors.values()))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -217,8 +247,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def latency(fleet: Fleet, paths: list[str], concurrency: int, requests: int, rounds: int,
-                  output_tokens: str) -> tuple[dict[str, list[float]], dict[str, int]]:
-    out: dict[str, list[float]] = {p: [] for p in paths}
+                  output_tokens: str) -> tuple[dict[str, list[tuple[float, str | None]]], dict[str, int]]:
+    out: dict[str, list[tuple[float, str | None]]] = {p: [] for p in paths}
     failed = dict.fromkeys(paths, 0)
     for r in range(rounds):
         for path in paths if r % 2 == 0 else list(reversed(paths)):
@@ -283,12 +313,18 @@ async def main() -> None:
             for concurrency, n, out_tokens in ((1, args.requests, "16"), (64, args.requests * 4, args.streams_output_tokens)):
                 await latency(fleet, paths, concurrency, 20 if concurrency == 1 else 64, 1, out_tokens)  # warm-up
                 got, failed = await latency(fleet, paths, concurrency, n, args.rounds, out_tokens)
-                base50, base99 = pct(got["direct"], 0.5), pct(got["direct"], 0.99)
+                ttft = {p: [t for t, _ in got[p]] for p in paths}
+                base50, base99 = pct(ttft["direct"], 0.5), pct(ttft["direct"], 0.99)
                 for p in paths:
-                    rows[p][f"c{concurrency}"] = (pct(got[p], 0.5) - base50, pct(got[p], 0.99) - base99,
-                                                  statistics.median(got[p]), failed[p])
+                    # Request by request: the client's TTFT less the engine's own, for the
+                    # requests whose id the engine's record names (a proxy may rename them).
+                    engine = fleet.engine_ttfts_ms(p)
+                    overhead = [t - engine[rid] for t, rid in got[p] if rid is not None and rid in engine]
+                    rows[p][f"c{concurrency}"] = (pct(ttft[p], 0.5) - base50, pct(ttft[p], 0.99) - base99,
+                                                  statistics.median(ttft[p]), failed[p])
+                    rows[p][f"o{concurrency}"] = overhead, len(got[p])
         finally:
-            fleet.stop()
+            await fleet.stop()
     fast = Fleet(50.0, state / "relay", args.meshserve_tier)
     (state / "relay").mkdir()
     try:
@@ -296,7 +332,7 @@ async def main() -> None:
         for p in paths:
             rows[p]["relay"] = await relay(fast, p, args.relay_streams, args.relay_duration)
     finally:
-        fast.stop()
+        await fast.stop()
     if args.relay_only:
         print(f"\nrelay: {args.relay_streams} closed-loop streams of 2000-token outputs, sim at speed 50\n")
         print("| path | relay tokens/s | relay streams | proxy CPU s per 1k tokens |\n| --- | ---: | --- | ---: |")
@@ -316,6 +352,26 @@ async def main() -> None:
         print(f"| {p} | {c1[0]:.2f} | {c1[1]:.2f} | {c64[0]:.2f} | {c64[1]:.2f} | {c1[3]} / {c64[3]} | {tokens:,.0f} "
               f"| {outcome} | {'—' if per_k is None else f'{per_k:.4f}'} |")
     print(f"\ndirect TTFT p50: {rows['direct']['c1'][2]:.2f} ms (1 stream), {rows['direct']['c64'][2]:.2f} ms (64)")
+    print("\nrequest by request: the client's TTFT − the engine's own (its receipt → its first token), ms; "
+          "added = a path's less direct's (the client's and the sim-server's HTTP)\n")
+    print("| path | p50 (1 stream) | p99 (1) | added p50 (1) | p50 (64 streams) | p99 (64) | added p50 (64) "
+          "| added p99 (64) | requests matched (1 / 64) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    cells: dict[str, list[str]] = {}
+    for p in paths:
+        cells[p] = []
+        for c in (1, 64):
+            overhead, _ = rows[p][f"o{c}"]
+            base, _ = rows["direct"][f"o{c}"]
+            if not overhead or not base:
+                cells[p] += ["—"] * (3 if c == 1 else 4)
+                continue
+            cells[p] += [f"{pct(overhead, 0.5):.2f}", f"{pct(overhead, 0.99):.2f}",
+                         f"{pct(overhead, 0.5) - pct(base, 0.5):.2f}"]
+            if c == 64:
+                cells[p].append(f"{pct(overhead, 0.99) - pct(base, 0.99):.2f}")
+        matched = " / ".join(f"{len(rows[p][f'o{c}'][0])} of {rows[p][f'o{c}'][1]}" for c in (1, 64))
+        print(f"| {p} | {' | '.join(cells[p])} | {matched} |")
 
 
 if __name__ == "__main__":

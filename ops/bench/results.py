@@ -45,6 +45,7 @@ class RequestResult(msgspec.Struct, kw_only=True):
     tpot_s: float | None = None
     e2e_s: float | None = None
     finish_reason: str | None = None
+    response_id: str | None = None  # the response's ``id`` (e.g. cmpl-…): match it with the server's logs
     # Each token-bearing chunk: arrival time since sent, and its token count.
     chunk_s: list[float] = msgspec.field(default_factory=list)
     chunk_tokens: list[int] = msgspec.field(default_factory=list)

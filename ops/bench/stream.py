@@ -92,6 +92,7 @@ class StreamAccumulator:
         "http_status",
         "itl_s",
         "keep_text",
+        "response_id",
         "status",
         "t_end",
         "t_sent",
@@ -121,6 +122,7 @@ class StreamAccumulator:
         self.t_end: float | None = None
         self.keep_text = keep_text
         self.text_parts: list[str] = []
+        self.response_id: str | None = None  # the chunks' ``id``: the server's name for the request
 
     def start(self, t: float) -> None:
         """The request left the client at ``t``."""
@@ -145,6 +147,8 @@ class StreamAccumulator:
             msg, code = error_message(obj)
             self.fail(t, STATUS_STREAM_ERROR, f"{code}: {msg}" if code else msg)
             return
+        if self.response_id is None and isinstance(obj.get("id"), str):
+            self.response_id = obj["id"]
         text = ""
         choices = obj.get("choices") or ()
         for choice in choices:
@@ -223,6 +227,7 @@ class StreamAccumulator:
         rec.error = self.error
         rec.http_status = self.http_status
         rec.finish_reason = self.finish_reason
+        rec.response_id = self.response_id
         rec.prompt_tokens = self.usage_prompt
         rec.chunk_s = self.chunk_s
         rec.chunk_tokens = self.chunk_tokens

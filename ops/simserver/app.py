@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
-from typing import Any, Literal, cast
+from typing import IO, Any, Literal, cast
 
 import msgspec
 from aiohttp import web
@@ -28,7 +28,14 @@ from services.common.tokenizer import load_tokenizer
 from services.gateway.errors import ApiError, from_mesh_error, payload_too_large, unknown_url
 from services.gateway.events import EventBuilder
 from services.gateway.models import ModelLimits, ModelSpec
-from services.gateway.openai_api import ModelCard, ModelList, RequestKind, encode_json, new_request_id
+from services.gateway.openai_api import (
+    ModelCard,
+    ModelList,
+    RequestKind,
+    encode_json,
+    new_request_id,
+    response_id,
+)
 from services.gateway.output import ChoiceAssembler
 from services.gateway.tokenize_api import detokenize, tokenize
 from services.gateway.validation import NormalizedRequest, parse_request
@@ -70,6 +77,18 @@ def load_body(fmt: LoadFormat, running: int, waiting: int, tokens: int) -> Any:
     return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": tokens}]
 
 
+class RequestLogLine(msgspec.Struct, kw_only=True):
+    """A line of ``--request-log``: a finished request, by the ``id`` its response carries."""
+
+    id: str
+    arrival: float  # the engine received it (wall clock, s)
+    first_token: float  # 0 when it produced none
+    finished: float
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
 class SimServer:
     def __init__(
         self,
@@ -83,6 +102,7 @@ class SimServer:
         kv_resolve_timeout_s: float = 5.0,
         max_body_bytes: int = 16 << 20,
         priority_scheduling: bool = False,
+        request_log: IO[bytes] | None = None,
     ) -> None:
         if not 0.0 <= error_rate <= 1.0:
             raise ValueError("error_rate must be within [0, 1]")
@@ -96,6 +116,9 @@ class SimServer:
         self.max_body_bytes = max_body_bytes
         # vLLM's --scheduling-policy priority: a request's ``priority`` (lower first) orders the queue
         self.priority_scheduling = priority_scheduling
+        # One JSON line per finished request: its response id and the engine's own stamps
+        # (wall clock), so a benchmark can tell what a proxy in front added to each request.
+        self.request_log = request_log
         limits = ModelLimits(max_model_len=engine.max_model_len)
         self.spec = ModelSpec(name=self.model, tokenizer=load_tokenizer(engine.tokenizer_spec), limits=limits)
         self.models = {self.model: self.spec}
@@ -252,6 +275,8 @@ class SimServer:
             outcome = done[0] if n == 1 else combine_outcomes(done, migrations=0)
             self.metrics.observe_request(outcome.finish, outcome.usage.prompt_tokens, outcome.usage.cached_tokens,
                                          outcome.usage.completion_tokens, outcome.timings)
+            if self.request_log is not None:
+                self._log_request(request, request_id, outcome)
             tail = last[0] if n == 1 and last[0] is not None and last[0].finish_reason is not None else None
             yield TokenChunk(request_id=request_id, seq=seq, token_ids=tail.new_token_ids if tail else [],
                              text=tail.text if tail else "", logprobs=tail.logprobs if tail else None,
@@ -261,6 +286,16 @@ class SimServer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _log_request(self, request: NormalizedRequest, request_id: str, outcome: Outcome) -> None:
+        assert self.request_log is not None
+        t = outcome.timings
+        line = RequestLogLine(id=response_id(request.kind, request_id), arrival=t.arrival if t else 0.0,
+                              first_token=t.first_token if t else 0.0, finished=t.finished if t else 0.0,
+                              prompt_tokens=outcome.usage.prompt_tokens,
+                              completion_tokens=outcome.usage.completion_tokens, finish_reason=outcome.finish)
+        self.request_log.write(msgspec.json.encode(line) + b"\n")
+        self.request_log.flush()
 
     async def _run_choice(self, index: int, req: EngineRequest,
                           queue: asyncio.Queue[tuple[int, EngineOutput | None, str]]) -> None:

@@ -49,6 +49,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kv-events-buffer", type=int, default=10_000, help="KV event batches kept for replay")
     p.add_argument("--error-rate", type=float, default=0.0,
                    help="fraction of generation requests answered with an injected 500 (tests; 0 to 1)")
+    p.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per finished request: its response id and the engine's own"
+                        " arrival, first-token and finish times (wall clock)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=run)
 
@@ -96,10 +99,18 @@ def run(args: argparse.Namespace) -> int:
                                          topic=args.kv_events_topic, buffer_steps=args.kv_events_buffer)
         except zmq.ZMQError as exc:
             raise CliError(f"cannot bind the KV event endpoint: {exc}") from None
+    try:
+        request_log = open(args.request_log, "ab") if args.request_log else None
+    except OSError as exc:
+        raise CliError(f"--request-log: {exc.strerror or exc}: {args.request_log}", EXIT_USAGE) from None
     server = SimServer(engine, model=args.model, load_format=args.load_format, error_rate=args.error_rate,
                        rng=random.Random(args.seed), publisher=publisher,
-                       priority_scheduling=args.scheduling_policy == "priority")
-    asyncio.run(_serve(server, args.host, args.port))
+                       priority_scheduling=args.scheduling_policy == "priority", request_log=request_log)
+    try:
+        asyncio.run(_serve(server, args.host, args.port))
+    finally:
+        if request_log is not None:
+            request_log.close()
     return 0
 
 

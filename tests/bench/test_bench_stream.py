@@ -48,14 +48,14 @@ def fill(acc: StreamAccumulator) -> RequestResult:
 def test_accumulator_timings() -> None:
     acc = StreamAccumulator(byte_count)
     acc.start(10.0)
-    acc.on_chunk(10.1, chunk("", role=True))        # role preamble: not a token
-    acc.on_chunk(10.2, chunk("a"))                  # first token
+    acc.on_chunk(10.1, {**chunk("", role=True), "id": "chatcmpl-1"})  # role preamble: not a token
+    acc.on_chunk(10.2, {**chunk("a"), "id": "chatcmpl-2"})            # first token (the first id counts)
     acc.on_chunk(10.3, chunk("bcd"))                # 3 coalesced tokens
     acc.on_chunk(10.35, chunk("e", finish="length"))
     acc.on_chunk(10.36, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}})
     acc.on_done(10.4)
     r = fill(acc)
-    assert r.status == "ok" and r.finish_reason == "length"
+    assert r.status == "ok" and r.finish_reason == "length" and r.response_id == "chatcmpl-1"
     assert r.ttft_s == pytest.approx(0.2)
     assert r.e2e_s == pytest.approx(0.4)
     assert r.output_tokens == 5 and r.prompt_tokens == 7

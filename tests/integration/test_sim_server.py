@@ -159,6 +159,34 @@ def test_completions_with_the_stock_client_streamed_and_not(server: Server) -> N
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
 
+def test_the_request_log_names_each_request_by_its_response_id(tmp_path: Path) -> None:
+    """``--request-log``: a line per finished request, under the ``id`` its response carries,
+    with the engine's own stamps (what a benchmark subtracts to see what a proxy added)."""
+    log_path = tmp_path / "requests.jsonl"
+    for server in _start("--speed", "10", "--request-log", str(log_path)):
+        client = server.client()
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=5, stream=True, extra_body={"ignore_eos": True}))
+        reply = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, extra_body={"ignore_eos": True})
+        eventually(lambda: log_path.exists() and len(log_path.read_bytes().splitlines()) == 2, "two log lines")
+    lines = {line["id"]: line for line in map(json.loads, log_path.read_bytes().splitlines())}
+    assert set(lines) == {chunks[0].id, reply.id}
+    assert chunks[0].id.startswith("chatcmpl-") and reply.id.startswith("cmpl-")
+    chat, completion = lines[chunks[0].id], lines[reply.id]
+    assert (chat["completion_tokens"], completion["completion_tokens"]) == (5, 3)
+    assert completion["prompt_tokens"] == len(b"Once") and chat["finish_reason"] == "length"
+    for line in (chat, completion):
+        assert 0 < line["arrival"] <= line["first_token"] <= line["finished"] <= time.time()
+
+
+def test_a_request_log_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", "sim-server", "--port", "0", "--request-log",
+                           str(tmp_path / "missing" / "log.jsonl")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--request-log: No such file or directory" in proc.stderr
+
+
 def test_models_health_tokenize_detokenize(server: Server) -> None:
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert server.get("/health") == (200, b"")
