@@ -30,7 +30,9 @@ the request rate, the engine's queue shortens, and its TTFT can read under direc
 second table takes it request by request: the client's TTFT less the engine's own (its
 receipt of the request → its first token), matched by the response id (the sim-server's
 ``--request-log``; for meshserve, its worker's final chunk on the bus). Direct's figure is
-the client's and the sim-server's HTTP; a path's added cost is its figure less direct's. Relay: closed-loop streams of
+the client's and the sim-server's HTTP; a path's added cost is its figure less direct's.
+
+Relay: closed-loop streams of
 long outputs from a fast sim (speed 50) through each path: output tokens/s delivered, and
 the proxy process's CPU per 1,000 tokens (meshserve: the gateway, the only process on the
 token path besides NATS).
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -58,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 from gateway import Observer, _cpu_seconds
 
 from bus import Bus
@@ -65,7 +67,9 @@ from ops.bench import BenchConfig, EndpointConfig, WorkloadConfig, run_bench
 from ops.keys import create_key
 from ops.natsserver import free_port
 from ops.processes import child_pids
+from ops.simserver.app import RequestLogLine
 from ops.up import Mesh, MeshConfig
+from services.gateway.openai_api import completion_id
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / ".venv-tools"
@@ -133,7 +137,6 @@ class Fleet:
 
     async def start(self, paths: list[str]) -> None:
         port = free_port()
-        self.request_log = self.state / "sim-server-requests.jsonl"
         sim = Proc("sim-server", [sys.executable, "-m", "ops.cli", "sim-server", "--port", str(port), "--model", MODEL,
                                   "--speed", str(self.speed), "--max-num-seqs", "512",
                                   "--request-log", str(self.request_log)], self.state)
@@ -193,14 +196,10 @@ class Fleet:
         on ``path`` so far, by the response id the client saw."""
         if path == "meshserve":
             assert self.observer is not None
-            return {f"cmpl-{rid}": (c.timings.first_token - c.timings.arrival) * 1000
+            return {completion_id(rid): (c.timings.first_token - c.timings.arrival) * 1000
                     for rid, c in self.observer.finals.items() if c.timings and c.timings.first_token}
-        out = {}
-        for line in self.request_log.read_bytes().splitlines():
-            entry = json.loads(line)
-            if entry["first_token"]:
-                out[entry["id"]] = (entry["first_token"] - entry["arrival"]) * 1000
-        return out
+        lines = (msgspec.json.decode(line, type=RequestLogLine) for line in self.request_log.read_bytes().splitlines())
+        return {e.id: (e.first_token - e.arrival) * 1000 for e in lines if e.first_token}
 
     def gateway_cpu(self) -> float:
         assert self.mesh is not None
@@ -357,21 +356,20 @@ async def main() -> None:
     print("| path | p50 (1 stream) | p99 (1) | added p50 (1) | p50 (64 streams) | p99 (64) | added p50 (64) "
           "| added p99 (64) | requests matched (1 / 64) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    cells: dict[str, list[str]] = {}
     for p in paths:
-        cells[p] = []
+        cells: list[str] = []
         for c in (1, 64):
             overhead, _ = rows[p][f"o{c}"]
             base, _ = rows["direct"][f"o{c}"]
             if not overhead or not base:
-                cells[p] += ["—"] * (3 if c == 1 else 4)
+                cells += ["—"] * (3 if c == 1 else 4)
                 continue
-            cells[p] += [f"{pct(overhead, 0.5):.2f}", f"{pct(overhead, 0.99):.2f}",
+            cells += [f"{pct(overhead, 0.5):.2f}", f"{pct(overhead, 0.99):.2f}",
                          f"{pct(overhead, 0.5) - pct(base, 0.5):.2f}"]
             if c == 64:
-                cells[p].append(f"{pct(overhead, 0.99) - pct(base, 0.99):.2f}")
+                cells.append(f"{pct(overhead, 0.99) - pct(base, 0.99):.2f}")
         matched = " / ".join(f"{len(rows[p][f'o{c}'][0])} of {rows[p][f'o{c}'][1]}" for c in (1, 64))
-        print(f"| {p} | {' | '.join(cells[p])} | {matched} |")
+        print(f"| {p} | {' | '.join(cells)} | {matched} |")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ class VllmStatsTracker:
                  max_num_batched_tokens: int = 0) -> None:
         self.kv_blocks_total = kv_blocks_total
         self.max_num_batched_tokens = max_num_batched_tokens  # 0: unknown, any prefill step counts
-        self.rate_window_s = rate_window_s
         self.hit_window_requests = hit_window_requests
         self.kv_events_mode = kv_events_mode
         self.lora_adapters = list(lora_adapters or [])
