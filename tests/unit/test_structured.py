@@ -3,7 +3,6 @@ instances the sim spells for it (services/worker/engines/guided.py)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import re
@@ -15,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proto.messages import StructuredOutput
+from services.common import regex_match
 from services.common.gbnf import Alt, CharClass, Expr, GrammarError, Lit, Ref, Repeat, Seq, parse_grammar
 from services.common.structured import (
     StructuredOutputError,
@@ -360,66 +360,9 @@ _regexes = st.recursive(
 def test_every_regex_instance_fullmatches(pattern: str, seed: int) -> None:
     so = from_regex(pattern, "guided_regex")
     text = guided.generate(so, random.Random(seed))
-    # Python's own parse of the pattern, matched without backtracking (see _matches: a
-    # nested repeat such as (?:(?:a)*)+ makes re.fullmatch exponential).
-    assert _matches(_from_regex(pattern), {}, text), (pattern, text)
-
-
-@functools.cache
-def _category(name: str) -> tuple[tuple[int, int], ...]:
-    """The code point ranges of a regex category (\\d, \\W, ...), as ``re`` reads them."""
-    one = re.compile({"DIGIT": r"\d", "NOT_DIGIT": r"\D", "WORD": r"\w", "NOT_WORD": r"\W", "SPACE": r"\s",
-                      "NOT_SPACE": r"\S"}[name.removeprefix("CATEGORY_")])
-    ranges: list[tuple[int, int]] = []
-    for c in range(0x110000):
-        if one.fullmatch(chr(c)):
-            if ranges and ranges[-1][1] == c - 1:
-                ranges[-1] = (ranges[-1][0], c)
-            else:
-                ranges.append((c, c))
-    return tuple(ranges)
-
-
-def _from_regex(pattern: str) -> Expr:
-    """A regex of the constructs guided decoding takes, as the grammar's parse tree (Python's
-    own parser reads it: what ``re`` would match is what the tree matches)."""
-    import re._constants as c
-    import re._parser as sre
-
-    def seq(items: Any) -> Expr:
-        return Seq(tuple(node(op, av) for op, av in items))
-
-    def node(op: Any, av: Any) -> Expr:
-        if op is c.LITERAL:
-            return Lit(chr(av))
-        if op is c.NOT_LITERAL:
-            return CharClass(((av, av),), negated=True)
-        if op is c.ANY:
-            return CharClass(((10, 10),), negated=True)  # no DOTALL: anything but a newline
-        if op is c.IN:
-            ranges: list[tuple[int, int]] = []
-            negated = False
-            for item_op, item in av:
-                if item_op is c.NEGATE:
-                    negated = True
-                elif item_op is c.LITERAL:
-                    ranges.append((item, item))
-                elif item_op is c.RANGE:
-                    ranges.append(item)
-                else:
-                    assert item_op is c.CATEGORY, item_op
-                    ranges.extend(_category(str(item)))
-            return CharClass(tuple(ranges), negated)
-        if op in (c.MAX_REPEAT, c.MIN_REPEAT):
-            lo, hi, items = av
-            return Repeat(seq(items), lo, None if hi == c.MAXREPEAT else hi)
-        if op is c.SUBPATTERN:
-            return seq(av[-1])
-        if op is c.BRANCH:
-            return Alt(tuple(seq(items) for items in av[1]))
-        raise AssertionError(f"no translation for {op} in {pattern!r}")
-
-    return seq(sre.parse(pattern))
+    # Matched without backtracking (a nested repeat such as (?:(?:a)*)+ makes
+    # re.fullmatch exponential); test_regex_match holds that matcher against re.
+    assert regex_match.fullmatch(pattern, text), (pattern, text)
 
 
 @settings(max_examples=100, deadline=None)

@@ -11,6 +11,7 @@ import re
 import string
 from typing import Any
 
+from services.common import regex_match
 from services.common.gbnf import Alt, CharClass, Expr, Grammar, Lit, Ref, Seq
 from services.common.structured import parse_regex
 
@@ -69,14 +70,15 @@ _CATEGORY_CHARS = {
 
 
 def regex_instance(pattern: str, rng: random.Random, budget: Budget | None = None) -> str:
-    """A string that ``re.fullmatch``es ``pattern`` (checked; best effort after retries)."""
-    compiled = re.compile(pattern)
+    """A string that fullmatches ``pattern`` (checked; best effort after retries). Checked
+    without backtracking: ``re.fullmatch`` on a client's nested repeats can hold the
+    worker's event loop for minutes."""
     parsed = parse_regex(pattern)
     out = ""
     for _ in range(MAX_ATTEMPTS):
         groups: dict[int, str] = {}
         out = _walk(parsed, rng, groups, 0, budget.fresh() if budget else Budget())
-        if compiled.fullmatch(out):
+        if regex_match.fullmatch(parsed, out) is not False:  # None: not known, keep it
             break
     return out
 
