@@ -48,6 +48,17 @@ def fullmatch(pattern: str | Any, text: str, max_steps: int = MAX_STEPS) -> bool
         return None
 
 
+def search(pattern: str | Any, text: str, max_steps: int = MAX_STEPS) -> bool | None:
+    """``re.search(pattern, text) is not None`` (JSON Schema's ``pattern``), or ``None``
+    where that is not known: every position a start, any position an end."""
+    parsed = parse_regex(pattern) if isinstance(pattern, str) else pattern
+    matcher = _Matcher(text, max_steps)
+    try:
+        return bool(matcher.seq(parsed, frozenset(range(len(text) + 1)), parsed.state.flags))
+    except _Unknown:
+        return None
+
+
 @functools.cache
 def _category(name: str, ascii_only: bool) -> re.Pattern[str]:
     return re.compile(_CATEGORY_PATTERNS[name], re.A if ascii_only else 0)

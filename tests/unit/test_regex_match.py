@@ -9,8 +9,8 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.regex_match import fullmatch
-from services.worker.engines import guided_text
+from services.common.regex_match import fullmatch, search
+from services.worker.engines import guided, guided_text
 
 _atom = st.one_of(
     st.sampled_from(
@@ -63,6 +63,12 @@ _texts = st.text(alphabet="abcAB01 _.-\n", max_size=8)
 @given(pattern=_patterns, text=_texts)
 def test_it_agrees_with_re_on_random_patterns_and_texts(pattern: str, text: str) -> None:
     assert fullmatch(pattern, text) == (re.fullmatch(pattern, text) is not None), (pattern, text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(pattern=_patterns, text=_texts)
+def test_its_search_agrees_with_re_search(pattern: str, text: str) -> None:
+    assert search(pattern, text) == (re.search(pattern, text) is not None), (pattern, text)
 
 
 @settings(max_examples=300, deadline=None)
@@ -127,3 +133,17 @@ def test_anchors_and_flags_read_as_re_reads_them() -> None:
     ]
     for pattern, text in cases:
         assert fullmatch(pattern, text) == (re.fullmatch(pattern, text) is not None), (pattern, text)
+
+
+def test_a_json_schema_pattern_is_searched_without_backtracking() -> None:
+    # jsonschema checks "pattern" with re.search: on this one its check of the sim's own
+    # instance never returned. The sim validates each JSON instance it generates.
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^(?:a{8,}){8,}$!"}},
+        "required": ["s"],
+    }
+    text = guided.json_instance(schema, random.Random(1))
+    assert text.startswith('{"s":"aaaaaaaa')
+    assert search(r"b(?:a{8,}){8,}$!", "x" + "a" * 80 + "!") is False
+    assert search(r"a{3}", "xxaaax") is True and search(r"^a{3}", "xxaaax") is False

@@ -23,6 +23,7 @@ invalid; past that the last attempt is returned, as a best effort.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -33,6 +34,7 @@ import jsonschema
 import jsonschema.validators
 
 from proto.messages import StructuredOutput
+from services.common import regex_match
 from services.common.gbnf import parse_grammar
 from services.common.structured import resolve_pointer
 
@@ -52,8 +54,9 @@ HARD_DEPTH = 8 * MAX_DEPTH  # past this a schema can have no finite instance: gi
 _WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "light", "north", "green", "paper")
 
 
-def generate(structured: StructuredOutput, rng: random.Random, max_work: int = MAX_WORK,
-             prefix_cap: int | None = None) -> str:
+def generate(
+    structured: StructuredOutput, rng: random.Random, max_work: int = MAX_WORK, prefix_cap: int | None = None
+) -> str:
     """A valid instance of ``structured`` (exactly one of its fields is set); GuidedError
     if it is malformed or needs more than ``max_work`` steps (about characters).
 
@@ -91,7 +94,9 @@ def json_instance(schema: Any, rng: random.Random, budget: Budget | None = None)
     budget = budget or Budget()
     gen = _JsonGen(schema, rng)
     if isinstance(schema, dict):
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls = _searching_patterns(
+            jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        )
         validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
     value: Any = None
     for _ in range(MAX_ATTEMPTS):
@@ -100,6 +105,25 @@ def json_instance(schema: Any, rng: random.Random, budget: Budget | None = None)
         if not isinstance(schema, dict) or budget.cap is not None or validator.is_valid(value):
             break  # (a prefix-mode text is no instance: nothing to check)
     return json.dumps(value, separators=(",", ":"))
+
+
+@functools.cache
+def _searching_patterns(cls: Any) -> Any:
+    """``cls`` with its ``pattern`` keyword searched without backtracking: jsonschema's
+    own ``re.search`` on a client's nested repeats (``^(?:a{8,}){8,}$!``) never returns,
+    on the worker's event loop. A pattern the matcher cannot answer for passes."""
+
+    def pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+        if not validator.is_type(instance, "string"):
+            return
+        try:
+            found = regex_match.search(pattern, instance)
+        except (re.error, RecursionError, OverflowError):
+            return  # one re cannot read passes too (the gateway refuses such a schema)
+        if found is False:
+            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+    return jsonschema.validators.extend(cls, {"pattern": pattern})
 
 
 class _JsonGen:
@@ -426,5 +450,3 @@ _FORMATS = {
     "ipv6": lambda r: ":".join(_hex(r, 4) for _ in range(8)),
     "uuid": lambda r: f"{_hex(r, 8)}-{_hex(r, 4)}-4{_hex(r, 3)}-a{_hex(r, 3)}-{_hex(r, 12)}",
 }
-
-
