@@ -79,6 +79,14 @@ async def sync_point(kv: KeyValue) -> int:
     return state.last_seq if state.messages else 0
 
 
+async def synced_at_marker(kv: KeyValue, synced_at: int) -> bool:
+    """Whether a watch that reached nats-py's "no more" marker has caught up: when the
+    bucket held nothing at the start, or holds nothing now. Every entry up to
+    ``synced_at`` can expire or be purged between the sync point and the watch; then no
+    entry ever reaches it, and only a fresh look says so."""
+    return not synced_at or not await sync_point(kv)
+
+
 class KvMirror(Generic[T]):
     def __init__(self, bus: Bus, bucket: BucketOpener, record_type: type[T], what: str) -> None:
         self.bus = bus
@@ -149,7 +157,7 @@ class KvMirror(Generic[T]):
                 synced_at = await sync_point(self.kv)
                 async for entry in await self.kv.watchall():
                     if entry is None:
-                        if not synced_at:
+                        if not self._synced.is_set() and await synced_at_marker(self.kv, synced_at):
                             self._synced.set()
                         continue
                     if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:

@@ -35,7 +35,7 @@ from proto.messages import WorkerInfo
 
 from .client import Bus
 from .connections import ConnectionWatch, parse_advisory
-from .mirror import sync_point
+from .mirror import sync_point, synced_at_marker
 from .provision import StreamLimits, workers_bucket
 from .tasks import cancel_and_wait
 
@@ -141,8 +141,8 @@ class WorkerRegistry:
                 watcher = await self._kv.watchall()
                 async for entry in watcher:
                     self._last_entry_at = time.monotonic()
-                    if entry is None:  # nothing more to replay: synced if the bucket held nothing
-                        if not synced_at:
+                    if entry is None:  # nothing more to replay: synced if the bucket holds nothing
+                        if not self._synced.is_set() and await synced_at_marker(self._kv, synced_at):
                             self._synced.set()
                         continue
                     self._apply(entry)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
@@ -463,6 +464,63 @@ async def test_a_mirror_is_synced_only_once_it_holds_the_bucket(bus: Bus) -> Non
             assert sorted(mirror.records) == sorted(r.key_id for r in records[1:])
         finally:
             await mirror.stop()
+
+
+def _emptied_after_its_sync_point(bus: Bus, kv: Any) -> None:
+    """The bucket's every entry gone (expired, purged) just after a watcher read its sync
+    point and before its watch began: the race made to happen on the real server."""
+    real_status = kv.status
+    calls = 0
+
+    async def status() -> Any:
+        nonlocal calls
+        state = await real_status()
+        calls += 1
+        if calls == 1:
+            await bus.js.purge_stream(state.stream_info.config.name)
+        return state
+
+    kv.status = status
+
+
+async def test_a_mirror_whose_bucket_empties_as_it_starts_is_synced(bus: Bus) -> None:
+    from bus.keys import KeyStore
+    from services.gateway.apikeys import generate_key
+
+    await (await KeyStore(bus).open()).put(generate_key(org="gone")[1])
+    store = await KeyStore(bus).open()
+    _emptied_after_its_sync_point(bus, store.kv)
+    await store.watch()  # returns at its sync, or gives up waiting after 5 s
+    try:
+        assert store._synced.is_set() and store.records == {}
+    finally:
+        await store.stop()
+
+
+async def test_a_registry_whose_bucket_empties_as_it_starts_is_synced(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from bus import registry as registry_module
+    from bus.provision import workers_bucket
+    from proto import WorkerInfo, encode
+
+    kv = await workers_bucket(bus.js, bus.subjects)
+    info = WorkerInfo(worker_id="w0", model="m", engine="sim", state="ready", heartbeat_at=time.time())
+    await kv.put("w0", encode(info))
+    _emptied_after_its_sync_point(bus, kv)
+
+    async def the_same_bucket(*args: Any, **kwargs: Any) -> Any:
+        return kv
+
+    monkeypatch.setattr(registry_module, "workers_bucket", the_same_bucket)
+    registry = registry_module.WorkerRegistry(bus)
+    await registry.start()  # returns at its sync, or gives up waiting after 5 s
+    try:
+        assert registry.synced and registry.workers == {}
+    finally:
+        await registry.stop()
 
 
 async def test_a_registry_is_synced_only_once_it_lists_the_bucket(bus: Bus) -> None:
