@@ -246,14 +246,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def latency(fleet: Fleet, paths: list[str], concurrency: int, requests: int, rounds: int,
-                  output_tokens: str) -> tuple[dict[str, list[tuple[float, str | None]]], dict[str, int]]:
+                  output_tokens: str, base_seed: int) -> tuple[dict[str, list[tuple[float, str | None]]], dict[str, int]]:
     out: dict[str, list[tuple[float, str | None]]] = {p: [] for p in paths}
     failed = dict.fromkeys(paths, 0)
     for r in range(rounds):
         for path in paths if r % 2 == 0 else list(reversed(paths)):
             # Prompts of their own for each path and round: the proxies share one sim-server,
             # whose prefix cache would otherwise serve every path after the first from cache.
-            seed = 1000 * r + PATHS.index(path) if path in PATHS else 1000 * r + 999
+            seed = base_seed * 100_000 + 1000 * r + PATHS.index(path)
             got, errors = await ttfts(fleet, path, concurrency, requests, seed, output_tokens)
             out[path].extend(got)
             failed[path] += errors
@@ -288,6 +288,7 @@ async def main() -> None:
     ap.add_argument("--relay-streams", type=int, default=256)
     ap.add_argument("--relay-duration", type=float, default=20.0)
     ap.add_argument("--relay-only", action="store_true", help="the relay alone (no latency rounds)")
+    ap.add_argument("--seed", type=int, default=0, help="draws another set of prompts (each path and round has its own)")
     ap.add_argument("--meshserve-tier", default="batch",
                     help="admission tier of meshserve's key (premium: the development key's)")
     ap.add_argument("--streams-output-tokens", default="uniform:128:384",
@@ -310,8 +311,12 @@ async def main() -> None:
         try:
             await fleet.start(paths)
             for concurrency, n, out_tokens in ((1, args.requests, "16"), (64, args.requests * 4, args.streams_output_tokens)):
-                await latency(fleet, paths, concurrency, 20 if concurrency == 1 else 64, 1, out_tokens)  # warm-up
-                got, failed = await latency(fleet, paths, concurrency, n, args.rounds, out_tokens)
+                # Prompts of their own for each concurrency and for the warm-ups: with shared
+                # seeds a measured round's first prompts were in the sim-server's prefix cache.
+                seed = args.seed * 1000 + concurrency
+                await latency(fleet, paths, concurrency, 20 if concurrency == 1 else 64, 1, out_tokens,
+                              base_seed=seed + 500)
+                got, failed = await latency(fleet, paths, concurrency, n, args.rounds, out_tokens, base_seed=seed)
                 ttft = {p: [t for t, _ in got[p]] for p in paths}
                 base50, base99 = pct(ttft["direct"], 0.5), pct(ttft["direct"], 0.99)
                 for p in paths:
