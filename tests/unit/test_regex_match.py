@@ -147,3 +147,39 @@ def test_a_json_schema_pattern_is_searched_without_backtracking() -> None:
     assert text.startswith('{"s":"aaaaaaaa')
     assert search(r"b(?:a{8,}){8,}$!", "x" + "a" * 80 + "!") is False
     assert search(r"a{3}", "xxaaax") is True and search(r"^a{3}", "xxaaax") is False
+
+
+_key = st.text(alphabet="ab1_", min_size=1, max_size=4)
+_object_schemas = st.fixed_dictionaries(
+    {"type": st.just("object")},
+    optional={
+        "properties": st.dictionaries(_key, st.sampled_from([{"type": "integer"}, {"pattern": "^a"}]), max_size=3),
+        "patternProperties": st.dictionaries(_patterns, st.sampled_from([{"type": "integer"}, {"type": "string"}])),
+        "additionalProperties": st.sampled_from([False, True, {"type": "string"}]),
+    },
+)
+_instances = st.dictionaries(_key, st.one_of(st.integers(0, 3), _texts), max_size=4)
+
+
+@settings(max_examples=400, deadline=None)
+@given(schema=_object_schemas, instance=_instances)
+def test_the_sims_validator_reads_regex_keywords_as_jsonschema_does(schema: dict, instance: dict) -> None:
+    import jsonschema
+
+    ours = guided._searching_patterns(jsonschema.Draft202012Validator)(schema)
+    assert ours.is_valid(instance) == jsonschema.Draft202012Validator(schema).is_valid(instance)
+
+
+def test_a_property_name_against_nested_repeats_is_searched_without_backtracking() -> None:
+    # jsonschema matches every key against patternProperties (and, for
+    # additionalProperties, against all of them) with re.search: 2^30 ways here.
+    name = "a" * 30 + "!"
+    schema = {
+        "type": "object",
+        "properties": {name: {"type": "integer"}},
+        "required": [name],
+        "patternProperties": {"^(a+)+$": {"type": "string"}},
+        "additionalProperties": False,
+    }
+    text = guided.json_instance(schema, random.Random(1))
+    assert text.startswith('{"' + name + '":')

@@ -109,21 +109,52 @@ def json_instance(schema: Any, rng: random.Random, budget: Budget | None = None)
 
 @functools.cache
 def _searching_patterns(cls: Any) -> Any:
-    """``cls`` with its ``pattern`` keyword searched without backtracking: jsonschema's
-    own ``re.search`` on a client's nested repeats (``^(?:a{8,}){8,}$!``) never returns,
-    on the worker's event loop. A pattern the matcher cannot answer for passes."""
+    """``cls`` with its regex keywords (``pattern``, ``patternProperties``,
+    ``additionalProperties``) searched without backtracking: jsonschema's own
+    ``re.search`` on a client's nested repeats (``^(?:a{8,}){8,}$!``) never returns, on
+    the worker's event loop. A pattern the matcher cannot answer for counts as found."""
 
     def pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
-        if not validator.is_type(instance, "string"):
-            return
-        try:
-            found = regex_match.search(pattern, instance)
-        except (re.error, RecursionError, OverflowError):
-            return  # one re cannot read passes too (the gateway refuses such a schema)
-        if found is False:
+        if validator.is_type(instance, "string") and not _found(pattern, instance):
             yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
 
-    return jsonschema.validators.extend(cls, {"pattern": pattern})
+    def pattern_properties(validator: Any, patterns: dict[str, Any], instance: Any, schema: Any) -> Any:
+        if not validator.is_type(instance, "object"):
+            return
+        for regex, subschema in patterns.items():
+            for key, value in instance.items():
+                if _found(regex, key):
+                    yield from validator.descend(value, subschema, path=key, schema_path=regex)
+
+    def additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Any:
+        if not validator.is_type(instance, "object"):
+            return
+        named = schema.get("properties", {})
+        patterns = schema.get("patternProperties", {})
+        extras = [k for k in instance if k not in named and not any(_found(p, k) for p in patterns)]
+        if validator.is_type(extra, "object"):
+            for key in extras:
+                yield from validator.descend(instance[key], extra, path=key)
+        elif not extra and extras:
+            yield jsonschema.ValidationError(
+                f"Additional properties are not allowed ({', '.join(map(repr, extras))})"
+            )
+
+    return jsonschema.validators.extend(
+        cls,
+        {
+            "pattern": pattern,
+            "patternProperties": pattern_properties,
+            "additionalProperties": additional_properties,
+        },
+    )
+
+
+def _found(pattern: str, text: str) -> bool:
+    try:
+        return regex_match.search(pattern, text) is not False
+    except (re.error, RecursionError, OverflowError):
+        return True  # the gateway refuses a schema whose pattern re cannot read
 
 
 class _JsonGen:
