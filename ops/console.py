@@ -67,12 +67,16 @@ async def mesh_bus(name: str, *, initial_attempts: int = 3) -> AsyncIterator[Bus
     """
     from bus import Bus, BusSettings
     from proto.errors import MeshError
+    from proto.subjects import subject_root_problem
     from services.common.cli_types import nats_url_problem, shown_nats_url
 
     settings = BusSettings.from_env()
     problem = nats_url_problem(",".join(settings.servers))  # MESHSERVE_NATS_URL: --nats-url is checked by argparse
     if problem:
         raise CliError(f"{problem} in MESHSERVE_NATS_URL", EXIT_USAGE)
+    problem = subject_root_problem(settings.root)  # MESHSERVE_ROOT: --root is checked by argparse
+    if problem:
+        raise CliError(f"{problem} in MESHSERVE_ROOT", EXIT_USAGE)
     hint = "(is the mesh up? start it with `meshserve up`, or pass --nats-url / set MESHSERVE_NATS_URL)"
     unreachable = await unreachable_servers(settings.servers, timeout_s=settings.connect_timeout_s)
     if len(unreachable) == len(settings.servers):

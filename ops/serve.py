@@ -13,7 +13,7 @@ import argparse
 import importlib
 from typing import Any
 
-from services.common.cli_types import add_nats_url_argument
+from services.common.cli_types import add_nats_url_argument, subject_root
 
 # service name → module with add_arguments/run
 SERVICES: dict[str, str] = {
@@ -28,7 +28,7 @@ SERVICES: dict[str, str] = {
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_url_argument(parser)
-    parser.add_argument("--root", help="subject root of this mesh (env MESHSERVE_ROOT, default mesh)")
+    parser.add_argument("--root", type=subject_root, help="subject root of this mesh (env MESHSERVE_ROOT, default mesh)")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (env MESHSERVE_LOG_LEVEL)")
     parser.add_argument("--log-format", choices=["text", "json"], default=None, help="json for JSON lines (env MESHSERVE_LOG_FORMAT)")
 

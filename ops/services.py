@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from bus import Bus
-from services.common.cli_types import add_nats_url_argument
+from services.common.cli_types import add_nats_url_argument, positive_seconds, subject_root
 
 from .console import mesh_bus
 
@@ -26,8 +26,8 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("name", nargs="?", default="", help="only this service (e.g. meshserve-worker)")
     add_nats_url_argument(parser)
-    parser.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
-    parser.add_argument("--wait", type=float, default=0.5, help="seconds to collect answers")
+    parser.add_argument("--root", type=subject_root, default=None, help="subject root (env MESHSERVE_ROOT)")
+    parser.add_argument("--wait", type=positive_seconds, default=0.5, help="seconds to collect answers")
     parser.add_argument("--json", action="store_true", help="print the INFO replies as JSON")
     parser.set_defaults(func=run_services)
 

@@ -24,7 +24,7 @@ from bus import Bus
 from ops.console import CliError, mesh_bus, print_table
 from proto.autoscaler import AutoscalerStatus, AutoscalerStatusRequest, PoolStatus, WorkerView
 from proto.errors import MeshError
-from services.common.cli_types import add_nats_url_argument
+from services.common.cli_types import add_nats_url_argument, subject_root
 
 
 def add_parser(subparsers: Any) -> None:
@@ -33,7 +33,7 @@ def add_parser(subparsers: Any) -> None:
         description="What the autoscaler sees and decided, per pool: tables for people (whole at any width: "
                     "a narrow terminal gets them stacked), --json for scripts. Exit 3 when the driver cannot act.")
     add_nats_url_argument(parser)
-    parser.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
+    parser.add_argument("--root", type=subject_root, default=None, help="subject root (env MESHSERVE_ROOT)")
     parser.add_argument("--pool", default="", help="only this pool")
     parser.add_argument("--decisions", type=int, default=10, help="recent decisions per pool")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON (for scripts)")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import Bus
-from services.common.cli_types import add_nats_url_argument, port_number
+from services.common.cli_types import add_nats_url_argument, port_number, subject_root
 from services.worker.main import vllm_importable, vllm_missing
 
 from .up import Mesh, MeshConfig, StartupError, ready_workers
@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--nats-port", type=port_number, default=4222, help="port of the nats-server started here (0: a free one)")
     add_nats_url_argument(parser, "use this NATS (with JetStream) instead of starting one; comma-separated for a cluster")
     parser.add_argument("--http-port", type=port_number, default=8080, help="the gateway's HTTP port")
-    parser.add_argument("--root", default="mesh", help="subject root of this mesh")
+    parser.add_argument("--root", type=subject_root, default="mesh", help="subject root of this mesh")
     parser.add_argument("--engine", choices=["sim", "vllm", "echo"], default="sim",
                         help="the workers' engine: sim (simulated, default), vllm (real, needs vLLM installed) or"
                              " echo (no model: each prompt streamed back, for measuring the mesh itself)")

@@ -26,7 +26,7 @@ from proto.metering import (
     UsageRow,
     check_query,
 )
-from services.common.cli_types import add_nats_url_argument
+from services.common.cli_types import add_nats_url_argument, subject_root
 from services.common.usage import parse_time, usage_report_json
 
 
@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
         description="Usage and spend totals from the metering service's ledger: a table for people (whole at any "
                     "width: a narrow terminal gets it stacked), --json for scripts.")
     add_nats_url_argument(usage)
-    usage.add_argument("--root", default=None, help="subject root (env MESHSERVE_ROOT)")
+    usage.add_argument("--root", type=subject_root, default=None, help="subject root (env MESHSERVE_ROOT)")
     usage.add_argument("--org", default=None, help="only this org")
     usage.add_argument("--key", default=None, help="only this API key id")
     usage.add_argument("--model", default=None, help="only this model")

@@ -32,13 +32,21 @@ def unescape_token(token: str) -> str:
     return "" if token == _EMPTY else unquote(token)
 
 
+def subject_root_problem(root: str) -> str | None:
+    """What is wrong with ``root`` as a subject root (one NATS token), or None."""
+    if _ROOT_RE.match(root):
+        return None
+    return f"a subject root is 1-32 letters, digits, '_' or '-', not {root!r}"
+
+
 @dataclass(frozen=True, slots=True)
 class Subjects:
     root: str = "mesh"
 
     def __post_init__(self) -> None:
-        if not _ROOT_RE.match(self.root):
-            raise ValueError(f"subject root must match {_ROOT_RE.pattern}, got {self.root!r}")
+        problem = subject_root_problem(self.root)
+        if problem:
+            raise ValueError(problem)
 
     # client API (queue group: any gateway answers)
     @property

@@ -12,6 +12,7 @@ from typing import Any
 from ops.bench.arrivals import KINDS as ARRIVAL_KINDS
 from ops.bench.config import WORKLOADS, BenchConfig, EndpointConfig, WorkloadConfig, default_api_key
 from ops.bench.results import SLOSpec
+from services.common.cli_types import fraction, positive_seconds, subject_root
 
 EPILOG = """\
 examples:
@@ -60,7 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--model", help="model name (default: the HTTP target's first /models entry)")
     g.add_argument("--api-key", default=None,
                    help="sent as Authorization: Bearer (default: $MESHSERVE_API_KEY or $OPENAI_API_KEY)")
-    g.add_argument("--root", default="mesh", help="NATS subject root (default mesh)")
+    g.add_argument("--root", type=subject_root, default="mesh", help="NATS subject root (default mesh)")
 
     g = p.add_argument_group("load")
     g.add_argument("--rates", type=_floats, default=None, metavar="R1,R2,...",
@@ -108,10 +109,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--extra-body", default=None, metavar="JSON", help="merged into every request body")
 
     g = p.add_argument_group("SLO")
-    g.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="TTFT bound (s)")
-    g.add_argument("--slo-tpot", type=float, default=None, metavar="S", help="TPOT bound (s)")
-    g.add_argument("--slo-e2e", type=float, default=None, metavar="S", help="end-to-end bound (s)")
-    g.add_argument("--slo-attainment", type=float, default=0.9, metavar="F",
+    g.add_argument("--slo-ttft", type=positive_seconds, default=None, metavar="S", help="TTFT bound (s)")
+    g.add_argument("--slo-tpot", type=positive_seconds, default=None, metavar="S", help="TPOT bound (s)")
+    g.add_argument("--slo-e2e", type=positive_seconds, default=None, metavar="S", help="end-to-end bound (s)")
+    g.add_argument("--slo-attainment", type=fraction, default=0.9, metavar="F",
                    help="the SLO holds at a load when this fraction of requests meets it (default 0.9)")
 
     g = p.add_argument_group("output")

@@ -34,6 +34,7 @@ from ops.natsserver import (
     indent,
 )
 from proto.subjects import Subjects
+from services.common.cli_types import subject_root
 
 HERE = Path(__file__).resolve().parent
 
@@ -489,7 +490,7 @@ def generated_files(root: str = "mesh", api_clients: Sequence[str] = DEFAULT_API
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.nats.accounts", description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default="mesh", help="subject root of the mesh")
+    parser.add_argument("--root", type=subject_root, default="mesh", help="subject root of the mesh")
     parser.add_argument("--api-client", action="append", default=[], metavar="USER",
                         help=f"an API client user (repeatable; default {', '.join(DEFAULT_API_CLIENTS)})")
     parser.add_argument("--write", action="store_true", help=f"write the configs into {HERE}")

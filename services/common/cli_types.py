@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from urllib.parse import SplitResult, urlsplit
 
 
@@ -15,6 +16,39 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535, not {value}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type`` for a duration: a finite number of seconds above 0 (``nan``
+    and ``inf`` parse as floats, and a wait of either never ends)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, not {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type`` for a share: above 0, at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, not {text}")
+    return value
+
+
+def subject_root(text: str) -> str:
+    """An argparse ``type`` for ``--root``: one NATS subject token."""
+    from proto.subjects import subject_root_problem
+
+    problem = subject_root_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 # The schemes nats-py connects with; a URL without one is taken as nats://.
@@ -75,4 +109,4 @@ def add_mesh_arguments(parser: argparse.ArgumentParser, *subcommands: argparse.A
     reset the one given before it."""
     for target, default in ((parser, None), *((sub, argparse.SUPPRESS) for sub in subcommands)):
         add_nats_url_argument(target, default=default)
-        target.add_argument("--root", default=default, help="subject root (env MESHSERVE_ROOT)")
+        target.add_argument("--root", type=subject_root, default=default, help="subject root (env MESHSERVE_ROOT)")

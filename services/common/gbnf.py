@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 MAX_NESTING = 64  # parentheses deeper than this are hostile, not a real grammar
+# A rule's expression tree deeper than this is too (`"a"+++…` nests a repeat per operator):
+# the walks over it recurse, and Python's stack ends near 1,000 frames.
+MAX_TREE_DEPTH = 4 * MAX_NESTING
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,8 @@ class _GbnfParser:
                 raise self.error(f"rule {name!r} defined twice")
             self.i = self.s.index("::=", m.end()) + 3
             rules[name] = self.alternatives(depth=0)
+            if _tree_depth(rules[name]) > MAX_TREE_DEPTH:
+                raise self.error(f"rule {name!r} is nested too deeply (more than {MAX_TREE_DEPTH} levels)")
             self.skip()
         return rules
 
@@ -293,6 +298,22 @@ def _refs(expr: Expr) -> list[str]:
         elif isinstance(e, Repeat):
             stack.append(e.item)
     return out
+
+
+def _tree_depth(expr: Expr) -> int:
+    """Levels of ``expr``'s tree (references not followed), counted without recursion."""
+    deepest = 0
+    stack = [(expr, 1)]
+    while stack:
+        e, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(e, Seq):
+            stack.extend((i, d + 1) for i in e.items)
+        elif isinstance(e, Alt):
+            stack.extend((o, d + 1) for o in e.options)
+        elif isinstance(e, Repeat):
+            stack.append((e.item, d + 1))
+    return deepest
 
 
 def _least(rules: Mapping[str, Expr], *, height: bool) -> dict[str, int]:

@@ -62,20 +62,32 @@ def check_json_schema(schema: object, param: str) -> str:
         raise StructuredOutputError(f"{param} is not a valid JSON Schema{at}: {exc.message}", param) from None
     except RecursionError:  # pragma: no cover - _check_depth bounds this first
         raise StructuredOutputError(f"{param} is nested too deeply.", param) from None
+    except (OverflowError, re.error) as exc:  # a pattern's format check: re.compile("a{4294967296}")
+        raise StructuredOutputError(f"{param} is not a valid JSON Schema: a pattern cannot be compiled: {exc}",
+                                    param) from None
     _check_refs(schema, schema, param)
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def _check_depth(node: object, param: str) -> None:
+    if nested_deeper_than(node, MAX_SCHEMA_DEPTH):
+        raise StructuredOutputError(f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels.", param)
+
+
+def nested_deeper_than(node: object, limit: int) -> bool:
+    """Whether JSON data (dicts and lists) nests more than ``limit`` levels, found without
+    recursion: what a recursive reader (jsonschema, a template's ``tojson``) would run
+    out of stack on."""
     stack: list[tuple[object, int]] = [(node, 0)]
     while stack:
         cur, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise StructuredOutputError(f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels.", param)
+        if depth > limit:
+            return True
         if isinstance(cur, dict):
             stack.extend((v, depth + 1) for v in cur.values())
         elif isinstance(cur, list):
             stack.extend((v, depth + 1) for v in cur)
+    return False
 
 
 def resolve_pointer(root: object, ref: str) -> object:

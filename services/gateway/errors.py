@@ -151,6 +151,11 @@ def payload_too_large(limit: int, size: int | None = None) -> ApiError:
     )
 
 
+def internal_error() -> ApiError:
+    """What a client gets when the gateway itself failed (the cause goes to its log only)."""
+    return ApiError(500, "internal error", "server_error", None, "internal")
+
+
 def missing_api_key() -> ApiError:
     return ApiError(
         401,

@@ -27,6 +27,7 @@ from .auth import AUTH_MS, Authenticator, authenticated
 from .errors import (
     ApiError,
     from_mesh_error,
+    internal_error,
     method_not_allowed,
     model_not_found,
     payload_too_large,
@@ -114,7 +115,7 @@ class HttpApi:
             return error_response(ApiError(exc.status, detail, "invalid_request_error" if exc.status < 500 else "server_error"))
         except Exception:
             log.exception("unhandled error on %s", request.path)
-            return error_response(ApiError(500, "internal error", "server_error", None, "internal"))
+            return error_response(internal_error())
 
     # ---- generation ---------------------------------------------------------------------
     @authenticated

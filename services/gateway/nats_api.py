@@ -4,16 +4,19 @@ the last one marked with ``Meshserve-Done``; errors carry NATS micro's error hea
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
-from .errors import ApiError, payload_too_large
+from .errors import ApiError, internal_error, payload_too_large
 from .events import DONE, EventBuilder
 from .lifecycle import ActiveRequest
 from .openai_api import RequestKind
 from .validation import parse_request
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .service import GatewayService
@@ -50,6 +53,11 @@ class NatsApi:
             active = await ActiveRequest.start(g, request, key, parent=g.bus.remote_context(msg))
         except ApiError as exc:
             await nc.publish(msg.reply, exc.to_json(), headers=error_headers(exc))
+            return
+        except Exception:  # the gateway's own failure: the caller still gets an answer, not a timeout
+            log.exception("NATS API request on %s failed", msg.subject)
+            failure = internal_error()
+            await nc.publish(msg.reply, failure.to_json(), headers=error_headers(failure))
             return
         async with active.serving():
             if not request.stream:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import InvalidKeyError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus.client import backoff_delay
@@ -51,5 +51,5 @@ class ResumeRecords:
         try:
             entry = await self.kv.get(request_id)
             return decode(entry.value or b"", RequestRecord)
-        except (KeyNotFoundError, MeshError):
+        except (KeyNotFoundError, InvalidKeyError, MeshError):  # InvalidKeyError: no id of ours ("a b", "a>b")
             return None

@@ -315,11 +315,12 @@ def _chat_tool_choice(choice: str | dict[str, Any], tools: list[dict[str, Any]])
         allowed = choice.get("tools")
         if mode not in ("auto", "required") or not isinstance(allowed, list):
             _invalid("tool_choice", "allowed_tools needs 'mode' (auto or required) and a list of 'tools'.")
-        names = [t["name"] for t in allowed
+        named = [t["name"] for t in allowed
                  if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]
-        if len(names) != len(allowed):
+        if len(named) != len(allowed):
             _unsupported("tool_choice.tools", "allowed_tools may name function tools only ({type: function, name}).")
         # Only the allowed tools are offered: the model cannot call the others.
+        names = set(named)
         return mode, [t for t in tools if isinstance(t.get("name"), str) and t["name"] in names]
     raise bad_request(f"tool_choice type {clip(str(kind))!r} is not supported: use none, auto, required, a function"
                       " or allowed_tools.", "tool_choice.type", "unsupported_value")
@@ -408,7 +409,8 @@ def plan_chat(parsed: ParsedRequest, history: list[dict[str, Any]] | None = None
     offered = tools
     if req.tool_choice is not None:
         body["tool_choice"], offered = _chat_tool_choice(req.tool_choice, tools)
-    tool_params = [f"tools[{tools.index(t)}]" for t in offered]
+    position = {id(t): i for i, t in enumerate(tools)}  # not tools.index: quadratic over a hostile list
+    tool_params = [f"tools[{position[id(t)]}]" for t in offered]
     if offered:
         body["tools"] = _chat_tools(offered)
     if req.parallel_tool_calls is not None:

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
 from proto.messages import StructuredOutput
-from services.common.structured import StructuredOutputError, check_json_schema
+from services.common.structured import (
+    MAX_SCHEMA_DEPTH,
+    StructuredOutputError,
+    check_json_schema,
+    nested_deeper_than,
+)
 
 from .errors import bad_request, clip
 from .openai_api import ChatMessage, FunctionCall, ToolCall
@@ -425,9 +430,14 @@ def history_fields(message: ChatMessage, index: int) -> dict[str, Any]:
                 "invalid_value",
             )
         rendered = []
-        for call in calls:  # decoding already refused a type other than "function"
+        for j, call in enumerate(calls):  # decoding already refused a type other than "function"
+            arguments = _arguments(call.function.arguments)
+            if nested_deeper_than(arguments, MAX_SCHEMA_DEPTH):  # the template's tojson would run out of stack
+                param = f"messages[{index}].tool_calls[{j}].function.arguments"
+                raise bad_request(f"Invalid '{param}': nested deeper than {MAX_SCHEMA_DEPTH} levels.", param,
+                                  "invalid_value")
             rendered.append({"id": call.id, "type": "function",
-                             "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}})
+                             "function": {"name": call.function.name, "arguments": arguments}})
         out["tool_calls"] = rendered
     if message.role == "tool":
         if not message.tool_call_id:

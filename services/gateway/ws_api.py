@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,11 +16,13 @@ from aiohttp import WSMsgType, web
 from proto import ApiKeyRecord
 
 from .auth import presented_key
-from .errors import ApiError, from_mesh_error, missing_api_key
+from .errors import ApiError, from_mesh_error, internal_error, missing_api_key
 from .lifecycle import ActiveRequest
 from .normalized import NormalizedRequest, parse_ws_message
 from .openai_api import WsAuth, WsCancel, ws_done, ws_token
 from .validation import parse_ws_request
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .service import GatewayService
@@ -78,6 +81,10 @@ class WsApi:
                 except ApiError as exc:
                     await send(exc.to_ws(_message_id(message.data)))
                     continue
+                except Exception:  # the gateway's own failure: an error frame, and the socket lives on
+                    log.exception("WebSocket message failed")
+                    await send(internal_error().to_ws(_message_id(message.data)))
+                    continue
                 job = _WsJob(g)
                 job.task = asyncio.create_task(self._request(send, parsed.id, request, key, job))
                 running[parsed.id] = job
@@ -94,6 +101,10 @@ class WsApi:
             active = await ActiveRequest.start(self.gateway, request, key)
         except ApiError as exc:
             await send(exc.to_ws(client_id))
+            return
+        except Exception:  # without an answer the client would wait on this id for good
+            log.exception("WebSocket request %s failed to start", client_id)
+            await send(internal_error().to_ws(client_id))
             return
         job.active = active
         # The socket closing cancels this task: nobody is left to tell, so the worker stops too.
@@ -128,7 +139,7 @@ def _message_id(data: str) -> str | None:
     """The client's request id of a WebSocket message that failed validation, if it has one."""
     try:
         value = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # the message may be nested past the decoder's stack
         return None
     request_id = value.get("id") if isinstance(value, dict) else None
     return request_id if isinstance(request_id, str) else None

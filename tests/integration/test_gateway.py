@@ -204,6 +204,16 @@ async def test_a_request_no_longer_resumable_cannot_be_streamed_again(mesh: Mesh
         await bus.close()
 
 
+async def test_a_request_id_no_request_can_have_is_a_404(mesh: Mesh) -> None:
+    """Ids that are not bucket keys ("a b", "a>b", a NUL) were a 500 and a traceback."""
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        for quoted in ("a%20b", "a*b", "a%3Eb", "%00", "%ff"):
+            async with http.get(f"/v1/requests/{quoted}/stream", headers=headers) as r:
+                assert r.status == 404, (quoted, await r.text())
+                assert (await r.json())["error"]["code"] == "not_found"
+
+
 async def test_kill_and_resume_joins_to_the_uninterrupted_text(mesh: Mesh) -> None:
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     body = {"model": MODEL, "prompt": "resume me", "max_tokens": 400, "seed": 99, "stream": True, "ignore_eos": True,
@@ -291,6 +301,23 @@ async def test_websocket_multiplexes_requests_and_cancels(mesh: Mesh) -> None:
         assert done["a"]["type"] == "done" and done["a"]["usage"]["completion_tokens"] == 20 and len(text["a"]) == 20
         assert done["b"]["type"] == "done" and done["b"]["finish_reason"] == "abort"
         assert done["c"]["type"] == "error" and done["c"]["status"] == 400
+
+
+async def test_a_websocket_message_nested_past_the_decoder_is_an_error_frame(mesh: Mesh) -> None:
+    """Its id was looked for by decoding it again, which ran out of stack: the socket died
+    (an HTTP 500 written onto the upgraded connection). Now an error frame, and the
+    socket serves the next request."""
+    deep = '{"x":' + "[" * 2000 + "]" * 2000 + "}"
+    async with aiohttp.ClientSession(mesh.gateway_url) as http, http.ws_connect("/v1/ws") as ws:
+        await ws.send_json({"type": "auth", "api_key": mesh.dev_key})
+        await ws.send_str(deep)
+        error = await ws.receive_json(timeout=10)
+        assert error["type"] == "error" and error["status"] == 400
+        await ws.send_json({"type": "completion", "id": "next", "body": {"model": MODEL, "prompt": "still here",
+                                                                          "max_tokens": 3, "ignore_eos": True}})
+        while (message := await ws.receive_json(timeout=30))["type"] == "token":
+            pass
+        assert message["type"] == "done" and message["id"] == "next"
 
 
 async def test_nats_request_reply_api(mesh: Mesh) -> None:

@@ -5,6 +5,7 @@ printed a traceback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,41 @@ def test_no_mesh_at_a_url_with_a_password_does_not_print_it() -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "connection refused" in result.stderr
     assert "s3cret" not in result.stderr and "admin:***@" in result.stderr
+
+
+ROOT_FLAGS = [
+    ["status", "--root"], ["usage", "--root"], ["services", "--root"], ["keys", "--root"], ["adapters", "--root"],
+    ["up", "--root"], ["serve", "gateway", "--root"], ["bench", "--root"],
+]
+
+
+@pytest.mark.parametrize("argv", ROOT_FLAGS, ids=lambda a: " ".join(a))
+def test_every_root_flag_takes_only_a_subject_token(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A root with a space or a dot was taken, and the first subject built from it ended
+    in a ValueError traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, "a b"])
+    assert exit_info.value.code == 2
+    assert "a subject root is 1-32 letters" in capsys.readouterr().err
+
+
+def test_a_bad_root_in_the_environment_is_one_line() -> None:
+    url = f"nats://127.0.0.1:{free_port()}"  # never reached: the root is checked first
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "status", "--nats-url", url], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "MESHSERVE_ROOT": "a.b"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "meshserve status: a subject root is 1-32 letters, digits, '_' or '-', not 'a.b' in MESHSERVE_ROOT")
+
+
+@pytest.mark.parametrize(("argv", "value"), [
+    (["services", "--wait"], "nan"), (["services", "--wait"], "inf"), (["services", "--wait"], "0"),
+    (["bench", "--slo-ttft"], "-1"), (["bench", "--slo-tpot"], "nan"), (["bench", "--slo-e2e"], "0"),
+    (["bench", "--slo-attainment"], "5"), (["bench", "--slo-attainment"], "0"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_durations_and_shares_out_of_range_are_refused(argv: list[str], value: str) -> None:
+    """``services --wait nan`` waited for ever; ``bench --slo-attainment 5`` ran a benchmark
+    whose SLO could never hold."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, value])
+    assert exit_info.value.code == 2

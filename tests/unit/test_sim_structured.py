@@ -433,3 +433,48 @@ def test_a_hostile_nested_minimum_costs_two_bounded_attempts(monkeypatch: pytest
     stream = GuidedStream(b"k" * 16, nested, 131072)
     assert calls == [None, 131072] and stream.prefix_only
     assert len(stream.text) >= 131072  # long enough to be cut by any max_tokens
+
+
+def _doubling_grammar(levels: int) -> StructuredOutput:
+    rules = "\n".join(f"a{i} ::= a{i + 1} a{i + 1}" for i in range(levels))
+    return StructuredOutput(grammar=f'root ::= a0\n{rules}\na{levels} ::= "x"')
+
+
+def _doubling_schema(levels: int) -> StructuredOutput:
+    defs: dict[str, object] = {
+        f"a{i}": {"type": "object", "required": ["x", "y"],
+                  "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}, "y": {"$ref": f"#/$defs/a{i + 1}"}}}
+        for i in range(levels)
+    }
+    defs[f"a{levels}"] = {"type": "integer"}
+    return from_json_schema({"$defs": defs, "$ref": "#/$defs/a0"}, "p")
+
+
+@pytest.mark.parametrize("so", [_doubling_grammar(28), _doubling_schema(28)], ids=["grammar", "json"])
+def test_a_rule_that_doubles_at_each_level_is_spelt_until_max_tokens(so: StructuredOutput) -> None:
+    # 2^28 leaves: in prefix mode a spent budget cut counts to 0 but a sequence or an
+    # object's required properties went on expanding: minutes of a worker's event loop
+    # (pytest's timeout ends this test without the fix), and gigabytes.
+    outs = one(structured=so, max_tokens=10)
+    assert outs[-1].finish_reason == "length" and len(text(outs)) == 10
+
+
+def test_a_class_that_allows_no_printable_ascii_is_spelt_from_the_characters_it_allows() -> None:
+    # [^\x00-\u2fff] leaves only code points from U+3000: each character scanned 12,000
+    # code points below them (~19 s for 600 on a worker) and then fell back to a NUL,
+    # which no attempt could match.
+    outs = one(structured=StructuredOutput(regex="[^\\x00-\\u2fff]{100}"), max_tokens=1000)
+    spelt = text(outs)
+    assert outs[-1].finish_reason == "stop" and len(spelt) == 100 and all(ord(c) >= 0x3000 for c in spelt)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "number", "minimum": 0, "maximum": 1e300, "multipleOf": 1e-300},
+    {"type": "integer", "minimum": 0, "maximum": 1e300, "multipleOf": 1e-320},
+    {"type": "number", "minimum": -1e300, "maximum": 5, "multipleOf": 1e-300},
+])
+def test_a_multiple_of_a_tiny_step_over_a_huge_range_is_an_instance(schema: dict[str, object]) -> None:
+    # ceil(1e300 / 1e-300) is infinite: an OverflowError, a 500 for the client.
+    outs = one(structured=from_json_schema(schema, "p"))
+    assert outs[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(text(outs)), schema)

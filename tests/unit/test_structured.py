@@ -53,6 +53,9 @@ def rf_schema(schema: object, **extra: object) -> dict[str, object]:
         {"type": "objekt"},
         {"type": "object", "properties": {"a": {"type": 5}}},
         {"type": "string", "pattern": "("},  # a schema's pattern must itself compile
+        {"type": "string", "pattern": "a{4294967296}"},  # re: OverflowError, once a 500
+        {"patternProperties": {"a{4294967296}": {}}},
+        {"propertyNames": {"pattern": "a{4294967296}"}},
         {"type": "array", "minItems": -1},
         {"$ref": "#/$defs/missing"},
         {"$ref": "https://example.com/schema.json"},
@@ -499,3 +502,11 @@ def test_mutually_recursive_alternatives_still_end() -> None:
     g = parse_grammar('root ::= a\na ::= b | "xy"\nb ::= a | "x"')
     for seed in range(50):
         assert guided_text.grammar_instance(g, random.Random(seed)) in {"x", "xy"}
+
+
+def test_a_grammar_nested_by_postfix_operators_is_refused_not_a_crash() -> None:
+    # Each operator nests a repeat: 5,000 of them ran the parse's walks out of stack (a
+    # RecursionError, a 500). Parentheses were bounded; operators were not.
+    err = raises_param("guided_grammar", from_guided_fields, {"guided_grammar": 'root ::= "a"' + "+" * 5000})
+    assert "nested too deeply" in str(err)
+    assert parse_grammar('root ::= ("a"+)*?').rules  # a few operators are a grammar

@@ -535,3 +535,13 @@ def test_any_tool_fields_give_a_plan_or_a_400(tool_list: Any, choice: Any, paral
         if plan.choice == "required":
             for call in reply.tool_calls:
                 json.loads(call.function.arguments)  # re-serialised: always JSON
+
+
+def test_history_arguments_nested_past_the_limit_are_a_400_naming_them() -> None:
+    # json.loads took ~970 levels, then the chat template's tojson (deeper in the stack)
+    # ran out of it: a 500 blamed on the template ("template broken").
+    deep = '{"a":' + "[" * 200 + "]" * 200 + "}"
+    err = error(history_fields, message(role="assistant", content=None, tool_calls=[call(deep)]), 3)
+    assert err.status == 400 and err.param == "messages[3].tool_calls[0].function.arguments"
+    ok = '{"a":' + "[" * 60 + "]" * 60 + "}"  # nesting a real tool call might have
+    assert history_fields(message(role="assistant", content=None, tool_calls=[call(ok)]), 3)["tool_calls"]

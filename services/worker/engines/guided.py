@@ -68,7 +68,8 @@ def generate(
         return _generate(structured, rng, Budget(max_work, prefix_cap))
     except GuidedError:
         raise
-    except (re.error, KeyError, TypeError, AttributeError, RecursionError, ValueError) as exc:
+    except (re.error, KeyError, TypeError, AttributeError, RecursionError, ValueError, OverflowError,
+            ZeroDivisionError) as exc:
         raise GuidedError(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -165,6 +166,8 @@ class _JsonGen:
 
     def value(self, schema: Any, depth: int) -> Any:
         rng = self.rng
+        if self.budget.spent:
+            return None  # a prefix's text has ended: what follows is past max_tokens
         self.budget.spend()
         if depth > HARD_DEPTH:
             return None  # a schema that requires itself forever: no finite instance
@@ -374,13 +377,24 @@ class _JsonGen:
 def _multiple(rng: random.Random, mult: float, a: float, b: float) -> float | int | None:
     """A multiple of ``mult`` in [a, b] whose quotient is exact in floating point (as
     jsonschema checks it: 0.3 / 0.1 is not an integer there); None if none is found."""
-    first, last = math.ceil(a / mult), math.floor(b / mult)
+    qa, qb = a / mult, b / mult  # infinite when the range spans more multiples than a float holds
+    if not math.isfinite(qa) and not math.isfinite(qb):
+        return 0 if a <= 0 <= b else None
+    if not math.isfinite(qb):
+        first = math.ceil(qa)
+        last = first + 20
+    elif not math.isfinite(qa):
+        last = math.floor(qb)
+        first = last - 20
+    else:
+        first, last = math.ceil(qa), math.floor(qb)
     if first > last:
         return None
     for _ in range(MAX_ATTEMPTS):
         k = rng.randint(first, min(last, first + 20))
         for v in (round(k * mult, 10), k * mult):  # the short spelling when it is exact
-            if a <= v <= b and (v / mult) == int(v / mult):
+            q = v / mult
+            if a <= v <= b and math.isfinite(q) and q == int(q):
                 return v
     return 0 if a <= 0 <= b else None
 
