@@ -40,6 +40,7 @@ from .upstream import UpstreamClient
 from .ws_api import WsApi
 
 log = logging.getLogger(__name__)
+MAX_HEADER_BYTES = 65_536  # one header's value: room for a large JWT
 
 
 class GatewayService(Service):
@@ -132,7 +133,10 @@ class GatewayService(Service):
         if STATIC_DIR.exists():
             app.router.add_static("/static/", STATIC_DIR)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the worker.
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        # max_field_size: an OIDC bearer token with many claims (groups) passes aiohttp's 8,190
+        # bytes a header, which aiohttp refuses with a plain-text 400 before any handler runs.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     max_field_size=MAX_HEADER_BYTES)
         await self._runner.setup()
         ssl_context = None
         if self.config.tls_cert:

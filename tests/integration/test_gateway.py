@@ -204,6 +204,17 @@ async def test_a_request_no_longer_resumable_cannot_be_streamed_again(mesh: Mesh
         await bus.close()
 
 
+async def test_a_bearer_token_past_8k_gets_an_openai_error(mesh: Mesh) -> None:
+    """aiohttp refuses a header over 8,190 bytes with a plain-text 400 before any handler
+    runs; an OIDC token with many claims can be that long. The gateway reads it, and a
+    token it does not know is OpenAI's 401 JSON."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        async with http.post("/v1/completions", json=body, headers={"Authorization": "Bearer " + "a" * 20_000}) as r:
+            assert r.status == 401, await r.text()
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+
+
 async def test_a_request_id_no_request_can_have_is_a_404(mesh: Mesh) -> None:
     """Ids that are not bucket keys ("a b", "a>b", a NUL) were a 500 and a traceback."""
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
