@@ -478,3 +478,23 @@ def test_a_multiple_of_a_tiny_step_over_a_huge_range_is_an_instance(schema: dict
     outs = one(structured=from_json_schema(schema, "p"))
     assert outs[-1].finish_reason == "stop"
     jsonschema.validate(json.loads(text(outs)), schema)
+
+
+def test_a_prefix_is_not_checked_against_its_pattern(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (?:a{1000}){1000} is beyond any output: the sim spells a prefix, which can never
+    # match. Checking each of 8 attempts took the matcher's whole step budget (~0.3 s of
+    # the worker's loop each); one unchecked attempt is the answer.
+    from services.common import regex_match
+    from services.worker.engines.sim_sequence import GuidedStream
+
+    checked: list[str] = []
+    real = regex_match.fullmatch
+
+    def counted(pattern: object, text: str, *args: object) -> bool | None:
+        checked.append(text)
+        return real(pattern, text, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(regex_match, "fullmatch", counted)
+    stream = GuidedStream(b"k" * 16, StructuredOutput(regex="(?:a{1000}){1000}"), 8192)
+    assert stream.prefix_only and stream.text.startswith("a" * 1000)
+    assert checked == []  # the whole-instance attempt failed at its work bound, before any check

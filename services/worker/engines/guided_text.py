@@ -84,6 +84,8 @@ def regex_instance(pattern: str, rng: random.Random, budget: Budget | None = Non
     for _ in range(MAX_ATTEMPTS):
         groups: dict[int, str] = {}
         out = _walk(parsed, rng, groups, 0, budget.fresh() if budget else Budget())
+        if budget is not None and budget.cap is not None:
+            break  # a prefix is no instance: checking it (a million steps on a{1000}…) gains nothing
         if regex_match.fullmatch(parsed, out) is not False:  # None: not known, keep it
             break
     return out
