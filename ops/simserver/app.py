@@ -119,6 +119,7 @@ class SimServer:
         # One JSON line per finished request: its response id and the engine's own stamps
         # (wall clock), so a benchmark can tell what a proxy in front added to each request.
         self.request_log = request_log
+        self.request_log_failed = False  # said once in the log
         limits = ModelLimits(max_model_len=engine.max_model_len)
         self.spec = ModelSpec(name=self.model, tokenizer=load_tokenizer(engine.tokenizer_spec), limits=limits)
         self.models = {self.model: self.spec}
@@ -294,8 +295,13 @@ class SimServer:
                               first_token=t.first_token if t else 0.0, finished=t.finished if t else 0.0,
                               prompt_tokens=outcome.usage.prompt_tokens,
                               completion_tokens=outcome.usage.completion_tokens, finish_reason=outcome.finish)
-        self.request_log.write(msgspec.json.encode(line) + b"\n")
-        self.request_log.flush()
+        try:
+            self.request_log.write(msgspec.json.encode(line) + b"\n")
+            self.request_log.flush()
+        except OSError as exc:  # a full disk costs the log, never the client its answer
+            if not self.request_log_failed:
+                log.error("request log: %s; requests go on being served, unlogged", exc)
+            self.request_log_failed = True
 
     async def _run_choice(self, index: int, req: EngineRequest,
                           queue: asyncio.Queue[tuple[int, EngineOutput | None, str]]) -> None:

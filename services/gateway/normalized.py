@@ -256,6 +256,7 @@ def finish_request(
         raise bad_request("The prompt is empty after tokenization.", "messages" if kind == "chat" else "prompt",
                           "invalid_value")
     max_tokens = _resolve_max_tokens(kind, max_param, requested_max, len(prompt), spec.limits)
+    _check_prompt_logprobs(kind, common.get("prompt_logprobs"), len(prompt))
     min_tokens = req.min_tokens
     if min_tokens is not None:
         if min_tokens < 0:
@@ -281,6 +282,27 @@ def finish_request(
         lora_size_bytes=spec.lora_size_bytes,
         priority=req.priority or 0,
     )
+
+
+# Prompt log probabilities one response may carry (tokens × (prompt_logprobs + 1)): they
+# travel in one chunk, which must fit the bus's max_payload (8 MiB: ~200k entries with their
+# text); 130k tokens × 21 held a sim worker's loop 7 s and then could not be sent at all.
+MAX_PROMPT_LOGPROB_ENTRIES = 200_000
+
+
+def _check_prompt_logprobs(kind: RequestKind, per_token: int | None, prompt_tokens: int) -> None:
+    if per_token is None:
+        return
+    entries = prompt_tokens * (per_token + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        field_name = "messages" if kind == "chat" else "prompt"
+        raise bad_request(
+            f"prompt_logprobs={per_token} over {prompt_tokens} prompt tokens asks for {entries:,} log"
+            f" probabilities; one response carries at most {MAX_PROMPT_LOGPROB_ENTRIES:,}. Ask for fewer"
+            f" per token or shorten the {field_name}.",
+            "prompt_logprobs",
+            "invalid_value",
+        )
 
 
 def encode_text(spec: ModelSpec, text: str) -> list[int]:

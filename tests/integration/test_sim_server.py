@@ -187,6 +187,19 @@ def test_a_request_log_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None
     assert "--request-log: No such file or directory" in proc.stderr
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a file whose writes fail)")
+def test_a_request_log_that_cannot_be_written_costs_the_log_not_the_answers() -> None:
+    """A full disk made every non-streamed request a 500 and cut every stream short."""
+    for server in _start("--speed", "10", "--request-log", "/dev/full"):
+        client = server.client()
+        reply = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, extra_body={"ignore_eos": True})
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=3, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
 def test_models_health_tokenize_detokenize(server: Server) -> None:
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert server.get("/health") == (200, b"")

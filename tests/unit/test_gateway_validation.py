@@ -494,3 +494,16 @@ def test_priority_is_refused_unless_the_server_schedules_by_it() -> None:
     with pytest.raises(ApiError) as info:
         parse_request("chat", chat(priority=2**40), MODELS, priority_scheduling=True)
     assert info.value.param == "priority"
+
+
+def test_prompt_logprobs_past_what_one_response_carries_is_a_400() -> None:
+    """130k prompt tokens × 21 log probabilities held a sim worker's loop 7 s and made a
+    chunk no bus message can carry: the client heard nothing. Now refused up front."""
+    big = {"big": ModelSpec("big", BYTE, ModelLimits(max_model_len=200_000))}
+    body = json.dumps({"model": "big", "prompt": "a" * 12_000, "max_tokens": 1, "prompt_logprobs": 20}).encode()
+    with pytest.raises(ApiError) as info:
+        parse_request("completions", body, big)
+    assert info.value.status == 400 and info.value.param == "prompt_logprobs"
+    assert "252,000" in info.value.message
+    fits = json.dumps({"model": "big", "prompt": "a" * 9_000, "max_tokens": 1, "prompt_logprobs": 20}).encode()
+    assert parse_request("completions", fits, big).sampling.prompt_logprobs == 20
