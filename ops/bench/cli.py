@@ -167,6 +167,17 @@ def main(args: argparse.Namespace) -> int:
 
     console = Console()
     err = Console(stderr=True)
+    if args.out:
+        # Made before the run: a path that cannot be a directory failed only after it, and
+        # the results were lost.
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            err.print(f"[red]meshserve bench: --out {args.out}: {exc.strerror or exc}[/]")
+            return 2
+    if args.trace and not Path(args.trace).is_file():
+        err.print(f"[red]meshserve bench: --trace {args.trace}: not a readable file[/]")
+        return 2
     if args.compare:
         if len(args.compare) < 2:
             err.print("[red]--compare needs two or more result files[/]")

@@ -258,7 +258,10 @@ class _Run:
                         return
                     await self._session(ps, time.perf_counter())
 
-            tasks = {loop.create_task(worker()) for _ in range(self.concurrency)}
+            # No more loops than sessions to run: -n 3 --concurrency 1000000 built a million.
+            sessions = self.plan.max_requests if isinstance(self.plan, LazyPlan) else len(self.plan)
+            loops = self.concurrency if sessions is None else min(self.concurrency, sessions)
+            tasks = {loop.create_task(worker()) for _ in range(loops)}
             timeout = None if cfg.duration is None else cfg.duration + drain
         else:
             for ps in self.plan:

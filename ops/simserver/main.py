@@ -52,7 +52,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per finished request: its response id and the engine's own"
                         " arrival, first-token and finish times (wall clock)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     p.set_defaults(func=run)
 
 

@@ -188,3 +188,23 @@ def test_durations_and_shares_out_of_range_are_refused(argv: list[str], value: s
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([*argv, value])
     assert exit_info.value.code == 2
+
+
+def test_bench_output_and_trace_paths_are_checked_before_the_run(tmp_path: Path) -> None:
+    """``--out`` that cannot be a directory failed after the whole run (its results lost);
+    a missing ``--trace`` was a traceback."""
+    target = f"http://127.0.0.1:{free_port()}/v1"  # never reached
+    for extra, says in ((["--out", "/dev/null/x"], "--out /dev/null/x"),
+                        (["--workload", "trace", "--trace", str(tmp_path / "none.jsonl")], "not a readable file"),
+                        (["--workload", "trace", "--trace", str(tmp_path)], "not a readable file")):
+        result = subprocess.run([sys.executable, "-m", "ops.cli", "bench", "--target", target, *extra], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        said = " ".join(result.stderr.split())  # rich wraps a long line where stderr is not a terminal
+        assert result.returncode == 2 and "Traceback" not in said and says in said, said
+
+
+def test_sim_server_log_level_is_one_of_the_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["sim-server", "--log-level", "BOGUS"])
+    assert exit_info.value.code == 2 and "--log-level" in capsys.readouterr().err
+    assert build_parser().parse_args(["sim-server", "--log-level", "info"]).log_level == "INFO"
