@@ -798,3 +798,13 @@ def test_the_hit_window_keeps_the_sums_a_recount_of_its_records_reads(steps: lis
         win.prune(now)
         assert all(h.t >= now - 1.0 for h in win.hits)
         assert (win.queries, win.query_hits) == (sum(h.queries for h in win.hits), sum(h.hits for h in win.hits))
+
+
+def test_a_kv_cache_past_what_the_sim_can_hold_is_refused() -> None:
+    """The sim keeps an object per block: --num-kv-blocks 10^10 ran the host out of memory."""
+    from services.worker.engines.sim_profile import MAX_KV_BLOCKS, SimConfig
+
+    with pytest.raises(ValueError, match="KV blocks"):
+        SimConfig.build("tiny-test", num_kv_blocks=10**10)
+    assert SimConfig.build("tiny-test", num_kv_blocks=4096).num_blocks == 4096
+    assert SimConfig.build("tiny-test", hbm_bytes=10**15).num_blocks <= MAX_KV_BLOCKS  # a budget is clamped

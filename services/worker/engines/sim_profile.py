@@ -43,6 +43,10 @@ PROFILES_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
 
 
+# The sim keeps a Python object per KV block: 4M of them take ~0.8 GB (10^10 ran the host out of memory).
+MAX_KV_BLOCKS = 1 << 22
+
+
 @dataclass(frozen=True, slots=True)
 class StepCosts:
     base_s: float
@@ -246,9 +250,11 @@ class SimConfig:
                 if kv_bytes_per_token is None
                 else kv_bytes_per_token,
             )
-            num_kv_blocks = budget.num_blocks(bs)
+            num_kv_blocks = min(budget.num_blocks(bs), MAX_KV_BLOCKS)
         if num_kv_blocks <= 0 or bs <= 0:
             raise ValueError("block_size and the KV block count must be positive")
+        if num_kv_blocks > MAX_KV_BLOCKS:
+            raise ValueError(f"at most {MAX_KV_BLOCKS:,} KV blocks (the sim keeps an object per block), not {num_kv_blocks:,}")
         capacity = num_kv_blocks * bs
         if max_model_len is None:
             max_model_len = min(prof.max_model_len, capacity)
