@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,18 @@ from ops.plan.model import DTYPE_BYTES, PlanInputs, load_model, make_plan
 from ops.plan.multi import LOAD_SOURCES, FleetPolicy, parse_entries, plan_fleet
 from ops.plan.presets import GB, GPU_PRESETS, MODEL_PRESETS, lookup_gpu
 from ops.plan.report import fleet_json, plot_curve, render, render_fleet, to_json
+from services.common.cli_types import fraction, positive_int, positive_number
 
 
 def _gb(value: str) -> int:
-    return round(float(value) * GB)
+    """A size in GB (0 or more, finite), as bytes."""
+    try:
+        gb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in GB: {value!r}") from None
+    if not math.isfinite(gb) or gb < 0:
+        raise argparse.ArgumentTypeError(f"a size in GB is a finite number of 0 or more, not {value}")
+    return round(gb * GB)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,7 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "prompt_tokens, output_tokens, ttft_slo_s): recommend multiplex, time-share or a static pool for each",
     )
     p.add_argument("--gpu", "-g", default="H100-80GB", help=f"GPU preset: {', '.join(GPU_PRESETS)}")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel GPUs per replica")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel GPUs per replica")
     p.add_argument(
         "--kv-dtype",
         default="auto",
@@ -65,37 +74,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         dest="reserve_bytes",
         help="per-GPU reserve for activations and runtime (default: 10%% of HBM)",
     )
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="mean prompt length")
-    p.add_argument("--output-tokens", type=int, default=256, help="mean output length")
+    p.add_argument("--prompt-tokens", type=positive_int, default=1024, help="mean prompt length")
+    p.add_argument("--output-tokens", type=positive_int, default=256, help="mean output length")
     p.add_argument(
         "--context",
-        type=int,
+        type=positive_int,
         dest="context_tokens",
         help="mean context a sequence holds in KV (default: prompt + output)",
     )
-    p.add_argument("--rate", "-r", type=float, help="λ: arrivals per second for the whole pool")
+    p.add_argument("--rate", "-r", type=positive_number, help="λ: arrivals per second for the whole pool")
     p.add_argument(
         "--time-in-system",
         "-W",
-        type=float,
+        type=positive_number,
         dest="time_in_system",
         help="W: seconds a request holds KV (default: estimated)",
     )
     p.add_argument(
         "--mu",
-        type=float,
+        type=positive_number,
         dest="service_rate",
         help="μ: requests/s one replica completes at saturation (default: estimated)",
     )
     p.add_argument(
-        "--utilization", "--rho", type=float, default=0.7, help="target utilisation ρ (default 0.7)"
+        "--utilization", "--rho", type=fraction, default=0.7, help="target utilisation ρ (default 0.7)"
     )
-    p.add_argument("--max-num-seqs", type=int, help="the engine's batch cap, if below what KV allows")
+    p.add_argument("--max-num-seqs", type=positive_int, help="the engine's batch cap, if below what KV allows")
     p.add_argument(
-        "--bandwidth-efficiency", type=float, default=0.8, help="achieved fraction of peak bandwidth"
+        "--bandwidth-efficiency", type=fraction, default=0.8, help="achieved fraction of peak bandwidth"
     )
     p.add_argument(
-        "--prefill-mfu", type=float, default=0.5, help="achieved fraction of peak FLOP/s in prefill"
+        "--prefill-mfu", type=fraction, default=0.5, help="achieved fraction of peak FLOP/s in prefill"
     )
     many = p.add_argument_group("many models (--models)")
     many.add_argument(
@@ -105,8 +114,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="where a swapped-in model's weights come from: "
         + ", ".join(f"{k} {v:g} GB/s" for k, v in LOAD_SOURCES.items()),
     )
-    many.add_argument("--load-gbps", type=float, help="weights load bandwidth, GB/s (overrides --load-from)")
-    many.add_argument("--keep-s", type=float, default=600.0, help="a time-shared model idle this long is evicted")
+    many.add_argument("--load-gbps", type=positive_number, help="weights load bandwidth, GB/s (overrides --load-from)")
+    many.add_argument("--keep-s", type=positive_number, default=600.0, help="a time-shared model idle this long is evicted")
     many.add_argument(
         "--static-load",
         type=float,

@@ -105,6 +105,8 @@ class ModelShape:
         if "kv_lora_rank" in config:
             # MLA (DeepSeek-V2/V3) caches a compressed latent, not K and V per head.
             raise ValueError("multi-head latent attention (kv_lora_rank) is not modelled by the planner")
+        if not isinstance(config, dict):
+            raise ValueError(f"a model config is a JSON object, not {type(config).__name__}")
         text = config.get("text_config")
         if isinstance(text, dict) and "num_hidden_layers" not in config:
             config = {**config, **text}  # multimodal wrappers nest the language model's shape
@@ -114,6 +116,10 @@ class ModelShape:
             heads = int(config["num_attention_heads"])
         except KeyError as exc:
             raise ValueError(f"config lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError, OverflowError) as exc:  # "x", null, 1e400
+            raise ValueError(f"config: {exc}") from None
+        if min(layers, hidden, heads) < 1:
+            raise ValueError("config: num_hidden_layers, hidden_size and num_attention_heads must be 1 or more")
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or hidden // heads)
         experts = int(config.get("num_local_experts") or config.get("num_experts") or 1)
@@ -166,6 +172,8 @@ class ModelShape:
 
 def load_model(spec: str) -> ModelShape:
     """A preset name, a ``config.json`` path, or a directory holding one."""
+    if not isinstance(spec, str):
+        raise ValueError(f"a model is a preset name or a config.json path, not {type(spec).__name__}")
     key = spec.strip().lower()
     if key in MODEL_PRESETS:
         return ModelShape.from_config(MODEL_PRESETS[key], name=key)

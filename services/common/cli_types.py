@@ -30,6 +30,28 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def positive_number(text: str) -> float:
+    """An argparse ``type`` for a rate or a size: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a count that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def fraction(text: str) -> float:
     """An argparse ``type`` for a share: above 0, at most 1."""
     try:

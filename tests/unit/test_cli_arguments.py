@@ -208,3 +208,29 @@ def test_sim_server_log_level_is_one_of_the_levels(capsys: pytest.CaptureFixture
         build_parser().parse_args(["sim-server", "--log-level", "BOGUS"])
     assert exit_info.value.code == 2 and "--log-level" in capsys.readouterr().err
     assert build_parser().parse_args(["sim-server", "--log-level", "info"]).log_level == "INFO"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--weights-gb", "1e400"], ["--hbm-gb", "-1"], ["--bandwidth-efficiency", "0"], ["--prefill-mfu", "5"],
+    ["--context", "-1"], ["--tp", "0"], ["--max-num-seqs", "0"], ["--rate", "inf"], ["--mu", "0"],
+    ["--time-in-system", "nan"], ["--utilization", "1.5"], ["--keep-s", "-1"],
+], ids=lambda a: " ".join(a))
+def test_plan_numbers_out_of_range_are_refused(argv: list[str]) -> None:
+    """They were tracebacks (OverflowError, ZeroDivisionError) or nonsense plans (500 % MFU,
+    a negative context) that exited 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["plan", *argv])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ('{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 0}', "must be 1 or more"),
+    ("[1]", "a model config is a JSON object"),
+    ('{"num_hidden_layers": 2, "hidden_size": 1e400, "num_attention_heads": 2}', "config: "),
+])
+def test_a_model_config_plan_cannot_read_is_one_line(tmp_path: Path, content: str, says: str) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(content)
+    result = subprocess.run([sys.executable, "-m", "ops.cli", "plan", "--model", str(config)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and says in result.stderr, result.stderr
