@@ -24,7 +24,7 @@ from bus import Bus
 from ops.console import CliError, mesh_bus, print_table
 from proto.autoscaler import AutoscalerStatus, AutoscalerStatusRequest, PoolStatus, WorkerView
 from proto.errors import MeshError
-from services.common.cli_types import add_nats_url_argument, subject_root
+from services.common.cli_types import add_nats_url_argument, count, positive_seconds, subject_root
 
 
 def add_parser(subparsers: Any) -> None:
@@ -35,9 +35,9 @@ def add_parser(subparsers: Any) -> None:
     add_nats_url_argument(parser)
     parser.add_argument("--root", type=subject_root, default=None, help="subject root (env MESHSERVE_ROOT)")
     parser.add_argument("--pool", default="", help="only this pool")
-    parser.add_argument("--decisions", type=int, default=10, help="recent decisions per pool")
+    parser.add_argument("--decisions", type=count, default=10, help="recent decisions per pool")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON (for scripts)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the autoscaler")
+    parser.add_argument("--timeout", type=positive_seconds, default=3.0, help="seconds to wait for the autoscaler")
     parser.set_defaults(func=run_status)
 
 

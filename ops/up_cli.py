@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import Bus
-from services.common.cli_types import add_nats_url_argument, port_number, subject_root
+from services.common.cli_types import add_nats_url_argument, count, port_number, subject_root
 from services.worker.main import vllm_importable, vllm_missing
 
 from .up import Mesh, MeshConfig, StartupError, ready_workers
@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
                              " echo (no model: each prompt streamed back, for measuring the mesh itself)")
     parser.add_argument("--model", default=None,
                         help="sim: the model name (default sim-llama-8b); vllm: the model directory (or hub id)")
-    parser.add_argument("--workers", type=_count, default=None,
+    parser.add_argument("--workers", type=count, default=None,
                         help="workers to start (default: 2 sim, 1 vllm); 0 starts none and waits for yours")
     parser.add_argument("--speed", type=float, default=1.0, help="sim speed factor (1.0 = real time)")
     parser.add_argument("--profile", default=None, help="sim step-time profile")
@@ -58,16 +58,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the mesh (default 60; 600 with --engine vllm)")
     parser.set_defaults(func=run_up)
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
 
 
 def config_from_args(args: argparse.Namespace) -> MeshConfig:

@@ -48,6 +48,7 @@ from .kv_events import BlockLedger, encode_batch
 from .publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
+SIM_SERVER_ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize"
 
 LoadFormat = Literal["vllm", "sglang"]
 RETURN_ERROR_HEADER = "X-Return-Error"
@@ -174,7 +175,7 @@ class SimServer:
         except web.HTTPRequestEntityTooLarge as exc:
             return _error_response(payload_too_large(self.max_body_bytes, getattr(exc, "actual_size", None)))
         except web.HTTPNotFound:
-            return _error_response(unknown_url(request.method, request.path))
+            return _error_response(unknown_url(request.method, request.path, SIM_SERVER_ENDPOINTS))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

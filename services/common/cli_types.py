@@ -43,12 +43,21 @@ def positive_number(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """An argparse ``type`` for a count that must be at least 1."""
+    return _whole(text, 1)
+
+
+def count(text: str) -> int:
+    """An argparse ``type`` for a count that may be 0."""
+    return _whole(text, 0)
+
+
+def _whole(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more, not {value}")
     return value
 
 

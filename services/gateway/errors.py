@@ -118,11 +118,12 @@ def model_not_found(model: str) -> ApiError:
 SERVED_ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models"
 
 
-def unknown_url(method: str, path: str) -> ApiError:
-    """404 for a path the gateway does not serve, in OpenAI's words ("Invalid URL (POST /v1/x)")."""
+def unknown_url(method: str, path: str, served: str = SERVED_ENDPOINTS) -> ApiError:
+    """404 for a path the server does not serve, in OpenAI's words ("Invalid URL (POST
+    /v1/x)"); ``served``: what it does serve (sim-server has no /v1/responses)."""
     return ApiError(
         404,
-        f"Invalid URL ({clip(method, 16)} {clip(path)}): meshserve serves {SERVED_ENDPOINTS}.",
+        f"Invalid URL ({clip(method, 16)} {clip(path)}): meshserve serves {served}.",
         "invalid_request_error",
         None,
         "unknown_url",

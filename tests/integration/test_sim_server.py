@@ -210,6 +210,10 @@ def test_models_health_tokenize_detokenize(server: Server) -> None:
     assert (status, back) == (200, {"prompt": "héllo"})
     status, err = server.post("/tokenize", {"model": "other", "prompt": "x"})
     assert status == 404 and err["error"]["code"] == 404 and err["error"]["type"] == "NotFoundError"  # vLLM's shape
+    status, err = server.post("/v1/responses", {"model": MODEL, "input": "x"})
+    # it names what it serves, and /v1/responses (the gateway's) is not among them
+    assert status == 404 and "/v1/completions" in err["error"]["message"]
+    assert "/v1/responses" not in err["error"]["message"].split("serves", 1)[1]
 
 
 def test_render_gives_the_token_ids_generation_would_use(server: Server) -> None:

@@ -181,6 +181,8 @@ def test_a_bad_root_in_the_environment_is_one_line() -> None:
     (["services", "--wait"], "nan"), (["services", "--wait"], "inf"), (["services", "--wait"], "0"),
     (["bench", "--slo-ttft"], "-1"), (["bench", "--slo-tpot"], "nan"), (["bench", "--slo-e2e"], "0"),
     (["bench", "--slo-attainment"], "5"), (["bench", "--slo-attainment"], "0"),
+    (["usage", "--timeout"], "-1"), (["status", "--timeout"], "nan"), (["status", "--decisions"], "-5"),
+    (["up", "--workers"], "-1"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else x)
 def test_durations_and_shares_out_of_range_are_refused(argv: list[str], value: str) -> None:
     """``services --wait nan`` waited for ever; ``bench --slo-attainment 5`` ran a benchmark
