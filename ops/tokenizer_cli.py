@@ -45,6 +45,12 @@ class ExportError(Exception):
     """A reason the export cannot be done, worded for the command line."""
 
 
+def _model_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a model name cannot be empty")
+    return text
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("tokenizer", help="hand clients the tokenizer the gateway uses for a model")
     commands = parser.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
@@ -54,7 +60,7 @@ def add_parser(subparsers: Any) -> None:
                     "special_tokens_map.json: the tokenizer the gateway encodes MODEL's requests with.",
     )
     export.add_argument("directory", metavar="DIR", help="where to write (created if missing)")
-    export.add_argument("--model", required=True, help="the model name clients send")
+    export.add_argument("--model", required=True, type=_model_name, help="the model name clients send")
     export.add_argument("--tokenizer", default=None, metavar="byte|DIR",
                         help="skip the mesh lookup: byte (the sim models') or a directory with tokenizer.json")
     export.add_argument("--max-model-len", type=int, default=None,

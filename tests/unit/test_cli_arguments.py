@@ -236,3 +236,9 @@ def test_a_model_config_plan_cannot_read_is_one_line(tmp_path: Path, content: st
     result = subprocess.run([sys.executable, "-m", "ops.cli", "plan", "--model", str(config)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr and says in result.stderr, result.stderr
+
+
+def test_tokenizer_export_needs_a_model_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["tokenizer", "export", "/tmp/x", "--model", " "])
+    assert exit_info.value.code == 2 and "a model name cannot be empty" in capsys.readouterr().err
