@@ -14,18 +14,15 @@ from ops.plan.model import DTYPE_BYTES, PlanInputs, load_model, make_plan
 from ops.plan.multi import LOAD_SOURCES, FleetPolicy, parse_entries, plan_fleet
 from ops.plan.presets import GB, GPU_PRESETS, MODEL_PRESETS, lookup_gpu
 from ops.plan.report import fleet_json, plot_curve, render, render_fleet, to_json
-from services.common.cli_types import fraction, positive_int, positive_number
+from services.common.cli_types import fraction, non_negative_number, positive_int, positive_number
 
 
 def _gb(value: str) -> int:
     """A size in GB (0 or more, finite), as bytes."""
-    try:
-        gb = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in GB: {value!r}") from None
-    if not math.isfinite(gb) or gb < 0:
-        raise argparse.ArgumentTypeError(f"a size in GB is a finite number of 0 or more, not {value}")
-    return round(gb * GB)
+    bytes_ = non_negative_number(value) * GB
+    if not math.isfinite(bytes_):  # 1e300 GB is a finite number of GB, not of bytes
+        raise argparse.ArgumentTypeError(f"not a size in GB: {value}")
+    return round(bytes_)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

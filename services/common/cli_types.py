@@ -21,23 +21,34 @@ def port_number(text: str) -> int:
 def positive_seconds(text: str) -> float:
     """An argparse ``type`` for a duration: a finite number of seconds above 0 (``nan``
     and ``inf`` parse as floats, and a wait of either never ends)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, not {text}")
-    return value
+    return _finite(text, "seconds", zero=False)
+
+
+def non_negative_seconds(text: str) -> float:
+    """An argparse ``type`` for a duration that may be 0 (0: off)."""
+    return _finite(text, "seconds", zero=True)
 
 
 def positive_number(text: str) -> float:
     """An argparse ``type`` for a rate or a size: a finite number above 0."""
+    return _finite(text, "", zero=False)
+
+
+def non_negative_number(text: str) -> float:
+    """An argparse ``type`` for a size that may be 0."""
+    return _finite(text, "", zero=True)
+
+
+def _finite(text: str, unit: str, *, zero: bool) -> float:
+    """``text`` as a finite float, at least 0 (``zero``) or above it; ``unit`` for messages."""
+    of_unit = f" of {unit}" if unit else ""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+        raise argparse.ArgumentTypeError(f"not a number{of_unit}: {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        bound = f"0 or more{' ' + unit if unit else ''}" if zero else f"a finite number{of_unit} above 0"
+        raise argparse.ArgumentTypeError(f"must be {bound}, not {text}")
     return value
 
 

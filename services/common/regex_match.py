@@ -64,6 +64,20 @@ def _category(name: str, ascii_only: bool) -> re.Pattern[str]:
     return re.compile(_CATEGORY_PATTERNS[name], re.A if ascii_only else 0)
 
 
+def in_set(items: Any, c: str, flags: int = 0) -> bool:
+    """Whether ``c`` is one of a character class's items (its parse, NEGATE removed)."""
+    cp = ord(c)
+    for op, arg in items:
+        name = str(op)
+        if name == "LITERAL" and cp == arg:
+            return True
+        if name == "RANGE" and arg[0] <= cp <= arg[1]:
+            return True
+        if name == "CATEGORY" and _category(str(arg), bool(flags & _ASCII)).fullmatch(c):
+            return True
+    return False
+
+
 def _is_word(c: str, flags: int) -> bool:
     return _category("CATEGORY_WORD", bool(flags & _ASCII)).fullmatch(c) is not None
 
@@ -136,20 +150,7 @@ class _Matcher:
         negate = bool(arg) and str(arg[0][0]) == "NEGATE"
         body = arg[1:] if negate else arg
         forms = {c, c.lower(), c.upper()} if flags & _IGNORECASE else (c,)
-        return any(self.in_set(body, f, flags) for f in forms) != negate
-
-    @staticmethod
-    def in_set(items: Any, c: str, flags: int) -> bool:
-        cp = ord(c)
-        for op, arg in items:
-            name = str(op)
-            if name == "LITERAL" and cp == arg:
-                return True
-            if name == "RANGE" and arg[0] <= cp <= arg[1]:
-                return True
-            if name == "CATEGORY" and _category(str(arg), bool(flags & _ASCII)).fullmatch(c):
-                return True
-        return False
+        return any(in_set(body, f, flags) for f in forms) != negate
 
     def at(self, code: str, i: int, flags: int) -> bool:
         text, n = self.text, len(self.text)

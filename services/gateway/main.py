@@ -7,14 +7,13 @@ balancer; each answers the NATS API in one queue group).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import TYPE_CHECKING
 
 from bus import RunOptions, run_service
 from bus.config import default_of, given
-from services.common.cli_types import port_number
+from services.common.cli_types import non_negative_seconds, port_number
 
 from .config import GatewayConfig, load_config, load_oidc_config
 from .upstream import UpstreamConfig
@@ -42,16 +41,6 @@ def _default(name: str) -> str:
     return f"(default {default_of(GatewayConfig, name)})"
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults come from GatewayConfig (None here: not given); the help quotes them.
     parser.add_argument("--host", default=None, help=f"address to listen on (0.0.0.0 in containers) {_default('host')}")
@@ -71,13 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"chunks buffered for one slow client before it is cut {_default('stream_buffer_chunks')}")
     parser.add_argument("--max-migrations", type=int, default=None,
                         help=f"times one request may move to another replica {_default('max_migrations')}")
-    parser.add_argument("--migration-wait", type=_seconds, default=None,
+    parser.add_argument("--migration-wait", type=non_negative_seconds, default=None,
                         help="seconds a migrating request waits for a replica when none is ready "
                              + _default("migration_wait_s"))
     parser.add_argument("--resume-window", type=float, default=None,
                         help="seconds a resumable request (X-Meshserve-Resumable) outlives its lost client "
                              + _default("resume_window_s"))
-    parser.add_argument("--responses-ttl", type=_seconds, default=None,
+    parser.add_argument("--responses-ttl", type=non_negative_seconds, default=None,
                         help="seconds a stored /v1/responses response can be retrieved and continued (0: until deleted) "
                              + _default("responses_ttl_s"))
     parser.add_argument("--models-config", default=None,

@@ -7,7 +7,6 @@ an instance is.
 from __future__ import annotations
 
 import random
-import re
 import string
 from typing import Any
 
@@ -161,23 +160,6 @@ def _pick_char(rng: random.Random, key: Any, ok: Any, bounds: Any = ()) -> str:
     return rng.choice(pool) if pool else "\x00"  # an empty class: no text can match it
 
 
-def _in_set(items: list[tuple[Any, Any]], c: str) -> bool:
-    cp = ord(c)
-    for op, arg in items:
-        name = str(op)
-        if name == "LITERAL" and cp == arg:
-            return True
-        if name == "RANGE" and arg[0] <= cp <= arg[1]:
-            return True
-        if name == "CATEGORY":
-            if re.fullmatch({
-                "CATEGORY_DIGIT": r"\d", "CATEGORY_NOT_DIGIT": r"\D", "CATEGORY_SPACE": r"\s",
-                "CATEGORY_NOT_SPACE": r"\S", "CATEGORY_WORD": r"\w", "CATEGORY_NOT_WORD": r"\W",
-            }.get(str(arg), r"(?!)"), c):  # fmt: skip
-                return True
-    return False
-
-
 def _pick_in(items: list[tuple[Any, Any]], rng: random.Random) -> str:
     negate = bool(items) and str(items[0][0]) == "NEGATE"
     body = items[1:] if negate else items
@@ -197,7 +179,7 @@ def _pick_in(items: list[tuple[Any, Any]], rng: random.Random) -> str:
             return rng.choice(_CATEGORY_CHARS.get(str(arg), SAFE))
     bounds = [b for op, arg in body for b in ((arg,) if str(op) == "LITERAL" else arg if str(op) == "RANGE" else ())]
     key = ("IN", negate, tuple((str(op), arg) for op, arg in body))
-    return _pick_char(rng, key, lambda c: _in_set(body, c) != negate, bounds)
+    return _pick_char(rng, key, lambda c: regex_match.in_set(body, c) != negate, bounds)
 
 
 # ---------------------------------------------------------------------------- grammar
