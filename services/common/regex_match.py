@@ -40,7 +40,7 @@ class _Unknown(Exception):
 def fullmatch(pattern: str | Any, text: str, max_steps: int = MAX_STEPS) -> bool | None:
     """``re.fullmatch(pattern, text) is not None`` (``pattern`` as a string or as its
     parse), or ``None`` where that is not known (see the module doc)."""
-    parsed = parse_regex(pattern) if isinstance(pattern, str) else pattern
+    parsed = _parsed(pattern) if isinstance(pattern, str) else pattern
     matcher = _Matcher(text, max_steps)
     try:
         return len(text) in matcher.seq(parsed, frozenset((0,)), parsed.state.flags)
@@ -51,12 +51,16 @@ def fullmatch(pattern: str | Any, text: str, max_steps: int = MAX_STEPS) -> bool
 def search(pattern: str | Any, text: str, max_steps: int = MAX_STEPS) -> bool | None:
     """``re.search(pattern, text) is not None`` (JSON Schema's ``pattern``), or ``None``
     where that is not known: every position a start, any position an end."""
-    parsed = parse_regex(pattern) if isinstance(pattern, str) else pattern
+    parsed = _parsed(pattern) if isinstance(pattern, str) else pattern
     matcher = _Matcher(text, max_steps)
     try:
         return bool(matcher.seq(parsed, frozenset(range(len(text) + 1)), parsed.state.flags))
     except _Unknown:
         return None
+
+
+# A JSON Schema's pattern is searched once per string per attempt: parse it once.
+_parsed = functools.lru_cache(maxsize=256)(parse_regex)
 
 
 @functools.cache
