@@ -118,6 +118,7 @@ class NatsServer:
     log_file: Path | None = None
     root: str = "mesh"  # the subject root the connection advisories are imported under
     env: dict[str, str] | None = None  # the process's environment (None: ours)
+    max_payload: int = MAX_PAYLOAD  # tests run NATS's own 1 MB default, as an operator's server may
     _proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -133,7 +134,7 @@ class NatsServer:
         lines = [
             f'server_name: "{self.server_name}"',
             f'listen: "{self.host}:{self.port}"',
-            f"max_payload: {MAX_PAYLOAD}",
+            f"max_payload: {self.max_payload}",
             "max_pending: 67108864",
             "jetstream {",
             f'  store_dir: "{self.store_dir / "jetstream"}"',

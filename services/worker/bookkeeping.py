@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from proto import GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens
+from proto import ErrorCode, GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens
 from proto.messages import TokenChunk, TokenLogprob, UsageStatus
 
 from .engines.base import EngineOutput
@@ -51,6 +51,7 @@ class Choice:
     last: EngineOutput | None = None
     streamed: int = 0
     error_text: str = ""
+    error_code: ErrorCode = ErrorCode.INTERNAL  # of ``error_text``
     tail: tuple[list[int], str, list[TokenLogprob] | None] = field(default_factory=lambda: ([], "", None))
 
 

@@ -40,6 +40,7 @@ def request_outcome(
     streamed: int,
     migrations: int,
     engine_error: str = "",
+    engine_error_code: ErrorCode = ErrorCode.INTERNAL,
     drain_error: str = "",
 ) -> Outcome:
     """``prompt_tokens``: the request's prompt (without the ``prior_tokens`` of output an
@@ -53,7 +54,8 @@ def request_outcome(
     if finish == "error" and not error_text:
         error_text = last.error if last is not None and last.error else "engine ended the request without a finish reason"
     refused = finish == "error" and not drain_error and not engine_error and last is not None and last.rejected
-    error_code = ErrorCode.BAD_REQUEST if refused else ErrorCode.INTERNAL
+    error_code = (ErrorCode.BAD_REQUEST if refused
+                  else engine_error_code if engine_error and not drain_error else ErrorCode.INTERNAL)
     usage = Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=prior_tokens + streamed,

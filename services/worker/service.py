@@ -47,6 +47,7 @@ from proto import (
     KvSnapshot,
     KvSnapshotRequest,
     MeshError,
+    PayloadTooLarge,
     RequestProbe,
     RequestProbeReply,
     Timings,
@@ -101,6 +102,19 @@ class WorkerConfig:
 def default_worker_id(model: str) -> str:
     short = model.rsplit("/", 1)[-1].lower().replace(".", "-")[:24]
     return f"{short}-{socket.gethostname()[:16]}-{os.getpid()}"
+
+
+def _too_large_text(exc: PayloadTooLarge) -> str:
+    return (f"the response does not fit one message on the bus ({exc}): ask for fewer log probabilities "
+            "(prompt_logprobs, top_logprobs) or raise the NATS server's max_payload")
+
+
+def _too_large(choice: Choice, exc: PayloadTooLarge) -> None:
+    """A chunk the bus cannot carry ends its choice with a client error (the engine is
+    closed with the stream), never a stream that stops without an end."""
+    log.warning("choice %s ends: %s", choice.engine_id, exc)
+    choice.error_text = _too_large_text(exc)
+    choice.error_code = ErrorCode.BAD_REQUEST
 
 
 class _ChunkPublisher:
@@ -317,7 +331,8 @@ class WorkerService(Service):
         prompt_tokens = len(prompt) - (choices[0].prior if request.sampling.n <= 1 else 0)
         outcomes = [
             request_outcome(c.last, prompt_tokens=prompt_tokens, prior_tokens=c.prior, streamed=c.streamed,
-                            migrations=request.migrations, engine_error=c.error_text, drain_error=drain_error)
+                            migrations=request.migrations, engine_error=c.error_text, engine_error_code=c.error_code,
+                            drain_error=drain_error)
             for c in choices
         ]
         outcome = outcomes[0] if len(outcomes) == 1 and request.sampling.n <= 1 else combine_outcomes(
@@ -339,7 +354,15 @@ class WorkerService(Service):
         # Metrics before the final chunk: whoever sees the request end sees it counted.
         self.metrics.observe_request(outcome.finish, usage.prompt_tokens, usage.cached_tokens, streamed, timings)
         try:
-            await publisher.publish(final, ack=True)
+            try:
+                await publisher.publish(final, ack=True)
+            except PayloadTooLarge as exc:
+                # The stream must still end: the same end without what did not fit.
+                log.warning("final chunk of %s does not fit the bus: %s", request.request_id, exc)
+                await publisher.publish(TokenChunk(
+                    request_id=request.request_id, seq=0, finish_reason="error", usage=usage, timings=timings,
+                    error=ErrorInfo(code=ErrorCode.BAD_REQUEST.value, message=_too_large_text(exc)),
+                    worker_id=self.worker_id, usage_event=event), ack=True)
         finally:  # billed even when the final chunk's ack never came; a stale copy bills nothing
             if not self.superseded(request):
                 self._publish_usage(request, event)
@@ -391,6 +414,8 @@ class WorkerService(Service):
                             request_id=request.request_id, seq=0, index=choice.index, token_ids=token_ids, text=text,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs, worker_id=self.worker_id))
                         prompt_logprobs = None
+        except PayloadTooLarge as exc:
+            _too_large(choice, exc)
         except Exception as exc:  # an engine failure ends this request with an error, not silence
             log.exception("engine failed on %s", choice.engine_id)
             choice.error_text = f"engine failure: {exc!r}"
@@ -399,14 +424,23 @@ class WorkerService(Service):
         if single:
             choice.tail = (token_ids, text, logprobs)
             if prompt_logprobs is not None:  # a one-chunk answer: the prompt's logprobs go first
-                await publisher.publish(TokenChunk(request_id=request.request_id, seq=0,
-                                                   prompt_logprobs=prompt_logprobs, worker_id=self.worker_id))
+                try:
+                    await publisher.publish(TokenChunk(request_id=request.request_id, seq=0,
+                                                       prompt_logprobs=prompt_logprobs, worker_id=self.worker_id))
+                except PayloadTooLarge as exc:
+                    _too_large(choice, exc)
             return
         finish = choice.last.finish_reason if choice.last is not None and choice.last.finish_reason else "error"
-        await publisher.publish(TokenChunk(
+        end = TokenChunk(
             request_id=request.request_id, seq=0, index=choice.index, token_ids=token_ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, choice_finish_reason="error" if choice.error_text else finish,
-            worker_id=self.worker_id))
+            worker_id=self.worker_id)
+        try:
+            await publisher.publish(end)
+        except PayloadTooLarge as exc:
+            _too_large(choice, exc)
+            await publisher.publish(TokenChunk(request_id=request.request_id, seq=0, index=choice.index,
+                                               choice_finish_reason="error", worker_id=self.worker_id))
 
     async def _publish_chunk(self, request: GenerateRequest, chunk: TokenChunk, *, ack: bool = False) -> None:
         headers = {MSG_ID_HEADER: f"{request.request_id}:{chunk.seq}"}
