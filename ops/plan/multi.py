@@ -119,6 +119,11 @@ class FleetPlan:
         return out
 
 
+def _finite_number(value: object) -> bool:
+    """YAML's ``true`` is an int to Python and ``.nan``/``.inf`` are floats: none is a rate."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def parse_entries(raw: Any) -> list[ModelEntry]:
     """The models file, parsed (a list, or ``{"models": [...]}``), checked: one clear
     ``ValueError`` per problem found first."""
@@ -144,15 +149,16 @@ def parse_entries(raw: Any) -> list[ModelEntry]:
             raise ValueError(f"{where}: {exc}") from None
         for key in ("rate", "adapter_mb"):
             value = getattr(entry, key)
-            if not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{where}: {key} must be a number ≥ 0")
+            if not _finite_number(value) or value < 0:
+                raise ValueError(f"{where}: {key} must be a number ≥ 0, not {value!r}")
         for key in ("prompt_tokens", "output_tokens", "tp"):
-            if not isinstance(getattr(entry, key), int) or getattr(entry, key) < 1:
-                raise ValueError(f"{where}: {key} must be an integer ≥ 1")
-        if entry.weights_gb is not None and (not isinstance(entry.weights_gb, int | float) or entry.weights_gb <= 0):
-            raise ValueError(f"{where}: weights_gb must be positive")
-        if entry.ttft_slo_s is not None and (not isinstance(entry.ttft_slo_s, int | float) or entry.ttft_slo_s <= 0):
-            raise ValueError(f"{where}: ttft_slo_s must be positive")
+            value = getattr(entry, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}: {key} must be an integer ≥ 1, not {value!r}")
+        for key in ("weights_gb", "ttft_slo_s"):
+            value = getattr(entry, key)
+            if value is not None and (not _finite_number(value) or value <= 0):
+                raise ValueError(f"{where}: {key} must be a positive number, not {value!r}")
         if entry.is_adapter:
             if entry.model is not None or entry.weights_gb is not None:
                 raise ValueError(f"{where}: an adapter (base: set) has no model or weights_gb of its own; give adapter_mb")

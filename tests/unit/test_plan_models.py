@@ -89,6 +89,13 @@ def test_the_static_threshold_moves_a_model_between_strategies() -> None:
     ([{"name": "a"}], "give the model's shape"),
     ([{"name": "a", "model": "llama-3.1-8b", "rate": -1}], "rate must be a number ≥ 0"),
     ([{"name": "a", "model": "llama-3.1-8b", "tp": 0}], "tp must be an integer ≥ 1"),
+    # YAML's .nan, .inf and true are numbers to Python; none is a rate, a size or a count
+    ([{"name": "a", "model": "llama-3.1-8b", "rate": float("nan")}], "rate must be a number ≥ 0, not nan"),
+    ([{"name": "a", "model": "llama-3.1-8b", "rate": True}], "rate must be a number ≥ 0, not True"),
+    ([{"name": "a", "model": "llama-3.1-8b", "ttft_slo_s": float("inf")}], "ttft_slo_s must be a positive number"),
+    ([{"name": "a", "model": "llama-3.1-8b", "weights_gb": float("nan")}], "weights_gb must be a positive number"),
+    ([{"name": "a", "base": "b", "adapter_mb": float("inf")}], "adapter_mb must be a number ≥ 0"),
+    ([{"name": "a", "model": "llama-3.1-8b", "prompt_tokens": True}], "prompt_tokens must be an integer ≥ 1"),
     ([{"name": "a", "base": "b"}], "its base 'b' is not in the file"),
     ([{"name": "a", "base": "a2", "adapter_mb": 1}, {"name": "a2", "base": "a"}], "is itself an adapter"),
     ([{"name": "a", "base": "x", "model": "llama-3.1-8b"}, {"name": "x", "model": "llama-3.1-8b"}], "has no model"),
