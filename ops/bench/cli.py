@@ -12,7 +12,33 @@ from typing import Any
 from ops.bench.arrivals import KINDS as ARRIVAL_KINDS
 from ops.bench.config import WORKLOADS, BenchConfig, EndpointConfig, WorkloadConfig, default_api_key
 from ops.bench.results import SLOSpec
-from services.common.cli_types import fraction, positive_seconds, subject_root
+from ops.bench.workload import MAX_LENGTH, LengthDist
+from services.common.cli_types import (
+    fraction,
+    non_negative_seconds,
+    positive_int,
+    positive_seconds,
+    subject_root,
+)
+
+
+def time_dist(spec: str) -> str:
+    """A distribution spec, checked here so a typo fails before anything connects."""
+    try:
+        dist = LengthDist.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if min(dist.a, dist.largest) < 0:
+        raise argparse.ArgumentTypeError(f"{spec!r}: must not be negative")
+    return spec
+
+
+def token_dist(spec: str) -> str:
+    time_dist(spec)
+    if LengthDist.parse(spec).largest > MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"{spec!r}: more than {MAX_LENGTH:,} tokens, longer than any model's context")
+    return spec
+
 
 EPILOG = """\
 examples:
@@ -81,20 +107,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, default=None,
                    help="after the last arrival, wait this long for in-flight requests (default: request timeout + 1 s)")
     g.add_argument("--warmup", type=int, default=0, help="unmeasured requests per endpoint first")
-    g.add_argument("--cooldown", type=float, default=0.0, help="pause between runs (s)")
+    g.add_argument("--cooldown", type=non_negative_seconds, default=0.0, help="pause between runs (s)")
     g.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="random")
-    g.add_argument("--input-tokens", default="512", metavar="DIST",
+    g.add_argument("--input-tokens", type=token_dist, default="512", metavar="DIST",
                    help="prompt tokens (shared-prefix: the distinct suffix; multi-turn: each user message)")
-    g.add_argument("--output-tokens", default="128", metavar="DIST", help="max_tokens (with ignore_eos)")
-    g.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: number of system prompts")
-    g.add_argument("--prefix-tokens", default="0", metavar="DIST",
+    g.add_argument("--output-tokens", type=token_dist, default="128", metavar="DIST", help="max_tokens (with ignore_eos)")
+    g.add_argument("--prefix-groups", type=positive_int, default=4, help="shared-prefix: number of system prompts")
+    g.add_argument("--prefix-tokens", type=token_dist, default="0", metavar="DIST",
                    help="shared-prefix: tokens per shared prompt (a distribution, one draw per prompt, "
                         "e.g. uniform:1024:2048); multi-turn: system prompt tokens")
-    g.add_argument("--turns", default="4", metavar="DIST", help="multi-turn: turns per session")
-    g.add_argument("--think-time", default="0", metavar="DIST", help="multi-turn: s between turns")
+    g.add_argument("--turns", type=token_dist, default="4", metavar="DIST", help="multi-turn: turns per session")
+    g.add_argument("--think-time", type=time_dist, default="0", metavar="DIST", help="multi-turn: s between turns")
     g.add_argument("--history", choices=("synthetic", "actual"), default="synthetic",
                    help="multi-turn: resend synthetic replies (exact lengths) or the real ones")
     g.add_argument("--trace", help="JSONL trace: timestamp, input_tokens|text, output_tokens")

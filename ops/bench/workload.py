@@ -44,6 +44,11 @@ _TAG_RANDOM, _TAG_PREFIX, _TAG_GROUP, _TAG_TURNS, _TAG_TRACE, _TAG_BLOCK = 11, 1
 # ---------------------------------------------------------------------------- lengths
 
 
+# Beyond any model's context: a length past it is a typo (1e12), not a workload, and
+# would have the client build terabytes of text.
+MAX_LENGTH = 10_000_000
+
+
 @dataclass(frozen=True, slots=True)
 class LengthDist:
     """A distribution of lengths (tokens) or times (s), parsed from ``kind:a:b``.
@@ -60,6 +65,8 @@ class LengthDist:
     KINDS = ("fixed", "uniform", "normal", "lognormal", "exponential")
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.a) and math.isfinite(self.b)):
+            raise ValueError("its numbers must be finite")
         if self.kind not in self.KINDS:
             raise ValueError(f"distribution must be one of {self.KINDS}, got {self.kind!r}")
         if self.kind == "uniform" and self.b < self.a:
@@ -69,20 +76,19 @@ class LengthDist:
 
     @classmethod
     def parse(cls, spec: str | float | int) -> LengthDist:
-        if isinstance(spec, int | float):
-            return cls("fixed", float(spec))
-        parts = spec.strip().split(":")
         try:
+            if isinstance(spec, int | float):
+                return cls("fixed", float(spec))
+            parts = spec.strip().split(":")
             if len(parts) == 1:
                 return cls("fixed", float(parts[0]))
             kind, nums = parts[0].lower(), [float(p) for p in parts[1:]]
+            want = {"fixed": 1, "exponential": 1, "uniform": 2, "normal": 2, "lognormal": 2}.get(kind)
+            if want is None or len(nums) != want:
+                raise ValueError("expected e.g. 512, uniform:256:768, normal:512:64, lognormal:512:0.5, exponential:2")
+            return cls(kind, nums[0], nums[1] if want == 2 else 0.0)
         except ValueError as exc:
             raise ValueError(f"bad distribution {spec!r}: {exc}") from None
-        want = {"fixed": 1, "exponential": 1, "uniform": 2, "normal": 2, "lognormal": 2}.get(kind)
-        if want is None or len(nums) != want:
-            raise ValueError(f"bad distribution {spec!r}: expected e.g. 512, uniform:256:768, "
-                             "normal:512:64, lognormal:512:0.5, exponential:2")
-        return cls(kind, nums[0], nums[1] if want == 2 else 0.0)
 
     @property
     def mean(self) -> float:
@@ -103,13 +109,16 @@ class LengthDist:
         mu = math.log(max(self.a, 1e-9)) - self.b * self.b / 2
         return float(rng.lognormal(mu, self.b))
 
-    def sample_int(self, rng: np.random.Generator, lo: int = 1, hi: int | None = None) -> int:
+    @property
+    def largest(self) -> float:
+        """The largest value it means to give (a spread's tail aside)."""
+        return self.b if self.kind == "uniform" else self.a
+
+    def sample_int(self, rng: np.random.Generator, lo: int = 1, hi: int = MAX_LENGTH) -> int:
         if self.kind == "uniform":
-            value = int(rng.integers(round(self.a), round(self.b) + 1))
-        else:
-            value = round(self.sample(rng))
-        value = max(lo, value)
-        return min(hi, value) if hi is not None else value
+            return max(lo, min(hi, int(rng.integers(round(self.a), round(self.b) + 1))))
+        # clamped before rounding: a lognormal's tail can overflow to inf
+        return round(max(lo, min(hi, self.sample(rng))))
 
     def sample_time(self, rng: np.random.Generator) -> float:
         return max(0.0, self.sample(rng))

@@ -73,7 +73,6 @@ def test_cli_rejects_bad_configs(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench(["--target", "ftp://x", "--rates", "1"]) == 2
     assert bench(["--target", "http://x/v1", "--rates", "1", "--concurrency", "2"]) == 2
     assert bench(["--target", "http://x/v1", "--workload", "trace"]) == 2
-    assert bench(["--target", "http://x/v1", "--input-tokens", "zipf:1"]) == 2
     assert bench(["--target", "nats://127.0.0.1:1", "--model", "m", "-n", "1"]) == 2  # unreachable
     assert "meshserve bench:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -106,3 +105,20 @@ def test_json_prints_the_result_and_the_comparison_for_scripts(http_server: Any,
     assert compared["results"] == ["A", "B"]
     ttft = next(r for r in compared["rows"] if r["metric"] == "TTFT p99 ms")
     assert set(ttft["values"]) == {"A:fake", "B:fake"} and set(ttft["ratios"]) == {"B:fake"}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--input-tokens", "zipf:1"], "bad distribution 'zipf:1': expected e.g. 512"),
+    (["--input-tokens", "normal:inf:1"], "bad distribution 'normal:inf:1': its numbers must be finite"),
+    (["--input-tokens", "1e12"], "more than 10,000,000 tokens"),
+    (["--output-tokens", "exponential:-5"], "must not be negative"),
+    (["--think-time", "nan"], "its numbers must be finite"),
+    (["--prefix-groups", "0"], "--prefix-groups"),
+    (["--cooldown", "nan"], "--cooldown"),
+])
+def test_bad_workload_arguments_fail_before_anything_connects(argv: list[str], message: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench(["--target", "http://127.0.0.1:9/v1", "-n", "1", *argv])  # port 9: nothing answers
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -13,6 +13,7 @@ from ops.bench.bodies import build_body
 from ops.bench.config import BenchConfig, EndpointConfig, WorkloadConfig
 from ops.bench.runner import LazyPlan, arrival_offsets, plan_sessions, planned_turns
 from ops.bench.workload import (
+    MAX_LENGTH,
     LengthDist,
     MultiTurnWorkload,
     RandomWorkload,
@@ -38,9 +39,13 @@ def test_length_dist_parse_and_sample() -> None:
     assert ln.mean() == pytest.approx(300, rel=0.04)  # the given mean is the arithmetic mean
     assert LengthDist.parse("normal:1:50").sample_int(g, lo=1) >= 1
     assert LengthDist.parse("exponential:2").sample_time(g) >= 0
-    for bad in ("uniform:5", "zipf:1:2", "normal:a:b", "uniform:9:3"):
-        with pytest.raises(ValueError):
+    for bad in ("uniform:5", "zipf:1:2", "normal:a:b", "uniform:9:3", "nan", "normal:inf:1", "uniform:1:inf",
+                "normal:512:nan"):
+        with pytest.raises(ValueError, match=f"bad distribution '{bad}'"):
             LengthDist.parse(bad)
+    # A tail past float range (lognormal sigma 40) is clamped, never an OverflowError.
+    assert LengthDist.parse("lognormal:512:40").sample_int(g, hi=1000) <= 1000
+    assert max(LengthDist.parse("lognormal:512:40").sample_int(g) for _ in range(200)) <= MAX_LENGTH
     assert str(LengthDist.parse("uniform:1:2")) == "uniform:1:2"
 
 
