@@ -32,10 +32,18 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from services.common.cli_types import (
+    count,
+    fraction,
+    non_negative_number,
+    positive_int,
+    positive_seconds,
+)
 
 from .console import CliError
 from .tiny_model import PRESETS, ModelShape, add_shape_arguments, shape_from_args
@@ -387,8 +395,21 @@ def shape_from_config(path: Path) -> ModelShape:
     )
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+def _ints(text: str, item: Callable[[str], int]) -> tuple[int, ...]:
+    values = tuple(item(x.strip()) for x in text.split(",") if x.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
+    return values
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """Chunk sizes or batch sizes: each at least 1."""
+    return _ints(text, positive_int)
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """Context lengths: each 0 or more."""
+    return _ints(text, count)
 
 
 def _csv(values: Sequence[int]) -> str:
@@ -415,33 +436,33 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--engine-url", default=None,
                    help="measure this running vLLM-compatible server (e.g. http://127.0.0.1:8000) instead of a "
                         "PyTorch forward: its own prefill and decode times, from its /metrics")
-    p.add_argument("--prefill-chunks", type=_ints, default=None,
+    p.add_argument("--prefill-chunks", type=_sizes, default=None,
                    help=f"comma-separated chunk sizes (default {_csv(DEFAULT_GRID.prefill_chunks)}; "
                         f"with --engine-url {_csv(engine.prefill_chunks)})")
-    p.add_argument("--prefill-contexts", type=_ints, default=None,
+    p.add_argument("--prefill-contexts", type=_lengths, default=None,
                    help=f"cached tokens before a chunk (default {_csv(DEFAULT_GRID.prefill_contexts)}; "
                         f"with --engine-url {_csv(engine.prefill_contexts)})")
-    p.add_argument("--decode-batches", type=_ints, default=None,
+    p.add_argument("--decode-batches", type=_sizes, default=None,
                    help=f"comma-separated batch sizes (default {_csv(DEFAULT_GRID.decode_batches)}; "
                         f"with --engine-url {_csv(engine.decode_batches)})")
-    p.add_argument("--decode-contexts", type=_ints, default=None,
+    p.add_argument("--decode-contexts", type=_lengths, default=None,
                    help=f"context lengths while decoding (default {_csv(DEFAULT_GRID.decode_contexts)}; "
                         f"with --engine-url {_csv(engine.decode_contexts)})")
-    p.add_argument("--decode-tokens", type=int, default=engine.decode_tokens,
+    p.add_argument("--decode-tokens", type=positive_int, default=engine.decode_tokens,
                    help="--engine-url: output tokens of each decode request")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help=f"timed steps (--engine-url: requests) per point, median (default 5; with --engine-url "
                         f"{engine.repeats})")
-    p.add_argument("--time-budget", type=float, default=420.0, help="seconds of measuring at most")
-    p.add_argument("--max-kv-tokens", type=int, default=None, help="largest KV cache a point may use (default: from free memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--activation-reserve-gib", type=float, default=2.0)
-    p.add_argument("--block-size", type=int, default=None, help="engine default (16 on GPU, 128 on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=1024)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--input-len", type=int, default=512, help="reference workload of the intended figures")
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--time-budget", type=positive_seconds, default=420.0, help="seconds of measuring at most")
+    p.add_argument("--max-kv-tokens", type=positive_int, default=None, help="largest KV cache a point may use (default: from free memory)")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--activation-reserve-gib", type=non_negative_number, default=2.0)
+    p.add_argument("--block-size", type=positive_int, default=None, help="engine default (16 on GPU, 128 on CPU)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--input-len", type=positive_int, default=512, help="reference workload of the intended figures")
+    p.add_argument("--output-len", type=positive_int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
