@@ -40,7 +40,7 @@ from .upstream import UpstreamClient
 from .ws_api import WsApi
 
 log = logging.getLogger(__name__)
-MAX_HEADER_BYTES = 65_536  # one header's value: room for a large JWT
+MAX_HEADER_BYTES = 65_536  # one header's value (room for a large JWT), or the request line
 
 
 class GatewayService(Service):
@@ -134,9 +134,10 @@ class GatewayService(Service):
             app.router.add_static("/static/", STATIC_DIR)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the worker.
         # max_field_size: an OIDC bearer token with many claims (groups) passes aiohttp's 8,190
-        # bytes a header, which aiohttp refuses with a plain-text 400 before any handler runs.
+        # bytes a header, which aiohttp refuses with a plain-text 400 before any handler runs;
+        # max_line_size: the same for a request line (a long model id in GET /v1/models/{id}).
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
-                                     max_field_size=MAX_HEADER_BYTES)
+                                     max_field_size=MAX_HEADER_BYTES, max_line_size=MAX_HEADER_BYTES)
         await self._runner.setup()
         ssl_context = None
         if self.config.tls_cert:

@@ -215,6 +215,15 @@ async def test_a_bearer_token_past_8k_gets_an_openai_error(mesh: Mesh) -> None:
             assert (await r.json())["error"]["type"] == "invalid_request_error"
 
 
+async def test_a_request_line_past_8k_gets_an_openai_error(mesh: Mesh) -> None:
+    """aiohttp refused a request line over 8,190 bytes with a plain-text 400 (a long model id)."""
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        async with http.get("/v1/models/" + "m" * 20_000, headers=headers) as r:
+            assert r.status == 404, await r.text()
+            assert (await r.json())["error"]["code"] == "model_not_found"
+
+
 async def test_a_request_id_no_request_can_have_is_a_404(mesh: Mesh) -> None:
     """Ids that are not bucket keys ("a b", "a>b", a NUL) were a 500 and a traceback."""
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
