@@ -111,7 +111,7 @@ def json_instance(schema: Any, rng: random.Random, budget: Budget | None = None)
 @functools.cache
 def _searching_patterns(cls: Any) -> Any:
     """``cls`` with its regex keywords (``pattern``, ``patternProperties``,
-    ``additionalProperties``) searched without backtracking: jsonschema's own
+    ``additionalProperties``, ``unevaluatedProperties``) searched without backtracking: jsonschema's own
     ``re.search`` on a client's nested repeats (``^(?:a{8,}){8,}$!``) never returns, on
     the worker's event loop. A pattern the matcher cannot answer for counts as found."""
 
@@ -141,14 +141,62 @@ def _searching_patterns(cls: Any) -> Any:
                 f"Additional properties are not allowed ({', '.join(map(repr, extras))})"
             )
 
-    return jsonschema.validators.extend(
-        cls,
-        {
-            "pattern": pattern,
-            "patternProperties": pattern_properties,
-            "additionalProperties": additional_properties,
-        },
-    )
+    def unevaluated_properties(validator: Any, uneval: Any, instance: Any, schema: Any) -> Any:
+        if not validator.is_type(instance, "object"):
+            return
+        evaluated = _evaluated_keys(validator, instance, schema)
+        bad = [k for k in instance if k not in evaluated and any(validator.descend(instance[k], uneval, path=k))]
+        if bad:
+            yield jsonschema.ValidationError(f"Unevaluated properties are not allowed or not valid ({', '.join(map(repr, bad))})")
+
+    keywords = {
+        "pattern": pattern,
+        "patternProperties": pattern_properties,
+        "additionalProperties": additional_properties,
+    }
+    if "unevaluatedProperties" in cls.VALIDATORS:  # draft 2019-09 on
+        keywords["unevaluatedProperties"] = unevaluated_properties
+    return jsonschema.validators.extend(cls, keywords)
+
+
+def _evaluated_keys(validator: Any, instance: dict[str, Any], schema: Any) -> set[str]:
+    """The keys of ``instance`` that ``schema`` evaluates, as jsonschema's
+    ``find_evaluated_property_keys_by_schema`` finds them, with ``patternProperties``
+    searched by the matcher (jsonschema's ``re.search`` there backtracks on a client's
+    ``^(a+)+$`` against a near-miss key: 3 s at 26 characters, doubling with each)."""
+    if not isinstance(schema, dict):
+        return set()
+    keys: set[str] = set()
+    for ref_keyword in ("$ref", "$dynamicRef"):
+        ref = schema.get(ref_keyword)
+        if ref is not None:
+            resolved = validator._resolver.lookup(ref)
+            keys |= _evaluated_keys(validator.evolve(schema=resolved.contents, _resolver=resolved.resolver),
+                                    instance, resolved.contents)
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        keys |= properties.keys() & instance.keys()
+    for keyword in ("additionalProperties", "unevaluatedProperties"):
+        subschema = schema.get(keyword)
+        if subschema is not None:
+            keys |= {k for k, v in instance.items() if not any(validator.descend(v, subschema))}
+    for regex in schema.get("patternProperties", {}):
+        keys |= {k for k in instance if _found(regex, k)}
+    for name, subschema in schema.get("dependentSchemas", {}).items():
+        if name in instance:
+            keys |= _evaluated_keys(validator, instance, subschema)
+    for keyword in ("allOf", "oneOf", "anyOf"):
+        for subschema in schema.get(keyword, []):
+            if not any(validator.descend(instance, subschema)):
+                keys |= _evaluated_keys(validator, instance, subschema)
+    if "if" in schema:
+        if validator.evolve(schema=schema["if"]).is_valid(instance):
+            keys |= _evaluated_keys(validator, instance, schema["if"])
+            if "then" in schema:
+                keys |= _evaluated_keys(validator, instance, schema["then"])
+        elif "else" in schema:
+            keys |= _evaluated_keys(validator, instance, schema["else"])
+    return keys
 
 
 def _found(pattern: str, text: str) -> bool:
