@@ -38,7 +38,7 @@ from proto.errors import (
     RemoteError,
     RequestTimeout,
 )
-from proto.messages import ErrorInfo, ErrorReply
+from proto.messages import MESH_MAX_PAYLOAD, ErrorInfo, ErrorReply
 from proto.subjects import Subjects
 
 from .settings import BusSettings
@@ -184,6 +184,10 @@ class Bus:
         listeners: list[Callable[[], None]] = []
         bus = cls(await connect(settings, name, initial_attempts=initial_attempts, on_reconnected=listeners), settings)
         bus.reconnect_listeners = listeners
+        if bus.max_payload < MESH_MAX_PAYLOAD:
+            log.warning("NATS at %s allows messages of %d bytes (max_payload); meshserve's limits assume %d: "
+                        "long prompts' log probabilities and large replies will be refused",
+                        ",".join(settings.servers), bus.max_payload, MESH_MAX_PAYLOAD)
         return bus
 
     async def confirm_subscriptions(self, timeout: float = 30.0) -> None:

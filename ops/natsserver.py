@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.messages import MESH_MAX_PAYLOAD
+
 # meshserve raises NATS's 1 MB default so 100k-token prompts and large replies fit.
-MAX_PAYLOAD = 8 * 1024 * 1024
+MAX_PAYLOAD = MESH_MAX_PAYLOAD
 
 # Every meshserve client lives in this account; the server's own events in the system
 # account. (NATS's default global account publishes no connection advisories.)

@@ -24,6 +24,10 @@ UsageStatus = Literal["finished", "length", "stopped", "cancelled", "failed", "r
 WorkerState = Literal["starting", "ready", "draining", "stopped"]
 Tier = str  # free-form: tiers are configuration (premium, standard, batch by default)
 
+# The NATS max_payload meshserve's own servers run with (NATS's default is 1 MB): what the
+# bounds on prompts and replies are sized for.
+MESH_MAX_PAYLOAD = 8 * 1024 * 1024
+
 
 class ErrorInfo(Struct, kw_only=True, omit_defaults=True):
     code: str

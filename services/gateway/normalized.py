@@ -285,7 +285,7 @@ def finish_request(
 
 
 # Prompt log probabilities one response may carry (tokens × (prompt_logprobs + 1)): they
-# travel in one chunk, which must fit the bus's max_payload (8 MiB: ~200k entries with their
+# travel in one chunk, which must fit the bus's max_payload (MESH_MAX_PAYLOAD: ~200k entries with their
 # text); 130k tokens × 21 held a sim worker's loop 7 s and then could not be sent at all.
 MAX_PROMPT_LOGPROB_ENTRIES = 200_000
 

@@ -48,10 +48,13 @@ BODY = {"model": MODEL, "prompt": "ab" * 3_000, "max_tokens": 4, "ignore_eos": T
 
 
 async def test_prompt_logprobs_past_the_bus_limit_end_as_a_400_billed_and_released(
-    bus: Bus, mesh: tuple[WorkerService, GatewayService, str],
+    bus: Bus, mesh: tuple[WorkerService, GatewayService, str], caplog: pytest.LogCaptureFixture,
 ) -> None:
     worker, gateway, key = mesh
     assert bus.max_payload == NATS_DEFAULT_MAX_PAYLOAD
+    # Each service says at start-up that its NATS is smaller than meshserve's limits assume.
+    assert any("allows messages of 1048576 bytes (max_payload)" in r.getMessage()
+               for r in caplog.get_records("setup")), [r.getMessage() for r in caplog.get_records("setup")]
     headers = {"Authorization": f"Bearer {key}"}
     url = f"{gateway.http_url}/v1/completions"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
