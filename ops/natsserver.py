@@ -120,7 +120,7 @@ class NatsServer:
     log_file: Path | None = None
     root: str = "mesh"  # the subject root the connection advisories are imported under
     env: dict[str, str] | None = None  # the process's environment (None: ours)
-    max_payload: int = MAX_PAYLOAD  # tests run NATS's own 1 MB default, as an operator's server may
+    max_payload: int = MAX_PAYLOAD  # a test may run NATS's 1 MB default, as an operator's server may
     _proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:

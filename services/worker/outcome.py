@@ -49,6 +49,8 @@ def request_outcome(
     nobody received); ``drain_error``: set when the drain timeout ended the request."""
     finish: FinishReason = last.finish_reason if last is not None and last.finish_reason else "error"
     error_text = engine_error
+    if engine_error:  # also after the engine finished: its last chunk could not be sent
+        finish = "error"
     if drain_error:
         finish, error_text = "error", drain_error
     if finish == "error" and not error_text:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry import trace
@@ -359,9 +360,11 @@ class WorkerService(Service):
             except PayloadTooLarge as exc:
                 # The stream must still end: the same end without what did not fit.
                 log.warning("final chunk of %s does not fit the bus: %s", request.request_id, exc)
+                message = _too_large_text(exc)
+                event = msgspec.structs.replace(event, status="failed", error=message)
                 await publisher.publish(TokenChunk(
                     request_id=request.request_id, seq=0, finish_reason="error", usage=usage, timings=timings,
-                    error=ErrorInfo(code=ErrorCode.BAD_REQUEST.value, message=_too_large_text(exc)),
+                    error=ErrorInfo(code=ErrorCode.BAD_REQUEST.value, message=message),
                     worker_id=self.worker_id, usage_event=event), ack=True)
         finally:  # billed even when the final chunk's ack never came; a stale copy bills nothing
             if not self.superseded(request):
@@ -393,6 +396,8 @@ class WorkerService(Service):
         )
         coalescer = Coalescer(self.config.coalesce_interval_s, self.config.coalesce_max_tokens)
         prompt_logprobs = None
+        token_ids: list[int] = []
+        unsent = 0  # tokens taken for a chunk the bus could not carry: not billed
         # The engine counts the request from the first iteration's start (before it first
         # suspends), so no gauge can name it without counting its tokens.
         self.book.engine_took(request.request_id)
@@ -416,11 +421,13 @@ class WorkerService(Service):
                         prompt_logprobs = None
         except PayloadTooLarge as exc:
             _too_large(choice, exc)
+            unsent = len(token_ids)
+            prompt_logprobs = None  # not built again for the choice's last chunk
         except Exception as exc:  # an engine failure ends this request with an error, not silence
             log.exception("engine failed on %s", choice.engine_id)
             choice.error_text = f"engine failure: {exc!r}"
         token_ids, text, logprobs = coalescer.take(time.monotonic())
-        choice.streamed = coalescer.emitted  # the final chunk's tokens included
+        choice.streamed = coalescer.emitted - unsent  # the final chunk's tokens included
         if single:
             choice.tail = (token_ids, text, logprobs)
             if prompt_logprobs is not None:  # a one-chunk answer: the prompt's logprobs go first

@@ -16,6 +16,7 @@ import pytest
 
 from bus import Bus, BusSettings
 from ops.natsserver import NatsServer
+from proto import UsageEvent
 from services.gateway.service import GatewayService
 from services.worker.service import WorkerService
 from tests.conftest import eventually, usage_events
@@ -65,27 +66,35 @@ async def test_prompt_logprobs_past_the_bus_limit_end_as_a_400_billed_and_releas
         assert "does not fit one message on the bus" in payload["error"]["message"]
         assert "prompt_logprobs" in payload["error"]["message"]
 
-        # n > 1: the choice carrying the prompt's log probabilities fails the request the same way.
-        async with http.post(url, json={**BODY, "n": 2}, headers=headers) as r:
+        # The scoring call (max_tokens 1): the engine has finished when the prompt's log
+        # probabilities fail to go, which must still fail the request, not answer without them.
+        async with http.post(url, json={**BODY, "max_tokens": 1}, headers=headers) as r:
             status, payload = r.status, await r.json()
         assert status == 400 and "does not fit one message on the bus" in payload["error"]["message"], payload
+
+        # n > 1: the choice carrying the prompt's log probabilities fails the request the same way.
+        for max_tokens in (4, 1):  # mid-stream, and the choice's own end chunk after the engine finished
+            async with http.post(url, json={**BODY, "n": 2, "max_tokens": max_tokens}, headers=headers) as r:
+                status, payload = r.status, await r.json()
+            assert status == 400 and "does not fit one message on the bus" in payload["error"]["message"], payload
 
         # Nothing left behind: the worker holds no request, the engine no sequence, and
         # every request was billed once.
         await eventually(lambda: not worker._requests, 10, "the worker to release the requests")
         stats = worker.engine.stats()
         assert stats.running == 0 and stats.waiting == 0
-        events_now: list[object] = []
+        events_now: list[UsageEvent] = []
 
         async def billed() -> int:
             events_now[:] = [e for e in await usage_events(bus) if e.org == "payload-org" and e.prompt_tokens > 5_000]
             return len(events_now)
 
         for _ in range(100):
-            if await billed() >= 2:
+            if await billed() >= 4:
                 break
             await asyncio.sleep(0.1)
-        assert len(events_now) == 2, events_now
+        assert len(events_now) == 4, events_now
+        assert all(e.status == "failed" for e in events_now), events_now
 
         # What fits is served as before.
         async with http.post(url, json={**BODY, "prompt": "ab" * 100}, headers=headers) as r:
