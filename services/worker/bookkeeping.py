@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from proto import ErrorCode, GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens
+from proto import GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens
 from proto.messages import TokenChunk, TokenLogprob, UsageStatus
 
 from .engines.base import EngineOutput
@@ -50,8 +50,8 @@ class Choice:
     sampling: SamplingParams
     last: EngineOutput | None = None
     streamed: int = 0
-    error_text: str = ""
-    error_code: ErrorCode = ErrorCode.INTERNAL  # of ``error_text``
+    error_text: str = ""  # an engine failure
+    undeliverable: str = ""  # why a chunk of it could not be sent
     tail: tuple[list[int], str, list[TokenLogprob] | None] = field(default_factory=lambda: ([], "", None))
 
 

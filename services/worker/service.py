@@ -114,8 +114,7 @@ def _too_large(choice: Choice, exc: PayloadTooLarge) -> None:
     """A chunk the bus cannot carry ends its choice with a client error (the engine is
     closed with the stream), never a stream that stops without an end."""
     log.warning("choice %s ends: %s", choice.engine_id, exc)
-    choice.error_text = _too_large_text(exc)
-    choice.error_code = ErrorCode.BAD_REQUEST
+    choice.undeliverable = _too_large_text(exc)
 
 
 class _ChunkPublisher:
@@ -332,7 +331,7 @@ class WorkerService(Service):
         prompt_tokens = len(prompt) - (choices[0].prior if request.sampling.n <= 1 else 0)
         outcomes = [
             request_outcome(c.last, prompt_tokens=prompt_tokens, prior_tokens=c.prior, streamed=c.streamed,
-                            migrations=request.migrations, engine_error=c.error_text, engine_error_code=c.error_code,
+                            migrations=request.migrations, engine_error=c.error_text, undeliverable=c.undeliverable,
                             drain_error=drain_error)
             for c in choices
         ]
@@ -440,7 +439,7 @@ class WorkerService(Service):
         finish = choice.last.finish_reason if choice.last is not None and choice.last.finish_reason else "error"
         end = TokenChunk(
             request_id=request.request_id, seq=0, index=choice.index, token_ids=token_ids, text=text, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, choice_finish_reason="error" if choice.error_text else finish,
+            prompt_logprobs=prompt_logprobs, choice_finish_reason="error" if choice.error_text or choice.undeliverable else finish,
             worker_id=self.worker_id)
         try:
             await publisher.publish(end)

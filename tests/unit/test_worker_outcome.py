@@ -74,6 +74,14 @@ def test_an_engine_failure_after_the_finish_is_reported_but_does_not_fail_the_re
     assert (o.finish, o.error, o.error_text) == ("stop", None, "close failed")
 
 
+def test_an_answer_the_bus_could_not_carry_fails_the_request_as_the_clients_error() -> None:
+    # even when the engine finished: its last chunk (the prompt's logprobs) never went
+    o = request_outcome(output("length"), prompt_tokens=10, prior_tokens=0, streamed=1, migrations=0,
+                        undeliverable="too large")
+    assert (o.finish, o.error_text, o.status) == ("error", "too large", "failed")
+    assert o.error is not None and o.error.code == "bad_request"
+
+
 def test_segment_usage_bills_the_prompt_on_the_first_segment_only() -> None:
     usage = Usage(prompt_tokens=100, completion_tokens=7, cached_tokens=32)
     assert segment_usage(usage, 0) == usage
