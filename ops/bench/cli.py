@@ -21,6 +21,8 @@ from services.common.cli_types import (
     subject_root,
 )
 
+MAX_TURNS = 10_000  # a conversation's history past this outgrows any context
+
 
 def time_dist(spec: str) -> str:
     """A distribution spec, checked here so a typo fails before anything connects."""
@@ -30,6 +32,13 @@ def time_dist(spec: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if min(dist.a, dist.largest) < 0:
         raise argparse.ArgumentTypeError(f"{spec!r}: must not be negative")
+    return spec
+
+
+def turns_dist(spec: str) -> str:
+    time_dist(spec)
+    if LengthDist.parse(spec).largest > MAX_TURNS:
+        raise argparse.ArgumentTypeError(f"{spec!r}: more than {MAX_TURNS:,} turns a session")
     return spec
 
 
@@ -119,7 +128,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--prefix-tokens", type=token_dist, default="0", metavar="DIST",
                    help="shared-prefix: tokens per shared prompt (a distribution, one draw per prompt, "
                         "e.g. uniform:1024:2048); multi-turn: system prompt tokens")
-    g.add_argument("--turns", type=token_dist, default="4", metavar="DIST", help="multi-turn: turns per session")
+    g.add_argument("--turns", type=turns_dist, default="4", metavar="DIST", help="multi-turn: turns per session")
     g.add_argument("--think-time", type=time_dist, default="0", metavar="DIST", help="multi-turn: s between turns")
     g.add_argument("--history", choices=("synthetic", "actual"), default="synthetic",
                    help="multi-turn: resend synthetic replies (exact lengths) or the real ones")

@@ -120,8 +120,14 @@ class FleetPlan:
 
 
 def _finite_number(value: object) -> bool:
-    """YAML's ``true`` is an int to Python and ``.nan``/``.inf`` are floats: none is a rate."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """YAML's ``true`` is an int to Python and ``.nan``/``.inf`` are floats: none is a rate.
+    Nor is a number so large that it overflows a float, or one whose bytes do (1e300 GB)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value * GB)
+    except OverflowError:  # an integer past float range
+        return False
 
 
 def parse_entries(raw: Any) -> list[ModelEntry]:

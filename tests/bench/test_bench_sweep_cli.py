@@ -113,6 +113,7 @@ def test_json_prints_the_result_and_the_comparison_for_scripts(http_server: Any,
     (["--input-tokens", "1e12"], "more than 10,000,000 tokens"),
     (["--output-tokens", "exponential:-5"], "must not be negative"),
     (["--think-time", "nan"], "its numbers must be finite"),
+    (["--turns", "1e6"], "more than 10,000 turns a session"),
     (["--prefix-groups", "0"], "--prefix-groups"),
     (["--cooldown", "nan"], "--cooldown"),
 ])

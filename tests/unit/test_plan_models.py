@@ -96,6 +96,8 @@ def test_the_static_threshold_moves_a_model_between_strategies() -> None:
     ([{"name": "a", "model": "llama-3.1-8b", "weights_gb": float("nan")}], "weights_gb must be a positive number"),
     ([{"name": "a", "base": "b", "adapter_mb": float("inf")}], "adapter_mb must be a number ≥ 0"),
     ([{"name": "a", "model": "llama-3.1-8b", "prompt_tokens": True}], "prompt_tokens must be an integer ≥ 1"),
+    ([{"name": "a", "model": "llama-3.1-8b", "rate": 10**400}], "rate must be a number ≥ 0"),
+    ([{"name": "a", "model": "llama-3.1-8b", "weights_gb": 1e300}], "weights_gb must be a positive number"),
     ([{"name": "a", "base": "b"}], "its base 'b' is not in the file"),
     ([{"name": "a", "base": "a2", "adapter_mb": 1}, {"name": "a2", "base": "a"}], "is itself an adapter"),
     ([{"name": "a", "base": "x", "model": "llama-3.1-8b"}, {"name": "x", "model": "llama-3.1-8b"}], "has no model"),

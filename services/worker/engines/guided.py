@@ -154,13 +154,14 @@ def _searching_patterns(cls: Any) -> Any:
         "patternProperties": pattern_properties,
         "additionalProperties": additional_properties,
     }
-    if "unevaluatedProperties" in cls.VALIDATORS:  # draft 2019-09 on
+    # Draft 2020-12's walk (draft 2019-09 has its own, with $recursiveRef: left as it is)
+    if cls.VALIDATORS.get("unevaluatedProperties") is jsonschema.Draft202012Validator.VALIDATORS["unevaluatedProperties"]:
         keywords["unevaluatedProperties"] = unevaluated_properties
     return jsonschema.validators.extend(cls, keywords)
 
 
 def _evaluated_keys(validator: Any, instance: dict[str, Any], schema: Any) -> set[str]:
-    """The keys of ``instance`` that ``schema`` evaluates, as jsonschema's
+    """The keys of ``instance`` that ``schema`` evaluates, as jsonschema's draft 2020-12
     ``find_evaluated_property_keys_by_schema`` finds them, with ``patternProperties``
     searched by the matcher (jsonschema's ``re.search`` there backtracks on a client's
     ``^(a+)+$`` against a near-miss key: 3 s at 26 characters, doubling with each)."""
