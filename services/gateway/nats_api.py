@@ -10,11 +10,14 @@ from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
-from .errors import ApiError, internal_error, payload_too_large
+from .errors import ApiError, bad_request, internal_error, payload_too_large
 from .events import DONE, EventBuilder
 from .lifecycle import ActiveRequest
 from .openai_api import RequestKind
 from .validation import parse_request
+
+# headroom for the reply's own headers (and nats-py's framing) below max_payload
+REPLY_HEADER_ROOM = 1024
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,14 @@ class NatsApi:
         async with active.serving():
             if not request.stream:
                 try:
-                    await nc.publish(msg.reply, await active.collect())
+                    body = await active.collect()
+                    if len(body) + REPLY_HEADER_ROOM > nc.max_payload:
+                        # nats-py would raise, and the caller wait for its timeout
+                        raise bad_request(
+                            f"The response is {len(body):,} bytes, more than one NATS message carries here"
+                            f" (max_payload {nc.max_payload:,}). Ask for fewer log probabilities or tokens,"
+                            " stream it, or use the HTTP API.", None, "response_too_large")
+                    await nc.publish(msg.reply, body)
                 except ApiError as exc:
                     await nc.publish(msg.reply, exc.to_json(), headers=error_headers(exc))
                 return

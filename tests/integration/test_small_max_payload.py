@@ -8,6 +8,7 @@ a stream that stops without an end."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -78,6 +79,15 @@ async def test_prompt_logprobs_past_the_bus_limit_end_as_a_400_billed_and_releas
                 status, payload = r.status, await r.json()
             assert status == 400 and "does not fit one message on the bus" in payload["error"]["message"], payload
 
+        # The NATS API's non-streamed reply is the JSON body in one message, about twice
+        # the worker's chunk: here the chunk fits and the reply does not. The caller gets an
+        # error message at once (nats-py raised, and the caller waited for its timeout).
+        body = json.dumps({**BODY, "prompt": "ab" * 1_500}).encode()
+        reply = await bus.nc.request(bus.subjects.api_completions, body, headers={"api-key": key}, timeout=30)
+        assert (reply.headers or {}).get("Nats-Service-Error-Code") == "400", reply.data[:300]
+        error = json.loads(reply.data)["error"]
+        assert "more than one NATS message carries here" in error["message"] and error["code"] == "response_too_large"
+
         # Nothing left behind: the worker holds no request, the engine no sequence, and
         # every request was billed once.
         await eventually(lambda: not worker._requests, 10, "the worker to release the requests")
@@ -86,15 +96,15 @@ async def test_prompt_logprobs_past_the_bus_limit_end_as_a_400_billed_and_releas
         events_now: list[UsageEvent] = []
 
         async def billed() -> int:
-            events_now[:] = [e for e in await usage_events(bus) if e.org == "payload-org" and e.prompt_tokens > 5_000]
+            events_now[:] = [e for e in await usage_events(bus) if e.org == "payload-org" and e.prompt_tokens > 2_000]
             return len(events_now)
 
         for _ in range(100):
-            if await billed() >= 4:
+            if await billed() >= 5:
                 break
             await asyncio.sleep(0.1)
-        assert len(events_now) == 4, events_now
-        assert all(e.status == "failed" for e in events_now), events_now
+        assert len(events_now) == 5, events_now
+        assert sum(e.status == "failed" for e in events_now) == 4, events_now  # the NATS reply's was served
 
         # What fits is served as before.
         async with http.post(url, json={**BODY, "prompt": "ab" * 100}, headers=headers) as r:
