@@ -149,11 +149,16 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
 
 def _render(spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
             add_generation_prompt: bool = True, continue_final_message: bool = False,
-            extra_context: dict[str, Any] | None = None) -> str:
+            extra_context: dict[str, Any] | None = None, client_variables: bool = False) -> str:
     try:
         return spec.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     continue_final_message=continue_final_message, extra_context=extra_context)
     except ChatTemplateError as exc:
+        if exc.reason == "broken" and client_variables:
+            # The client's own variables were in the context: a template that failed on
+            # them (a number where it adds strings) is the request's fault, as vLLM says.
+            raise bad_request(f"The chat template failed with these chat_template_kwargs: {exc.message}",
+                              "chat_template_kwargs", "invalid_value") from None
         raise from_template_error(exc) from None
 
 
@@ -183,7 +188,8 @@ def parse_chat_request(
         invalid("continue_final_message", "the last message must be the assistant's message to continue.")
     add_generation_prompt = req.add_generation_prompt is not False and not req.continue_final_message
     prompt = encode_text(spec, _render(spec, messages, plan.tools, add_generation_prompt,
-                                   bool(req.continue_final_message), _template_kwargs(req)))
+                                   bool(req.continue_final_message), _template_kwargs(req),
+                                   client_variables=bool(req.chat_template_kwargs)))
     normalized = finish_request("chat", req, spec, prompt, common, max_param, requested, output)
     normalized.tools = plan.tools
     return normalized

@@ -363,6 +363,18 @@ def test_template_rejection_is_400_and_broken_template_is_500() -> None:
     assert (info.value.status, info.value.type, info.value.code) == (500, "server_error", "chat_template_error")
 
 
+def test_a_template_failing_on_the_clients_own_variables_is_a_400() -> None:
+    # Llama 3.1's template adds "Today Date: " + date_string: a number there was a 500
+    # ("the model's chat template is broken"); vLLM answers 400.
+    dated = ChatTemplate("{{ 'Today Date: ' + date_string }}{{ messages[0].content }}")
+    models = {"dated": ModelSpec("dated", BYTE, template=dated)}
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(chat(model="dated", chat_template_kwargs={"date_string": 20240101}), models)
+    assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
+    assert "TypeError" in info.value.message
+    assert parse_chat_request(chat(model="dated", chat_template_kwargs={"date_string": "1 Jan 2024"}), models).prompt_token_ids
+
+
 def test_template_output_limit_is_context_length_exceeded() -> None:
     small = ChatTemplate(max_output_chars=100)
     models = {"m": ModelSpec("m", BYTE, template=small)}
