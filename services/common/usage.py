@@ -23,8 +23,19 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 def parse_time(value: str, now: float) -> float:
     """``-1h``/``-30m``/``-7d``/``-2w``/``-90s`` before ``now``, ``now``, epoch seconds, or ISO 8601.
 
-    ISO times without an offset are UTC (the ledger and the servers keep UTC).
+    ISO times without an offset are UTC (the ledger and the servers keep UTC). A time no
+    calendar date names (a millisecond epoch read as seconds, ``1e20``) is refused: every
+    report prints its window as dates.
     """
+    epoch = _parse_time(value, now)
+    try:
+        datetime.fromtimestamp(epoch, UTC)
+    except (ValueError, OverflowError, OSError):
+        raise ValueError(f"not a time: {value!r} is outside the years 1-9999 (an epoch time is in seconds)") from None
+    return epoch
+
+
+def _parse_time(value: str, now: float) -> float:
     text = value.strip()
     if not text:
         raise ValueError("empty time")
