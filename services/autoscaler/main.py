@@ -22,9 +22,18 @@ import shlex
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfoNotFoundError
 
 from bus import RunOptions, run_service
-from services.common.cli_types import port_number
+from services.common.cli_types import (
+    count,
+    fraction,
+    non_negative_seconds,
+    port_number,
+    positive_int,
+    positive_number,
+    positive_seconds,
+)
 
 _DRIVER_KEYS = ("worker_args", "nomad_job", "compose_service")
 
@@ -35,27 +44,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="JSON file with per-pool policies (see the module help)")
     parser.add_argument("--driver", choices=["local", "nomad", "compose"], default="local")
     policy = parser.add_argument_group("policy (every pool, unless --config says otherwise)")
-    policy.add_argument("--min-replicas", type=int, default=1, help="0 allows scale to zero")
-    policy.add_argument("--max-replicas", type=int, default=8)
-    policy.add_argument("--target-utilization", type=float, default=0.75)
-    policy.add_argument("--warm-buffer", type=int, default=0, help="spare ready replicas (cold starts take minutes)")
-    policy.add_argument("--cooldown", type=float, default=300.0, help="seconds a lower target must hold before a scale-down")
-    policy.add_argument("--idle-to-zero", type=float, default=900.0, help="idle seconds before a zero-able pool goes to zero")
-    policy.add_argument("--initial-capacity", type=float, default=65_536.0,
+    policy.add_argument("--min-replicas", type=count, default=1, help="0 allows scale to zero")
+    policy.add_argument("--max-replicas", type=positive_int, default=8)
+    policy.add_argument("--target-utilization", type=fraction, default=0.75)
+    policy.add_argument("--warm-buffer", type=count, default=0, help="spare ready replicas (cold starts take minutes)")
+    policy.add_argument("--cooldown", type=non_negative_seconds, default=300.0, help="seconds a lower target must hold before a scale-down")
+    policy.add_argument("--idle-to-zero", type=non_negative_seconds, default=900.0, help="idle seconds before a zero-able pool goes to zero")
+    policy.add_argument("--initial-capacity", type=positive_number, default=65_536.0,
                         help="tokens a replica holds at saturation, until gauges measure it")
     shell = parser.add_argument_group("service")
-    shell.add_argument("--tick", type=float, default=1.0, help="seconds between control ticks")
-    shell.add_argument("--drain-timeout", type=float, default=120.0,
+    shell.add_argument("--tick", type=positive_seconds, default=1.0, help="seconds between control ticks")
+    shell.add_argument("--drain-timeout", type=positive_seconds, default=120.0,
                        help="seconds a drained worker gets to finish its requests (above the longest request)")
-    shell.add_argument("--drain-grace", type=float, default=15.0, help="beyond the drain timeout before a forced stop")
-    shell.add_argument("--start-timeout", type=float, default=600.0, help="a launch with no gauge by then is written off")
-    shell.add_argument("--history", type=int, default=50, help="decisions kept per pool for status")
+    shell.add_argument("--drain-grace", type=non_negative_seconds, default=15.0, help="beyond the drain timeout before a forced stop")
+    shell.add_argument("--start-timeout", type=positive_seconds, default=600.0, help="a launch with no gauge by then is written off")
+    shell.add_argument("--history", type=positive_int, default=50, help="decisions kept per pool for status")
     shell.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
     shell.add_argument("--metrics-host", default="127.0.0.1")
     local = parser.add_argument_group("local driver")
     local.add_argument("--state-dir", default=".meshserve", help="worker logs go to STATE_DIR/logs")
     local.add_argument("--worker-args", default="", help='arguments for every worker, one string: "--engine sim --speed 20"')
-    local.add_argument("--max-workers", type=int, default=8, help="most worker processes on this machine, all pools")
+    local.add_argument("--max-workers", type=positive_int, default=8, help="most worker processes on this machine, all pools")
     local.add_argument("--on-exit", choices=["drain", "leave"], default="drain",
                        help="what happens to the workers it started when the autoscaler stops")
     local.add_argument("--worker-command", default="",
@@ -86,7 +95,21 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The ``AutoscalerConfig`` and the driver the arguments describe."""
+    """The ``AutoscalerConfig`` and the driver the arguments describe; a configuration
+    that cannot be is one line naming what is wrong (``SystemExit``), not a traceback."""
+    try:
+        return _build(args)
+    except OSError as exc:
+        raise SystemExit(f"cannot read --config {args.config}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--config {args.config} is not JSON: {exc}") from None
+    except ZoneInfoNotFoundError as exc:
+        raise SystemExit(f"unknown timezone: {exc}") from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"bad autoscaler configuration: {exc}") from None
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     from .control import PoolPolicy, ScheduleWindow
     from .drivers import ComposeDriver, LocalDriver, NomadDriver
     from .service import AutoscalerConfig
@@ -94,6 +117,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     raw: dict[str, Any] = {}
     if args.config:
         raw = json.loads(Path(args.config).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"--config {args.config} must hold a JSON object")
     pool_raw: dict[str, dict[str, Any]] = {name: dict(v or {}) for name, v in (raw.get("pools") or {}).items()}
     for name in args.pool:
         pool_raw.setdefault(name, {})

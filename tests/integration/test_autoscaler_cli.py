@@ -87,8 +87,32 @@ def test_bad_configuration_is_refused(tmp_path: Path) -> None:
         build(parse("--config", str(config_file)))
     with pytest.raises(SystemExit, match="MODEL=VALUE"):
         build(parse("--pool", "m", "--driver", "nomad", "--nomad-job", "m"))
-    with pytest.raises(ValueError, match="min_replicas"):
+    with pytest.raises(SystemExit, match="min_replicas"):
         build(parse("--pool", "m", "--min-replicas", "5", "--max-replicas", "2"))
+    # The config file's own mistakes: one line each, never a traceback.
+    with pytest.raises(SystemExit, match="cannot read --config"):
+        build(parse("--config", str(tmp_path / "missing.json")))
+    config_file.write_text("{pools: ")
+    with pytest.raises(SystemExit, match="is not JSON"):
+        build(parse("--config", str(config_file)))
+    for bad in ({"pools": {"m": {"target_utilization": 1.5}}}, {"pools": {"m": {"schedule": [{"start_hour": 30}]}}},
+                {"pools": {"m": {}}, "tick_s": "fast"}, ["not", "an", "object"]):
+        config_file.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match="bad autoscaler configuration"):
+            build(parse("--config", str(config_file)))
+    config_file.write_text(json.dumps({"pools": {"m": {"timezone": "Mars/Olympus"}}}))
+    with pytest.raises(SystemExit, match="unknown timezone"):
+        build(parse("--config", str(config_file)))
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--target-utilization", "1.5"), ("--max-replicas", "0"), ("--history", "-1"), ("--tick", "nan"),
+    ("--cooldown", "nan"), ("--idle-to-zero", "-1"), ("--drain-timeout", "inf"), ("--min-replicas", "-1"),
+])
+def test_bad_flags_exit_2_naming_the_flag(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse("--pool", "m", flag, value)
+    assert info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
 
 
 async def test_autoscaler_process_with_local_driver(tmp_path: Path, bus: Bus, nats_url: str) -> None:
