@@ -476,6 +476,13 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, name, getattr(grid, name, 5))
     if args.engine_url is not None:
         return run_engine(args)
+    try:  # before anything is measured, and before torch is looked for
+        shape = shape_from_config(Path(args.model_dir)) if args.model_dir else shape_from_args(args)
+        shape.validate()
+    except OSError as exc:
+        raise CliError(f"cannot read {args.model_dir}/config.json: {exc.strerror or exc}", exit_code=2) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"model shape: {exc}", exit_code=2) from None
     if importlib.util.find_spec("torch") is None:
         raise CliError(f"timing the shapes with PyTorch needs torch, which this Python "
                        f"({sys.executable}) lacks. `make vllm-cpu` builds .venv-vllm with it; then run "
@@ -485,8 +492,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     t_start = time.monotonic()
-    shape = shape_from_config(Path(args.model_dir)) if args.model_dir else shape_from_args(args)
-    shape.validate()
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

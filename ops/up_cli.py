@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from bus import Bus
-from services.common.cli_types import add_nats_url_argument, count, port_number, subject_root
+from services.common.cli_types import (
+    add_nats_url_argument,
+    count,
+    port_number,
+    positive_number,
+    positive_seconds,
+    subject_root,
+)
 from services.worker.main import vllm_importable, vllm_missing
 
 from .up import Mesh, MeshConfig, StartupError, ready_workers
@@ -46,7 +53,7 @@ def add_parser(subparsers: Any) -> None:
                         help="sim: the model name (default sim-llama-8b); vllm: the model directory (or hub id)")
     parser.add_argument("--workers", type=count, default=None,
                         help="workers to start (default: 2 sim, 1 vllm); 0 starts none and waits for yours")
-    parser.add_argument("--speed", type=float, default=1.0, help="sim speed factor (1.0 = real time)")
+    parser.add_argument("--speed", type=positive_number, default=1.0, help="sim speed factor (1.0 = real time)")
     parser.add_argument("--profile", default=None, help="sim step-time profile")
     parser.add_argument("--host-models", default=None, metavar="NAME[=GIB],...",
                         help="make each worker a hot-swap host of these sim models (memory for two, loaded on"
@@ -55,7 +62,7 @@ def add_parser(subparsers: Any) -> None:
                         help="one more argument for each worker (repeat), e.g. --worker-arg=--max-model-len=4096")
     parser.add_argument("--no-autoscaler", action="store_true",
                         help="start a fixed set of --workers instead of letting the autoscaler manage the pool")
-    parser.add_argument("--timeout", type=float, default=None,
+    parser.add_argument("--timeout", type=positive_seconds, default=None,
                         help="seconds to wait for the mesh (default 60; 600 with --engine vllm)")
     parser.set_defaults(func=run_up)
 
@@ -105,7 +112,7 @@ def run_up(args: argparse.Namespace) -> int:
     if config.engine == "vllm" and not vllm_importable():
         console.print(vllm_missing("up"), markup=False)
         return 2
-    timeout = args.timeout or (600.0 if config.engine == "vllm" else 60.0)
+    timeout = args.timeout if args.timeout is not None else (600.0 if config.engine == "vllm" else 60.0)
     mesh = Mesh(config)
     stop = asyncio.Event()
     signals = 0

@@ -16,7 +16,7 @@ import signal
 from typing import Any
 
 from ops.console import EXIT_USAGE, CliError
-from services.common.cli_types import port_number
+from services.common.cli_types import port_number, positive_number
 
 
 def add_parser(subparsers: Any) -> None:
@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port (vLLM's default 8000; 0: any free port)")
     p.add_argument("--model", default=None, help="served model name (default: the profile's model)")
     p.add_argument("--profile", default=None, help="step-time profile name or JSON path (default: llama-3.1-8b-h100)")
-    p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (1.0 = real time)")
+    p.add_argument("--speed", type=positive_number, default=1.0, help="simulated seconds per wall second (1.0 = real time)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated text (and of --error-rate's draws)")
     p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the profile's, 16)")
     p.add_argument("--max-model-len", type=int, default=None)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from bus import RunOptions, run_service
 from bus.config import default_of, given
-from services.common.cli_types import non_negative_seconds, port_number
+from services.common.cli_types import count, non_negative_seconds, port_number, positive_int, positive_seconds
 
 from .config import GatewayConfig, load_config, load_oidc_config
 from .upstream import UpstreamConfig
@@ -50,20 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--trusted-proxy", action="append", default=None, metavar="CIDR",
                         help="honour X-Forwarded-For from these proxies (repeatable)")
-    parser.add_argument("--max-body-bytes", type=int, default=None, help=_default("max_body_bytes"))
-    parser.add_argument("--max-in-flight", type=int, default=None,
+    parser.add_argument("--max-body-bytes", type=positive_int, default=None, help=_default("max_body_bytes"))
+    parser.add_argument("--max-in-flight", type=positive_int, default=None,
                         help=f"streams beyond this are shed with 429 {_default('max_in_flight')}")
-    parser.add_argument("--stall-timeout", type=float, default=None,
+    parser.add_argument("--stall-timeout", type=positive_seconds, default=None,
                         help="seconds without a chunk before the worker counts as lost and the request migrates "
                              + _default("stall_timeout_s"))
-    parser.add_argument("--stream-buffer", type=int, default=None,
+    parser.add_argument("--stream-buffer", type=positive_int, default=None,
                         help=f"chunks buffered for one slow client before it is cut {_default('stream_buffer_chunks')}")
-    parser.add_argument("--max-migrations", type=int, default=None,
+    parser.add_argument("--max-migrations", type=count, default=None,
                         help=f"times one request may move to another replica {_default('max_migrations')}")
     parser.add_argument("--migration-wait", type=non_negative_seconds, default=None,
                         help="seconds a migrating request waits for a replica when none is ready "
                              + _default("migration_wait_s"))
-    parser.add_argument("--resume-window", type=float, default=None,
+    parser.add_argument("--resume-window", type=non_negative_seconds, default=None,
                         help="seconds a resumable request (X-Meshserve-Resumable) outlives its lost client "
                              + _default("resume_window_s"))
     parser.add_argument("--responses-ttl", type=non_negative_seconds, default=None,
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission-unreachable", choices=["open", "closed", "grace"], default=None,
                         help="what to do when no admission service answers (grace: open for --admission-grace s) "
                              f"(default {default_of(UpstreamConfig, 'admission_unreachable')})")
-    parser.add_argument("--admission-grace", type=float, default=None,
+    parser.add_argument("--admission-grace", type=non_negative_seconds, default=None,
                         help=f"(default {default_of(UpstreamConfig, 'admission_grace_s')})")
     parser.add_argument("--placement-path", choices=["admission", "gateway"], default=None,
                         help="who sends an admitted request to the router: admission, on its way (one hop fewer), "

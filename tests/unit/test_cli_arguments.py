@@ -242,3 +242,46 @@ def test_tokenizer_export_needs_a_model_name(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["tokenizer", "export", "/tmp/x", "--model", " "])
     assert exit_info.value.code == 2 and "a model name cannot be empty" in capsys.readouterr().err
+
+
+# Numbers a service or tool cannot run with: refused by the parser (exit 2, the flag named)
+# instead of every POST a 413 (--max-body-bytes 0), every request a 429 (--max-in-flight 0),
+# workers that die in their own logs (up --speed 0), a wait without end (--timeout nan), or
+# a ZeroDivisionError traceback (--heads 0).
+NUMBER_FLAGS = [
+    (["serve", "gateway"], "--max-body-bytes", "0"),
+    (["serve", "gateway"], "--max-in-flight", "0"),
+    (["serve", "gateway"], "--stall-timeout", "0"),
+    (["serve", "gateway"], "--stall-timeout", "nan"),
+    (["serve", "gateway"], "--stream-buffer", "-1"),
+    (["serve", "gateway"], "--max-migrations", "-1"),
+    (["serve", "gateway"], "--resume-window", "inf"),
+    (["serve", "gateway"], "--admission-grace", "-5"),
+    (["up"], "--speed", "0"),
+    (["up"], "--speed", "nan"),
+    (["up"], "--timeout", "0"),
+    (["up"], "--timeout", "nan"),
+    (["sim-server"], "--speed", "inf"),
+    (["make-tiny-model", "DIR"], "--heads", "0"),
+    (["make-tiny-model", "DIR"], "--hidden-size", "-128"),
+    (["calibrate"], "--kv-heads", "0"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "value"), NUMBER_FLAGS, ids=lambda a: a if isinstance(a, str) else " ".join(a))
+def test_numbers_a_command_cannot_run_with_are_refused_by_the_parser(
+        argv: list[str], flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --" in err and flag in err  # (--heads reads "argument --num-attention-heads/--heads")
+
+
+def test_a_shape_the_heads_do_not_divide_is_one_line_before_anything_is_written(tmp_path: Path) -> None:
+    for argv in (["make-tiny-model", str(tmp_path / "m")], ["calibrate", "--out", str(tmp_path / "p.json")]):
+        result = subprocess.run([sys.executable, "-m", "ops.cli", *argv, "--heads", "3"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "hidden_size must be a multiple of num_attention_heads" in result.stderr
+    assert not list(tmp_path.iterdir())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
@@ -93,7 +94,7 @@ class SimEngine(Engine):
         max_lag_s: float = 0.05,
         kv_event_buffer: int = 10_000,
     ) -> None:
-        if speed <= 0:
+        if not (0 < speed < math.inf):  # nan fails this too
             raise ValueError("speed must be positive")
         self.config = SimConfig.build(
             profile if isinstance(profile, SimProfile) else str(profile),
