@@ -163,15 +163,20 @@ def _render(spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[st
 
 
 def parse_chat_request(
-    body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None
+    body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None,
+    always_streams: bool = False,
 ) -> NormalizedRequest:
     """Validate a ``/v1/chat/completions`` body; render, tokenize, resolve max_tokens.
 
     ``models`` maps every servable name (aliases included) to its spec;
     ``allowed_models`` is the key's ``ApiKeyRecord.models`` (None or empty: all).
     Raises ``ApiError`` (4xx; 500 only for a broken template or tokenizer).
+    ``always_streams``: the transport streams whatever the body says (WebSocket), so the
+    body is checked as a streamed request's.
     """
     req: ChatCompletionRequest = decode_body(chat_request_decoder, body)
+    if always_streams:
+        req.stream = True
     spec = resolve_model(req.model, models, allowed_models)
     _check_chat_unsupported(req)
     common = check_common(req, spec.limits, spec.tokenizer.vocab_size)

@@ -119,13 +119,16 @@ def _completion_output(req: CompletionRequest, spec: ModelSpec, prompt: list[int
 
 
 def parse_completion_request(
-    body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None
+    body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None,
+    always_streams: bool = False,
 ) -> NormalizedRequest:
     """Validate a ``/v1/completions`` body; tokenize a string prompt or check token ids.
 
     Same contract as ``parse_chat_request``.
     """
     req: CompletionRequest = decode_body(completion_request_decoder, body)
+    if always_streams:
+        req.stream = True
     spec = resolve_model(req.model, models, allowed_models)
     _check_completion_unsupported(req)
     common = check_common(req, spec.limits, spec.tokenizer.vocab_size)
@@ -137,13 +140,13 @@ def parse_completion_request(
 
 def parse_request(
     kind: RequestKind, body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None,
-    priority_scheduling: bool = False,
+    priority_scheduling: bool = False, always_streams: bool = False,
 ) -> NormalizedRequest:
     """``parse_chat_request`` or ``parse_completion_request`` by ``kind``. A non-zero
     ``priority`` (vLLM's) is refused unless the server schedules by it, as vLLM does under
     fcfs: the mesh schedules by the key's tier, and dropping it silently would hide that."""
     parse = parse_chat_request if kind == "chat" else parse_completion_request
-    request = parse(body, models, allowed_models=allowed_models)
+    request = parse(body, models, allowed_models=allowed_models, always_streams=always_streams)
     if request.priority:
         if not priority_scheduling:
             unsupported("priority", f"priority {request.priority} is not offered: this server does not schedule by a"
@@ -161,6 +164,4 @@ def parse_ws_request(
 ) -> NormalizedRequest:
     """Validate the body of a WebSocket request; the socket always streams."""
     kind: RequestKind = "chat" if isinstance(message, WsChatRequest) else "completion"
-    request = parse_request(kind, message.body, models, allowed_models=allowed_models)
-    request.stream = True
-    return request
+    return parse_request(kind, message.body, models, allowed_models=allowed_models, always_streams=True)

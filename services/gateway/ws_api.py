@@ -76,7 +76,12 @@ class WsApi:
                     if key is None:
                         raise missing_api_key()
                     if parsed.id in running:
-                        raise ApiError(400, f"request id {parsed.id!r} is already in flight on this socket", "invalid_request_error", "id")
+                        # id null: an error frame under that id would read as the running request's end
+                        duplicate = ApiError(400, f"request id {parsed.id!r} is already in flight on this socket: the"
+                                                  " new request was refused, the running one goes on",
+                                             "invalid_request_error", "id")
+                        await send(duplicate.to_ws(None))
+                        continue
                     request = parse_ws_request(parsed, g.models.specs(), allowed_models=key.models or None)
                 except ApiError as exc:
                     await send(exc.to_ws(_message_id(message.data)))

@@ -171,6 +171,26 @@ async def test_websocket_cancel_reports_the_usage_that_was_billed(gateway: Gatew
     assert usage["completion_tokens"] == received and 10 <= received < 1500
 
 
+async def test_websocket_a_reused_id_is_refused_without_ending_the_running_request(
+        gateway: GatewayService, key: str) -> None:
+    """The refusal carried the running request's id, so a client read it as that request's end."""
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 300, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{gateway.http_url}/v1/ws") as ws:
+        await ws.send_json({"type": "auth", "api_key": key})
+        await ws.send_json({"type": "completion", "id": "a", "body": body})
+        first = await ws.receive_json(timeout=30)
+        assert first["type"] == "token" and first["id"] == "a"
+        await ws.send_json({"type": "completion", "id": "a", "body": body})
+        frames = [await ws.receive_json(timeout=30)]
+        while frames[-1]["type"] != "done":
+            frames.append(await ws.receive_json(timeout=30))
+    refusals = [f for f in frames if f["type"] == "error"]
+    assert len(refusals) == 1 and refusals[0]["id"] is None and refusals[0]["error"]["param"] == "id"
+    assert "already in flight" in refusals[0]["error"]["message"]
+    done = frames[-1]
+    assert done["id"] == "a" and done["usage"]["completion_tokens"] == 300  # the first ran to its end
+
+
 async def test_websocket_cancel_before_placement_still_ends_with_done(gateway: GatewayService, key: str) -> None:
     async with aiohttp.ClientSession() as http, http.ws_connect(f"{gateway.http_url}/v1/ws") as ws:
         await ws.send_json({"type": "auth", "api_key": key})

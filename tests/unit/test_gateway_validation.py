@@ -171,6 +171,16 @@ def test_ws_messages_and_requests() -> None:
     assert req.stream and req.kind == "chat" and req.max_tokens == 3
     msg = parse_ws_message(b'{"type":"completion","id":"c2","body":' + completion() + b"}")
     assert parse_ws_request(msg, MODELS).kind == "completion"  # type: ignore[arg-type]
+    # The socket always streams, so the body is checked as a streamed one: stream_options
+    # without "stream" is fine, and prompt_logprobs (which a stream cannot carry, and the
+    # socket's frames had no field for: computed, then dropped) is vLLM's 400.
+    msg = parse_ws_message(b'{"type":"completion","id":"c3","body":'
+                           + completion(stream_options={"include_usage": True}) + b"}")
+    assert parse_ws_request(msg, MODELS).include_usage  # type: ignore[arg-type]
+    msg = parse_ws_message(b'{"type":"completion","id":"c4","body":' + completion(prompt_logprobs=2) + b"}")
+    with pytest.raises(ApiError) as info:
+        parse_ws_request(msg, MODELS)  # type: ignore[arg-type]
+    assert (info.value.status, info.value.param) == (400, "prompt_logprobs")
     for bad, param in [
         (b'{"type":"cancel","id":""}', "id"),
         (b'{"type":"cancel","id":"' + b"x" * 200 + b'"}', "id"),
