@@ -24,7 +24,7 @@ from bus.keys import KeyStore
 from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
 from proto import ApiKeyRecord, DecodeError, decode
 from services.admission.buckets import Limits, limits_problem
-from services.common.cli_types import add_mesh_arguments
+from services.common.cli_types import MAX_COUNT, add_mesh_arguments
 from services.gateway.apikeys import generate_key, is_valid_key_id, parse_key, redact_key
 
 
@@ -56,6 +56,9 @@ def check_key_options(*, org: str, tier: str, rpm: int | None, tpm: int | None, 
         if value is not None and value < 1:
             raise CliError(f"{flag} must be a whole number ≥ 1, got {value} (leave it out for no limit; "
                            "`meshserve keys revoke` disables a key)", EXIT_USAGE)
+        if value is not None and value > MAX_COUNT:  # a key record is msgpack: 64 bits at most
+            raise CliError(f"{flag} must be at most {MAX_COUNT:,}, got {value} (leave it out for no limit)",
+                           EXIT_USAGE)
     if tier not in tiers:
         raise CliError(f"unknown tier {tier!r}: admission's tiers are {', '.join(tiers)} (if admission runs "
                        "with its own tiers, pass its file with --admission-config)", EXIT_USAGE)

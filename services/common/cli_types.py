@@ -62,6 +62,10 @@ def count(text: str) -> int:
     return _whole(text, 0)
 
 
+# The largest count any flag takes: every count travels in msgpack, which stops at 64 bits.
+MAX_COUNT = 2**63 - 1
+
+
 def _whole(text: str, least: int) -> int:
     try:
         value = int(text)
@@ -69,6 +73,8 @@ def _whole(text: str, least: int) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < least:
         raise argparse.ArgumentTypeError(f"must be {least} or more, not {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT:,}, not {text}")
     return value
 
 

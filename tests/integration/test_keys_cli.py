@@ -68,6 +68,7 @@ def register_worker(nats_url: str, model: str) -> None:
 @pytest.mark.parametrize(("argv", "says"), [
     (["--rpm", "-5"], "--rpm must be a whole number ≥ 1, got -5"),
     (["--tpm", "0"], "--tpm must be a whole number ≥ 1, got 0"),
+    (["--rpm", "100000000000000000000"], "--rpm must be at most 9,223,372,036,854,775,807"),  # msgpack's OverflowError
     (["--tier", "gold"], "unknown tier 'gold': admission's tiers are premium, standard, batch"),
     (["--model", "does-not-exist"], "no worker serves model 'does-not-exist' (served now: none"),
 ])
