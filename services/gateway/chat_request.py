@@ -22,7 +22,7 @@ from .normalized import (
     finish_request,
     resolve_model,
 )
-from .openai_api import ChatCompletionRequest, chat_request_decoder
+from .openai_api import REASONING_EFFORTS, ChatCompletionRequest, chat_request_decoder
 from .sampling_fields import check_common, check_count, invalid, unsupported
 from .tools import ToolPlan, history_fields, plan_tools
 
@@ -93,8 +93,8 @@ def _check_chat_unsupported(req: ChatCompletionRequest) -> None:
         unsupported("prediction", "Predicted outputs are not supported.")
     if req.web_search_options is not None:
         unsupported("web_search_options", "Web search is not supported.")
-    if req.reasoning_effort is not None and req.reasoning_effort not in ("minimal", "low", "medium", "high"):
-        invalid("reasoning_effort", "must be one of 'minimal', 'low', 'medium' or 'high'.")
+    if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
+        invalid("reasoning_effort", f"must be one of {', '.join(map(repr, REASONING_EFFORTS))}.")
     if req.verbosity not in (None, "medium"):
         unsupported("verbosity", "Only verbosity 'medium' (the model's own) is supported.")
 

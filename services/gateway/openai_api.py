@@ -112,6 +112,11 @@ class SamplingFields(Struct, kw_only=True):
     session_id: str | None = None
 
 
+# OpenAI's reasoning efforts, for chat's reasoning_effort and the Responses API's
+# reasoning.effort alike (a template that knows the variable reads it; others ignore it).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None

@@ -31,11 +31,11 @@ import msgspec
 from msgspec import Struct
 
 from .errors import ApiError, bad_request, clip, invalid_json
+from .openai_api import REASONING_EFFORTS
 
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
-_REASONING_EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh"}
 _INPUT_ROLES = {"user", "assistant", "system", "developer"}
 # vLLM's sampling extensions: the chat path takes them under the same names (and
 # refuses or validates them there), so they pass through unchanged rather than being
@@ -162,8 +162,8 @@ def _check(req: ResponsesRequest) -> None:
         _invalid("previous_response_id", f"{clip(req.previous_response_id)!r} is not a response id (resp_...).")
     if req.reasoning is not None:
         effort = req.reasoning.get("effort")
-        if effort is not None and (not isinstance(effort, str) or effort not in _REASONING_EFFORTS):
-            _invalid("reasoning.effort", f"{clip(str(effort))!r} is not one of {sorted(_REASONING_EFFORTS)}.")
+        if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
+            _invalid("reasoning.effort", f"{clip(str(effort))!r} is not one of {', '.join(map(repr, REASONING_EFFORTS))}.")
         for name in ("summary", "generate_summary"):
             if req.reasoning.get(name) is not None:
                 _unsupported(f"reasoning.{name}", "Reasoning summaries are not supported; the reasoning text comes as"
@@ -378,8 +378,12 @@ class ChatPlan:
             param = "input"
         elif param.startswith("response_format"):
             param = "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
-        else:
-            param = _CHAT_PARAMS.get(param, param)
+        elif param in _CHAT_PARAMS:
+            # A field of another name: the message names the one the client sent too
+            # ("Invalid 'max_completion_tokens'" read oddly for a max_output_tokens of 0).
+            param = _CHAT_PARAMS[param]
+            return ApiError(exc.status, exc.message.replace(f"'{exc.param}'", f"'{param}'"), exc.type, param,
+                            exc.code, exc.retry_after)
         return ApiError(exc.status, exc.message, exc.type, param, exc.code, exc.retry_after)
 
 

@@ -144,6 +144,10 @@ async def test_errors_are_openai_4xx_naming_the_responses_field(client: openai.A
     with pytest.raises(openai.BadRequestError) as zero:
         await client.responses.create(model=MODEL, input="x", max_output_tokens=0)
     assert zero.value.body["param"] == "max_output_tokens"  # type: ignore[index]
+    assert "max_completion_tokens" not in zero.value.body["message"]  # type: ignore[index]
+    # An effort the Responses API takes is one chat takes too (it was a 400 naming reasoning_effort).
+    assert (await client.responses.create(model=MODEL, input="x", max_output_tokens=3,
+                                          reasoning={"effort": "xhigh"})).status == "incomplete"
     with pytest.raises(openai.BadRequestError) as too_long:
         await client.responses.create(model=MODEL, input="x", max_output_tokens=10**6)
     assert too_long.value.code == "context_length_exceeded" and too_long.value.body["param"] == "input"  # type: ignore[index]

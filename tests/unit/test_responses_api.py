@@ -194,6 +194,13 @@ def test_chat_errors_come_back_naming_the_responses_field() -> None:
     assert mapped("response_format") == "text.format"
     assert mapped("tools[0].function.parameters") == "tools[0].parameters"
     assert mapped("temperature") == "temperature"
+    # the message names the Responses field too
+    renamed = p.api_error(ApiError(400, "Invalid 'max_completion_tokens': must be at least 1.",
+                                   param="max_completion_tokens"))
+    assert renamed.message == "Invalid 'max_output_tokens': must be at least 1."
+    # chat and Responses take the same efforts ("none" and "xhigh" passed one and failed the other)
+    for effort in ("none", "xhigh"):
+        assert plan({"model": "m", "input": "x", "reasoning": {"effort": effort}}).body["reasoning_effort"] == effort
     error = p.api_error(ApiError(404, "no model", param="model", code="model_not_found"))
     assert (error.status, error.param, error.code, error.message) == (404, "model", "model_not_found", "no model")
 
@@ -453,7 +460,9 @@ def test_any_body_is_a_chat_request_or_a_4xx(body: dict[str, Any], history: list
         parse_request("chat", encode_json(p.body), MODELS)
     except ApiError as exc:
         mapped = p.api_error(exc)
-        assert 400 <= mapped.status < 500 and mapped.message == exc.message
+        assert 400 <= mapped.status < 500
+        assert mapped.message == exc.message or exc.param in ("max_completion_tokens", "max_tokens", "session_id",
+                                                              "reasoning_effort", "logprobs")
 
 
 # -------------------------------------------------------------- the store, the option
