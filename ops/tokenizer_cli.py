@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.common.cli_types import add_nats_url_argument, subject_root
+from services.common.cli_types import add_nats_url_argument, positive_seconds, subject_root
 from services.common.tokenizer import (
     BYTE_SPECIALS,
     ByteTokenizer,
@@ -67,7 +67,7 @@ def add_parser(subparsers: Any) -> None:
                         help="model_max_length to record (default: what the model's workers register)")
     add_nats_url_argument(export)
     export.add_argument("--root", type=subject_root, default=None, help="subject root (env MESHSERVE_ROOT)")
-    export.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the mesh")
+    export.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds to wait for the mesh")
     export.set_defaults(func=run_export)
 
 
