@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.common.cli_types import add_nats_url_argument, positive_seconds, subject_root
+from services.common.cli_types import add_nats_url_argument, positive_int, positive_seconds, subject_root
 from services.common.tokenizer import (
     BYTE_SPECIALS,
     ByteTokenizer,
@@ -63,7 +63,7 @@ def add_parser(subparsers: Any) -> None:
     export.add_argument("--model", required=True, type=_model_name, help="the model name clients send")
     export.add_argument("--tokenizer", default=None, metavar="byte|DIR",
                         help="skip the mesh lookup: byte (the sim models') or a directory with tokenizer.json")
-    export.add_argument("--max-model-len", type=int, default=None,
+    export.add_argument("--max-model-len", type=positive_int, default=None,
                         help="model_max_length to record (default: what the model's workers register)")
     add_nats_url_argument(export)
     export.add_argument("--root", type=subject_root, default=None, help="subject root (env MESHSERVE_ROOT)")

@@ -26,7 +26,7 @@ from proto.metering import (
     UsageRow,
     check_query,
 )
-from services.common.cli_types import add_nats_url_argument, positive_seconds, subject_root
+from services.common.cli_types import add_nats_url_argument, positive_int, positive_seconds, subject_root
 from services.common.usage import parse_time, usage_report_json
 
 
@@ -45,7 +45,7 @@ def add_parser(subparsers: Any) -> None:
     usage.add_argument("--until", default=None, help="to (exclusive), same forms; default now")
     usage.add_argument("--group-by", default=",".join(DEFAULT_GROUP_BY),
                        help=f"comma-separated from {','.join(GROUP_BY_VALUES)} (empty: one total)")
-    usage.add_argument("--limit", type=int, default=1000, help=f"rows at most (up to {MAX_ROWS})")
+    usage.add_argument("--limit", type=positive_int, default=1000, help=f"rows at most (up to {MAX_ROWS})")
     usage.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
     usage.add_argument("--timeout", type=positive_seconds, default=10.0, help="seconds to wait for the metering service")
     usage.set_defaults(func=run_usage)

@@ -14,9 +14,11 @@ from ops.bench.config import WORKLOADS, BenchConfig, EndpointConfig, WorkloadCon
 from ops.bench.results import SLOSpec
 from ops.bench.workload import MAX_LENGTH, LengthDist
 from services.common.cli_types import (
+    count,
     fraction,
     non_negative_seconds,
     positive_int,
+    positive_number,
     positive_seconds,
     subject_root,
 )
@@ -106,16 +108,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="CLOSED LOOP instead: keep this many requests in flight")
     g.add_argument("--arrival", choices=(*ARRIVAL_KINDS, "trace"), default=None,
                    help="arrival process (default poisson; trace for the trace workload)")
-    g.add_argument("--burst-size", type=int, default=8, help="requests per burst (--arrival burst)")
-    g.add_argument("--burstiness", type=float, default=1.0,
+    g.add_argument("--burst-size", type=positive_int, default=8, help="requests per burst (--arrival burst)")
+    g.add_argument("--burstiness", type=positive_number, default=1.0,
                    help="gamma shape (--arrival gamma): 1 = Poisson, <1 burstier")
-    g.add_argument("-n", "--num-requests", type=int, default=None,
+    g.add_argument("-n", "--num-requests", type=positive_int, default=None,
                    help="requests per run (default 100 unless --duration is given)")
-    g.add_argument("--duration", type=float, default=None, help="seconds of sending per run")
-    g.add_argument("--request-timeout", type=float, default=300.0)
-    g.add_argument("--drain-timeout", type=float, default=None,
+    g.add_argument("--duration", type=positive_seconds, default=None, help="seconds of sending per run")
+    g.add_argument("--request-timeout", type=positive_seconds, default=300.0)
+    g.add_argument("--drain-timeout", type=non_negative_seconds, default=None,
                    help="after the last arrival, wait this long for in-flight requests (default: request timeout + 1 s)")
-    g.add_argument("--warmup", type=int, default=0, help="unmeasured requests per endpoint first")
+    g.add_argument("--warmup", type=count, default=0, help="unmeasured requests per endpoint first")
     g.add_argument("--cooldown", type=non_negative_seconds, default=0.0, help="pause between runs (s)")
     g.add_argument("--seed", type=int, default=0)
 
@@ -134,7 +136,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="multi-turn: resend synthetic replies (exact lengths) or the real ones")
     g.add_argument("--trace", help="JSONL trace: timestamp, input_tokens|text, output_tokens")
     g.add_argument("--trace-time-unit", choices=("s", "ms", "us"), default="s")
-    g.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash_id block")
+    g.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per trace hash_id block")
     g.add_argument("--tokenizer", default="byte",
                    help="'byte' (meshserve sim) or a local HF tokenizer directory; prompt lengths are exact in it")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",

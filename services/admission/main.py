@@ -19,7 +19,7 @@ import argparse
 
 from bus import RunOptions, run_service
 from bus.config import default_of, given
-from services.common.cli_types import port_number
+from services.common.cli_types import port_number, positive_seconds
 
 from .buckets import LimiterConfig
 from .config import AdmissionConfig, load_config
@@ -33,13 +33,13 @@ _OPTIONS = {"burst": "burst_s", "reservation_ttl": "reservation_ttl_s", "lease_t
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults come from the config (None here: not given); the help quotes them.
     parser.add_argument("--config", default=None, help="JSON or TOML file: tiers, burst, reservation TTL, SLO model")
-    parser.add_argument("--burst", type=float, default=None,
+    parser.add_argument("--burst", type=positive_seconds, default=None,
                         help="seconds of a key's per-minute budget it may spend at once "
                              f"(default {default_of(LimiterConfig, 'burst_s'):g})")
-    parser.add_argument("--reservation-ttl", type=float, default=None,
+    parser.add_argument("--reservation-ttl", type=positive_seconds, default=None,
                         help="seconds before a reservation with no usage event is charged in full "
                              f"(default {default_of(LimiterConfig, 'reservation_ttl_s'):g})")
-    parser.add_argument("--lease-ttl", type=float, default=None,
+    parser.add_argument("--lease-ttl", type=positive_seconds, default=None,
                         help="seconds a dead leader's lease outlives it before a standby takes over "
                              f"(default {default_of(AdmissionConfig, 'lease_ttl_s'):g}); renewed every third of it")
     parser.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")

@@ -12,6 +12,7 @@ import os
 import sys
 
 from bus import RunOptions, run_service
+from services.common.cli_types import positive_int, positive_seconds
 
 LEDGER_URL_ENV = "MESHSERVE_LEDGER_URL"
 PRICES_ENV = "MESHSERVE_PRICES"
@@ -26,10 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prices", default=None,
                         help=f"price table, JSON or .toml (env {PRICES_ENV}; default: every model costs zero)")
     parser.add_argument("--durable", default="metering", help="name of the durable JetStream consumer on USAGE")
-    parser.add_argument("--batch-size", type=int, default=256, help="events per fetch and per ledger transaction")
-    parser.add_argument("--max-ack-pending", type=int, default=2048, help="events held unacked at most (consumer-wide)")
-    parser.add_argument("--ack-wait", type=float, default=30.0, help="seconds before an unacked event is redelivered")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds the batch in progress gets on SIGTERM")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="events per fetch and per ledger transaction")
+    parser.add_argument("--max-ack-pending", type=positive_int, default=2048, help="events held unacked at most (consumer-wide)")
+    parser.add_argument("--ack-wait", type=positive_seconds, default=30.0, help="seconds before an unacked event is redelivered")
+    parser.add_argument("--drain-timeout", type=positive_seconds, default=30.0, help="seconds the batch in progress gets on SIGTERM")
 
 
 def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]

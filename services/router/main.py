@@ -18,7 +18,7 @@ import argparse
 
 from bus import RunOptions, run_service
 from bus.config import default_of, given
-from services.common.cli_types import port_number
+from services.common.cli_types import port_number, positive_seconds
 
 from .config import RouterServiceConfig, load_config
 from .policy import POLICIES, PolicyConfig
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default policy for models the config does not name "
                              f"(default: the config's, else {default_of(PolicyConfig, 'policy')})")
     parser.add_argument("--config", default=None, help="JSON or TOML file: per-model policies, aliases, cascades")
-    parser.add_argument("--forward-timeout", type=float, default=None,
+    parser.add_argument("--forward-timeout", type=positive_seconds, default=None,
                         help="seconds a worker gets to accept a request before the next one is tried "
                              f"(default {default_of(RouterServiceConfig, 'forward_timeout_s'):g})")
     parser.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and candidate sampling")

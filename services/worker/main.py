@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from bus import RunOptions, run_service, run_services
-from services.common.cli_types import port_number
+from services.common.cli_types import (
+    non_negative_number,
+    non_negative_seconds,
+    port_number,
+    positive_int,
+    positive_number,
+    positive_seconds,
+)
 from services.common.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 from .engines.hosted import LOAD_PRESETS
@@ -92,21 +99,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parsers.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                          help="splits <think> reasoning into reasoning_content (default: none)")
     stream = parser.add_argument_group("streaming")
-    stream.add_argument("--coalesce-ms", type=float, default=20.0, help="longest a generated token waits before its chunk is sent")
-    stream.add_argument("--coalesce-tokens", type=int, default=16, help="a chunk goes out once this many tokens wait")
-    stream.add_argument("--max-messages-per-s", type=float, default=1000.0,
+    stream.add_argument("--coalesce-ms", type=non_negative_number, default=20.0, help="longest a generated token waits before its chunk is sent")
+    stream.add_argument("--coalesce-tokens", type=positive_int, default=16, help="a chunk goes out once this many tokens wait")
+    stream.add_argument("--max-messages-per-s", type=positive_number, default=1000.0,
                         help="chunk messages per second the whole worker may send; the interval widens at large batches")
     stream.add_argument("--gauge-interval", type=float, default=0.25, help="seconds between gauge publishes")
     stream.add_argument("--gauge-min-interval", type=float, default=0.0,
                         help="a change (an arrival, an end) publishes a gauge at once, but no sooner than this many"
                              " seconds after the last (fewer gauges in a large fleet at high rates; default 0: off)")
-    stream.add_argument("--chunk-retention", type=float, default=10.0,
+    stream.add_argument("--chunk-retention", type=non_negative_seconds, default=10.0,
                         help="seconds a request's published chunks are kept after it ends, for a gateway that lost"
                              " one to ask again (0: keep none; a lost chunk then costs a stall and a migration)")
     stream.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics with vLLM's names on this port (0: any free port)")
     stream.add_argument("--metrics-host", default="127.0.0.1")
-    stream.add_argument("--drain-timeout", type=float, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
+    stream.add_argument("--drain-timeout", type=positive_seconds, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

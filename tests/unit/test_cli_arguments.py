@@ -266,7 +266,20 @@ NUMBER_FLAGS = [
     (["make-tiny-model", "DIR"], "--hidden-size", "-128"),
     (["calibrate"], "--kv-heads", "0"),
     (["status"], "--decisions", "100000000000000000000"),
-    (["tokenizer", "export", "DIR", "--model", "m"], "--timeout", "0"),  # read as "cannot reach the mesh"  # past msgpack's 64 bits: an OverflowError after connecting
+    (["tokenizer", "export", "DIR", "--model", "m"], "--timeout", "0"),  # read as "cannot reach the mesh"
+    (["serve", "metering"], "--drain-timeout", "nan"),
+    (["serve", "metering"], "--batch-size", "0"),
+    (["serve", "router"], "--forward-timeout", "0"),
+    (["serve", "admission"], "--burst", "nan"),
+    (["serve", "admission"], "--lease-ttl", "-1"),
+    (["serve", "worker"], "--coalesce-ms", "nan"),
+    (["serve", "worker"], "--max-messages-per-s", "0"),
+    (["serve", "worker"], "--chunk-retention", "nan"),
+    (["serve", "worker"], "--drain-timeout", "inf"),
+    (["usage"], "--limit", "0"),
+    (["bench"], "--duration", "nan"),
+    (["bench"], "--request-timeout", "0"),
+    (["bench"], "--warmup", "-1"),  # past msgpack's 64 bits: an OverflowError after connecting
 ]
 
 
