@@ -280,8 +280,8 @@ def test_serve_arguments_build_the_config(tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize(
     "argv",
-    [("--ledger-url", "mysql://db/x"), ("--batch-size", "0"), ("--max-ack-pending", "10"), ("--ack-wait", "0"),
-     ("--prices", "/nonexistent/prices.toml")],
+    # (--batch-size 0 and --ack-wait 0 are the parser's: tests/unit/test_cli_arguments.py)
+    [("--ledger-url", "mysql://db/x"), ("--max-ack-pending", "10"), ("--prices", "/nonexistent/prices.toml")],
 )
 def test_serve_refuses_bad_arguments_before_connecting(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     from services.metering.main import run
