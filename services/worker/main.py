@@ -19,6 +19,8 @@ from typing import Any
 
 from bus import RunOptions, run_service, run_services
 from services.common.cli_types import (
+    count,
+    fraction,
     non_negative_number,
     non_negative_seconds,
     port_number,
@@ -43,27 +45,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--speed", type=float, default=None, help="simulation speed factor; 1.0 = real time")
     sim.add_argument("--seed", type=int, default=None)
     echo = parser.add_argument_group("echo engine (--engine echo)")
-    echo.add_argument("--echo-tokens-per-s", type=float, default=None, help="tokens a second per request (default 1000)")
-    echo.add_argument("--echo-interval-ms", type=float, default=None,
+    echo.add_argument("--echo-tokens-per-s", type=positive_number, default=None, help="tokens a second per request (default 1000)")
+    echo.add_argument("--echo-interval-ms", type=positive_number, default=None,
                       help="time between a request's outputs; each carries the tokens due (default 10)")
     engine = parser.add_argument_group("engine arguments (vLLM meaning)")
-    engine.add_argument("--max-num-seqs", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--block-size", type=int, default=None)
-    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from the memory budget)")
+    engine.add_argument("--max-num-seqs", type=positive_int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    engine.add_argument("--max-model-len", type=positive_int, default=None)
+    engine.add_argument("--block-size", type=positive_int, default=None)
+    engine.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks (default: from the memory budget)")
     engine.add_argument("--lora-adapters", default="",
                         help="comma-separated adapters to serve: names (sim), name=path (vllm)")
-    engine.add_argument("--max-loras", type=int, default=None,
+    engine.add_argument("--max-loras", type=count, default=None,
                         help="GPU slots for adapters loaded at run time (sim default 0: only --lora-adapters)")
-    engine.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (≥ --max-loras)")
-    engine.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank a slot takes (16)")
+    engine.add_argument("--max-cpu-loras", type=count, default=None, help="adapters kept in host memory (≥ --max-loras)")
+    engine.add_argument("--max-lora-rank", type=positive_int, default=None, help="the largest adapter rank a slot takes (16)")
     vllm = parser.add_argument_group("vLLM engine (--engine vllm; vLLM's names and meaning, unset keeps vLLM's default)")
     vllm.add_argument("--model-dir", default=None, help="weights directory (or hub id); --model is then only the routed name")
     vllm.add_argument("--served-model-name", default=None, help="routed name (default: --model, as vLLM)")
-    vllm.add_argument("--gpu-memory-utilization", type=float, default=None)
+    vllm.add_argument("--gpu-memory-utilization", type=fraction, default=None)
     vllm.add_argument("--kv-cache-dtype", default=None, help="auto, fp8, fp8_e4m3, fp8_e5m2, ...")
-    vllm.add_argument("--tensor-parallel-size", type=int, default=None)
+    vllm.add_argument("--tensor-parallel-size", type=positive_int, default=None)
     vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     vllm.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
     vllm.add_argument("--dtype", default=None, help="auto, bfloat16, float16, float32")
@@ -71,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
     vllm.add_argument("--kv-events", choices=["auto", "engine", "predicted"], default=None,
                       help="engine: vLLM's KV-event publisher; predicted: model the cache from served requests")
-    vllm.add_argument("--cpu-kvcache-space", type=int, default=None, help="GiB of KV cache on vLLM's CPU build")
+    vllm.add_argument("--cpu-kvcache-space", type=positive_int, default=None, help="GiB of KV cache on vLLM's CPU build")
     vllm.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                       help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")
     vllm.add_argument("--engine-config", default=None, metavar="FILE",
@@ -81,15 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     host.add_argument("--host-models", default="", metavar="NAME[=GIB],...",
                       help="the models this host may hold, with their weights in GiB (sim; default: the profile's);"
                            " vllm: NAME=DIR. Replaces --model: one worker entry per model")
-    host.add_argument("--host-memory-gib", type=float, default=None,
+    host.add_argument("--host-memory-gib", type=positive_number, default=None,
                       help="memory the resident models share (default: room for two of the largest)")
-    host.add_argument("--kv-gib", type=float, default=0.0, help="memory each resident model's KV cache takes beside its weights")
+    host.add_argument("--kv-gib", type=non_negative_number, default=0.0, help="memory each resident model's KV cache takes beside its weights")
     host.add_argument("--load-from", choices=sorted(LOAD_PRESETS), default="nvme",
                       help="where weights load from: " + ", ".join(f"{k} {v:g} GB/s" for k, v in LOAD_PRESETS.items()))
-    host.add_argument("--load-gb-per-s", type=float, default=None, help="the load bandwidth, overriding --load-from")
-    host.add_argument("--load-overhead-s", type=float, default=2.0,
+    host.add_argument("--load-gb-per-s", type=positive_number, default=None, help="the load bandwidth, overriding --load-from")
+    host.add_argument("--load-overhead-s", type=non_negative_seconds, default=2.0,
                       help="engine start-up on top of the transfer (sim: simulated seconds)")
-    host.add_argument("--idle-unload-s", type=float, default=0.0,
+    host.add_argument("--idle-unload-s", type=non_negative_seconds, default=0.0,
                       help="unload a model idle this long unless pinned (scale to zero per model; 0: only evict)")
     host.add_argument("--preload", default="", metavar="NAME,...", help="models loaded at start")
     parsers = parser.add_argument_group("output parsers (vLLM's names; the gateway applies them to this model's text)")
