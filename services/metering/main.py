@@ -37,10 +37,8 @@ def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from .prices import load_prices
     from .service import MeteringConfig
 
-    if args.batch_size < 1 or args.max_ack_pending < args.batch_size:
-        raise ValueError("--batch-size must be >= 1 and --max-ack-pending >= --batch-size")
-    if args.ack_wait <= 0:
-        raise ValueError("--ack-wait must be > 0")
+    if args.max_ack_pending < args.batch_size:  # (each ≥ 1, the ack wait > 0: the parser's types)
+        raise ValueError("--max-ack-pending must be >= --batch-size")
     return MeteringConfig(
         ledger_url=args.ledger_url or os.environ.get(LEDGER_URL_ENV) or None,
         prices=load_prices(args.prices or os.environ.get(PRICES_ENV) or None),

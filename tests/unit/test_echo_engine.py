@@ -120,6 +120,5 @@ def test_worker_flags_build_its_options_and_refuse_bad_values() -> None:
     args = parser.parse_args(["--engine", "echo", "--model", "echo", "--echo-tokens-per-s", "2500",
                               "--echo-interval-ms", "5", "--max-num-seqs", "64", "--speed", "50"])
     assert engine_options(args) == {"model": "echo", "tokens_per_s": 2500.0, "interval_s": 0.005, "max_num_seqs": 64}
-    bad = parser.parse_args(["--engine", "echo", "--echo-tokens-per-s", "0"])
-    with pytest.raises(SystemExit, match="echo-tokens-per-s"):
-        engine_options(bad)
+    with pytest.raises(SystemExit):  # the parser's refusal (exit 2, the flag named)
+        parser.parse_args(["--engine", "echo", "--echo-tokens-per-s", "0"])
