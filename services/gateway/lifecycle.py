@@ -50,7 +50,7 @@ from proto import (
 
 from .errors import from_admission, from_mesh_error, overloaded
 from .migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration, replica_wait
-from .normalized import NormalizedRequest
+from .normalized import NormalizedRequest, check_prompt_logprobs
 from .openai_api import new_request_id
 from .output import ChoiceAssembler
 from .streams import RequestStream
@@ -129,6 +129,10 @@ class ActiveRequest:
     async def start(cls, gateway: GatewayService, request: NormalizedRequest, key: ApiKeyRecord, *,
                     parent: Any = None, resumable: bool = False) -> ActiveRequest:
         """Admit, place and start streaming one request; raises ApiError when it cannot."""
+        # The parsers sized this for meshserve's own bus; on a smaller one, refuse it here
+        # rather than after the prefill (the worker's 400 when the chunk does not fit).
+        check_prompt_logprobs(request.kind, request.sampling.prompt_logprobs, request.prompt_tokens,
+                              gateway.bus.max_payload)
         if gateway.streams_in_flight >= gateway.config.max_in_flight:
             raise overloaded(f"gateway {gateway.gateway_id} is at its in-flight limit", retry_after=1.0, status=429,
                              code="overloaded")

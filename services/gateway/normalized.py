@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Struct
 
 from proto.hashing import pack_tokens
-from proto.messages import GenerateRequest, SamplingParams
+from proto.messages import MESH_MAX_PAYLOAD, GenerateRequest, SamplingParams
 from proto.records import OutputOptions
 
 from .errors import ApiError, bad_request, clip, invalid_json, model_not_found, tokenizer_failed
@@ -256,7 +256,7 @@ def finish_request(
         raise bad_request("The prompt is empty after tokenization.", "messages" if kind == "chat" else "prompt",
                           "invalid_value")
     max_tokens = _resolve_max_tokens(kind, max_param, requested_max, len(prompt), spec.limits)
-    _check_prompt_logprobs(kind, common.get("prompt_logprobs"), len(prompt))
+    check_prompt_logprobs(kind, common.get("prompt_logprobs"), len(prompt))
     min_tokens = req.min_tokens
     if min_tokens is not None:
         if min_tokens < 0:
@@ -290,15 +290,19 @@ def finish_request(
 MAX_PROMPT_LOGPROB_ENTRIES = 200_000
 
 
-def _check_prompt_logprobs(kind: RequestKind, per_token: int | None, prompt_tokens: int) -> None:
+def check_prompt_logprobs(kind: RequestKind, per_token: int | None, prompt_tokens: int,
+                          max_payload: int = MESH_MAX_PAYLOAD) -> None:
+    """The parsers check against meshserve's own bus; the gateway again against a smaller
+    one it finds itself on (NATS's 1 MB default), before any engine works on it."""
     if per_token is None:
         return
     entries = prompt_tokens * (per_token + 1)
-    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+    limit = MAX_PROMPT_LOGPROB_ENTRIES * min(max_payload, MESH_MAX_PAYLOAD) // MESH_MAX_PAYLOAD
+    if entries > limit:
         field_name = "messages" if kind == "chat" else "prompt"
         raise bad_request(
             f"prompt_logprobs={per_token} over {prompt_tokens} prompt tokens asks for {entries:,} log"
-            f" probabilities; one response carries at most {MAX_PROMPT_LOGPROB_ENTRIES:,}. Ask for fewer"
+            f" probabilities; one response carries at most {limit:,}. Ask for fewer"
             f" per token or shorten the {field_name}.",
             "prompt_logprobs",
             "invalid_value",
