@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="", help="stable id (default: model-host-pid)")
     sim = parser.add_argument_group("sim engine")
     sim.add_argument("--profile", default=None, help="step-time profile name or JSON path (default: llama-3.1-8b-h100)")
-    sim.add_argument("--speed", type=float, default=None, help="simulation speed factor; 1.0 = real time")
+    sim.add_argument("--speed", type=positive_number, default=None, help="simulation speed factor; 1.0 = real time")
     sim.add_argument("--seed", type=int, default=None)
     echo = parser.add_argument_group("echo engine (--engine echo)")
     echo.add_argument("--echo-tokens-per-s", type=positive_number, default=None, help="tokens a second per request (default 1000)")
@@ -105,8 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--coalesce-tokens", type=positive_int, default=16, help="a chunk goes out once this many tokens wait")
     stream.add_argument("--max-messages-per-s", type=positive_number, default=1000.0,
                         help="chunk messages per second the whole worker may send; the interval widens at large batches")
-    stream.add_argument("--gauge-interval", type=float, default=0.25, help="seconds between gauge publishes")
-    stream.add_argument("--gauge-min-interval", type=float, default=0.0,
+    stream.add_argument("--gauge-interval", type=positive_seconds, default=0.25, help="seconds between gauge publishes")
+    stream.add_argument("--gauge-min-interval", type=non_negative_seconds, default=0.0,
                         help="a change (an arrival, an end) publishes a gauge at once, but no sooner than this many"
                              " seconds after the last (fewer gauges in a large fleet at high rates; default 0: off)")
     stream.add_argument("--chunk-retention", type=non_negative_seconds, default=10.0,
@@ -220,8 +220,8 @@ def run(args: argparse.Namespace) -> int:
     from .engines.base import create_engine
     from .service import WorkerConfig, WorkerService
 
-    if not 0 <= args.gauge_min_interval <= args.gauge_interval or args.gauge_interval <= 0:
-        raise SystemExit("--gauge-interval must be more than 0 seconds and --gauge-min-interval between 0 and it,"
+    if args.gauge_min_interval > args.gauge_interval:  # (each finite and in range: the parser's types)
+        raise SystemExit("--gauge-min-interval must lie between 0 and --gauge-interval,"
                          f" got {args.gauge_interval} and {args.gauge_min_interval}")
     if args.engine == "vllm" and not vllm_importable():
         # Before connecting: it failed only after start-up, with a ModuleNotFoundError traceback.
