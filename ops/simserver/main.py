@@ -16,7 +16,7 @@ import signal
 from typing import Any
 
 from ops.console import EXIT_USAGE, CliError
-from services.common.cli_types import port_number, positive_number
+from services.common.cli_types import port_number, positive_int, positive_number
 
 
 def add_parser(subparsers: Any) -> None:
@@ -30,11 +30,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--profile", default=None, help="step-time profile name or JSON path (default: llama-3.1-8b-h100)")
     p.add_argument("--speed", type=positive_number, default=1.0, help="simulated seconds per wall second (1.0 = real time)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated text (and of --error-rate's draws)")
-    p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the profile's, 16)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from the memory budget)")
+    p.add_argument("--block-size", type=positive_int, default=None, help="KV block size in tokens (default: the profile's, 16)")
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks (default: from the memory budget)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="vLLM's: priority runs a request's `priority` (lower first) ahead of arrival order;"
@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="ZMQ ROUTER endpoint (bound) that replays past KV event batches from a sequence number")
     p.add_argument("--kv-events-topic", default="", help="topic frame of every KV event message (vLLM's default: empty)")
-    p.add_argument("--kv-events-buffer", type=int, default=10_000, help="KV event batches kept for replay")
+    p.add_argument("--kv-events-buffer", type=positive_int, default=10_000, help="KV event batches kept for replay")
     p.add_argument("--error-rate", type=float, default=0.0,
                    help="fraction of generation requests answered with an injected 500 (tests; 0 to 1)")
     p.add_argument("--request-log", default=None, metavar="FILE",
@@ -61,18 +61,11 @@ def _check(args: argparse.Namespace) -> None:
     def bad(message: str) -> None:
         raise CliError(message, EXIT_USAGE)
 
-    if not args.speed > 0:
-        bad("--speed must be positive")
+    # (speed, sizes and counts: the parser's types)
     if not 0.0 <= args.error_rate <= 1.0:
         bad("--error-rate must be between 0 and 1")
-    if args.kv_events_buffer < 1:
-        bad("--kv-events-buffer must be at least 1")
     if args.kv_events_replay and not args.kv_events:
         bad("--kv-events-replay needs --kv-events")
-    for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            bad(f"--{name.replace('_', '-')} must be at least 1")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -262,6 +262,8 @@ NUMBER_FLAGS = [
     (["up"], "--timeout", "0"),
     (["up"], "--timeout", "nan"),
     (["sim-server"], "--speed", "inf"),
+    (["sim-server"], "--num-kv-blocks", "0"),
+    (["sim-server"], "--kv-events-buffer", "0"),
     (["make-tiny-model", "DIR"], "--heads", "0"),
     (["make-tiny-model", "DIR"], "--hidden-size", "-128"),
     (["calibrate"], "--kv-heads", "0"),
