@@ -111,7 +111,7 @@ def test_a_child_that_dies_at_start_up_is_reported_with_its_last_words(tmp_path:
     text = run.text()
     assert code == 1, text
     assert "exited during start-up: worker-1 (exit 2)" in text, text
-    assert "invalid int value" in text, text  # the worker's own error line
+    assert "not a whole number: 'not-a-number'" in text, text  # the worker's own error line
     assert "meshserve is up" not in text
 
 

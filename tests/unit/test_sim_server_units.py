@@ -165,13 +165,19 @@ def test_a_bad_return_error_header_is_a_400(value: str) -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--speed", "0"], ["--error-rate", "1.5"], ["--block-size", "0"],  # --port: test_cli_arguments.py
-    ["--kv-events-replay", "tcp://127.0.0.1:5999"], ["--profile", "no-such-profile"],
-])
+    ["--error-rate", "1.5"], ["--kv-events-replay", "tcp://127.0.0.1:5999"], ["--profile", "no-such-profile"],
+])  # (--speed 0, --block-size 0, --port: the parser's, test_cli_arguments.py)
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim-server", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshserve sim-server: ") and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--speed", "0"], ["--block-size", "0"]])
+def test_bad_numbers_are_the_parsers_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["sim-server", *argv])
+    assert info.value.code == 2 and f"argument {argv[0]}:" in capsys.readouterr().err
 
 
 def test_the_subcommand_is_wired() -> None:
