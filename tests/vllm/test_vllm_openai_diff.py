@@ -247,6 +247,9 @@ async def mesh_token_ids(servers: Servers, kind: str, body: dict[str, Any]) -> d
     """The token ids meshserve generates for ``body``, per choice, from its WebSocket events
     (the same request path as HTTP; the OpenAI shapes carry no ids)."""
     ids: dict[int, list[int]] = defaultdict(list)
+    # The socket streams, and a stream carries no prompt logprobs (vLLM's 400): they do not
+    # change the tokens generated.
+    body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
     async with aiohttp.ClientSession() as http, http.ws_connect(
             servers.ws_url, headers={"Authorization": f"Bearer {servers.key}"}) as ws:
         await ws.send_json({"type": kind, "id": "diff", "body": {"model": MODEL, **body}})
