@@ -10,14 +10,13 @@ from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
+from proto import PayloadTooLarge
+
 from .errors import ApiError, bad_request, internal_error, payload_too_large
 from .events import DONE, EventBuilder
 from .lifecycle import ActiveRequest
 from .openai_api import RequestKind
 from .validation import parse_request
-
-# headroom for the reply's own headers (and nats-py's framing) below max_payload
-REPLY_HEADER_ROOM = 1024
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +65,13 @@ class NatsApi:
             if not request.stream:
                 try:
                     body = await active.collect()
-                    if len(body) + REPLY_HEADER_ROOM > nc.max_payload:
-                        # nats-py would raise, and the caller wait for its timeout
+                    try:  # unchecked, nats-py raises and the caller waits for its timeout
+                        g.bus.check_payload(body, msg.reply)
+                    except PayloadTooLarge:
                         raise bad_request(
                             f"The response is {len(body):,} bytes, more than one NATS message carries here"
                             f" (max_payload {nc.max_payload:,}). Ask for fewer log probabilities or tokens,"
-                            " stream it, or use the HTTP API.", None, "response_too_large")
+                            " stream it, or use the HTTP API.", None, "response_too_large") from None
                     await nc.publish(msg.reply, body)
                 except ApiError as exc:
                     await nc.publish(msg.reply, exc.to_json(), headers=error_headers(exc))
