@@ -26,7 +26,7 @@ from services.common.cli_types import (
 MAX_TURNS = 10_000  # a conversation's history past this outgrows any context
 
 
-def time_dist(spec: str) -> str:
+def _checked_dist(spec: str, most: int | None = None, beyond: str = "") -> str:
     """A distribution spec, checked here so a typo fails before anything connects."""
     try:
         dist = LengthDist.parse(spec)
@@ -34,21 +34,21 @@ def time_dist(spec: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if min(dist.a, dist.largest) < 0:
         raise argparse.ArgumentTypeError(f"{spec!r}: must not be negative")
+    if most is not None and dist.largest > most:
+        raise argparse.ArgumentTypeError(f"{spec!r}: more than {most:,} {beyond}")
     return spec
+
+
+def time_dist(spec: str) -> str:
+    return _checked_dist(spec)
 
 
 def turns_dist(spec: str) -> str:
-    time_dist(spec)
-    if LengthDist.parse(spec).largest > MAX_TURNS:
-        raise argparse.ArgumentTypeError(f"{spec!r}: more than {MAX_TURNS:,} turns a session")
-    return spec
+    return _checked_dist(spec, MAX_TURNS, "turns a session")
 
 
 def token_dist(spec: str) -> str:
-    time_dist(spec)
-    if LengthDist.parse(spec).largest > MAX_LENGTH:
-        raise argparse.ArgumentTypeError(f"{spec!r}: more than {MAX_LENGTH:,} tokens, longer than any model's context")
-    return spec
+    return _checked_dist(spec, MAX_LENGTH, "tokens, longer than any model's context")
 
 
 EPILOG = """\
