@@ -54,6 +54,12 @@ class Choice:
     undeliverable: str = ""  # why a chunk of it could not be sent
     tail: tuple[list[int], str, list[TokenLogprob] | None] = field(default_factory=lambda: ([], "", None))
 
+    @property
+    def failed(self) -> bool:
+        """Whether this choice fails its request (an error anywhere fails all n)."""
+        return bool(self.error_text or self.undeliverable
+                    or self.last is None or self.last.finish_reason in (None, "error"))
+
 
 def request_choices(request: GenerateRequest, prompt: list[int]) -> list[Choice]:
     """The engine requests of ``request``: itself when n = 1; else one per unfinished

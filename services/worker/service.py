@@ -407,7 +407,7 @@ class WorkerService(Service):
         finish = choice.last.finish_reason if choice.last is not None and choice.last.finish_reason else "error"
         end = TokenChunk(
             request_id=request.request_id, seq=0, index=choice.index, token_ids=token_ids, text=text, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, choice_finish_reason="error" if choice.error_text or choice.undeliverable else finish,
+            prompt_logprobs=prompt_logprobs, choice_finish_reason="error" if choice.failed else finish,
             worker_id=self.worker_id)
         try:
             await publisher.publish(end)
@@ -415,6 +415,11 @@ class WorkerService(Service):
             _too_large(choice, exc)
             await publisher.publish(TokenChunk(request_id=request.request_id, seq=0, index=choice.index,
                                                choice_finish_reason="error", worker_id=self.worker_id))
+        if choice.failed:
+            # The request fails as a whole: its other choices' tokens would reach nobody.
+            for engine_id in self.book.engine_ids.get(request.request_id, []):
+                if engine_id != choice.engine_id:
+                    await self.engine.abort(engine_id)
 
     async def _publish_chunk(self, request: GenerateRequest, chunk: TokenChunk, *, ack: bool = False) -> None:
         headers = {MSG_ID_HEADER: f"{request.request_id}:{chunk.seq}"}

@@ -137,3 +137,32 @@ async def test_a_chunk_the_bus_cannot_carry_ends_its_request_as_a_client_error(
     events = await billed(bus, len(cases))
     assert sorted(e.request_id for e in events) == sorted(cases) and all(e.status == "failed" for e in events)
 
+
+
+async def test_when_one_choice_fails_its_siblings_stop(
+    bus: Bus, mesh: tuple[WorkerService, GatewayService, str],
+) -> None:
+    """An error in any choice fails a request of n; its other choices ran to their end
+    (here 2,000 tokens) for nobody, holding the engine and billing the org for them."""
+    worker, _, _ = mesh
+    ends: dict[int, TokenChunk] = {}
+    final: asyncio.Future[TokenChunk] = asyncio.get_running_loop().create_future()
+
+    async def on_chunk(chunk: TokenChunk, msg: Msg) -> None:
+        if chunk.choice_finish_reason is not None:
+            ends[chunk.index] = chunk
+        if chunk.finish_reason is not None and not final.done():
+            final.set_result(chunk)
+
+    await bus.subscribe(bus.subjects.tokens_of_gateway("test-gw"), TokenChunk, on_chunk)
+    # Choice 0 carries the prompt's logprobs, which the bus cannot: it fails at its first chunk.
+    await bus.request(bus.subjects.worker_generate(worker.worker_id),
+                      generate_request(bus, "n2-long", max_tokens=2_000, n=2), ControlReply, timeout=10)
+    end = await asyncio.wait_for(final, 60)
+    assert end.finish_reason == "error" and end.error is not None and end.error.code == "bad_request"
+    assert ends[0].choice_finish_reason == "error"
+    assert ends[1].choice_finish_reason == "abort", ends[1]
+    [event] = await billed(bus, 1)
+    assert event.status == "failed" and event.completion_tokens < 2_000, event
+    await eventually(lambda: not worker._requests, 10, "the worker to release the request")
+    assert worker.engine.stats().running == 0
