@@ -60,6 +60,12 @@ class OutputOptions(Struct, kw_only=True, omit_defaults=True):
     reasoning_parser: str = ""
     thinking: bool = True  # chat_template_kwargs.enable_thinking
     reasoning_end_token_id: int | None = None  # ``</think>`` when it is one token: exact counts
+    parallel_tool_calls: bool = True  # false: only a choice's first tool call is answered (vLLM)
+    mistral_call_ids: bool = False  # tool-call ids of 9 alphanumerics, which Mistral's templates require
+    # ``stream_options.continuous_usage_stats`` (vLLM): every chunk carries the usage so far,
+    # over the request's ``prompt_tokens``
+    continuous_usage: bool = False
+    prompt_tokens: int = 0
 
 
 class RequestRecord(Struct, kw_only=True, omit_defaults=True):

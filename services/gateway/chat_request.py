@@ -127,7 +127,8 @@ def _chat_output(req: ChatCompletionRequest, spec: ModelSpec, plan: ToolPlan, co
         prompt_logprobs="prompt_logprobs" in common,
         tool_choice="function" if plan.choice == "named" else plan.choice, tool_name=plan.function_name or "",
         tool_parser=spec.tool_parser if plan.choice == "auto" else "", reasoning_parser=spec.reasoning_parser,
-        thinking=thinking, reasoning_end_token_id=end_token_id,
+        thinking=thinking, reasoning_end_token_id=end_token_id, parallel_tool_calls=plan.parallel_tool_calls,
+        mistral_call_ids=spec.tool_parser == "mistral",
     )
 
 

@@ -224,13 +224,15 @@ def _resolve_max_tokens(
     return resolved
 
 
-def truncate_prompt(req: SamplingFields, spec: ModelSpec, prompt: list[int]) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: keep the last k prompt tokens (-1: the model's length)."""
+def truncate_prompt(req: SamplingFields, spec: ModelSpec, prompt: list[int], requested_max: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last k prompt tokens (-1: the model's
+    length less the output asked for, at least one token, so that the request can run;
+    vLLM keeps the whole length and then refuses the request)."""
     k = req.truncate_prompt_tokens
     if k is None:
         return prompt
     if k == -1:
-        k = spec.limits.max_model_len
+        k = max(spec.limits.max_model_len - max(requested_max or 1, 1), 1)
     if k < 1:
         invalid("truncate_prompt_tokens", f"must be -1 or at least 1, got {k}.")
     if k > spec.limits.max_model_len:
@@ -251,7 +253,7 @@ def finish_request(
     """The request every parser ends in: the prompt's token ids checked against the
     context length, ``max_tokens`` resolved, the sampling and output options assembled."""
     if kind == "chat":
-        prompt = truncate_prompt(req, spec, prompt)
+        prompt = truncate_prompt(req, spec, prompt, requested_max)
     if not prompt:
         raise bad_request("The prompt is empty after tokenization.", "messages" if kind == "chat" else "prompt",
                           "invalid_value")
@@ -265,6 +267,9 @@ def finish_request(
             invalid("min_tokens", f"{min_tokens} exceeds max_tokens ({max_tokens}).")
         common["min_tokens"] = min_tokens
     session = req.session_id or req.prompt_cache_key or req.user or req.safety_identifier or None
+    include_usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+    if include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        output = msgspec.structs.replace(output, continuous_usage=True, prompt_tokens=len(prompt))
     return NormalizedRequest(
         kind=kind,
         model=spec.name,
@@ -272,7 +277,7 @@ def finish_request(
         prompt_token_ids=prompt,
         sampling=SamplingParams(max_tokens=max_tokens, **common),
         stream=bool(req.stream),
-        include_usage=bool(req.stream and req.stream_options is not None and req.stream_options.include_usage),
+        include_usage=include_usage,
         session_key=session,
         user=req.user or req.safety_identifier,
         metadata=check_metadata(req.metadata),

@@ -60,6 +60,7 @@ class ChatMessage(Struct, kw_only=True):
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far on every chunk
 
 
 class SamplingFields(Struct, kw_only=True):

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from proto import OutputOptions, TokenChunk, TokenLogprob, Usage
 from services.common.parsers import ContentDelta, ReasoningDelta, reasoning_parser, tool_parser
@@ -58,12 +59,12 @@ from .tools import ForcedReply, ToolPlan, forced_reply
 class _ToolStream:
     """The model's tool parser (``tool_choice`` auto) as (content, call deltas) per feed."""
 
-    def __init__(self, name: str, request_id: str, choice: int) -> None:
+    def __init__(self, name: str, request_id: str, choice: int, *, mistral_ids: bool = False) -> None:
         self._calls = 0
 
         def next_id() -> str:
             self._calls += 1
-            return tool_call_id(request_id, choice, self._calls - 1)
+            return tool_call_id(request_id, choice, self._calls - 1, mistral=mistral_ids)
 
         self._parser = tool_parser(name, id_factory=next_id)
 
@@ -115,10 +116,17 @@ def _prompt_position(lp: TokenLogprob | None) -> dict[str, PromptLogprob] | None
     return out
 
 
-def tool_call_id(request_id: str, choice: int, call: int) -> str:
-    """A tool call's id: derived, so a replayed stream repeats it."""
-    digest = hashlib.blake2s(f"{request_id}/{choice}/{call}".encode(), digest_size=12).hexdigest()
-    return f"call_{digest}"
+_ALNUM = string.ascii_letters + string.digits
+
+
+def tool_call_id(request_id: str, choice: int, call: int, *, mistral: bool = False) -> str:
+    """A tool call's id: derived, so a replayed stream repeats it. ``mistral``: 9
+    alphanumerics, the only ids Mistral's chat templates take back in a conversation
+    (vLLM's ``MistralToolCall``); else ``call_`` and 24 hex digits, as OpenAI's."""
+    digest = hashlib.blake2s(f"{request_id}/{choice}/{call}".encode(), digest_size=12).digest()
+    if mistral:
+        return "".join(_ALNUM[b % len(_ALNUM)] for b in digest[:9])
+    return f"call_{digest.hex()}"
 
 
 @dataclass(slots=True)
@@ -148,11 +156,12 @@ class _ForcedCalls:
     function's arguments, streamed as they come. ``required``: a JSON array of
     ``{"name", "parameters"}``; each call goes out whole once its object closes."""
 
-    def __init__(self, mode: str, name: str, request_id: str, choice: int) -> None:
+    def __init__(self, mode: str, name: str, request_id: str, choice: int, *, mistral_ids: bool = False) -> None:
         self.mode = mode
         self.name = name
         self.request_id = request_id
         self.choice = choice
+        self.mistral_ids = mistral_ids
         self.calls = 0
         self._text = ""
         self._scanned = 0
@@ -165,13 +174,11 @@ class _ForcedCalls:
         if not text:
             return []
         if self.mode == "function":
-            out = []
-            if self.calls == 0:
+            if self.calls == 0:  # the call opens with its first arguments, in one entry (as vLLM)
                 self.calls = 1
-                out.append(ToolCallDelta(index=0, id=tool_call_id(self.request_id, self.choice, 0), type="function",
-                                         function=FunctionCallDelta(name=self.name, arguments="")))
-            out.append(ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text)))
-            return out
+                return [ToolCallDelta(index=0, id=self.call_id(0), type="function",
+                                      function=FunctionCallDelta(name=self.name, arguments=text))]
+            return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))]
         self._text += text
         return self._scan()
 
@@ -200,13 +207,24 @@ class _ForcedCalls:
                     if call is not None:
                         name, arguments = call
                         out.append(ToolCallDelta(
-                            index=self.calls, id=tool_call_id(self.request_id, self.choice, self.calls),
+                            index=self.calls, id=self.call_id(self.calls),
                             type="function", function=FunctionCallDelta(name=name, arguments=arguments)))
                         self.calls += 1
                     self._start = -1
                 self._depth -= 1
         self._scanned = len(text)
         return out
+
+    def call_id(self, call: int) -> str:
+        return tool_call_id(self.request_id, self.choice, call, mistral=self.mistral_ids)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _call_from_object(text: str) -> tuple[str, str] | None:
@@ -235,6 +253,8 @@ class _Choice:
     tool_stream: _ToolStream | None = None
     forced: _ForcedCalls | None = None
     forced_text: list[str] = field(default_factory=list)  # a forced call's raw output
+    tool_text: list[str] = field(default_factory=list)  # what the tool parser read
+    tokens: int = 0  # completion tokens so far
     engine_finish: str | None = None
 
 
@@ -260,9 +280,10 @@ class ChoiceAssembler:
             if o.reasoning_parser:
                 choice.reasoning_stream = _ReasoningStream(o)
             if o.tool_choice == "auto" and o.tool_parser:
-                choice.tool_stream = _ToolStream(o.tool_parser, self.request_id, index)
+                choice.tool_stream = _ToolStream(o.tool_parser, self.request_id, index, mistral_ids=o.mistral_call_ids)
             elif o.tool_choice in ("required", "function"):
-                choice.forced = _ForcedCalls(o.tool_choice, o.tool_name, self.request_id, index)
+                choice.forced = _ForcedCalls(o.tool_choice, o.tool_name, self.request_id, index,
+                                             mistral_ids=o.mistral_call_ids)
             if self.kind == "completion" and o.echo:
                 choice.text_offset = 0
             self._choices[index] = choice
@@ -316,6 +337,7 @@ class ChoiceAssembler:
                 content += more_content
             delta.reasoning = reasoning
         if choice.tool_stream is not None:
+            choice.tool_text.append(content)
             content, calls = choice.tool_stream.feed(content)
             delta.tool_calls.extend(calls)
             if finish is not None:
@@ -335,6 +357,9 @@ class ChoiceAssembler:
             else:
                 delta.completion_logprobs = self._completion_logprobs(choice, logprobs)
         self._record(choice, delta)
+        if not self.options.parallel_tool_calls:
+            # As vLLM: every call is parsed (and recorded), only the first is answered.
+            delta.tool_calls = [call for call in delta.tool_calls if call.index == 0]
         if finish is not None:
             choice.engine_finish = finish
             delta.finish_reason = choice.finish_reason = self._finish_reason(choice, finish)
@@ -343,6 +368,7 @@ class ChoiceAssembler:
         return delta
 
     def _record(self, choice: _Choice, delta: ChoiceDelta) -> None:
+        choice.tokens += len(delta.token_ids)
         if delta.content:
             choice.content.append(delta.content)
         if delta.reasoning:
@@ -406,7 +432,7 @@ class ChoiceAssembler:
     # ---- streamed chunks -------------------------------------------------------------------
     def chunk_json(self, delta: ChoiceDelta) -> list[bytes]:
         """The streamed chunk(s) of one delta: ``chat.completion.chunk`` or ``text_completion``."""
-        usage = None if self.include_usage else UNSET
+        usage = self._usage_so_far(self._choices[delta.index].tokens)
         if self.kind != "chat":
             if not delta.has_output and delta.finish_reason is None and delta.completion_logprobs is None:
                 return []
@@ -417,7 +443,8 @@ class ChoiceAssembler:
         out = []
         logprobs = ChoiceLogprobs(content=delta.chat_logprobs) if delta.chat_logprobs is not None else None
         if delta.first:
-            out.append(self._chat_chunk(ChatDelta(role="assistant", content=""), delta.index, None, None))
+            out.append(self._chat_chunk(ChatDelta(role="assistant", content=""), delta.index, None, None,
+                                        self._usage_so_far(0)))
         if delta.reasoning or delta.content or delta.tool_calls or (
                 delta.token_ids and delta.finish_reason is None and (not delta.parsed or delta.chat_logprobs)):
             # Tokens that render no text (special tokens, a UTF-8 sequence still incomplete)
@@ -427,17 +454,30 @@ class ChoiceAssembler:
             out.append(self._chat_chunk(ChatDelta(
                 content=delta.content if delta.content or not (delta.reasoning or delta.tool_calls) else None,
                 reasoning_content=delta.reasoning or None, tool_calls=delta.tool_calls or None,
-            ), delta.index, logprobs, None))
+            ), delta.index, logprobs, None, usage))
             logprobs = None
         if delta.finish_reason is not None:
-            out.append(self._chat_chunk(ChatDelta(), delta.index, logprobs, delta.finish_reason))
+            out.append(self._chat_chunk(ChatDelta(), delta.index, logprobs, delta.finish_reason, usage))
         return out
 
-    def _chat_chunk(self, delta: ChatDelta, index: int, logprobs: ChoiceLogprobs | None, finish: str | None) -> bytes:
+    def _usage_so_far(self, completion_tokens: int) -> CompletionUsage | UnsetType | None:
+        """A streamed chunk's ``usage``: absent without ``include_usage``; null until the
+        last chunk, as OpenAI's; with vLLM's ``continuous_usage_stats``, the choice's tokens
+        so far (as vLLM counts them)."""
+        if not self.include_usage:
+            return UNSET
+        if not self.options.continuous_usage:
+            return None
+        prompt = self.options.prompt_tokens
+        return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                               total_tokens=prompt + completion_tokens)
+
+    def _chat_chunk(self, delta: ChatDelta, index: int, logprobs: ChoiceLogprobs | None, finish: str | None,
+                    usage: CompletionUsage | UnsetType | None) -> bytes:
         return encode_json(ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model,
             choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)],
-            usage=None if self.include_usage else UNSET,
+            usage=usage,
         ))
 
     def usage_chunk(self, usage: Usage) -> bytes:
@@ -453,7 +493,8 @@ class ChoiceAssembler:
         plan = ToolPlan(choice="named" if o.tool_choice == "function" else "required", function_name=o.tool_name or None)
         counter = iter(range(1 << 30))
         return forced_reply(plan, "".join(c.forced_text), c.engine_finish,
-                            new_id=lambda: tool_call_id(self.request_id, c.index, next(counter)))
+                            new_id=lambda: tool_call_id(self.request_id, c.index, next(counter),
+                                                        mistral=o.mistral_call_ids))
 
     # ---- the whole response ------------------------------------------------------------------
     def response(self, usage: Usage | None) -> bytes:
@@ -481,6 +522,16 @@ class ChoiceAssembler:
             else:
                 calls = [ToolCall(id=e["id"], function=FunctionCall(name=e["name"], arguments="".join(e["arguments"])))
                          for _, e in sorted(c.calls.items())]
+                if c.engine_finish == "stop" and calls and not all(_is_json(call.function.arguments)
+                                                                   for call in calls):
+                    # A malformed call in an output that ended by itself: vLLM's parsers
+                    # answer the whole output as its text (a streamed answer has sent the
+                    # calls as they came, as vLLM's; one cut off by max_tokens keeps its
+                    # partial arguments, as OpenAI's).
+                    content, calls = "".join(c.tool_text), []
+                    finish = c.engine_finish or finish
+                if not self.options.parallel_tool_calls:
+                    calls = calls[:1]
             if calls and not content and self.options.tool_choice == "auto":
                 content = None
             message = AssistantMessage(content=content, tool_calls=calls or UNSET)

@@ -21,6 +21,7 @@ streamed and the non-streamed translation of the same generation name the same i
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from collections.abc import Mapping
@@ -35,6 +36,11 @@ from .openai_api import REASONING_EFFORTS
 
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Reasoning a client that stores nothing (``store: false``) hands back in its next
+# request, as Codex and the Agents SDK ask for it. meshserve's is the reasoning text,
+# encoded (not encrypted: the same text is the item's content).
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+_REASONING_TOKEN_PREFIX = "meshserve1."
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 _INPUT_ROLES = {"user", "assistant", "system", "developer"}
 # vLLM's sampling extensions: the chat path takes them under the same names (and
@@ -73,11 +79,13 @@ class ResponsesRequest(Struct, kw_only=True):
     prompt_cache_key: str | None = None
     stream: bool | None = None
     truncation: str | None = None
+    # Caps calls to built-in tools (web search, file search...); meshserve offers none, so
+    # no response can reach it. Checked and echoed.
+    max_tool_calls: int | None = None
     # Refused when set: each would change the output and meshserve does not do it.
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
-    max_tool_calls: int | None = None
     context_management: list[Any] | None = None
     moderation: Any = None
 
@@ -147,17 +155,18 @@ def _check(req: ResponsesRequest) -> None:
         _unsupported("conversation", "The Conversations API is not supported; use 'previous_response_id'.")
     if req.prompt is not None:
         _unsupported("prompt", "Prompt templates ('prompt') are not supported.")
-    if req.max_tool_calls is not None:
-        _unsupported("max_tool_calls", "max_tool_calls is not supported.")
+    if req.max_tool_calls is not None and req.max_tool_calls < 0:
+        _invalid("max_tool_calls", f"must be >= 0, got {req.max_tool_calls}.")
     if req.context_management:
         _unsupported("context_management", "context_management (compaction) is not supported.")
     if req.moderation is not None:
         _unsupported("moderation", "moderation is not supported.")
-    if req.truncation not in (None, "disabled"):
-        _unsupported("truncation", "Only truncation 'disabled' is supported: a conversation that does not fit is a 400.")
+    if req.truncation not in (None, "disabled", "auto"):
+        _invalid("truncation", f"{clip(req.truncation)!r} is not one of 'auto', 'disabled'.")
     for name in req.include or []:
-        if name != LOGPROBS_INCLUDE:
-            _unsupported("include", f"include {clip(name)!r} is not supported; only {LOGPROBS_INCLUDE!r} is.")
+        if name not in (LOGPROBS_INCLUDE, ENCRYPTED_REASONING_INCLUDE):
+            _unsupported("include", f"include {clip(name)!r} is not supported; only {LOGPROBS_INCLUDE!r} and"
+                                    f" {ENCRYPTED_REASONING_INCLUDE!r} are.")
     if req.previous_response_id is not None and not RESPONSE_ID.match(req.previous_response_id):
         _invalid("previous_response_id", f"{clip(req.previous_response_id)!r} is not a response id (resp_...).")
     if req.reasoning is not None:
@@ -265,11 +274,11 @@ def _messages_from_items(items: list[Any], params: list[str], messages: list[dic
             messages.append({"role": "tool", "tool_call_id": _required_str(item, "call_id", param),
                              "content": _text_of(output, f"{param}.output", ("input_text", "output_text", "text"))})
         elif kind == "reasoning":
-            if item.get("encrypted_content"):
-                _unsupported(f"{param}.encrypted_content", "Encrypted reasoning is not supported.")
             reasoning = ""
             if item.get("content"):
                 reasoning = _text_of(item["content"], f"{param}.content", ("reasoning_text",))
+            elif item.get("encrypted_content"):
+                reasoning = reasoning_from_token(item["encrypted_content"], f"{param}.encrypted_content")
             elif item.get("summary"):  # as vLLM: the summary when there is no content
                 reasoning = _text_of(item["summary"], f"{param}.summary", ("summary_text",))
             if assistant is not None and assistant.get("reasoning_content") is None:
@@ -280,6 +289,23 @@ def _messages_from_items(items: list[Any], params: list[str], messages: list[dic
             raise bad_request(f"Input item type {clip(str(kind))!r} is not supported; use message, function_call,"
                               " function_call_output or reasoning.", f"{param}.type", "unsupported_value")
         message_params.append(param)
+
+
+def reasoning_token(text: str) -> str:
+    """A reasoning item's ``encrypted_content``: its text, for the client to hand back."""
+    return _REASONING_TOKEN_PREFIX + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def reasoning_from_token(token: object, param: str) -> str:
+    """The reasoning text of an ``encrypted_content`` meshserve made; a 400 for another's."""
+    if isinstance(token, str) and token.startswith(_REASONING_TOKEN_PREFIX):
+        try:
+            return base64.urlsafe_b64decode(token[len(_REASONING_TOKEN_PREFIX):].encode()).decode()
+        except ValueError:
+            pass
+    raise bad_request(f"Invalid value for '{param}': not reasoning this server returned (encrypted reasoning of"
+                      " another provider cannot be read here; send the item's 'content' instead).", param,
+                      "invalid_value")
 
 
 def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -378,6 +404,8 @@ class ChatPlan:
             param = "input"
         elif param.startswith("response_format"):
             param = "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
+        elif param.startswith("tool_choice.function"):  # Responses' named choice is flat
+            param = "tool_choice" + param[len("tool_choice.function"):]
         elif param in _CHAT_PARAMS:
             # A field of another name: the message names the one the client sent too
             # ("Invalid 'max_completion_tokens'" read oddly for a max_output_tokens of 0).
@@ -412,7 +440,11 @@ def plan_chat(parsed: ParsedRequest, history: list[dict[str, Any]] | None = None
     tool_choice: Any = req.tool_choice if req.tool_choice is not None else "auto"
     offered = tools
     if req.tool_choice is not None:
-        body["tool_choice"], offered = _chat_tool_choice(req.tool_choice, tools)
+        chat_choice, offered = _chat_tool_choice(req.tool_choice, tools)
+        if offered or chat_choice not in ("auto", "none"):
+            # Chat refuses a tool_choice without tools; "auto" with none is Responses' own
+            # default (which every Response echoes) and "none" asks for nothing.
+            body["tool_choice"] = chat_choice
     position = {id(t): i for i, t in enumerate(tools)}  # not tools.index: quadratic over a hostile list
     tool_params = [f"tools[{position[id(t)]}]" for t in offered]
     if offered:
@@ -437,6 +469,10 @@ def plan_chat(parsed: ParsedRequest, history: list[dict[str, Any]] | None = None
         body["max_completion_tokens"] = req.max_output_tokens
     if req.prompt_cache_key is not None:
         body["session_id"] = req.prompt_cache_key  # the same intent: requests that share it share a replica's cache
+    if req.truncation == "auto":
+        # As vLLM: the conversation is cut from its start to fit the model (what OpenAI's
+        # "auto" drops, whole items, vLLM and meshserve drop as tokens).
+        body["truncate_prompt_tokens"] = -1
     if parsed.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}  # response.completed carries the usage

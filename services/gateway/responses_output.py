@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from .responses_api import ChatPlan, ResponsesRequest
+from .responses_api import ENCRYPTED_REASONING_INCLUDE, ChatPlan, ResponsesRequest, reasoning_token
 
 
 @dataclass(slots=True)
@@ -43,7 +43,8 @@ class ResponseContext:
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls,
             "model": self.model, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
@@ -51,7 +52,7 @@ class ResponseContext:
             "store": self.store, "temperature": self.temperature,
             "text": {"format": self.plan.text_format, "verbosity": "medium"},
             "tool_choice": self.plan.tool_choice, "tools": self.plan.tools,
-            "top_logprobs": req.top_logprobs, "top_p": self.top_p, "truncation": "disabled",
+            "top_logprobs": req.top_logprobs, "top_p": self.top_p, "truncation": req.truncation or "disabled",
             "usage": usage, "user": req.user, "metadata": req.metadata or {},
         }
 
@@ -95,9 +96,12 @@ def _logprobs(entries: list[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
             for e in entries or []]
 
 
-def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+def _reasoning_item(ctx: ResponseContext, item_id: str, text: str, status: str) -> dict[str, Any]:
+    item = {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
             "status": status}
+    if ENCRYPTED_REASONING_INCLUDE in (ctx.request.include or []):
+        item["encrypted_content"] = reasoning_token(text)
+    return item
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,7 +126,7 @@ def response_from_chat(completion: Mapping[str, Any], ctx: ResponseContext) -> d
     output: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if reasoning:
-        output.append(_reasoning_item(ctx.item_id("rs", len(output)), reasoning, item_status))
+        output.append(_reasoning_item(ctx, ctx.item_id("rs", len(output)), reasoning, item_status))
     if message.get("content"):
         logprobs = _logprobs((choice.get("logprobs") or {}).get("content")) if ctx.plan.logprobs else []
         output.append(_message_item(ctx.item_id("msg", len(output)), [_text_part(message["content"], logprobs)],
@@ -226,7 +230,7 @@ class ResponseStream:
         text = "".join(item.text)
         common = {"item_id": item.item_id, "output_index": item.index}
         if item.kind == "reasoning":
-            done = _reasoning_item(item.item_id, text, status)
+            done = _reasoning_item(self.ctx, item.item_id, text, status)
             frames = [self._event("response.reasoning_text.done", {**common, "content_index": 0, "text": text}),
                       self._event("response.content_part.done", {**common, "content_index": 0,
                                                                  "part": {"type": "reasoning_text", "text": text}})]

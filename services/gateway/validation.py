@@ -133,7 +133,7 @@ def parse_completion_request(
     _check_completion_unsupported(req)
     common = check_common(req, spec.limits, spec.tokenizer.vocab_size)
     requested = check_max_tokens("max_tokens", req.max_tokens, spec.limits)
-    prompt = truncate_prompt(req, spec, _completion_prompt(spec, req.prompt))
+    prompt = truncate_prompt(req, spec, _completion_prompt(spec, req.prompt), requested)
     output = _completion_output(req, spec, prompt, common)
     return finish_request("completion", req, spec, prompt, common, "max_tokens", requested, output)
 

@@ -231,3 +231,90 @@ def test_prompt_logprobs_as_vllm_answers_them() -> None:
     completion, _ = run("completion", OutputOptions(prompt_logprobs=True), chunks)
     assert completion["choices"][0]["prompt_logprobs"] == chat["prompt_logprobs"]  # per choice there
     assert "prompt_logprobs" not in run("chat", OutputOptions(), chunks)[0]  # only when asked
+
+
+HERMES_TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+
+
+def hermes_chunks(text: str, split: int = 9) -> list[TokenChunk]:
+    pieces = [text[i:i + split] for i in range(0, len(text), split)]
+    chunks = [TokenChunk(request_id="r1", seq=i, token_ids=[i], text=p) for i, p in enumerate(pieces)]
+    chunks.append(TokenChunk(request_id="r1", seq=len(pieces), finish_reason="stop", usage=USAGE))
+    return chunks
+
+
+def test_parallel_tool_calls_false_answers_the_first_call_only() -> None:
+    """vLLM's ``maybe_filter_parallel_tool_calls``: with tool_choice auto the parser finds
+    both calls; only index 0 goes out, streamed and whole (it was only applied to the
+    forced paths' schema)."""
+    options = OutputOptions(tool_choice="auto", tool_parser="hermes", parallel_tool_calls=False)
+    whole, streamed = run("chat", options, hermes_chunks(HERMES_TWO_CALLS))
+    choice = ChatCompletion.model_validate(whole).choices[0]
+    assert [c.function.name for c in choice.message.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]
+    assert choice.finish_reason == "tool_calls"
+    merged = merged_chat(streamed)[0]
+    assert list(merged["calls"]) == [0] and merged["calls"][0]["name"] == "get_weather"
+    both, _ = run("chat", OutputOptions(tool_choice="auto", tool_parser="hermes"), hermes_chunks(HERMES_TWO_CALLS))
+    assert len(both["choices"][0]["message"]["tool_calls"]) == 2
+
+
+def test_a_malformed_call_in_a_whole_answer_is_its_text_as_vllm_answers() -> None:
+    """vLLM's hermes parser on the whole output: arguments that are not JSON make the
+    output plain content, finish "stop"; a client's json.loads(arguments) failed on
+    ours. Streamed, the call went out as it came (as vLLM's stream); cut by max_tokens
+    a call keeps its partial arguments (as OpenAI's)."""
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    whole, streamed = run("chat", OutputOptions(tool_choice="auto", tool_parser="hermes"), hermes_chunks(text))
+    message = whole["choices"][0]["message"]
+    assert message["content"] == text and "tool_calls" not in message
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert merged_chat(streamed)[0]["calls"]  # the stream had announced it
+    cut = hermes_chunks(text[:text.index('{"city') + 4])  # the arguments began
+    cut[-1] = TokenChunk(request_id="r1", seq=cut[-1].seq, finish_reason="length", usage=USAGE)
+    cut_whole, _ = run("chat", OutputOptions(tool_choice="auto", tool_parser="hermes"), cut)
+    assert cut_whole["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_mistral_call_ids_are_nine_alphanumerics_on_every_path() -> None:
+    """Mistral's chat templates refuse any other id when the call comes back in the
+    history (vLLM's MistralToolCall); the gateway's derived ids overrode the parser's."""
+    mistral = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    paths = [
+        (OutputOptions(tool_choice="auto", tool_parser="mistral", mistral_call_ids=True), mistral),
+        (OutputOptions(tool_choice="function", tool_name="get_weather", mistral_call_ids=True), '{"city": "Paris"}'),
+        (OutputOptions(tool_choice="required", mistral_call_ids=True), '[{"name": "get_weather", "parameters": {}}]'),
+    ]
+    for options, text in paths:
+        whole, streamed = run("chat", options, hermes_chunks(text))
+        [call] = whole["choices"][0]["message"]["tool_calls"]
+        assert len(call["id"]) == 9 and call["id"].isalnum(), (options, call)
+        assert merged_chat(streamed)[0]["calls"][0]["id"] == call["id"]
+    assert tool_call_id("r1", 0, 0, mistral=True) == tool_call_id("r1", 0, 0, mistral=True)  # replays repeat it
+    assert tool_call_id("r1", 0, 0).startswith("call_") and len(tool_call_id("r1", 0, 0)) == 29
+
+
+def test_a_named_call_opens_with_its_name_and_first_arguments_in_one_entry() -> None:
+    options = OutputOptions(tool_choice="function", tool_name="get_weather")
+    _, streamed = run("chat", options, hermes_chunks('{"city": "Paris"}', split=5))
+    first = next(c["choices"][0]["delta"]["tool_calls"] for c in streamed
+                 if c["choices"] and c["choices"][0]["delta"].get("tool_calls"))
+    assert first == [{"index": 0, "id": tool_call_id("r1", 0, 0), "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"cit'}}]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: each chunk carries the prompt and
+    the choice's tokens so far (the role chunk 0); the last chunk the request's usage."""
+    options = OutputOptions(continuous_usage=True, prompt_tokens=5)
+    chunks = [TokenChunk(request_id="r1", seq=0, token_ids=[1, 2], text="hel"),
+              TokenChunk(request_id="r1", seq=1, token_ids=[3], text="lo", finish_reason="stop", usage=USAGE)]
+    for kind in ("chat", "completion"):
+        _, streamed = run(kind, options, chunks)
+        usages = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"], c["usage"]["total_tokens"])
+                  for c in streamed if c["choices"]]
+        expected = [(5, 0, 5), (5, 2, 7), (5, 3, 8), (5, 3, 8)] if kind == "chat" else [(5, 2, 7), (5, 3, 8)]
+        assert usages == expected, kind
+        assert streamed[-1]["choices"] == [] and streamed[-1]["usage"]["completion_tokens"] == 4
+    _, plain = run("chat", OutputOptions(), chunks)
+    assert all(c["usage"] is None for c in plain if c["choices"])  # include_usage alone: null until the end

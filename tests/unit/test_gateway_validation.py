@@ -342,6 +342,22 @@ def test_context_length_boundary_chat() -> None:
     )
 
 
+def test_truncating_to_the_model_leaves_room_for_the_output_asked_for() -> None:
+    """``truncate_prompt_tokens: -1`` (and Responses' truncation "auto", which sends it)
+    kept the model's whole length, so a conversation longer than the model was cut to a
+    prompt that left no output token: the same 400 as without truncation."""
+    long = [{"role": "user", "content": "x" * 500}]
+    cut = parse_chat_request(chat(model="other", messages=long, truncate_prompt_tokens=-1, max_tokens=10), MODELS)
+    assert (cut.prompt_tokens, cut.max_tokens) == (54, 10)
+    bare = parse_chat_request(chat(model="other", messages=long, truncate_prompt_tokens=-1), MODELS)
+    assert bare.prompt_tokens == 63 and bare.max_tokens == 1
+    short = parse_chat_request(chat(model="other", truncate_prompt_tokens=-1, max_tokens=10), MODELS)
+    assert short.prompt_tokens == CHATML_OVERHEAD + 2  # a prompt that fits is untouched
+    done = parse_completion_request(completion(model="other", prompt="y" * 500, truncate_prompt_tokens=-1,
+                                               max_tokens=4), MODELS)
+    assert (done.prompt_tokens, done.max_tokens) == (60, 4)
+
+
 def test_context_length_prompt_alone_too_long() -> None:
     err = error_of(parse_chat_request, chat(model="other", messages=[{"role": "user", "content": "x" * 64}]))
     assert err.code == "context_length_exceeded"
@@ -529,3 +545,22 @@ def test_prompt_logprobs_past_what_one_response_carries_is_a_400() -> None:
     assert "252,000" in info.value.message
     fits = json.dumps({"model": "big", "prompt": "a" * 9_000, "max_tokens": 1, "prompt_logprobs": 20}).encode()
     assert parse_request("completions", fits, big).sampling.prompt_logprobs == 20
+
+
+def test_output_options_carry_what_the_answer_is_built_with() -> None:
+    """stream_options.continuous_usage_stats (only with include_usage, as vLLM), and
+    parallel_tool_calls with tool_choice auto, reach the options the gateway answers by."""
+    on = parse_chat_request(chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+                            MODELS)
+    assert on.output.continuous_usage and on.output.prompt_tokens == on.prompt_tokens
+    alone = parse_chat_request(chat(stream=True, stream_options={"continuous_usage_stats": True}), MODELS)
+    assert not alone.output.continuous_usage
+    text = parse_completion_request(completion(stream=True, stream_options={"include_usage": True,
+                                                                           "continuous_usage_stats": True}), MODELS)
+    assert text.output.continuous_usage and text.output.prompt_tokens == text.prompt_tokens
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    hermes = {"m": ModelSpec("m", BYTE, ModelLimits(max_model_len=4096), tool_parser="hermes")}
+    single = parse_chat_request(chat(model="m", tools=tools, parallel_tool_calls=False), hermes)
+    assert not single.output.parallel_tool_calls and not single.output.mistral_call_ids
+    mistral = {"m": ModelSpec("m", BYTE, ModelLimits(max_model_len=4096), tool_parser="mistral")}
+    assert parse_chat_request(chat(model="m", tools=tools, tool_choice="required"), mistral).output.mistral_call_ids

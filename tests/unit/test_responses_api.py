@@ -146,9 +146,9 @@ def test_a_continuation_puts_the_history_after_the_new_instructions() -> None:
     ({"model": "m", "input": "x", "n": 2}, "n"),
     ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation"),
     ({"model": "m", "input": "x", "prompt": {"id": "p"}}, "prompt"),
-    ({"model": "m", "input": "x", "max_tool_calls": 2}, "max_tool_calls"),
-    ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
-    ({"model": "m", "input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"model": "m", "input": "x", "max_tool_calls": -1}, "max_tool_calls"),
+    ({"model": "m", "input": "x", "truncation": "sometimes"}, "truncation"),
+    ({"model": "m", "input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"model": "m", "input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"model": "m", "input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"model": "m", "input": "x", "text": {"verbosity": "high"}}, "text.verbosity"),
@@ -485,3 +485,50 @@ def test_the_ttl_option_sets_the_config_and_refuses_a_negative(capsys: pytest.Ca
     with pytest.raises(SystemExit) as refused:
         parser.parse_args(["--responses-ttl", "-1"])
     assert refused.value.code == 2 and "must be 0 or more seconds" in capsys.readouterr().err
+
+
+def test_what_clients_resend_as_defaults_is_served() -> None:
+    """Clients that re-send Responses' own defaults, or what Codex and the Agents SDK add,
+    got a 400: tool_choice "auto" without tools (the default every Response echoes),
+    truncation "auto", max_tool_calls (built-in tools only: meshserve has none), include
+    of encrypted reasoning."""
+    p = plan({"model": "m", "input": "x", "tool_choice": "auto", "truncation": "auto", "max_tool_calls": 3,
+              "include": ["reasoning.encrypted_content"], "store": False})
+    assert "tool_choice" not in p.body and "tools" not in p.body
+    assert p.body["truncate_prompt_tokens"] == -1  # as vLLM: the conversation is cut from its start
+    assert "tool_choice" not in plan({"model": "m", "input": "x", "tool_choice": "none"}).body
+    # "required" without tools still goes to chat, which refuses it naming tool_choice
+    assert plan({"model": "m", "input": "x", "tool_choice": "required"}).body["tool_choice"] == "required"
+    ctx = context({"model": "m", "input": "x", "max_tool_calls": 3, "truncation": "auto"})
+    response = response_from_chat(completion({"content": "ok"}), ctx)
+    assert (response["max_tool_calls"], response["truncation"]) == (3, "auto")
+    Response.model_validate(response)
+
+
+def test_encrypted_reasoning_goes_out_and_comes_back() -> None:
+    """A client that stores nothing hands the reasoning back as ``encrypted_content``
+    (meshserve's: the text, encoded); another provider's cannot be read: a 400."""
+    ctx = context({"model": "m", "input": "hi", "include": ["reasoning.encrypted_content"]})
+    response = response_from_chat(completion({"content": "ok", "reasoning_content": "think ✓"}), ctx)
+    reasoning = response["output"][0]
+    assert reasoning["encrypted_content"] and "think" not in reasoning["encrypted_content"]
+    Response.model_validate(response)
+    back = plan({"model": "m", "input": [{"role": "user", "content": "hi"},
+                                         {"type": "reasoning", "summary": [],
+                                          "encrypted_content": reasoning["encrypted_content"]},
+                                         {"role": "assistant", "content": "ok"},
+                                         {"role": "user", "content": "and?"}]})
+    assert back.body["messages"][1] == {"role": "assistant", "content": "ok", "reasoning_content": "think ✓"}
+    plain = response_from_chat(completion({"content": "ok", "reasoning_content": "t"}),
+                               context({"model": "m", "input": "hi"}))
+    assert "encrypted_content" not in plain["output"][0]
+    assert error_of({"model": "m", "input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB"}]}
+                    ).param == "input[0].encrypted_content"
+
+
+def test_a_named_tool_choice_error_names_the_responses_field() -> None:
+    p = plan({"model": "m", "input": "x", "tools": [{"type": "function", "name": "a", "parameters": {}}],
+              "tool_choice": {"type": "function", "name": "zz"}})
+    error = p.api_error(ApiError(400, "Tool 'zz' is not in tools.", "invalid_request_error",
+                                 "tool_choice.function.name", "invalid_value"))
+    assert error.param == "tool_choice.name"

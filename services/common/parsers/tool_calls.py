@@ -35,7 +35,8 @@ behaviour for both, since a streamed delta cannot be taken back:
 
 - a call that breaks after its arguments began (cut off by ``max_tokens``, or malformed
   further on) is kept with the arguments read so far, as OpenAI and vLLM's streaming do
-  (vLLM's whole-text parser returns the text as content instead);
+  (vLLM's whole-text parser returns the text as content instead, and so does the
+  gateway's non-streamed answer when the output ended by itself: ``output.py``);
 - a later call that is not one is dropped, earlier calls stand (vLLM's whole-text
   parser would return everything as content);
 - ``llama3_json``: a bare JSON object counts only at the start of the output, and text
