@@ -50,6 +50,7 @@ from .messages import (
     placement_expired,
     segment_usage,
     usage_dedup_id,
+    usage_model,
 )
 from .records import RECORD_TYPES, AdapterRecord, ApiKeyRecord, OutputOptions, RequestRecord
 from .subjects import Subjects, subject_token, unescape_token
@@ -117,4 +118,5 @@ __all__ = [
     "unescape_token",
     "unpack_tokens",
     "usage_dedup_id",
+    "usage_model",
 ]

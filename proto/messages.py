@@ -11,7 +11,7 @@ Times are Unix epoch seconds (float) unless a field says otherwise.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypedDict
 
 import msgspec
 from msgspec import Struct
@@ -430,7 +430,8 @@ class UsageEvent(Struct, kw_only=True, omit_defaults=True):
     request_id: str
     org: str
     key_id: str
-    model: str
+    model: str  # as the client named it: an adapter's request under the adapter's name (vLLM's)
+    base_model: str = ""  # an adapter's base model: its price when the adapter has none
     worker_id: str = ""
     tier: str = "standard"
     prompt_tokens: int = 0
@@ -445,6 +446,18 @@ class UsageEvent(Struct, kw_only=True, omit_defaults=True):
     error: str = ""
     user: str = ""
     metadata: dict[str, str] = {}
+
+
+class UsageModel(TypedDict):
+    model: str
+    base_model: str
+
+
+def usage_model(request: GenerateRequest) -> UsageModel:
+    """The model fields of ``request``'s usage event (``UsageEvent.model``, ``base_model``)."""
+    if request.lora:
+        return {"model": request.lora, "base_model": request.model}
+    return {"model": request.model, "base_model": ""}
 
 
 def usage_dedup_id(request_id: str, migrations: int = 0) -> str:

@@ -46,6 +46,7 @@ from proto import (
     UsageEvent,
     block_hashes,
     usage_dedup_id,
+    usage_model,
 )
 
 from .errors import from_admission, from_mesh_error, overloaded
@@ -505,7 +506,7 @@ async def on_client_gone(gone: Callable[[], Awaitable[None]]) -> AsyncIterator[N
 
 def rejected_usage(generate: GenerateRequest, error: str) -> UsageEvent:
     """The usage event of an admitted request that no worker took: it reconciles what admission reserved."""
-    return UsageEvent(request_id=generate.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
-                      tier=generate.tier, status="rejected", reserved_tokens=generate.reserved_tokens,
+    return UsageEvent(request_id=generate.request_id, org=generate.org, key_id=generate.key_id,
+                      **usage_model(generate), tier=generate.tier, status="rejected", reserved_tokens=generate.reserved_tokens,
                       arrival_time=generate.arrival_time, finish_time=time.time(), error=error[:500],
                       user=generate.user, metadata=generate.metadata)

@@ -36,6 +36,7 @@ from proto import (
     pack_tokens,
     segment_usage,
     usage_dedup_id,
+    usage_model,
 )
 
 from .stall import queued_on_live_worker
@@ -110,7 +111,7 @@ def lost_segment_usage(segment: Segment, now: float) -> UsageEvent:
     billed = segment_usage(Usage(prompt_tokens=segment.prompt_tokens, completion_tokens=segment.segment_tokens),
                            generate.migrations)
     return UsageEvent(
-        request_id=generate.request_id, org=generate.org, key_id=generate.key_id, model=generate.model,
+        request_id=generate.request_id, org=generate.org, key_id=generate.key_id, **usage_model(generate),
         worker_id=segment.worker_id, tier=generate.tier, prompt_tokens=billed.prompt_tokens,
         completion_tokens=billed.completion_tokens, status="migrated", arrival_time=generate.arrival_time,
         finish_time=now, reserved_tokens=generate.reserved_tokens if first else 0, migrations=generate.migrations,

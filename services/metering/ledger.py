@@ -20,7 +20,7 @@ were new (the rest were duplicates).
 Schema. ``ledger_meta`` holds the schema version. ``open()`` creates a new ledger at
 ``SCHEMA_VERSION`` and upgrades an older one in place, in one transaction (version 2 added
 ``end_user`` and ``metadata``, with defaults, so rows of version 1 read back as ``''`` and
-``{}``); it refuses a ledger of a newer version rather than write rows it cannot describe.
+``{}``; version 3 ``base_model``, an adapter's base, ``''`` before); it refuses a ledger of a newer version rather than write rows it cannot describe.
 
 Errors: ``LedgerUnavailable`` means "try again later" (connection refused or lost,
 locked, disk full, I/O error, anything unclassified: stalling is safer than dropping

@@ -18,7 +18,7 @@ from proto.metering import UsageRow
 
 from .prices import PriceTable
 
-SCHEMA_VERSION = 2  # 2: end_user, metadata
+SCHEMA_VERSION = 3  # 2: end_user, metadata; 3: base_model
 MAX_TOKENS = 1 << 32  # per event; beyond any context window, and keeps SUM() far from int64 overflow
 MAX_ID_CHARS = 1024
 MAX_ERROR_CHARS = 4096
@@ -64,6 +64,8 @@ class LedgerEntry:
     # Schema 2. Last, as ALTER TABLE appends them: a migrated table and a new one agree.
     user: str  # OpenAI's ``user`` / ``safety_identifier``; column ``end_user`` (``user`` is reserved in SQL)
     metadata: dict[str, str]  # the request's ``metadata``; column ``metadata``, JSON text
+    # Schema 3.
+    base_model: str  # an adapter's base model ("" for a base model's own requests)
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerEntry))
@@ -79,8 +81,8 @@ FLOAT_COLUMNS = frozenset(("arrival_time", "first_token_time", "finish_time", "t
 
 # The columns each schema version added. ALTER TABLE appends them, so they come last, in
 # this order, in LedgerEntry too: a migrated table and a new one agree.
-ADDED_COLUMNS: dict[int, tuple[str, ...]] = {2: ("end_user", "metadata")}
-COLUMN_DEFAULTS = {"end_user": "''", "metadata": "'{}'"}  # what the rows of an older version get
+ADDED_COLUMNS: dict[int, tuple[str, ...]] = {2: ("end_user", "metadata"), 3: ("base_model",)}
+COLUMN_DEFAULTS = {"end_user": "''", "metadata": "'{}'", "base_model": "''"}  # what the rows of an older version get
 
 
 def columns_at(version: int) -> tuple[str, ...]:
@@ -136,7 +138,8 @@ def entry_from_event(event: UsageEvent, prices: PriceTable, *, recorded_at: floa
             raise InvalidEvent(f"{name}={value} out of range")
     if not 0 <= event.migrations <= 1_000_000:
         raise InvalidEvent(f"migrations={event.migrations} out of range")
-    charge = prices.charge(event.model, event.status, event.prompt_tokens, event.cached_tokens, event.completion_tokens)
+    charge = prices.charge(event.model, event.status, event.prompt_tokens, event.cached_tokens, event.completion_tokens,
+                           event.base_model)
     finish, arrival = _time(event.finish_time), _time(event.arrival_time)
     return LedgerEntry(
         usage_id=_text(usage_dedup_id(event.request_id, event.migrations), "usage id", MAX_ID_CHARS + 16),
@@ -166,6 +169,7 @@ def entry_from_event(event: UsageEvent, prices: PriceTable, *, recorded_at: floa
         spend_nano=charge.spend_nano,
         user=_text(event.user, "user"),
         metadata=_metadata(event.metadata),
+        base_model=_text(event.base_model, "base_model"),
     )
 
 

@@ -102,12 +102,16 @@ class PriceTable:
     currency: str = "USD"
     free_statuses: frozenset[str] = DEFAULT_FREE_STATUSES
 
-    def price_for(self, model: str) -> ModelPrice | None:
+    def price_for(self, model: str, base_model: str = "") -> ModelPrice | None:
+        """The model's own price; for an adapter without one, its base model's; else "*"."""
         found = self.models.get(model)
+        if found is None and base_model:
+            found = self.models.get(base_model)
         return found if found is not None else self.models.get(WILDCARD)
 
-    def charge(self, model: str, status: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Charge:
-        price = self.price_for(model)
+    def charge(self, model: str, status: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+               base_model: str = "") -> Charge:
+        price = self.price_for(model, base_model)
         if price is None:
             return Charge(0, FREE, False)
         if status in self.free_statuses:

@@ -287,7 +287,7 @@ class MeteringService(Service):
                                 msg.subject, seq, self.invalid_events, exc)
                 await self._settle(msg, "term")
                 continue
-            if self.config.prices.price_for(event.model) is None:
+            if self.config.prices.price_for(event.model, event.base_model) is None:
                 self.unpriced_events += 1
                 if event.model not in self._unpriced_models and len(self._unpriced_models) < 1000:
                     self._unpriced_models.add(event.model)

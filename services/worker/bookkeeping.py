@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from proto import GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens
+from proto import GenerateRequest, SamplingParams, Timings, Usage, UsageEvent, unpack_tokens, usage_model
 from proto.messages import TokenChunk, TokenLogprob, UsageStatus
 
 from .engines.base import EngineOutput
@@ -183,7 +183,7 @@ def usage_event(request: GenerateRequest, usage: Usage, status: UsageStatus, tim
         request_id=request.request_id,
         org=request.org,
         key_id=request.key_id,
-        model=request.model,
+        **usage_model(request),
         worker_id=worker_id,
         tier=request.tier,
         prompt_tokens=usage.prompt_tokens,

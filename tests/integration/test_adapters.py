@@ -17,8 +17,9 @@ from bus import Bus, BusSettings
 from bus.keys import AdapterStore
 from ops.cli import main
 from ops.keys import create_key
+from proto import UsageEvent
 from services.gateway.service import GatewayConfig, GatewayService
-from tests.conftest import eventually
+from tests.conftest import eventually, usage_events
 from tests.integration.test_router import MODEL, RouterFactory, WorkerFactory, start_router, start_worker
 
 __all__ = ["start_router", "start_worker"]  # fixtures
@@ -80,6 +81,14 @@ async def test_an_adapter_is_added_listed_served_from_a_slot_and_removed(
         assert worker.engine.stats().lora_adapters == ["sql-writer"]  # resident in a slot
         assert worker.engine.core.lora.loads_from_disk == 1  # loaded once, then served from its slot
         assert plain.engine.stats().lora_adapters == []
+        # billed as the client named it (vLLM reports the adapter's name), with its base for the price
+        billed: list[UsageEvent] = []
+        for _ in range(100):
+            billed = [e for e in await usage_events(bus) if e.org == "acme"]
+            if len(billed) == 4:
+                break
+            await asyncio.sleep(0.1)
+        assert {(e.model, e.base_model) for e in billed} == {("sql-writer", MODEL)} and len(billed) == 4
 
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="sql-reader", prompt="x", max_tokens=2)

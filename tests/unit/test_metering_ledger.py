@@ -128,11 +128,11 @@ async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 def make(request_id: str, *, org: str = "acme", key: str = "k1", model: str = "small", prompt: int = 100,
          cached: int = 0, completion: int = 10, status: str = "finished", at: float = T0 + 60, migrations: int = 0,
          tier: str = "standard", worker: str = "w1", user: str = "",
-         metadata: dict[str, str] | None = None) -> LedgerEntry:
+         metadata: dict[str, str] | None = None, base_model: str = "") -> LedgerEntry:
     event = UsageEvent(request_id=request_id, org=org, key_id=key, model=model, prompt_tokens=prompt,
                        cached_tokens=cached, completion_tokens=completion, status=status,  # type: ignore[arg-type]
                        arrival_time=at - 1, finish_time=at, migrations=migrations, tier=tier, worker_id=worker,
-                       user=user, metadata=metadata or {})
+                       user=user, metadata=metadata or {}, base_model=base_model)
     return entry_from_event(event, PRICES, recorded_at=at + 1, stream_seq=1)
 
 
@@ -195,13 +195,16 @@ async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRe
 
     await ledger.open()
     try:
-        assert await schema_version(ledger) == str(SCHEMA_VERSION) == "2"
-        assert await stored_entries(ledger) == [old]  # user '' and metadata {}
+        assert await schema_version(ledger) == str(SCHEMA_VERSION) == "3"
+        assert await stored_entries(ledger) == [old]  # user '', metadata {} and base_model ''
+        adapter = make("adapter", prompt=1, completion=1, base_model="base-m")
+        assert await ledger.record([adapter]) == 1
+        assert [e.base_model for e in await stored_entries(ledger) if e.usage_id == "adapter"] == ["base-m"]
         new = make("new", prompt=7, completion=2, user="u-1", metadata={"team": "search"})
         assert await ledger.record([new, old]) == 1  # the old row still dedups
-        assert await stored_entries(ledger) == [new, old]
+        assert [e for e in await stored_entries(ledger) if e.usage_id != "adapter"] == [new, old]
         (row,) = await ledger.totals(group_by=[])
-        assert (row.requests, row.prompt_tokens, row.completion_tokens) == (2, 18, 5)
+        assert (row.requests, row.prompt_tokens, row.completion_tokens) == (3, 19, 6)
         # the upgraded table is the one a new ledger gets: same columns, order, types, defaults
         fresh = await unopened(backend, request, tmp_path, "fresh")
         await fresh.open()
@@ -213,8 +216,8 @@ async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRe
         await ledger.close()
     await ledger.open()  # a second open finds nothing to do
     try:
-        assert await schema_version(ledger) == "2"
-        assert [e.usage_id for e in await stored_entries(ledger)] == ["new", "old"]
+        assert await schema_version(ledger) == "3"
+        assert sorted(e.usage_id for e in await stored_entries(ledger)) == ["adapter", "new", "old"]
     finally:
         await ledger.close()
 
@@ -223,7 +226,7 @@ async def test_a_newer_ledger_is_refused_untouched(ledger: Ledger) -> None:
     await ledger.record([make("r1")])
     await ledger.close()
     await sql(ledger, f"UPDATE ledger_meta SET value = '{SCHEMA_VERSION + 1}' WHERE name = 'schema'")
-    with pytest.raises(LedgerRejected, match="ledger schema 3"):
+    with pytest.raises(LedgerRejected, match=f"ledger schema {SCHEMA_VERSION + 1}"):
         await ledger.open()
     assert await schema_version(ledger) == str(SCHEMA_VERSION + 1)
     assert [e.usage_id for e in await stored_entries(ledger)] == ["r1"]

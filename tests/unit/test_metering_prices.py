@@ -94,6 +94,16 @@ def test_price_table_lookup_wildcard_and_free_statuses() -> None:
     assert unknown.spend_nano == 0 and not unknown.priced and unknown.price == FREE
 
 
+def test_an_adapter_costs_its_own_price_else_its_base_models() -> None:
+    """An adapter's usage is recorded under its own name: without a price of its own it
+    costs what its base model costs, not the "*" price or nothing."""
+    table = PriceTable(models={"base": ModelPrice.of(input=1), "tuned": ModelPrice.of(input=3),
+                               "*": ModelPrice.of(input=2)})
+    assert table.charge("tuned", "finished", 10**6, 0, 0, base_model="base").spend_nano == 3 * 10**9
+    assert table.charge("other-adapter", "finished", 10**6, 0, 0, base_model="base").spend_nano == 10**9
+    assert table.charge("other-adapter", "finished", 10**6, 0, 0, base_model="unpriced").spend_nano == 2 * 10**9
+
+
 def test_default_table_is_all_zero() -> None:
     charge = DEFAULT_PRICES.charge("any-model", "finished", 10**9, 10, 10**9)
     assert charge.spend_nano == 0 and charge.priced
