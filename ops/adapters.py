@@ -27,7 +27,8 @@ from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
 from proto import AdapterRecord, WorkerInfo
 from services.common.cli_types import add_mesh_arguments
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
+# What a key of the adapters' KV bucket may hold (NATS refuses ':' and '@' there).
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
@@ -55,7 +56,7 @@ def read_adapter_dir(path: str) -> tuple[Path, int, int]:
 
 def check_name(name: str) -> None:
     if not NAME.match(name):
-        raise CliError(f"adapter name {name!r}: letters, digits and . _ : / @ - only, starting with a letter or digit, "
+        raise CliError(f"adapter name {name!r}: letters, digits and . _ / - only, starting with a letter or digit, "
                        "at most 128 characters", EXIT_USAGE)
 
 
@@ -122,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
 
     apply_common_arguments(args)
     found: tuple[Path, int, int] | None = None
-    if args.action == "add":  # bad input is refused before connecting
+    if args.action in ("add", "remove"):  # bad input is refused before connecting
         check_name(args.name)
+    if args.action == "add":
         found = read_adapter_dir(args.path)
     return asyncio.run(_run(args, found))
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bus import Bus
-from bus.keys import KeyStore
+from bus.keys import AdapterStore, KeyStore
 from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
 from proto import ApiKeyRecord, DecodeError, decode
 from services.admission.buckets import Limits, limits_problem
@@ -75,15 +75,19 @@ def check_models(models: Iterable[str], served: Iterable[str]) -> None:
 
 
 async def served_models(bus: Bus) -> set[str]:
-    """Every model a registered worker serves or will serve (starting ones included)."""
+    """Every model a registered worker serves or will serve (starting ones included), and
+    the registered LoRA adapters of those models."""
     from bus.registry import WorkerRegistry
 
     registry = WorkerRegistry(bus)
     await registry.start()
     try:
-        return {w.model for w in registry.workers.values()}
+        models = {w.model for w in registry.workers.values()}
     finally:
         await registry.stop()
+    # A registered LoRA adapter of a served model is served too (the gateway lists it).
+    adapters = await (await AdapterStore(bus).open()).list()
+    return models | {a.name for a in adapters if a.base in models}
 
 
 def key_id_of(text: str) -> str:

@@ -93,6 +93,7 @@ def run_export(args: argparse.Namespace) -> int:
 async def lookup(model: str, timeout: float) -> tuple[str, int]:
     """(tokenizer spec, max_model_len or 0) of ``model``, from the workers serving it."""
     from bus import Bus, BusSettings
+    from bus.keys import AdapterStore
     from bus.registry import WorkerRegistry
     from proto.errors import MeshError
     from services.gateway.models import model_max_len, tokenizer_source
@@ -116,9 +117,12 @@ async def lookup(model: str, timeout: float) -> tuple[str, int]:
             served = registry.models()
         finally:
             await registry.stop()
+        workers = served.get(model)
+        if not workers:  # a LoRA adapter: its base model's tokenizer
+            adapter = next((a for a in await (await AdapterStore(bus).open()).list() if a.name == model), None)
+            workers = served.get(adapter.base) if adapter is not None else None
     finally:
         await bus.close()
-    workers = served.get(model)
     if not workers:
         names = ", ".join(sorted(served)) or "none"
         raise ExportError(f"no worker serves {model!r} (served: {names}); pass --tokenizer byte|DIR for a model "

@@ -58,7 +58,8 @@ def model_card(name: str, spec: ModelSpec, created: int) -> ModelCard:
     if spec.lora is not None:
         return ModelCard(id=name, created=created, owned_by="meshserve", max_model_len=spec.limits.max_model_len,
                          root=spec.lora_path, parent=spec.name)
-    return ModelCard(id=name, created=created, owned_by="meshserve", max_model_len=spec.limits.max_model_len)
+    return ModelCard(id=name, created=created, owned_by="meshserve", max_model_len=spec.limits.max_model_len,
+                     root=spec.name)
 
 
 def error_response(exc: ApiError) -> web.Response:

@@ -309,9 +309,11 @@ class ModelCard(Struct, kw_only=True):
     created: int
     owned_by: str = "meshserve"
     max_model_len: int | UnsetType = UNSET  # vLLM extension; the chat page shows it
-    # vLLM's: an adapter's card names its base model (``parent``) and its weights (``root``).
-    root: str | UnsetType = UNSET
-    parent: str | UnsetType = UNSET
+    # vLLM's, on every card: a base model's ``root`` is the model itself and its ``parent``
+    # null (clients list base models by ``parent is None``); an adapter's names its weights
+    # and its base model.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(Struct, kw_only=True):

@@ -64,7 +64,18 @@ async def test_an_adapter_is_added_listed_served_from_a_slot_and_removed(
         assert "exists" in capsys.readouterr().err
         assert await adapters_cli(bus_settings, "add", "y", "--base", MODEL, "--path", str(tmp_path)) == 2
         assert "no adapter_config.json" in capsys.readouterr().err
+        for bad in ("sql:v2", "sql@1"):  # NATS KV keys refuse them: refused here, not as a NATS error
+            assert await adapters_cli(bus_settings, "add", bad, "--base", MODEL, "--path", str(sql)) == 2
+            assert "letters, digits and . _ / - only" in capsys.readouterr().err
         assert [a.name for a in await (await AdapterStore(bus).open()).list()] == ["sql-writer"]
+        # served like a model: a key may be restricted to it, and its tokenizer (its base's) exported
+        url = bus_settings.servers[0]
+        assert await asyncio.to_thread(main, ["keys", "--nats-url", url, "create", "--org", "acme-sql",
+                                              "--model", "sql-writer"]) == 0
+        assert await asyncio.to_thread(main, ["tokenizer", "export", str(tmp_path / "tok"), "--model", "sql-writer",
+                                              "--nats-url", url]) == 0
+        assert (tmp_path / "tok" / "tokenizer.json").exists()
+        capsys.readouterr()
 
         key, record = await create_key(bus, org="acme")
         await eventually(lambda: record.key_id in gateway.keys.records and "sql-writer" in gateway.adapters.records,
@@ -73,6 +84,8 @@ async def test_an_adapter_is_added_listed_served_from_a_slot_and_removed(
         models = {m.id: m for m in (await client.models.list()).data}
         card = models["sql-writer"].model_dump()
         assert (card["parent"], card["root"]) == (MODEL, str(sql.resolve()))
+        # a base model's card too, as vLLM's: its parent null (how clients tell the base models)
+        assert (models[MODEL].model_dump()["parent"], models[MODEL].model_dump()["root"]) == (None, MODEL)
         for i in range(4):
             done = await client.completions.create(model="sql-writer", prompt=f"select {i} from t", max_tokens=5,
                                                    extra_body={"ignore_eos": True})
