@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -51,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "prompt_tokens, output_tokens, ttft_slo_s): recommend multiplex, time-share or a static pool for each",
     )
     p.add_argument("--gpu", "-g", default="H100-80GB", help=f"GPU preset: {', '.join(GPU_PRESETS)}")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel GPUs per replica")
+    p.add_argument("--tp", type=positive_int, help="tensor parallel GPUs per replica (default 1)")
     p.add_argument(
         "--kv-dtype",
         default="auto",
@@ -71,8 +72,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         dest="reserve_bytes",
         help="per-GPU reserve for activations and runtime (default: 10%% of HBM)",
     )
-    p.add_argument("--prompt-tokens", type=positive_int, default=1024, help="mean prompt length")
-    p.add_argument("--output-tokens", type=positive_int, default=256, help="mean output length")
+    p.add_argument("--prompt-tokens", type=positive_int, help="mean prompt length (default 1024)")
+    p.add_argument("--output-tokens", type=positive_int, help="mean output length (default 256)")
     p.add_argument(
         "--context",
         type=positive_int,
@@ -142,14 +143,14 @@ def run(args: argparse.Namespace) -> int:
         inputs = PlanInputs(
             model=load_model(args.model),
             gpu=lookup_gpu(args.gpu),
-            tensor_parallel=args.tp,
+            tensor_parallel=args.tp or 1,
             kv_dtype=args.kv_dtype,
             weights_dtype=args.weights_dtype,
             weights_bytes=args.weights_bytes,
             hbm_bytes=args.hbm_bytes,
             reserve_bytes=args.reserve_bytes,
-            prompt_tokens=args.prompt_tokens,
-            output_tokens=args.output_tokens,
+            prompt_tokens=args.prompt_tokens or 1024,
+            output_tokens=args.output_tokens or 256,
             context_tokens=args.context_tokens,
             rate=args.rate,
             time_in_system=args.time_in_system,
@@ -177,19 +178,34 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan.concurrent_per_replica > 0 else 1
 
 
+# Flags of one model's plan (flag → its dest): with --models each entry says its own.
+PER_MODEL_FLAGS = {"--tp": "tp", "--prompt-tokens": "prompt_tokens", "--output-tokens": "output_tokens",
+                   "--context": "context_tokens", "--rate": "rate", "--time-in-system": "time_in_system",
+                   "--mu": "service_rate", "--weights-gb": "weights_bytes", "--plot": "plot"}
+
+
 def run_many(args: argparse.Namespace, console: Console) -> int:
     """``--models FILE``: the decision tree for every model of the file (ops.plan.multi)."""
     import yaml
 
+    per_model = [flag for flag, given in PER_MODEL_FLAGS.items() if getattr(args, given) is not None]
+    if per_model:
+        print(f"meshserve plan: {', '.join(per_model)} describe one model: with --models each entry of the file "
+              "says its own (rate, tp, prompt_tokens, output_tokens, weights_gb)", file=sys.stderr)
+        return 2
     try:
         text = args.models.read_text()
         raw = yaml.safe_load(text)  # YAML is a superset of JSON: one reader for both
+        gpu = lookup_gpu(args.gpu)
         policy = FleetPolicy(
-            gpu=lookup_gpu(args.gpu),
+            gpu=gpu if args.hbm_bytes is None else dataclasses.replace(gpu, hbm_bytes=args.hbm_bytes),
             utilization=args.utilization,
             load_gb_per_s=args.load_gbps if args.load_gbps is not None else LOAD_SOURCES[args.load_from],
             keep_s=args.keep_s,
             static_load=args.static_load,
+            kv_dtype=args.kv_dtype, weights_dtype=args.weights_dtype, reserve_bytes=args.reserve_bytes,
+            max_num_seqs=args.max_num_seqs, bandwidth_efficiency=args.bandwidth_efficiency,
+            prefill_mfu=args.prefill_mfu,
         )
         plan = plan_fleet(parse_entries(raw), policy)
     except OSError as exc:

@@ -33,12 +33,13 @@ from typing import Any, Literal
 
 from ops.plan.model import PlanInputs, load_model, make_plan
 from ops.plan.presets import GB, GpuSpec
+from services.worker.engines.hosted import LOAD_PRESETS
 
 Strategy = Literal["multiplex", "static", "time-share"]
 
-# Where a hot-swapped model's weights come from (GB/s, decimal): a local NVMe copy, or
-# an object store (S3-class, a few parallel streams).
-LOAD_SOURCES: dict[str, float] = {"nvme": 5.0, "object-store": 1.0}
+# Where a hot-swapped model's weights come from (GB/s, decimal): the bandwidths a worker's
+# --load-from names, so a plan's load times are what its hosts then run with.
+LOAD_SOURCES: dict[str, float] = dict(LOAD_PRESETS)
 
 _ENTRY_KEYS = {"name", "model", "weights_gb", "base", "adapter_mb", "rate", "prompt_tokens", "output_tokens", "tp",
                "ttft_slo_s"}
@@ -73,6 +74,19 @@ class FleetPolicy:
     static_load: float = 0.5  # replicas of traffic (at ρ) from which a model gets its own pool
     kv_fraction: float = 0.3  # of a time-share GPU's usable HBM kept for KV
     max_cold_share: float = 0.01  # of a model's requests that may meet a cold start past its SLO
+    # The engines and GPUs every model runs with (the single-model planner's settings).
+    kv_dtype: str = "auto"
+    weights_dtype: str | None = None
+    reserve_bytes: int | None = None  # per GPU; None: 10 % of HBM
+    max_num_seqs: int | None = None
+    bandwidth_efficiency: float = 0.8
+    prefill_mfu: float = 0.5
+
+    @property
+    def usable_hbm_bytes(self) -> int:
+        """Per GPU, what weights and KV may use: HBM less the runtime's reserve."""
+        reserve = self.reserve_bytes if self.reserve_bytes is not None else self.gpu.hbm_bytes // 10
+        return self.gpu.hbm_bytes - reserve
 
     def __post_init__(self) -> None:
         if not 0 < self.utilization < 1:
@@ -201,7 +215,9 @@ def plan_fleet(entries: list[ModelEntry], policy: FleetPolicy) -> FleetPlan:
             model=load_model(e.model or ""), gpu=policy.gpu, tensor_parallel=e.tp,
             weights_bytes=round(e.weights_gb * GB) if e.weights_gb is not None else None,
             prompt_tokens=e.prompt_tokens, output_tokens=e.output_tokens, rate=rate if rate > 0 else None,
-            utilization=rho,
+            utilization=rho, kv_dtype=policy.kv_dtype, weights_dtype=policy.weights_dtype,
+            reserve_bytes=policy.reserve_bytes, max_num_seqs=policy.max_num_seqs,
+            bandwidth_efficiency=policy.bandwidth_efficiency, prefill_mfu=policy.prefill_mfu,
         ))
         if plan.concurrent_per_replica == 0:
             raise ValueError(f"model {e.name!r} does not fit on {e.tp}× {policy.gpu.name}: {'; '.join(plan.notes)}")
@@ -222,6 +238,9 @@ def plan_fleet(entries: list[ModelEntry], policy: FleetPolicy) -> FleetPlan:
         load_time = weights / bw
         cold_share = math.exp(-pool_rate * policy.keep_s)  # its adapters' requests keep it resident too
         cold_per_hour = 3600 * pool_rate * cold_share
+        # Its adapters' requests meet its cold starts too: the tightest TTFT SLO of the pool.
+        with_slo = [x for x in (e, *adapters_of.get(e.name, [])) if x.ttft_slo_s is not None]
+        tightest = min(with_slo, key=lambda x: x.ttft_slo_s or 0.0) if with_slo else None
         strategy: Strategy
         if load >= policy.static_load:
             strategy = "static"
@@ -230,9 +249,11 @@ def plan_fleet(entries: list[ModelEntry], policy: FleetPolicy) -> FleetPlan:
         elif e.tp > 1:
             strategy = "static"
             why = f"spans {e.tp} GPUs (tp {e.tp}): not swapped with single-GPU models"
-        elif (e.ttft_slo_s is not None and load_time > e.ttft_slo_s and cold_share > policy.max_cold_share):
+        elif (tightest is not None and tightest.ttft_slo_s is not None and load_time > tightest.ttft_slo_s
+              and cold_share > policy.max_cold_share):
             strategy = "static"
-            why = (f"pinned: a cold start ({load_time:.1f} s) breaks its {e.ttft_slo_s:g} s TTFT SLO and "
+            whose = "its" if tightest is e else f"its adapter {tightest.name}'s"
+            why = (f"pinned: a cold start ({load_time:.1f} s) breaks {whose} {tightest.ttft_slo_s:g} s TTFT SLO and "
                    f"{cold_share:.1%} of its requests would meet one (> {policy.max_cold_share:.0%})")
         else:
             strategy = "time-share"
@@ -267,7 +288,7 @@ def plan_fleet(entries: list[ModelEntry], policy: FleetPolicy) -> FleetPlan:
     decisions.sort(key=lambda d: order[d.name])
 
     shared = [d for d in decisions if d.strategy == "time-share"]
-    usable = (policy.gpu.hbm_bytes - policy.gpu.hbm_bytes // 10) * (1 - policy.kv_fraction)
+    usable = policy.usable_hbm_bytes * (1 - policy.kv_fraction)
     thr = math.ceil(sum(d.load for d in shared) - 1e-9) if shared else 0
     resident = sum((1 - d.cold_share) * d.weights_bytes for d in shared)
     mem = math.ceil(resident / usable - 1e-9) if shared else 0

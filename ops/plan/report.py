@@ -22,6 +22,14 @@ def _num(x: float | None, digits: int = 2) -> str:
     return f"{x:,.{digits}f}"
 
 
+def _fine(x: float) -> str:
+    """Three decimals, or three significant digits below 0.1: the rare models' rates and
+    loads (a request an hour is 0.000278/s, which three decimals print as 0.000)."""
+    if x == 0 or abs(x) >= 0.1 or not math.isfinite(x):
+        return _num(x, 3)
+    return f"{x:.{2 - math.floor(math.log10(abs(x)))}f}"
+
+
 def _seconds(x: float | None) -> str:
     if x is None:
         return "—"
@@ -228,8 +236,8 @@ def fleet_table(plan: FleetPlan) -> Table:
     for d in plan.decisions:
         shared = d.strategy == "time-share"
         t.add_row(
-            d.name, _num(d.rate, 3) + (f" + {_num(d.pool_rate - d.rate, 3)} adapters" if d.strategy != "multiplex"
-                                       and d.pool_rate > d.rate else ""), _num(d.load, 3), _num(gb(d.weights_bytes), 3), _seconds(d.load_time_s),
+            d.name, _fine(d.rate) + (f" + {_fine(d.pool_rate - d.rate)} adapters" if d.strategy != "multiplex"
+                                       and d.pool_rate > d.rate else ""), _fine(d.load), _num(gb(d.weights_bytes), 3), _seconds(d.load_time_s),
             f"{d.cold_share:.1%}" if shared else "—", _num(d.cold_starts_per_hour, 1) if shared else "—",
             d.strategy, str(d.gpus) if d.strategy == "static" else "pool" if shared else "base's", str(d.baseline_gpus),
             d.why,

@@ -13,6 +13,7 @@ import pytest
 
 from ops.plan.multi import FleetPolicy, ModelEntry, parse_entries, plan_fleet
 from ops.plan.presets import GB, lookup_gpu
+from services.worker.engines.hosted import LOAD_PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 H100 = lookup_gpu("H100-80GB")
@@ -37,8 +38,8 @@ def test_busy_models_get_pools_quiet_ones_share_and_adapters_ride_their_base() -
     # the adapter's traffic is sized with its base's pool
     assert d["base"].pool_rate == 14 and d["a1"].pool_rate == 14
     assert d["base"].load == pytest.approx(14 / (0.7 * d["base"].service_rate))
-    # 100 MB at the default NVMe 5 GB/s
-    assert d["a1"].load_time_s == pytest.approx(0.02)
+    # 100 MB at the default NVMe 6 GB/s (the worker's --load-from nvme)
+    assert d["a1"].load_time_s == pytest.approx(0.1 / 6)
 
 
 def test_cold_starts_follow_poisson_gaps_longer_than_the_keep_time() -> None:
@@ -47,10 +48,10 @@ def test_cold_starts_follow_poisson_gaps_longer_than_the_keep_time() -> None:
     assert m.strategy == "time-share"
     assert m.cold_share == pytest.approx(math.exp(-0.002 * 600))
     assert m.cold_starts_per_hour == pytest.approx(3600 * 0.002 * math.exp(-1.2))
-    assert m.load_time_s == pytest.approx(m.weights_bytes / (5 * GB))
-    # from an object store the load is five times longer
+    assert m.load_time_s == pytest.approx(m.weights_bytes / (6 * GB))
+    # from an object store at 1 GB/s the load is six times longer
     slow = by_name([{"name": "m", "model": "mistral-7b", "rate": 0.002}], load_gb_per_s=1.0)["m"]
-    assert slow.load_time_s == pytest.approx(5 * m.load_time_s)
+    assert slow.load_time_s == pytest.approx(6 * m.load_time_s)
 
 
 def test_a_cold_start_past_its_slo_pins_the_model_and_tensor_parallel_models_stay_static() -> None:
@@ -125,7 +126,7 @@ def test_cli_prints_the_tree_for_the_readme_example_and_json_and_rejects_bad_fil
         assert word in out.stdout
     js = plan("--models", "examples/models.yaml", "--json", "--load-from", "object-store")
     body = json.loads(js.stdout)
-    assert body["policy"]["load_gb_per_s"] == 1.0 and body["plan_gpus"] < body["baseline_gpus"]
+    assert body["policy"]["load_gb_per_s"] == LOAD_PRESETS["object-store"] and body["plan_gpus"] < body["baseline_gpus"]
     assert {d["strategy"] for d in body["decisions"]} == {"multiplex", "time-share", "static"}
     bad = tmp_path / "bad.yaml"
     bad.write_text("- {name: a, modle: llama-3.1-8b}\n")
@@ -136,3 +137,48 @@ def test_cli_prints_the_tree_for_the_readme_example_and_json_and_rejects_bad_fil
     assert out.returncode == 2 and "not YAML or JSON" in out.stderr
     out = plan("--models", str(tmp_path / "missing.yaml"))
     assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+def test_an_adapters_ttft_slo_pins_its_base() -> None:
+    """The adapter's requests meet its base's cold starts: its SLO counts as the base's
+    own does (it was ignored: the base stayed time-shared)."""
+    entries = [{"name": "a", "model": "mistral-7b", "rate": 0.0005},
+               {"name": "a-ad", "base": "a", "adapter_mb": 50, "rate": 0.005, "ttft_slo_s": 1},
+               {"name": "c", "model": "llama-3.1-8b", "rate": 0.005}]
+    d = by_name(entries)
+    assert d["a"].strategy == "static" and "its adapter a-ad's 1 s TTFT SLO" in d["a"].why
+    entries[1].pop("ttft_slo_s")
+    assert by_name(entries)["a"].strategy == "time-share"
+
+
+def test_models_honours_the_fleet_wide_flags_and_refuses_one_models(tmp_path: Path) -> None:
+    """With --models the engine and GPU flags (--weights-dtype, --kv-dtype, --hbm-gb...)
+    were ignored, and one model's (--rate, --tp, --plot...) too, silently."""
+    def plan(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ops.cli", "plan", "--models", "examples/models.yaml", "--json",
+                               *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    base = json.loads(plan().stdout)
+    int4 = json.loads(plan("--weights-dtype", "int4").stdout)
+    weights = {d["name"]: d["weights_bytes"] for d in base["decisions"]}
+    assert all(d["weights_bytes"] < weights[d["name"]] for d in int4["decisions"] if d["strategy"] != "multiplex")
+    small = json.loads(plan("--hbm-gb", "40").stdout)
+    assert small["plan_gpus"] > base["plan_gpus"]
+    for flag in (["--rate", "50"], ["--tp", "2"], ["--plot", str(tmp_path / "p.png")], ["--mu", "1"]):
+        out = plan(*flag)
+        assert out.returncode == 2 and flag[0] in out.stderr and "each entry of the file" in out.stderr, flag
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_small_rates_keep_their_digits_in_the_table() -> None:
+    from rich.console import Console
+
+    from ops.plan.report import render_fleet
+
+    plan = plan_fleet(parse_entries([{"name": "rare", "model": "mistral-7b", "rate": 0.0005},
+                                     {"name": "rarer", "model": "mistral-7b", "rate": 0.00004}]),
+                      FleetPolicy(gpu=lookup_gpu("H100-80GB")))
+    console = Console(width=300, record=True)
+    render_fleet(plan, console)
+    text = console.export_text()
+    assert "0.000500" in text and "0.0000400" in text
