@@ -353,6 +353,32 @@ async def test_plain_chat_and_completion(servers: Servers) -> None:
     await compare_completion(servers, {"prompt": "The old house by the water", "max_tokens": 16, "temperature": 0.0})
 
 
+async def test_continuous_usage_stats(servers: Servers) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the prompt and
+    the tokens so far. The two servers cut their chunks differently (meshserve coalesces
+    tokens), so what is compared is what a client reads from them: the prompt on every
+    chunk, a count that starts at 0 and never falls, and that ends at the request's."""
+    body = {"messages": QUESTION, "max_tokens": 12, "temperature": 1.0, "seed": 5, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    views = []
+    for client in (servers.vllm, servers.mesh):
+        per_chunk: list[tuple[int, int, int]] = []
+        final = None
+        async for chunk in await client.chat.completions.create(model=MODEL, **_split(client.chat.completions.create,
+                                                                                       body)):
+            assert chunk.usage is not None, chunk
+            if chunk.choices:
+                per_chunk.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens))
+            else:
+                final = chunk.usage
+        assert final is not None and per_chunk
+        counts = [c for _, c, _ in per_chunk]
+        views.append({"prompts": sorted({p for p, _, _ in per_chunk}), "first": counts[0], "last": counts[-1],
+                      "monotonic": counts == sorted(counts), "totals": all(t == p + c for p, c, t in per_chunk),
+                      "final": usage_view(final)})
+    assert_same(views[0], views[1], "continuous usage")
+
+
 async def test_stop_strings(servers: Servers) -> None:
     body = {"messages": QUESTION, "max_tokens": 24, "temperature": 1.0, "seed": 23}
     free = await servers.vllm.chat.completions.create(model=MODEL, **_split(servers.vllm.chat.completions.create, body))
