@@ -11,12 +11,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proto import Timings
+from services.common.latency_buckets import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS
 
 from .engines.base import EngineStats
-
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
 class WorkerMetrics:
@@ -41,6 +38,8 @@ class WorkerMetrics:
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time in WAITING", labels, buckets=REQUEST_BUCKETS, registry=r)
         self.prefill = Histogram("vllm:request_prefill_time_seconds", "Time in prefill", labels, buckets=REQUEST_BUCKETS, registry=r)
         self.decode = Histogram("vllm:request_decode_time_seconds", "Time in decode", labels, buckets=REQUEST_BUCKETS, registry=r)
+        for reason in ("stop", "length", "abort", "error"):  # as vLLM: every reason's series from the start
+            self.success.labels(**self._labels, finished_reason=reason)
         self._preemptions_seen = 0
 
     def cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool = True) -> None:

@@ -22,6 +22,27 @@ VLLM_METRICS = frozenset({
 })
 
 
+# A PromQL selector: a metric name and its {label matchers}.
+_SELECTOR = re.compile(r"\b((?:meshserve|vllm):[a-z0-9_]+)\{([^}]*)\}")
+_MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"((?:[^\"\\\\]|\\\\.)*)\"")
+
+
+def selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
+    """(metric, {label: matched value}) of each selector of a PromQL expression."""
+    return [(name, dict(_MATCHER.findall(body))) for name, body in _SELECTOR.findall(expr)]
+
+
+def exported_labels(registry: object) -> dict[str, set[str]]:
+    """Every series name a prometheus_client registry exports → its label names (from the
+    metrics' definitions: a labelled metric has no sample until a child is made)."""
+    out: dict[str, set[str]] = {}
+    for collector, names in registry._collector_to_names.items():  # type: ignore[attr-defined]
+        labels = set(getattr(collector, "_labelnames", ()))
+        for name in names:
+            out[name] = labels | ({"le"} if name.endswith("_bucket") else set())
+    return out
+
+
 class CliError(AssertionError):
     pass
 

@@ -23,15 +23,18 @@ import yaml
 
 from ops.nats import accounts
 from services.gateway.metrics import GatewayMetrics
+from services.worker.metrics import WorkerMetrics
 from tests.deploy.deployspec import (
     COMPOSE_DIR,
     ROOT,
     VLLM_METRICS,
     duration_s,
     env_name_is_read,
+    exported_labels,
     listening_ports,
     parse_cli,
     parse_serve,
+    selectors,
 )
 
 BASE = COMPOSE_DIR / "docker-compose.yml"
@@ -405,6 +408,12 @@ def test_dashboard_shows_the_slo_histograms_and_engine_gauges() -> None:
     for name in used:
         known = gateway_metrics if name.startswith("meshserve:") else VLLM_METRICS
         assert name in known, f"the dashboard queries {name}, which nothing exports"
+    # Each selector's labels are ones the series has: the engine panels filtered on the
+    # gateway's "model" label, which the workers' vllm: series do not have ("model_name").
+    series = exported_labels(GatewayMetrics().registry) | exported_labels(WorkerMetrics("m", "vllm").registry)
+    for expr in exprs:
+        for name, matchers in selectors(expr):
+            assert name in series and set(matchers) <= series[name], (name, matchers, series.get(name))
     required = {"meshserve:time_to_first_token_seconds", "meshserve:time_per_output_token_seconds",
                 "meshserve:e2e_request_latency_seconds", "meshserve:gateway_requests_total",
                 "meshserve:gateway_streams_in_flight", *VLLM_METRICS}
