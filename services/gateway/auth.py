@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=web.StreamResponse)
 AUTH_MS = web.RequestKey("auth_ms", float)  # the key check's milliseconds, on the aiohttp request
+# Set on the aiohttp request once it is known: the model it asked for, and that the request
+# started (its ActiveRequest counts it when it closes; one refused before is counted by the
+# HTTP error handler).
+REQUEST_MODEL = web.RequestKey("request_model", str)
+REQUEST_STARTED = web.RequestKey("request_started", bool)
 
 
 class Authenticator:

@@ -23,7 +23,7 @@ from proto.metering import UsageReport
 from services.common.usage import org_usage_query, usage_report_json
 
 from .apikeys import key_allows_model
-from .auth import AUTH_MS, Authenticator, authenticated
+from .auth import AUTH_MS, REQUEST_MODEL, REQUEST_STARTED, Authenticator, authenticated
 from .errors import (
     ApiError,
     from_mesh_error,
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
+# The routes that generate, and the ``api`` label their requests are counted under.
+GENERATION_APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat"}
 RESUMABLE_HEADER = "X-Meshserve-Resumable"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -95,6 +97,16 @@ class HttpApi:
 
     @web.middleware
     async def error_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        response = await self._answer(request, handler)
+        api = GENERATION_APIS.get(request.path)
+        if api is not None and response.status >= 400 and not request.get(REQUEST_STARTED):
+            # Refused before it ran (a bad body, key, quota or model; admission's 429): the
+            # dashboard's request rates see refusals too, by their HTTP status.
+            self.gateway.metrics.requests.labels(api=api, model=request.get(REQUEST_MODEL, ""),
+                                                 status=str(response.status)).inc()
+        return response
+
+    async def _answer(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as exc:
@@ -134,10 +146,12 @@ class HttpApi:
         started = time.perf_counter()
         body = await http.read()
         request = parse_request(kind, body, g.models.specs(), allowed_models=key.models or None)
+        http[REQUEST_MODEL] = request.model
         # the key check, then body, validation, template, tokenizer
         parsed = [("auth", http.get(AUTH_MS, 0.0)), ("parse", (time.perf_counter() - started) * 1000)]
         resumable = request.stream and http.headers.get(RESUMABLE_HEADER, "").lower() in ("1", "true", "yes")
         active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)), resumable=resumable)
+        http[REQUEST_STARTED] = True
         # Where the gateway's time went before the worker had the request (W3C Server-Timing).
         headers = {"X-Request-Id": active.request_id, "Server-Timing": active.phases.header(parsed)}
         async with active.serving():

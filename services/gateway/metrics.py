@@ -19,9 +19,10 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "meshserve:gateway_requests_total", "Requests by API, model and HTTP-like status", ["api", "model", "status"], registry=r
-        )
+        # status: ok, cancelled or error for a request that ran; the HTTP status of one
+        # refused before it ran (400, 401, 404, 429...; model "" when it named none served)
+        self.requests = Counter("meshserve:gateway_requests_total", "Requests by API, model and status",
+                                ["api", "model", "status"], registry=r)
         self.errors = Counter("meshserve:gateway_errors_total", "Errors by code", ["code"], registry=r)
         self.ttft = Histogram(
             "meshserve:time_to_first_token_seconds", "Time to first token seen by the gateway", ["model"], buckets=TTFT_BUCKETS, registry=r

@@ -19,7 +19,7 @@ from opentelemetry.propagate import extract
 
 from proto import ApiKeyRecord
 
-from .auth import authenticated
+from .auth import REQUEST_MODEL, REQUEST_STARTED, authenticated
 from .errors import ApiError, bad_request, overloaded, payload_too_large
 from .events import DONE, EventBuilder
 from .lifecycle import ActiveRequest
@@ -115,7 +115,9 @@ class ResponsesHttp:
         except ApiError as exc:
             raise plan.api_error(exc) from None
         store = await self.store() if parsed.store else None  # before generating: a store that cannot open is a 503 now
+        http[REQUEST_MODEL] = request.model
         active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)))
+        http[REQUEST_STARTED] = True
         ctx = ResponseContext(request_id=active.request_id, created_at=active.record.created, model=request.requested_model,
                               plan=plan, request=parsed.request, temperature=request.sampling.temperature,
                               top_p=request.sampling.top_p, store=parsed.store)

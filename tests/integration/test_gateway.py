@@ -109,9 +109,20 @@ async def test_http_status_codes_and_headers(mesh: Mesh) -> None:
             assert r.status == 200
         async with http.get("/readyz") as r:
             assert r.status == 200 and (await r.json())["models"] == [MODEL]
+        async with http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                           "temperature": 9}, headers=headers) as r:
+            assert r.status == 400
         async with http.get("/metrics") as r:
             text = await r.text()
             assert "meshserve:time_to_first_token_seconds_bucket" in text and "meshserve:gateway_requests_total" in text
+        # refusals are requests too, counted by their HTTP status (only requests that ran
+        # were: the dashboard's request rates never showed a 4xx)
+        refused = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("meshserve:gateway_requests_total{")}
+        # bad JSON and a bad temperature (a body that fails validation names no model yet)
+        assert refused['meshserve:gateway_requests_total{api="chat",model="",status="400"}'] >= 2
+        assert refused['meshserve:gateway_requests_total{api="chat",model="",status="401"}'] >= 1
+        assert refused['meshserve:gateway_requests_total{api="completion",model="",status="413"}'] >= 1
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
