@@ -444,22 +444,30 @@ class AdmissionService(Service):
 
     # ---- the endpoint -----------------------------------------------------------------
     async def handle_check(self, req: AdmissionRequest, msg: Msg) -> None:
-        # Synchronous from here to the reply: no other check can interleave with this one.
-        decision = self.decide(req)
-        route = forwarded_route(req, decision, self.clock())
-        if route is not None:
-            # The request goes on to the router from here (one hop fewer before its worker);
-            # the router answers the gateway. The gateway's trace context goes with it.
-            trace_headers = {k: v for k, v in (msg.headers or {}).items() if k in ("traceparent", "tracestate")}
-            try:
-                await self.bus.publish(self.bus.subjects.router_route, route, reply=req.placement_reply,
-                                       headers=trace_headers, trace=False)
-            except Exception:  # not forwarded: the gateway places it itself, as without a route
-                log.exception("forwarding %s to the router failed", req.request_id)
-            else:
-                decision.forwarded = True
-                self.forwarded += 1
-        await self.bus.respond(msg, decision)
+        with tracer.start_as_current_span(
+            "admission.check", context=self.bus.remote_context(msg), kind=trace.SpanKind.SERVER,
+            attributes={"meshserve.request_id": req.request_id, "gen_ai.request.model": req.model,
+                        "meshserve.tier": req.tier},
+        ) as span:
+            # Synchronous from here to the reply: no other check can interleave with this one.
+            decision = self.decide(req)
+            span.set_attribute("meshserve.admitted", decision.admitted)
+            if decision.reason:
+                span.set_attribute("meshserve.admission_reason", decision.reason)
+            if decision.predicted_ttft is not None:
+                span.set_attribute("meshserve.predicted_ttft_s", decision.predicted_ttft)
+            route = forwarded_route(req, decision, self.clock())
+            if route is not None:
+                # The request goes on to the router from here (one hop fewer before its
+                # worker); the router answers the gateway, in this span's trace.
+                try:
+                    await self.bus.publish(self.bus.subjects.router_route, route, reply=req.placement_reply)
+                except Exception:  # not forwarded: the gateway places it itself, as without a route
+                    log.exception("forwarding %s to the router failed", req.request_id)
+                else:
+                    decision.forwarded = True
+                    self.forwarded += 1
+            await self.bus.respond(msg, decision)
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         mono = self.monotonic()

@@ -27,14 +27,11 @@ def traced_mesh(tmp_path: Path) -> Iterator[tuple[Mesh, Path]]:
         yield m, trace_file
 
 
-def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
-    mesh, trace_file = traced_mesh
-    client = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key=mesh.dev_key, max_retries=0)
+def request_tree(client: openai.OpenAI, trace_file: Path, expected: set[str]) -> tuple[dict, dict[str, dict], object]:
+    """Send one completion; its trace's root, its spans by name (checked to be one tree)
+    and the response."""
     response = client.completions.with_raw_response.create(model=MODEL, prompt="trace me", max_tokens=6)
     request_id = response.headers["X-Request-Id"]
-
-    expected = {"gateway.request", "gateway.admission", "gateway.route", "router.route", "worker.generate",
-                "worker.queue", "worker.prefill", "worker.decode"}
     spans: list[dict] = []
     roots: list[dict] = []
     for _ in range(100):  # exporters in other processes write as spans end
@@ -49,21 +46,35 @@ def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
     # one root, every other span's parent inside the same trace
     assert [s for s in tree if s["parent_span_id"] is None] == [root]
     assert all(s["parent_span_id"] in by_id for s in tree if s is not root)
-
-    def parent(span: dict) -> dict:
-        return by_id[span["parent_span_id"]]
-
-    names = {s["name"]: s for s in tree}
+    names = {s["name"]: {**s, "parent": by_id.get(s["parent_span_id"] or "", {}).get("name")} for s in tree}
     assert expected <= set(names), sorted(names)
-    assert parent(names["gateway.admission"]) is root and parent(names["gateway.route"]) is root
-    assert parent(names["router.route"])["name"] == "gateway.route"
-    assert parent(names["worker.generate"]) is names["router.route"]
+    return root, names, response
+
+
+def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
+    mesh, trace_file = traced_mesh
+    client = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key=mesh.dev_key, max_retries=0)
+    expected = {"gateway.request", "gateway.admission", "admission.check", "gateway.route", "router.route",
+                "worker.generate", "worker.queue", "worker.prefill", "worker.decode"}
+    root, names, response = request_tree(client, trace_file, expected)
+    assert names["gateway.admission"]["parent"] == "gateway.request" == names["gateway.route"]["parent"]
+    assert names["admission.check"]["parent"] == "gateway.admission"  # admission's decision is in the trace
+    # placed by the gateway (the first requests, before a router has answered admission),
+    # or forwarded by admission
+    assert names["router.route"]["parent"] in ("gateway.route", "admission.check")
+    assert names["worker.generate"]["parent"] == "router.route"
     for phase in ("worker.queue", "worker.prefill", "worker.decode"):
-        assert parent(names[phase]) is names["worker.generate"]
-    services = {s["service"] for s in tree}
-    assert {"gateway", "router", "worker"} <= services, services
+        assert names[phase]["parent"] == "worker.generate"
+    assert {"gateway", "admission", "router", "worker"} <= {s["service"] for s in names.values()}
     worker_span = names["worker.generate"]
     # the sim may sample EOS before max_tokens (no ignore_eos): the span says what the client got
-    completion = response.parse()
+    completion = response.parse()  # type: ignore[attr-defined]
     assert completion.usage is not None and 1 <= completion.usage.completion_tokens <= 6
     assert worker_span["attributes"]["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens
+    # Later requests: admission forwards them to the router itself, under its own span.
+    for _ in range(20):
+        root, names, _ = request_tree(client, trace_file, expected - {"gateway.route"})
+        if names["router.route"]["parent"] == "admission.check":
+            break
+    assert names["router.route"]["parent"] == "admission.check", names["router.route"]
+    assert names["worker.generate"]["parent"] == "router.route"
