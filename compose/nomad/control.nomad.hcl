@@ -229,9 +229,16 @@ job "meshserve-control" {
   group "metering" {
     count = 1
 
+    network {
+      port "metrics" {
+        to = 9104
+      }
+    }
+
     service {
       name     = "meshserve-metering"
       provider = "consul"
+      port     = "metrics"
 
       check {
         type     = "script"
@@ -248,7 +255,8 @@ job "meshserve-control" {
       config {
         image   = var.image
         command = "meshserve"
-        args    = ["serve", "metering", "--drain-timeout", "30"]
+        args    = ["serve", "metering", "--drain-timeout", "30", "--metrics-port", "9104", "--metrics-host", "0.0.0.0"]
+        ports   = ["metrics"]
       }
 
       kill_signal  = "SIGTERM"

@@ -1,6 +1,6 @@
 """Metering: usage events from the USAGE stream into an idempotent ledger, and usage queries.
 
-``meshserve serve metering [--ledger-url URL] [--prices FILE]``. The ledger is SQLite at
+``meshserve serve metering [--ledger-url URL] [--prices FILE] [--metrics-port N]``. The ledger is SQLite at
 ``.meshserve/ledger.sqlite3`` by default (one instance per file); give a
 ``postgresql://`` URL for production or for several instances.
 """
@@ -12,7 +12,7 @@ import os
 import sys
 
 from bus import RunOptions, run_service
-from services.common.cli_types import positive_int, positive_seconds
+from services.common.cli_types import port_number, positive_int, positive_seconds
 
 LEDGER_URL_ENV = "MESHSERVE_LEDGER_URL"
 PRICES_ENV = "MESHSERVE_PRICES"
@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ack-pending", type=positive_int, default=2048, help="events held unacked at most (consumer-wide)")
     parser.add_argument("--ack-wait", type=positive_seconds, default=30.0, help="seconds before an unacked event is redelivered")
     parser.add_argument("--drain-timeout", type=positive_seconds, default=30.0, help="seconds the batch in progress gets on SIGTERM")
+    parser.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics (default 127.0.0.1)")
 
 
 def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -47,6 +49,8 @@ def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_ack_pending=args.max_ack_pending,
         ack_wait_s=args.ack_wait,
         drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 

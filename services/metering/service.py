@@ -49,6 +49,7 @@ from nats.js import api
 from nats.js.client import JetStreamContext
 
 from bus import BusSettings, Service
+from bus.metrics import MetricsServer
 from proto.codec import decode
 from proto.errors import DecodeError, ErrorCode, MeshError, UnsupportedVersion
 from proto.messages import UsageEvent
@@ -63,6 +64,7 @@ from .ledger import (
     entry_from_event,
     ledger_from_url,
 )
+from .metrics import metering_registry
 from .prices import DEFAULT_PRICES, PriceTable
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class MeteringConfig:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     drain_timeout_s: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics (0: any free port); None: not served
+    metrics_host: str = "127.0.0.1"
 
 
 class MeteringService(Service):
@@ -122,6 +126,8 @@ class MeteringService(Service):
         self.batches = 0
         self.lag = 0  # events in the stream not yet delivered to this consumer
         self.last_commit_at = 0.0
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_port: int | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -134,12 +140,18 @@ class MeteringService(Service):
         await self.bus.confirm_subscriptions()
         # Spawned: the drain waits for the batch in progress to commit and ack.
         self.spawn(self._consume(), name="consume")
+        if self.config.metrics_port is not None:
+            self._metrics_server = MetricsServer(metering_registry(self.stats), host=self.config.metrics_host,
+                                                 port=self.config.metrics_port)
+            self.metrics_port = await self._metrics_server.start()
 
     async def on_drain(self) -> None:
         await self.stop_endpoints()
         self._stopping.set()
 
     async def on_stop(self) -> None:
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

@@ -430,3 +430,30 @@ async def test_usage_stream_recreated_the_durable_is_created_again(provisioned: 
     await publish(bus, make_events(4, seed=13, prefix="after"))
     await eventually(lambda: metering.events_written == 7, what="the new stream's events written")
     assert (await consumer(bus)).config.durable_name == metering.config.durable
+
+
+async def test_metrics_show_the_ledger_and_what_could_not_be_billed(provisioned: Bus, bus_settings: BusSettings,
+                                                                    tmp_path: Path) -> None:
+    """Metering exported nothing: a ledger down or events not billed were seen only in its
+    log and $SRV.STATS."""
+    import aiohttp
+
+    svc = MeteringService(config(tmp_path, metrics_port=0), bus_settings)
+    await svc.start()
+    try:
+        assert svc.metrics_port
+        events = make_events(30, seed=9)
+        await publish(provisioned, events)
+        await provisioned.js.publish(provisioned.subjects.usage("acme"), b"\xc1 not msgpack")
+        await eventually(lambda: svc.events_written == 30 and svc.decode_errors == 1, what="events handled")
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{svc.metrics_port}/metrics") as r:
+            text = await r.text()
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+        assert values["meshserve:metering_events_written_total"] == 30
+        assert values['meshserve:metering_events_not_billed_total{reason="undecodable"}'] == 1
+        assert values["meshserve:metering_ledger_up"] == 1
+        assert values["meshserve:metering_last_commit_timestamp_seconds"] > 0
+        assert values["meshserve:metering_lag_events"] >= 0
+    finally:
+        await svc.drain_and_close()

@@ -27,9 +27,9 @@ def traced_mesh(tmp_path: Path) -> Iterator[tuple[Mesh, Path]]:
         yield m, trace_file
 
 
-def request_tree(client: openai.OpenAI, trace_file: Path, expected: set[str]) -> tuple[dict, dict[str, dict], object]:
-    """Send one completion; its trace's root, its spans by name (checked to be one tree)
-    and the response."""
+def request_tree(client: openai.OpenAI, trace_file: Path, expected: set[str]) -> tuple[dict[str, dict], object]:
+    """Send one completion; its trace's spans by name, each with its parent's name (checked
+    to be one tree), and the response."""
     response = client.completions.with_raw_response.create(model=MODEL, prompt="trace me", max_tokens=6)
     request_id = response.headers["X-Request-Id"]
     spans: list[dict] = []
@@ -48,7 +48,7 @@ def request_tree(client: openai.OpenAI, trace_file: Path, expected: set[str]) ->
     assert all(s["parent_span_id"] in by_id for s in tree if s is not root)
     names = {s["name"]: {**s, "parent": by_id.get(s["parent_span_id"] or "", {}).get("name")} for s in tree}
     assert expected <= set(names), sorted(names)
-    return root, names, response
+    return names, response
 
 
 def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
@@ -56,7 +56,7 @@ def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
     client = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key=mesh.dev_key, max_retries=0)
     expected = {"gateway.request", "gateway.admission", "admission.check", "gateway.route", "router.route",
                 "worker.generate", "worker.queue", "worker.prefill", "worker.decode"}
-    root, names, response = request_tree(client, trace_file, expected)
+    names, response = request_tree(client, trace_file, expected)
     assert names["gateway.admission"]["parent"] == "gateway.request" == names["gateway.route"]["parent"]
     assert names["admission.check"]["parent"] == "gateway.admission"  # admission's decision is in the trace
     # placed by the gateway (the first requests, before a router has answered admission),
@@ -73,7 +73,7 @@ def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
     assert worker_span["attributes"]["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens
     # Later requests: admission forwards them to the router itself, under its own span.
     for _ in range(20):
-        root, names, _ = request_tree(client, trace_file, expected - {"gateway.route"})
+        names, _ = request_tree(client, trace_file, expected - {"gateway.route"})
         if names["router.route"]["parent"] == "admission.check":
             break
     assert names["router.route"]["parent"] == "admission.check", names["router.route"]
