@@ -141,6 +141,7 @@ class ActiveRequest:
         request_id = new_request_id()
         span = tracer.start_span("gateway.request", context=parent, kind=trace.SpanKind.SERVER, attributes={
             "meshserve.request_id": request_id, "gen_ai.request.model": request.model,
+            "gen_ai.operation.name": "chat" if request.kind == "chat" else "text_completion",
             "meshserve.org": key.org, "meshserve.key_id": key.key_id, "gen_ai.usage.input_tokens": request.prompt_tokens,
         })
         try:
@@ -408,7 +409,10 @@ class ActiveRequest:
                 g.metrics.tpot.labels(model=model).observe((now - self.first_token_at) / (self.completion_tokens - 1))
         g.metrics.prompt_tokens.labels(model=model).inc(self.request.prompt_tokens)
         g.metrics.generation_tokens.labels(model=model).inc(self.completion_tokens)
-        self.span.set_attribute("meshserve.completion_tokens", self.completion_tokens)
+        # OpenTelemetry's GenAI conventions, as the worker's span
+        self.span.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
+        if self.final is not None and self.final.finish_reason:
+            self.span.set_attribute("gen_ai.response.finish_reasons", [self.final.finish_reason])
         self.span.set_attribute("meshserve.status", status)
         self.span.end()
 
