@@ -57,12 +57,16 @@ def run_services(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         async with mesh_bus("meshserve-services") as bus:  # one error line, as every command
-            infos = await discover_info(bus, args.name, args.wait)
+            # This mesh's only: meshes that share a NATS (MESHSERVE_ROOT) all answer $SRV.INFO.
+            root = bus.subjects.root
+            infos = [info for info in await discover_info(bus, args.name, args.wait)
+                     if (info.get("metadata") or {}).get("root") == root]
         if args.json:
             sys.stdout.write(json.dumps(infos, indent=2) + "\n")
             return 0
         if not infos:
-            print("no service answered" + (f" as {args.name}" if args.name else ""), file=sys.stderr)
+            print("meshserve services: no service answered" + (f" as {args.name}" if args.name else "")
+                  + f" under the subject root {root!r}", file=sys.stderr)
             return 1
         # Plain lines, one per instance: readable piped and at any width.
         for info in infos:

@@ -65,9 +65,11 @@ def run_status(args: argparse.Namespace) -> int:
                 return workers
 
     status = asyncio.run(main())
+    if isinstance(status, AutoscalerStatus) and args.pool and not status.pools:
+        raise CliError(f"the autoscaler has no pool {args.pool!r} (meshserve status lists its pools)")
     if isinstance(status, list):
         if args.json:
-            sys.stdout.write(msgspec.json.format(msgspec.json.encode({"workers": status})).decode() + "\n")
+            sys.stdout.write(_json({"workers": status}) + "\n")
         else:
             from rich.console import Console
 
@@ -76,10 +78,26 @@ def run_status(args: argparse.Namespace) -> int:
             _print_workers(console, status, "workers")
         return 0
     if args.json:
-        sys.stdout.write(msgspec.json.format(msgspec.json.encode(status)).decode() + "\n")
+        sys.stdout.write(_json(status) + "\n")
     else:
         print_status(status)
     return 0 if status.driver.ok else 3
+
+
+def _every_field(value: Any) -> Any:
+    """Builtins with every field of every Struct: the wire format leaves out default values
+    (0, "", []), and a script reading ``pool["draining"]`` must not fail when it is 0."""
+    if isinstance(value, msgspec.Struct):
+        return {name: _every_field(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, list | tuple):
+        return [_every_field(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _every_field(v) for k, v in value.items()}
+    return value
+
+
+def _json(value: Any) -> str:
+    return msgspec.json.format(msgspec.json.encode(_every_field(value))).decode()
 
 
 def _clock(ts: float) -> str:

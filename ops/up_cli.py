@@ -104,13 +104,14 @@ def run_up(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(soft_wrap=True, highlight=False)
+    errors = Console(stderr=True, soft_wrap=True, highlight=False)  # the CLI's rule: failures on stderr
     try:
         config = config_from_args(args)
     except StartupError as exc:
-        console.print(f"meshserve up: {exc}", markup=False)
+        errors.print(f"meshserve up: {exc}", markup=False)
         return 2
     if config.engine == "vllm" and not vllm_importable():
-        console.print(vllm_missing("up"), markup=False)
+        errors.print(vllm_missing("up"), markup=False)
         return 2
     timeout = args.timeout if args.timeout is not None else (600.0 if config.engine == "vllm" else 60.0)
     mesh = Mesh(config)
@@ -181,7 +182,7 @@ def run_up(args: argparse.Namespace) -> int:
             interrupted.cancel()
             error = start.exception()
         if error is not None:
-            console.print(f"meshserve up failed: {error}", markup=False)
+            errors.print(f"meshserve up: {error}", markup=False)
             await asyncio.to_thread(mesh.stop, 10)
             return 1
         if mesh.leftovers_stopped:

@@ -318,6 +318,14 @@ async def test_status_over_nats_cli_and_metrics(bus: Bus, bus_settings: BusSetti
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["pools"][0]["pool"] == POOL and len(data["pools"][0]["decisions"]) == 1
+    # every field, zeros too: the wire format leaves defaults out, and a script reading
+    # pool["draining"] failed exactly when it was 0
+    assert data["pools"][0]["draining"] == 0 and data["pools"][0]["pending_requests"] == 0
+    unknown = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "ops.cli", "status", "--pool", "nope"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert unknown.returncode == 1 and unknown.stderr.startswith("meshserve status: the autoscaler has no pool 'nope'")
 
     async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{service.metrics_port}/metrics") as r:
         body = await r.text()

@@ -301,6 +301,11 @@ def test_workers_zero_waits_for_a_worker_started_by_hand(tmp_path: Path, up_runs
                                   capture_output=True, text=True, timeout=30)
         for name in ("meshserve-gateway", "meshserve-router", "meshserve-admission", "meshserve-worker"):
             assert name in services.stdout, services.stdout + services.stderr
+        # another subject root on the same NATS: another mesh, none of this one's services
+        other = subprocess.run([sys.executable, "-m", "ops.cli", "services", "--nats-url", nats_url, "--root", "other"],
+                               capture_output=True, text=True, timeout=30)
+        assert other.returncode == 1 and other.stdout == "", other.stdout
+        assert other.stderr.startswith("meshserve services: no service answered under the subject root 'other'")
     finally:
         worker.terminate()
         worker.wait(30)
@@ -375,3 +380,12 @@ def test_up_stops_everything_when_its_nats_server_dies(tmp_path: Path, up_runs: 
     assert set(codes.values()) == {"0"}, stopped  # each drained and exited by itself, cut off or not
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert leftover == [], f"processes left running: {leftover}"
+
+
+def test_up_reports_failures_on_stderr(tmp_path: Path) -> None:
+    """As every command: one line on stderr, ``meshserve up: <message>``; they went to
+    stdout (and a failed start said ``meshserve up failed:``)."""
+    bad = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--engine", "echo", "--host-models", "a,b",
+                          "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == "", (bad.stdout, bad.stderr)
+    assert bad.stderr.startswith("meshserve up: ") and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
