@@ -53,12 +53,12 @@ class UsageRow(Struct, kw_only=True, omit_defaults=True):
     worker_id: str | None = None
     status: str | None = None
     bucket: float | None = None  # start of the hour/day when grouped by time
-    requests: int = 0
+    requests: int = 0  # each request once (a migrated one has a usage event per segment)
     prompt_tokens: int = 0  # all prompt tokens, cached ones included
     cached_tokens: int = 0
     completion_tokens: int = 0
     spend_nano: int = 0
-    by_status: dict[str, int] = {}  # requests per UsageEvent status
+    by_status: dict[str, int] = {}  # usage events per status (a migrated request's first segments: "migrated")
     first_at: float = 0.0
     last_at: float = 0.0
 

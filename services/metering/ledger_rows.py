@@ -219,7 +219,8 @@ def totals_sql(
         if value is not None:
             params.append(value)
             where.append(f"{column} {op} {placeholder(len(params))}")
-    select = [*exprs, "status", "COUNT(*)", "SUM(prompt_tokens)", "SUM(cached_tokens)", "SUM(completion_tokens)",
+    # A migrated request has a row per segment: it counts once, by its first segment's row.
+    select = [*exprs, "status", "COUNT(*)", "SUM(CASE WHEN migrations = 0 THEN 1 ELSE 0 END)", "SUM(prompt_tokens)", "SUM(cached_tokens)", "SUM(completion_tokens)",
               "SUM(spend_nano)", "MIN(ts)", "MAX(ts)"]
     sql = f"SELECT {', '.join(select)} FROM usage_events"
     if where:
@@ -229,19 +230,21 @@ def totals_sql(
 
 
 def fold_totals(records: Sequence[Sequence[Any]], group_by: Sequence[str]) -> list[UsageRow]:
-    """Rows of (dims..., status, count, sums..., min ts, max ts) → one UsageRow per group."""
+    """Rows of (dims..., status, rows, requests, sums..., min ts, max ts) → one UsageRow per
+    group: ``requests`` counts each request once, ``by_status`` counts rows (a migrated
+    request's first segment under ``migrated``)."""
     n = len(group_by)
     groups: dict[tuple[Any, ...], UsageRow] = {}
     for record in records:
         dims = tuple(float(v) if group_by[i] in _BUCKET_SECONDS else v for i, v in enumerate(record[:n]))
-        status, count, prompt, cached, completion, spend, first, last = record[n:]
+        status, count, requests, prompt, cached, completion, spend, first, last = record[n:]
         row = groups.get(dims)
         if row is None:
             row = UsageRow(by_status={}, first_at=float(first), last_at=float(last))
             for i, name in enumerate(group_by):
                 setattr(row, _ROW_FIELD[name], dims[i])
             groups[dims] = row
-        row.requests += int(count)
+        row.requests += int(requests or 0)
         row.prompt_tokens += int(prompt or 0)
         row.cached_tokens += int(cached or 0)
         row.completion_tokens += int(completion or 0)

@@ -213,16 +213,17 @@ def test_totals_sql_binds_values_and_whitelists_dimensions() -> None:
 
 
 def test_fold_totals_merges_statuses_into_one_row_per_group() -> None:
-    records = [
-        ("b", "finished", 2, 20, 5, 8, 100, 10.0, 20.0),
-        ("a", "finished", 1, 10, 0, 4, 50, 5.0, 5.0),
-        ("b", "cancelled", 1, 7, 0, 1, 9, 30.0, 30.0),
+    records = [  # dims, status, rows, requests (first segments), sums, first and last time
+        ("b", "finished", 2, 2, 20, 5, 8, 100, 10.0, 20.0),
+        ("a", "finished", 1, 1, 10, 0, 4, 50, 5.0, 5.0),
+        ("b", "cancelled", 1, 1, 7, 0, 1, 9, 30.0, 30.0),
+        ("b", "migrated", 1, 0, 0, 0, 2, 3, 15.0, 15.0),  # a later segment of one of b's requests
     ]
     rows = fold_totals(records, ["org"])
     assert [r.org for r in rows] == ["a", "b"]
     b = rows[1]
-    assert (b.requests, b.prompt_tokens, b.cached_tokens, b.completion_tokens, b.spend_nano) == (3, 27, 5, 9, 109)
-    assert b.by_status == {"finished": 2, "cancelled": 1} and (b.first_at, b.last_at) == (10.0, 30.0)
+    assert (b.requests, b.prompt_tokens, b.cached_tokens, b.completion_tokens, b.spend_nano) == (3, 27, 5, 11, 112)
+    assert b.by_status == {"finished": 2, "cancelled": 1, "migrated": 1} and (b.first_at, b.last_at) == (10.0, 30.0)
     assert b.key_id is None and b.model is None
 
 
