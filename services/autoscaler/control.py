@@ -153,6 +153,9 @@ class PoolObservation:
     pending_requests: int = 0  # requests waiting for this pool with no replica to take them
     pending_tokens: int = 0  # their prompt tokens, if known
     max_num_seqs: Mapping[str, int] = field(default_factory=dict)  # worker id → its limit, if known
+    # Workers someone else started (by hand, another orchestrator): they count as capacity,
+    # and are never drained (nothing here could start them again).
+    unmanaged: frozenset[str] = frozenset()
 
 
 # --------------------------------------------------------------------------- capacity
@@ -404,11 +407,18 @@ def step(
         f"load {load:,} tokens ({waiting_tokens:,} waiting + {running_tokens:,} running) "
         f"/ {policy.target_utilization:.0%} / {capacity:,.0f} per replica ({source})"
     )
-    if target > current:
-        action, count, desired = "scale_up", target - current, target
+    # Within the cooldown the pool stays at its highest recent target: a replica lost to a
+    # crash is started again (else a crash would be a scale-down with no cooldown).
+    up_to = target if to_zero else max(target, window_max)
+    if up_to > current:
+        action, count, desired = "scale_up", up_to - current, up_to
         cold_start = current == 0
-        why = _up_reason(signals, policy, target, scheduled, load_text)
-        reason = f"scale up {current} → {target}: {why}"
+        if target >= up_to:
+            why = _up_reason(signals, policy, target, scheduled, load_text)
+        else:
+            why = (f"replacing a lost replica: the highest target of the last {cooldown:,.0f} s is {window_max} "
+                   f"(now {target}; a lower target must hold a whole cooldown)")
+        reason = f"scale up {current} → {up_to}: {why}"
         if cold_start:
             reason = f"cold start: {reason}"
     elif down_to < current and covered:
@@ -417,9 +427,10 @@ def step(
             who = sorted(draining_ids)[0]
             reason = f"hold {current}: scale-down to {desired} waits for {who} to finish draining"
         else:
-            victim = choose_drain_victim(live)
+            victim = choose_drain_victim(live, exclude=tuple(obs.unmanaged))
             if victim is None:
-                reason = f"hold {current}: scale-down to {desired} waits, no ready replica to drain yet"
+                ours = "none of the ready replicas is ours to drain" if live else "no ready replica to drain yet"
+                reason = f"hold {current}: scale-down to {desired} waits, {ours}"
             else:
                 action, count = "scale_down", 1
                 drain_worker, drain_issued_at = victim, now

@@ -283,6 +283,7 @@ class AutoscalerService(Service):
         if self._listening_since is None or now - self._listening_since < self.config.warmup_s:
             return
         workers = self.feed.workers
+        managed = self.driver.managed()
         for pool, rt in self.pools.items():
             gauges = self.pool_gauges(pool, now)
             self.launches.observe(pool, (g.worker_id for g in gauges))
@@ -297,6 +298,8 @@ class AutoscalerService(Service):
                 # waits for the next step (gauges go out as requests arrive).
                 max_num_seqs={g.worker_id: workers[g.worker_id].max_num_seqs for g in gauges
                               if g.worker_id in workers and workers[g.worker_id].max_num_seqs > 0},
+                unmanaged=frozenset(g.worker_id for g in gauges if g.worker_id not in managed)
+                if self.driver.knows_its_workers else frozenset(),
             )
             decision = rt.controller.decide(observation, now)
             record = rt.log.add(decision)

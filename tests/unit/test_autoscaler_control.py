@@ -183,6 +183,35 @@ def test_cooldown_counts_from_the_last_high_target() -> None:
     assert ctl.decide(PoolObservation(gauges=low), now=560.0).action == "scale_down"
 
 
+def test_a_replica_lost_within_the_cooldown_is_started_again() -> None:
+    """A crash took the pool below its highest recent target, and nothing replaced it: a
+    scale-down with no cooldown. Within the cooldown the pool stays at that target."""
+    ctl = PoolController(policy(scale_down_cooldown_s=300.0))
+    high = [replica(w, 7_000) for w in "abcd"]  # → 4
+    assert ctl.decide(PoolObservation(gauges=high), now=0.0).action == "hold"
+    low = [replica(w, 300) for w in "abc"]  # d crashed; the load fell to a target of 1
+    d = ctl.decide(PoolObservation(gauges=low), now=100.0)
+    assert (d.action, d.count, d.desired) == ("scale_up", 1, 4) and "replacing a lost replica" in d.reason
+    # once the low target held a whole cooldown, it scales down as before
+    ctl.decide(PoolObservation(gauges=low, starting=1), now=110.0)
+    four = [*low, replica("e", 300)]
+    for t in range(120, 400, 10):
+        assert ctl.decide(PoolObservation(gauges=four), now=float(t)).action == "hold", t
+    assert ctl.decide(PoolObservation(gauges=four), now=400.0).action == "scale_down"
+
+
+def test_a_worker_started_by_someone_else_is_never_drained() -> None:
+    """It counts as capacity, but nothing here could start it again: the autoscaler drained
+    a hand-started worker within a second of it joining (it had the least work)."""
+    ctl = PoolController(policy(scale_down_cooldown_s=0.0, min_replicas=1))
+    gauges = [replica("ours", 2_000), replica("by-hand", 0)]
+    d = ctl.decide(PoolObservation(gauges=gauges, unmanaged=frozenset({"by-hand"})), now=0.0)
+    assert (d.action, d.drain_worker) == ("scale_down", "ours")
+    alone = ctl.decide(PoolObservation(gauges=[replica("by-hand", 0), replica("by-hand-2", 0)],
+                                       unmanaged=frozenset({"by-hand", "by-hand-2"})), now=1.0)
+    assert alone.action == "hold" and "none of the ready replicas is ours to drain" in alone.reason
+
+
 def test_no_scale_down_before_a_full_cooldown_has_been_observed() -> None:
     # A freshly started controller has not seen the lower target hold for the cooldown.
     ctl = PoolController(policy(scale_down_cooldown_s=120.0))

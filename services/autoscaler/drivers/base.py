@@ -99,6 +99,10 @@ class Driver(ABC):
     def describe(self) -> str:
         """One line on what the driver manages, for ``status`` when all is well."""
 
+    # Whether ``managed`` names every worker this driver runs: then a worker it does not
+    # name was started by someone else, and the autoscaler never drains it.
+    knows_its_workers: ClassVar[bool] = False
+
     def managed(self) -> set[str]:
         """Ids of the workers this driver runs, where it knows them."""
         return set()

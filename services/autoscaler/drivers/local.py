@@ -82,6 +82,8 @@ class LocalDriver(Driver):
     def alive(self) -> list[_LocalWorker]:
         return [w for w in self.workers.values() if w.proc.poll() is None]
 
+    knows_its_workers = True
+
     def managed(self) -> set[str]:
         return {w.ref.worker_id for w in self.alive()}
 
