@@ -95,7 +95,8 @@ class RequestBook:
         self.engine_arrivals: deque[EngineArrival] = deque(maxlen=ARRIVALS_REPORTED)  # what it took in lately
         self.segments: dict[str, int] = {}  # request id → the segment (migrations) held here
         self.engine_ids: dict[str, list[str]] = {}  # request id → its engine requests (n choices)
-        self.drain_errors: set[str] = set()  # requests ended by the drain timeout
+        # Requests the drain timeout handed over: their gateway continues them elsewhere.
+        self.handed_over: set[str] = set()
         # (request id, segment) of copies their placer gave up on → until when remembered
         self._superseded: dict[tuple[str, int], float] = {}
 
@@ -111,11 +112,11 @@ class RequestBook:
         self.segments.pop(request_id, None)
         self.output_at.pop(request_id, None)
         self.engine_ids.pop(request_id, None)
-        self.drain_errors.discard(request_id)
+        self.handed_over.discard(request_id)
 
     @property
     def empty(self) -> bool:
-        return not (self.arrived_at or self.output_at or self.segments or self.engine_ids or self.drain_errors)
+        return not (self.arrived_at or self.output_at or self.segments or self.engine_ids or self.handed_over)
 
     def engine_took(self, request_id: str) -> None:
         self.engine_arrivals.append(EngineArrival(self.clock(), request_id))

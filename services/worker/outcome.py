@@ -41,7 +41,6 @@ def request_outcome(
     migrations: int,
     engine_error: str = "",
     undeliverable: str = "",
-    drain_error: str = "",
 ) -> Outcome:
     """``prompt_tokens``: the request's prompt (without the ``prior_tokens`` of output an
     earlier worker produced, which the engine got as part of its prompt); ``streamed``:
@@ -49,17 +48,15 @@ def request_outcome(
     nobody received); ``engine_error``: an engine failure (after its finish it is only
     reported); ``undeliverable``: the answer could not be sent (a chunk larger than the
     bus carries), which fails the request with a client error whatever the engine's
-    finish; ``drain_error``: set when the drain timeout ended the request."""
+    finish."""
     finish: FinishReason = last.finish_reason if last is not None and last.finish_reason else "error"
     error_text = engine_error
     if undeliverable:
         finish, error_text = "error", undeliverable
-    if drain_error:
-        finish, error_text = "error", drain_error
     if finish == "error" and not error_text:
         error_text = last.error if last is not None and last.error else "engine ended the request without a finish reason"
-    refused = finish == "error" and not drain_error and not engine_error and last is not None and last.rejected
-    error_code = ErrorCode.BAD_REQUEST if refused or (undeliverable and not drain_error) else ErrorCode.INTERNAL
+    refused = finish == "error" and not engine_error and last is not None and last.rejected
+    error_code = ErrorCode.BAD_REQUEST if refused or undeliverable else ErrorCode.INTERNAL
     usage = Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=prior_tokens + streamed,

@@ -185,9 +185,12 @@ class WorkerService(Service):
         await self._heartbeat()
         self._state_changed.set()
         if not await self.wait_in_flight(self.drain_timeout_s):
-            log.warning("drain timeout: ending %d requests with an error", len(self._requests))
+            # Handed over, not failed: each stops here without a final chunk, and its gateway,
+            # seeing this worker deregister, continues it on another replica from the tokens
+            # its client has (as after a crash, with this segment billed by its worker).
+            log.warning("drain timeout: handing %d requests over to other replicas", len(self._requests))
             for request_id in list(self._requests):
-                self.book.drain_errors.add(request_id)
+                self.book.handed_over.add(request_id)
                 await self._abort(request_id)
             await self.wait_in_flight(10.0)
 
@@ -293,20 +296,28 @@ class WorkerService(Service):
                                                     and request.sampling.n <= 1) for c in choices))
         finally:
             self.book.engine_ids.pop(request.request_id, None)
-        drained = request.request_id in self.book.drain_errors
-        drain_error = f"worker {self.worker_id} shut down before the request finished (drain timeout)" if drained else ""
         # The request's own prompt: a migrated single choice got its prior output appended.
         prompt_tokens = len(prompt) - (choices[0].prior if request.sampling.n <= 1 else 0)
         outcomes = [
             request_outcome(c.last, prompt_tokens=prompt_tokens, prior_tokens=c.prior, streamed=c.streamed,
-                            migrations=request.migrations, engine_error=c.error_text, undeliverable=c.undeliverable,
-                            drain_error=drain_error)
+                            migrations=request.migrations, engine_error=c.error_text, undeliverable=c.undeliverable)
             for c in choices
         ]
         outcome = outcomes[0] if len(outcomes) == 1 and request.sampling.n <= 1 else combine_outcomes(
             outcomes, migrations=request.migrations,
             finished_before=len(request.finished_choices))
         usage, timings = outcome.usage, outcome.timings
+        if request.request_id in self.book.handed_over:
+            # No final chunk: the next replica's segment ends the stream. This one bills what
+            # it sent (the same usage id as the gateway's bill of a lost segment: one counts).
+            event = usage_event(request, outcome.billed, "migrated", timings,
+                                f"worker {self.worker_id} drained (drain timeout): continued on another replica",
+                                worker_id=self.worker_id, now=time.time())
+            self.metrics.observe_request("abort", usage.prompt_tokens, usage.cached_tokens,
+                                         sum(c.streamed for c in choices), timings)
+            if not self.superseded(request):
+                self._publish_usage(request, event)
+            return
         event = usage_event(request, outcome.billed, outcome.status, timings, outcome.error_text,
                             worker_id=self.worker_id, now=time.time())
         if request.sampling.n <= 1:
@@ -394,6 +405,10 @@ class WorkerService(Service):
             log.exception("engine failed on %s", choice.engine_id)
             choice.error_text = f"engine failure: {exc!r}"
         token_ids, text, logprobs = coalescer.take(time.monotonic())
+        if request.request_id in self.book.handed_over:
+            # Handed over: what the client has is what was sent; the rest is the next replica's.
+            choice.streamed = coalescer.emitted - unsent - len(token_ids)
+            return
         choice.streamed = coalescer.emitted - unsent  # the final chunk's tokens included
         if single:
             choice.tail = (token_ids, text, logprobs)

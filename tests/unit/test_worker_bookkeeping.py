@@ -76,7 +76,7 @@ def test_release_keeps_nothing_of_the_request() -> None:
     b.hold("r", 0)
     b.output("r")
     b.engine_ids["r"] = ["r/0", "r/1"]
-    b.drain_errors.add("r")
+    b.handed_over.add("r")
     assert not b.empty
     b.release("r")
     assert b.empty

@@ -61,14 +61,6 @@ def test_a_request_the_engine_refused_is_the_clients_error() -> None:
     assert o.error is not None and o.error.code == "internal"
 
 
-def test_the_drain_timeout_overrides_the_engines_finish() -> None:
-    o = request_outcome(output("abort"), prompt_tokens=10, prior_tokens=0, streamed=4, migrations=0,
-                        drain_error="worker w shut down before the request finished (drain timeout)")
-    assert (o.finish, o.status) == ("error", "failed")
-    assert o.error is not None and "drain timeout" in o.error.message
-    assert o.billed.completion_tokens == 4
-
-
 def test_an_engine_failure_after_the_finish_is_reported_but_does_not_fail_the_request() -> None:
     o = request_outcome(output("stop"), prompt_tokens=10, prior_tokens=0, streamed=2, migrations=0, engine_error="close failed")
     assert (o.finish, o.error, o.error_text) == ("stop", None, "close failed")
