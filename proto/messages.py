@@ -385,6 +385,21 @@ class TtftObservation(Struct, kw_only=True, omit_defaults=True):
     ttft_s: float
 
 
+class PoolDemand(Struct, kw_only=True, omit_defaults=True):
+    """admission → autoscalers (core NATS, every second while it refuses, then once at 0):
+    the requests of one pool it refused for want of capacity (its SLO, no replica) over the
+    last ``window_s`` and their prompt tokens: load the pool's queues never show, because
+    admission kept it out of them. Quota refusals are not demand. The latest report of
+    each ``source`` (an admission instance) holds; sources add up."""
+
+    v: int = SCHEMA_VERSION
+    pool: str
+    source: str
+    requests: int = 0
+    tokens: int = 0
+    window_s: float = 0.0
+
+
 class RouteRequest(Struct, kw_only=True, omit_defaults=True):
     """gateway → router: place this request and forward it to the chosen worker."""
 
@@ -548,6 +563,7 @@ WIRE_TYPES: tuple[type[Struct], ...] = (
     AdmissionRequest,
     AdmissionDecision,
     TtftObservation,
+    PoolDemand,
     RouteRequest,
     Placement,
     UsageEvent,

@@ -82,6 +82,10 @@ class Subjects:
     def autoscaler_status(self) -> str:
         return f"{self.root}.autoscaler.status"
 
+    @property
+    def autoscaler_demand(self) -> str:
+        return f"{self.root}.autoscaler.demand"
+
     # one worker
     def worker_generate(self, worker_id: str) -> str:
         return f"{self.root}.worker.{subject_token(worker_id)}.generate"

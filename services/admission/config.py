@@ -27,6 +27,10 @@ class AdmissionConfig:
     resync_retry_s: float = 2.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
+    # What it refused for want of capacity, reported to the autoscalers every
+    # ``demand_interval_s`` over the last ``demand_window_s`` (``PoolDemand``).
+    demand_window_s: float = 5.0
+    demand_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_renew_s < self.lease_ttl_s / 2:

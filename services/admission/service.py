@@ -79,6 +79,7 @@ from proto import (
     DecodeError,
     ErrorCode,
     MeshError,
+    PoolDemand,
     TtftObservation,
     UsageEvent,
     decode,
@@ -89,6 +90,7 @@ from services.common.residency import residency, swap_costs
 
 from .buckets import InvalidLimits, Limiter, LimiterState
 from .config import AdmissionConfig
+from .demand import CAPACITY_REASONS, RefusedDemand
 from .policy import AdmissionPolicy, forwarded_route
 from .replicas import ReplicaBook
 from .slo import ReplicaLoad, SloAdmitter
@@ -220,6 +222,7 @@ class AdmissionService(Service):
         self.admitted = 0
         self.forwarded = 0  # admitted requests sent on to the router (AdmissionRequest.route)
         self.rejected: dict[str, int] = {}
+        self.demand = RefusedDemand(self.config.demand_window_s)
         self.reconciled = 0
         self.takeovers = 0
         self.checkpoints = 0
@@ -236,6 +239,7 @@ class AdmissionService(Service):
         self._loops = [
             asyncio.create_task(self._lease_loop(), name="admission-lease"),
             asyncio.create_task(self._maintenance_loop(), name="admission-maintenance"),
+            asyncio.create_task(self._demand_loop(), name="admission-demand"),
         ]
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host,
@@ -392,6 +396,18 @@ class AdmissionService(Service):
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("admission checkpoint failed: %r", exc)
 
+    async def _demand_loop(self) -> None:
+        """Tell the autoscalers what was refused for want of capacity (``RefusedDemand``)."""
+        while True:
+            await asyncio.sleep(self.config.demand_interval_s)
+            for pool, (requests, tokens) in self.demand.reports(self.monotonic()).items():
+                demand = PoolDemand(pool=pool, source=self.instance_id, requests=requests, tokens=tokens,
+                                    window_s=self.demand.window_s)
+                try:
+                    await self.bus.publish(self.bus.subjects.autoscaler_demand, demand, trace=False)
+                except Exception:  # best effort: the next report says it again
+                    log.debug("demand report for %s not sent", pool, exc_info=True)
+
     async def _maintenance_loop(self) -> None:
         last_expire = self.monotonic()
         while True:
@@ -494,6 +510,8 @@ class AdmissionService(Service):
                 self.book.note_admitted(req.request_id, verdict.worker_id, max(req.prompt_tokens - cached, 0), mono)
         else:
             reason = decision.reason or "unknown"
+            if reason in CAPACITY_REASONS:
+                self.demand.record(req.model, req.prompt_tokens, mono)
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
             self.metrics.decisions.labels(tier=tier, outcome=reason).inc()
             if verdict is not None and verdict.worker_id is not None:

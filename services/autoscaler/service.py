@@ -17,11 +17,13 @@ Every tick (1 s by default) and for every configured pool (a model), it:
    work (the router skips draining workers), finishes its requests, deregisters and
    exits; nothing is killed to scale down.
 
-Pending demand: requests waiting for a pool that has no replica (the signal that
-brings a scaled-to-zero pool back) are not published by anything yet. ``report_pending``
-is the entry point a future feed calls (e.g. a gateway publishing, per pool, how many
-requests it holds for lack of a replica); each source's report holds for
-``pending_ttl_s``, the latest per source wins and sources add up.
+Pending demand: load a pool's queues do not show. Admission publishes, per pool, what it
+refused for want of capacity (its SLO, no replica) over the last few seconds
+(``PoolDemand`` on ``mesh.autoscaler.demand``; quota refusals are not demand): its
+shedding keeps the queues short, so without it a pool refusing half its traffic read
+"at target". Its requests count as pending (a pool with none brings a replica back) and
+its prompt tokens as waiting load. Each source's report holds for ``pending_ttl_s``, the
+latest per source wins and sources add up (``report_pending``).
 
 ``mesh.autoscaler.status`` answers ``AutoscalerStatusRequest`` with an
 ``AutoscalerStatus`` (``meshserve status`` prints it). Prometheus metrics live in the
@@ -57,7 +59,7 @@ from proto.autoscaler import (
     WorkerView,
 )
 from proto.errors import MeshError, RemoteError
-from proto.messages import ControlCommand, ControlReply, WorkerGauge, WorkerInfo
+from proto.messages import ControlCommand, ControlReply, PoolDemand, WorkerGauge, WorkerInfo
 from services.common.feed import FleetFeed
 from services.common.fleet import FleetView
 
@@ -203,6 +205,7 @@ class AutoscalerService(Service):
         await self.feed.start()
         self._listening_since = self.clock()
         await self.add_endpoint("status", self.bus.subjects.autoscaler_status, AutoscalerStatusRequest, self.handle_status)
+        await self.bus.subscribe(self.bus.subjects.autoscaler_demand, PoolDemand, self.handle_demand)
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host, port=self.config.metrics_port)
             self.metrics_port = await self._metrics_server.start()
@@ -234,8 +237,13 @@ class AutoscalerService(Service):
             self.launches.forget(worker_id)
 
     def report_pending(self, pool: str, requests: int, tokens: int = 0, source: str = "") -> None:
-        """Requests waiting for ``pool`` with no replica to take them (see the module doc)."""
+        """Demand ``pool``'s queues do not show (see the module doc)."""
         self.pending.report(pool, requests, tokens, self.clock(), source)
+
+    async def handle_demand(self, demand: PoolDemand, msg: Msg) -> None:
+        """Admission's refusals for want of capacity: pending demand of its pool."""
+        if demand.pool in self.pools:
+            self.report_pending(demand.pool, demand.requests, demand.tokens, f"admission:{demand.source}")
 
     def pool_gauges(self, pool: str, now: float) -> list[WorkerGauge]:
         """The latest fresh gauge of every registered worker of ``pool`` (draining too)."""

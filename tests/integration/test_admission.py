@@ -23,6 +23,7 @@ from proto import (
     AdmissionRequest,
     CancelRequest,
     Placement,
+    PoolDemand,
     RouteRequest,
     UsageEvent,
     decode,
@@ -218,8 +219,15 @@ async def test_cancelled_and_failed_requests_leave_the_bucket_where_streamed_tok
 async def test_slo_sheds_standard_while_premium_is_kept(bus: Bus, mesh: dict[str, Factory]) -> None:
     # One slow replica (a quarter of real time, small prefill chunks): its queue grows fast.
     await mesh["worker"]("slow", speed=0.5, max_num_batched_tokens=512)
-    admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
+    admission: AdmissionService = await mesh["admission"](AdmissionConfig(demand_interval_s=0.2))  # type: ignore[assignment]
     gateway: GatewayService = await mesh["gateway"]()  # type: ignore[assignment]
+    # What it sheds is reported to the autoscalers as demand (the queues never show it).
+    reports: list[PoolDemand] = []
+
+    async def on_demand(demand: PoolDemand, _msg: object) -> None:
+        reports.append(demand)
+
+    await bus.subscribe(bus.subjects.autoscaler_demand, PoolDemand, on_demand)
     standard, std_rec = await create_key(bus, org="o", tier="standard")
     premium, prem_rec = await create_key(bus, org="o", tier="premium")
     await wait_for_key(gateway, std_rec.key_id)
@@ -255,6 +263,10 @@ async def test_slo_sheds_standard_while_premium_is_kept(bus: Bus, mesh: dict[str
     assert late_standard.count((429, "slo_overloaded")) >= 2, late_standard
     stats = admission.stats()  # every decision saw the fleet: none was admitted on quota alone
     assert stats["registry_synced"] and stats["slo_skipped"] == 0, stats
+    await eventually(lambda: any(r.pool == MODEL and r.requests >= len(shed) for r in reports),
+                     what="the shed requests reported as demand")
+    peak = max(r.requests for r in reports)
+    assert max(r.tokens for r in reports) >= 1500 * peak and {r.source for r in reports} == {admission.instance_id}
 
 
 # ---- admit and place in one trip ------------------------------------------------------------

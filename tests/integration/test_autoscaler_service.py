@@ -27,7 +27,7 @@ from nats.js.kv import KeyValue
 from bus import Bus, BusSettings
 from bus.provision import workers_bucket
 from ops.status import fetch_status, print_status
-from proto import ControlCommand, ControlReply, WorkerGauge, WorkerInfo, encode
+from proto import ControlCommand, ControlReply, PoolDemand, WorkerGauge, WorkerInfo, encode
 from services.autoscaler.control import PoolPolicy
 from services.autoscaler.drivers import Driver, Launch, WorkerRef
 from services.autoscaler.service import AutoscalerConfig, AutoscalerService
@@ -341,3 +341,22 @@ async def test_status_cli_without_autoscaler(nats_url: str) -> None:
     )
     assert out.returncode == 1 and "no autoscaler answered" in out.stderr
 
+
+
+async def test_demand_admission_refused_scales_the_pool(bus: Bus, bus_settings: BusSettings, workers: FakeWorkers,
+                                                         started: Any) -> None:
+    """Admission's shedding keeps the queues short: a pool refusing most of its traffic read
+    "at target" and never grew. What it refused for want of capacity is load too."""
+    await workers.add("w1", **IDLE)
+    driver = RecordingDriver()
+    service = await started(make_service(bus_settings, driver, initial_replica_token_capacity=2000.0))
+    await asyncio.sleep(1.0)
+    assert driver.of("start") == []  # idle: nothing to do
+    # 40 requests of 400 prompt tokens refused: 16,000 tokens / 75 % / 2,000 per replica → max 4
+    await bus.publish(bus.subjects.autoscaler_demand,
+                      PoolDemand(pool=POOL, source="a1", requests=40, tokens=16_000, window_s=5.0))
+    await eventually(lambda: driver.of("start") == [("start", POOL, 3)], what="scale up to 4 on refused demand")
+    (pool,) = service.status().pools
+    assert pool.pending_requests == 40
+    await bus.publish(bus.subjects.autoscaler_demand, PoolDemand(pool=POOL, source="a1"))  # refusals stopped
+    await eventually(lambda: service.status().pools[0].pending_requests == 0, what="the demand to clear")
