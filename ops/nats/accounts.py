@@ -236,6 +236,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
         "admission": (
             [
                 Rule(s.router_route, "an admitted request forwarded to the router (its placement goes to the gateway)"),
+                Rule(s.autoscaler_demand, "what it refused for want of capacity, to the autoscalers"),
                 Rule(kv_snapshot, "KV index resync after an event gap"),
                 *_provision([kv_stream(lease), kv_stream(state)]),
                 *_kv_write(lease, "leader lease"),
@@ -269,6 +270,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(s.autoscaler_status, "status endpoint (meshserve status)"),
                 *connections,
                 Rule(s.gauges_all, "worker load gauges"),
+                Rule(s.autoscaler_demand, "admission's refused demand per pool"),
             ],
             {},
         ),
