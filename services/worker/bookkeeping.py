@@ -55,6 +55,11 @@ class Choice:
     tail: tuple[list[int], str, list[TokenLogprob] | None] = field(default_factory=lambda: ([], "", None))
 
     @property
+    def ended_alone(self) -> bool:
+        """Whether the engine finished it (stop, length): not a drain's to hand over."""
+        return self.last is not None and self.last.finish_reason in ("stop", "length") and not self.failed
+
+    @property
     def failed(self) -> bool:
         """Whether this choice fails its request (an error anywhere fails all n)."""
         return bool(self.error_text or self.undeliverable

@@ -307,7 +307,7 @@ class WorkerService(Service):
             outcomes, migrations=request.migrations,
             finished_before=len(request.finished_choices))
         usage, timings = outcome.usage, outcome.timings
-        if request.request_id in self.book.handed_over:
+        if request.request_id in self.book.handed_over and not all(c.ended_alone for c in choices):
             # No final chunk: the next replica's segment ends the stream. This one bills what
             # it sent (the same usage id as the gateway's bill of a lost segment: one counts).
             event = usage_event(request, outcome.billed, "migrated", timings,
@@ -405,7 +405,7 @@ class WorkerService(Service):
             log.exception("engine failed on %s", choice.engine_id)
             choice.error_text = f"engine failure: {exc!r}"
         token_ids, text, logprobs = coalescer.take(time.monotonic())
-        if request.request_id in self.book.handed_over:
+        if request.request_id in self.book.handed_over and not choice.ended_alone:
             # Handed over: what the client has is what was sent; the rest is the next replica's.
             choice.streamed = coalescer.emitted - unsent - len(token_ids)
             return

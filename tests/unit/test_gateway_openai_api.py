@@ -71,7 +71,8 @@ def test_model_list_shape() -> None:
     models = api.ModelList(data=[api.ModelCard(id="sim", created=1, max_model_len=4096), api.ModelCard(id="b", created=2)])
     raw = json.loads(api.encode_json(models))
     assert raw["object"] == "list"
-    assert raw["data"][0] == {"id": "sim", "object": "model", "created": 1, "owned_by": "meshserve", "max_model_len": 4096}
+    assert raw["data"][0] == {"id": "sim", "object": "model", "created": 1, "owned_by": "meshserve", "max_model_len": 4096,
+                              "root": None, "parent": None}  # vLLM's cards carry both, always
     assert "max_model_len" not in raw["data"][1]
     assert Model.model_validate(raw["data"][1]).id == "b"
 
