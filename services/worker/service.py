@@ -63,6 +63,7 @@ from proto import (
 )
 
 from .bookkeeping import Choice, RequestBook, SentChunks, request_choices, usage_event
+from .chunks import ChunkPublisher, too_large, too_large_text
 from .coalesce import Coalescer
 from .config import WorkerConfig, default_worker_id
 from .engines.base import Engine, EngineRequest
@@ -71,36 +72,6 @@ from .outcome import combine_outcomes, request_outcome
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.worker")
-
-
-def _too_large_text(exc: PayloadTooLarge) -> str:
-    return (f"the response does not fit one message on the bus ({exc}): ask for fewer log probabilities "
-            "(prompt_logprobs, top_logprobs) or raise the NATS server's max_payload")
-
-
-def _too_large(choice: Choice, exc: PayloadTooLarge) -> None:
-    """A chunk the bus cannot carry ends its choice with a client error (the engine is
-    closed with the stream), never a stream that stops without an end."""
-    log.warning("choice %s ends: %s", choice.engine_id, exc)
-    choice.undeliverable = _too_large_text(exc)
-
-
-class _ChunkPublisher:
-    """Numbers and publishes a request's chunks in order (its choices stream at once)."""
-
-    def __init__(self, worker: WorkerService, request: GenerateRequest) -> None:
-        self.worker = worker
-        self.request = request
-        self.seq = request.first_seq
-        self.lock = asyncio.Lock()
-
-    async def publish(self, chunk: TokenChunk, *, ack: bool = False) -> None:
-        if self.worker.superseded(self.request):
-            return  # a stale copy: the request's chunks come from the worker it runs on
-        async with self.lock:
-            chunk.seq = self.seq
-            await self.worker._publish_chunk(self.request, chunk, ack=ack)
-            self.seq += 1
 
 
 class WorkerService(Service):
@@ -290,7 +261,7 @@ class WorkerService(Service):
             return  # superseded between its arrival and now: nothing to stream or bill
         choices = request_choices(request, prompt)
         self.book.engine_ids[request.request_id] = [c.engine_id for c in choices]
-        publisher = _ChunkPublisher(self, request)
+        publisher = ChunkPublisher(self, request)
         try:
             await asyncio.gather(*(self._run_choice(request, c, publisher, single=len(choices) == 1
                                                     and request.sampling.n <= 1) for c in choices))
@@ -338,7 +309,7 @@ class WorkerService(Service):
             except PayloadTooLarge as exc:
                 # The stream must still end: the same end without what did not fit.
                 log.warning("final chunk of %s does not fit the bus: %s", request.request_id, exc)
-                message = _too_large_text(exc)
+                message = too_large_text(exc)
                 event = msgspec.structs.replace(event, status="failed", error=message)
                 await publisher.publish(TokenChunk(
                     request_id=request.request_id, seq=0, finish_reason="error", usage=usage, timings=timings,
@@ -355,7 +326,7 @@ class WorkerService(Service):
         })
         _phase_spans(timings)
 
-    async def _run_choice(self, request: GenerateRequest, choice: Choice, publisher: _ChunkPublisher,
+    async def _run_choice(self, request: GenerateRequest, choice: Choice, publisher: ChunkPublisher,
                           *, single: bool) -> None:
         """Stream one choice's engine outputs as coalesced chunks. ``single``: the request's
         only choice, whose last tokens the final chunk carries (``choice.tail``); else its
@@ -398,7 +369,7 @@ class WorkerService(Service):
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs, worker_id=self.worker_id))
                         prompt_logprobs = None
         except PayloadTooLarge as exc:
-            _too_large(choice, exc)
+            too_large(choice, exc)
             unsent = len(token_ids)
             prompt_logprobs = None  # not built again for the choice's last chunk
         except Exception as exc:  # an engine failure ends this request with an error, not silence
@@ -417,7 +388,7 @@ class WorkerService(Service):
                     await publisher.publish(TokenChunk(request_id=request.request_id, seq=0,
                                                        prompt_logprobs=prompt_logprobs, worker_id=self.worker_id))
                 except PayloadTooLarge as exc:
-                    _too_large(choice, exc)
+                    too_large(choice, exc)
             return
         finish = choice.last.finish_reason if choice.last is not None and choice.last.finish_reason else "error"
         end = TokenChunk(
@@ -427,7 +398,7 @@ class WorkerService(Service):
         try:
             await publisher.publish(end)
         except PayloadTooLarge as exc:
-            _too_large(choice, exc)
+            too_large(choice, exc)
             await publisher.publish(TokenChunk(request_id=request.request_id, seq=0, index=choice.index,
                                                choice_finish_reason="error", worker_id=self.worker_id))
         if choice.failed:
