@@ -92,7 +92,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 async def lookup(model: str, timeout: float) -> tuple[str, int]:
     """(tokenizer spec, max_model_len or 0) of ``model``, from the workers serving it."""
-    from bus import Bus, BusSettings
+    from bus import Bus, BusSettings, tokenizers
     from bus.keys import AdapterStore
     from bus.registry import WorkerRegistry
     from proto.errors import MeshError
@@ -121,13 +121,23 @@ async def lookup(model: str, timeout: float) -> tuple[str, int]:
         if not workers:  # a LoRA adapter: its base model's tokenizer
             adapter = next((a for a in await (await AdapterStore(bus).open()).list() if a.name == model), None)
             workers = served.get(adapter.base) if adapter is not None else None
+        if not workers:
+            names = ", ".join(sorted(served)) or "none"
+            raise ExportError(f"no worker serves {model!r} (served: {names}); pass --tokenizer byte|DIR for a model "
+                              "not running now")
+        source = tokenizer_source(workers)
+        first = workers[0]
+        if first.tokenizer_digest and source and source != "byte" and not tokenizers.readable_dir(source):
+            # The workers' directory is on their hosts: the copy they stored on the bus.
+            try:
+                source = str(await tokenizers.fetch(bus.js, bus.subjects, first.tokenizer_digest))
+            except Exception as exc:
+                raise ExportError(f"cannot fetch {model!r}'s tokenizer from {bus.subjects.tokenizers_bucket}: "
+                                  f"{str(exc) or type(exc).__name__}") from None
     finally:
         await bus.close()
-    if not workers:
-        names = ", ".join(sorted(served)) or "none"
-        raise ExportError(f"no worker serves {model!r} (served: {names}); pass --tokenizer byte|DIR for a model "
-                          "not running now")
-    return tokenizer_source(workers), model_max_len(workers)
+    assert source is not None
+    return source, model_max_len(workers)
 
 
 def export_tokenizer(directory: str | Path, source: str, *, model: str = "", max_model_len: int | None = None) -> Path:

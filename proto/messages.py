@@ -236,6 +236,9 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     tool_parser: str = ""
     reasoning_parser: str = ""
     model_dir: str = ""
+    # SHA-256 of this worker's tokenizer files in the ``<root>_tokenizers`` object store
+    # (``bus.tokenizers``): hosts that cannot read ``model_dir`` fetch them by it.
+    tokenizer_digest: str = ""
     host: str = ""
     pid: int = 0
     started_at: float = 0.0

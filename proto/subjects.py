@@ -190,6 +190,11 @@ class Subjects:
         return f"{self.root}_requests"
 
     @property
+    def tokenizers_bucket(self) -> str:
+        """An object store: tokenizer files by digest (``bus.tokenizers``)."""
+        return f"{self.root}_tokenizers"
+
+    @property
     def responses_bucket(self) -> str:
         """Stored Responses API responses (the gateway's ``response_store``)."""
         return f"{self.root}_responses"

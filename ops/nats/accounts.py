@@ -152,6 +152,21 @@ def _kv_write(bucket: str, why: str) -> list[Rule]:
     return [Rule(f"$KV.{bucket}.>", why), *_kv_read(bucket, why)]
 
 
+def obj_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def _tokenizers_read(subjects: Subjects) -> list[Rule]:
+    return _read(obj_stream(subjects.tokenizers_bucket), "fetch a model's tokenizer this host cannot read (bus.tokenizers)")
+
+
+def _tokenizers_write(subjects: Subjects) -> list[Rule]:
+    bucket, stream = subjects.tokenizers_bucket, obj_stream(subjects.tokenizers_bucket)
+    why = "store its model's tokenizer files for hosts without them (bus.tokenizers)"
+    return [*_provision([stream]), Rule(f"$O.{bucket}.C.>", why), Rule(f"$O.{bucket}.M.>", why),
+            Rule(f"$JS.API.STREAM.PURGE.{stream}", why), *_read(stream, why)]
+
+
 def _common(subjects: Subjects, service: str) -> tuple[list[Rule], list[Rule]]:
     """What every service needs: inbox, NATS micro discovery, provisioning, health check."""
     micro = MICRO_PREFIX + service
@@ -208,6 +223,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 *[Rule(f"$JS.API.STREAM.{op}.{kv_stream(s.responses_bucket)}", "create or update the stored-responses bucket")
                   for op in ("CREATE", "UPDATE")],
                 *_kv_write(s.responses_bucket, "stored /v1/responses responses: create, retrieve, continue, delete"),
+                *_tokenizers_read(s),
             ],
             [
                 Rule(s.api_chat, "NATS API (queue group gateway)"),
@@ -224,6 +240,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(cancel, "cancel a forward that timed out"),
                 Rule(kv_snapshot, "KV index resync after an event gap"),
                 *_kv_read(s.workers_bucket, registry),
+                *_tokenizers_read(s),
             ],
             [
                 Rule(s.router_route, "route endpoint (queue group router)"),
@@ -281,6 +298,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(kv_events, "KV cache events"),
                 Rule(usage, "one usage event per request into USAGE"),
                 *_kv_write(s.workers_bucket, "heartbeat in the worker registry"),
+                *_tokenizers_write(s),
             ],
             [
                 Rule(generate, "generate endpoint"),

@@ -117,6 +117,9 @@ class HFTokenizer:
         if config_path.exists():
             config = json.loads(config_path.read_text())
         self.chat_template: str | None = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None  # type: ignore[assignment]
+        template_path = path / "chat_template.jinja"
+        if template_path.is_file():  # newer checkpoints keep it apart; transformers lets it win
+            self.chat_template = template_path.read_text(encoding="utf-8")
         self.eos_token_id = self._special_id(config.get("eos_token"), default=0)
         bos = self._special_id(config.get("bos_token"), default=-1)
         self.bos_token_id = bos if bos >= 0 else None

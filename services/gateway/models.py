@@ -20,6 +20,7 @@ from .chat_template import ChatTemplate
 
 if TYPE_CHECKING:
     from bus.registry import WorkerRegistry
+    from bus.tokenizers import TokenizerFiles
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,13 @@ class ModelSpec:
 
 
 
-def tokenizer_source(workers: list[WorkerInfo]) -> str:
+def tokenizer_source(workers: list[WorkerInfo], files: TokenizerFiles | None = None) -> str | None:
     """What a model's requests are tokenized with (a ``load_tokenizer`` spec: ``byte`` or a
-    directory); ``meshserve tokenizer export`` hands clients the same."""
+    directory; with ``files``, the fetched copy where this host cannot read the workers'
+    directory, None while it is on its way); ``meshserve tokenizer export`` hands clients
+    the same."""
+    if files is not None:
+        return files.source(workers[0])
     return workers[0].model_dir or workers[0].tokenizer or "byte"
 
 
@@ -116,8 +121,9 @@ def model_max_len(workers: list[WorkerInfo]) -> int:
 
 class ModelCatalog:
     def __init__(self, registry: WorkerRegistry, limits: Mapping[str, ModelLimits], aliases: Mapping[str, str],
-                 adapters: Mapping[str, AdapterRecord] | None = None) -> None:
+                 adapters: Mapping[str, AdapterRecord] | None = None, tokenizer_files: TokenizerFiles | None = None) -> None:
         self.registry = registry
+        self.tokenizer_files = tokenizer_files
         self.limits = limits
         self.aliases = aliases
         self.adapters = adapters if adapters is not None else {}  # the gateway's AdapterStore.records
@@ -152,7 +158,9 @@ class ModelCatalog:
         return spec
 
     def _spec(self, model: str, workers: list[WorkerInfo]) -> ModelSpec | None:
-        tokenizer = tokenizer_source(workers)
+        tokenizer = tokenizer_source(workers, self.tokenizer_files)
+        if tokenizer is None:
+            return None  # its files are on their way (bus.tokenizers): not servable yet
         max_len = model_max_len(workers) or 4096
         parsers = (workers[0].tool_parser, workers[0].reasoning_parser)
         cache_key = (model, tokenizer, max_len, *parsers)

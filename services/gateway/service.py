@@ -25,6 +25,7 @@ from bus import BusSettings, Service
 from bus.keys import AdapterStore, KeyStore
 from bus.provision import requests_bucket
 from bus.registry import WorkerRegistry
+from bus.tokenizers import TokenizerFiles
 from proto import SUPERSEDED, Placement, RequestRecord, UsageEvent, usage_dedup_id
 
 from .auth import Authenticator
@@ -40,6 +41,9 @@ from .upstream import UpstreamClient
 from .ws_api import WsApi
 
 log = logging.getLogger(__name__)
+# How long a starting gateway waits for the tokenizers it must fetch (bus.tokenizers)
+# before it takes requests: a 30 MB tokenizer takes well under a second on a LAN.
+TOKENIZER_FETCH_WAIT_S = 30.0
 MAX_HEADER_BYTES = 65_536  # one header's value (room for a large JWT), or the request line
 
 
@@ -70,7 +74,10 @@ class GatewayService(Service):
         self.auth = Authenticator(self.keys.records, await self.oidc.start() if self.oidc else None)
         self.adapters = await AdapterStore(self.bus).open()
         await self.adapters.watch()
-        self.models = ModelCatalog(self.registry, self.config.model_limits, self.config.aliases, self.adapters.records)
+        self.tokenizer_files = TokenizerFiles(self.bus.js, self.bus.subjects)
+        self.tokenizer_files.watch(self.registry)
+        self.models = ModelCatalog(self.registry, self.config.model_limits, self.config.aliases, self.adapters.records,
+                                   self.tokenizer_files)
         kv = await requests_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
         self.records = ResumeRecords(kv)
         self.dispatcher = TokenDispatcher(self.bus, self.gateway_id, max_buffered=self.config.stream_buffer_chunks,
@@ -86,6 +93,7 @@ class GatewayService(Service):
             gateway_id=self.gateway_id, on_late_placement=self._late_placement,
         )
         await self.upstream.start()
+        await self.tokenizer_files.settled(TOKENIZER_FETCH_WAIT_S)
         await NatsApi(self).add_endpoints()
         await self._start_http()
 
@@ -104,6 +112,7 @@ class GatewayService(Service):
         await self.upstream.stop()
         await self.dispatcher.stop()
         await self.registry.stop()
+        await self.tokenizer_files.close()
         await self.keys.stop()
         await self.adapters.stop()
         if self.oidc is not None:

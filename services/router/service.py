@@ -50,6 +50,7 @@ from prometheus_client import (
 
 from bus import BusSettings, Service, cancel_and_wait
 from bus.metrics import MetricsServer
+from bus.tokenizers import TokenizerFiles
 from proto import (
     SUPERSEDED,
     CancelRequest,
@@ -180,11 +181,13 @@ class RouterService(Service):
         self.failed = 0
         self.decision_s_total = 0.0
         self.prehashed = 0  # requests whose prompt came hashed (RouteRequest.block_hashes)
+        self.tokenizer_files: TokenizerFiles | None = None  # cascades' keywords (bus.tokenizers)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
         s = self.bus.subjects
         log.info("placement code: %s", native.status())
+        self.tokenizer_files = TokenizerFiles(self.bus.js, s)
         await self.feed.start()
         await self.add_endpoint("route", s.router_route, RouteRequest, self.handle_route, queue_group="router")
         self._loop_task = asyncio.create_task(self._maintenance(), name="router-maintenance")
@@ -199,6 +202,8 @@ class RouterService(Service):
         tasks = [t for t in (self._loop_task, *self._background) if t is not None]
         await cancel_and_wait(tasks)
         await self.feed.stop()
+        if self.tokenizer_files is not None:
+            await self.tokenizer_files.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -271,11 +276,16 @@ class RouterService(Service):
                 continue
             if info.model not in (cascade.small, cascade.large):
                 continue
+            source = self.tokenizer_files.source(info) if self.tokenizer_files else info.model_dir or info.tokenizer or "byte"
+            if source is None:
+                assert self.tokenizer_files is not None
+                self.tokenizer_files.want(info)  # compiled at a heartbeat after it arrives
+                return
             self._cascade_keywords_done.add(name)
             try:
                 from services.common.tokenizer import load_tokenizer
 
-                tok = load_tokenizer(info.model_dir or info.tokenizer or "byte")
+                tok = load_tokenizer(source)
                 seqs: set[tuple[int, ...]] = set()
                 for kw in cascade.hard_keywords:
                     for variant in (kw, " " + kw, kw.capitalize(), " " + kw.capitalize()):

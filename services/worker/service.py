@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry import trace
 
-from bus import BusSettings, Service, cancel_and_wait
+from bus import BusSettings, Service, cancel_and_wait, tokenizers
 from bus.client import MSG_ID_HEADER
 from bus.metrics import MetricsServer
 from bus.provision import StreamLimits, workers_bucket
@@ -104,6 +104,10 @@ class WorkerService(Service):
         await self.engine.start()
         s = self.bus.subjects
         self._kv = await workers_bucket(self.bus.js, s, replicas=self.settings.js_replicas)
+        model_dir = getattr(self.engine, "model_dir", "")
+        # Gateways on other hosts tokenize this model's requests with these files.
+        tokenizer_dir = tokenizers.directory_of(model_dir, self.engine.tokenizer_spec)
+        tokenizer_digest = await tokenizers.publish(self.bus.js, s, tokenizer_dir, replicas=self.settings.js_replicas) if tokenizer_dir else ""
         self._info = WorkerInfo(
             worker_id=self.worker_id,
             model=self.engine.model,
@@ -123,7 +127,8 @@ class WorkerService(Service):
             tokenizer=self.engine.tokenizer_spec,
             tool_parser=self.config.tool_parser,
             reasoning_parser=self.config.reasoning_parser,
-            model_dir=getattr(self.engine, "model_dir", ""),
+            model_dir=model_dir,
+            tokenizer_digest=tokenizer_digest,
             host=socket.gethostname(),
             pid=os.getpid(),
             started_at=time.time(),

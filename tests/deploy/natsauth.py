@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bus import BusSettings
 from ops.nats.accounts import OPS_USER, SERVICES, SYSTEM_USER
 from ops.natsserver import NatsServer
 
@@ -31,3 +32,8 @@ class AuthNatsServer(NatsServer):
 
     def violations(self) -> list[str]:
         return [line for line in self.log_text().splitlines() if "Violation" in line]
+
+
+def settings_for(server: AuthNatsServer, user: str) -> BusSettings:
+    """A service's bus settings as ``user`` of the accounts config."""
+    return BusSettings(servers=(server.url,), user=user, password=PASSWORDS[user])

@@ -21,7 +21,7 @@ import aiohttp
 import nats
 import pytest
 
-from bus import Bus, BusSettings
+from bus import Bus
 from ops.keys import create_key
 from ops.nats import accounts
 from ops.natsserver import nats_server_binary
@@ -39,14 +39,10 @@ from services.metering.service import MeteringConfig, MeteringService
 from services.router.service import RouterService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
-from tests.deploy.natsauth import PASSWORDS, AuthNatsServer
+from tests.deploy.natsauth import PASSWORDS, AuthNatsServer, settings_for
 
 MODEL = "sim-llama-8b"
 HERE = Path(accounts.__file__).resolve().parent
-
-
-def settings_for(server: AuthNatsServer, user: str) -> BusSettings:
-    return BusSettings(servers=(server.url,), user=user, password=PASSWORDS[user])
 
 
 class IdleDriver(Driver):
