@@ -247,16 +247,22 @@ def from_response_format(response_format: object, param: str = "response_format"
 
 
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's StructuredOutputsParams options, accepted at their defaults (false, null): clients
+# that serialize a whole params object send them; a set one would change the output.
+_DEFAULT_OFF_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 def from_structured_outputs(value: object, param: str = "structured_outputs") -> StructuredOutput:
     """vLLM's ``structured_outputs`` object: exactly one of json, regex, choice,
-    grammar, json_object (``structural_tag`` and whitespace options are refused)."""
+    grammar, json_object (``structural_tag`` and set whitespace options are refused)."""
     if not isinstance(value, dict):
         raise StructuredOutputError(f"{param} must be an object.", param)
     for key in value:
+        if key in _DEFAULT_OFF_OPTIONS and value[key] in (None, False):
+            continue
         if key not in _FIELDS and value[key] is not None:
-            raise StructuredOutputError(f"{param}.{key} is not supported.", f"{param}.{key}")
+            detail = " (only its default, false or null, is)" if key in _DEFAULT_OFF_OPTIONS else ""
+            raise StructuredOutputError(f"{param}.{key} is not supported{detail}.", f"{param}.{key}")
     given = [k for k in _FIELDS if value.get(k) is not None and value.get(k) is not False]
     if len(given) != 1:
         raise StructuredOutputError(

@@ -104,7 +104,8 @@ def _chat_output(req: ChatCompletionRequest, spec: ModelSpec, plan: ToolPlan, co
     gateway builds the answer."""
     top = 0
     if req.top_logprobs is not None:
-        if not req.logprobs:
+        # 0 asks for nothing more, so vLLM takes it without logprobs (as clients send it).
+        if not req.logprobs and req.top_logprobs != 0:
             invalid("top_logprobs", "requires 'logprobs' to be true.")
         top = check_count("top_logprobs", req.top_logprobs, spec.limits.max_logprobs)
     if req.logprobs:
@@ -135,20 +136,20 @@ def _chat_output(req: ChatCompletionRequest, spec: ModelSpec, plan: ToolPlan, co
 _RESERVED_TEMPLATE_KEYS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
 
 
-def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+def template_kwargs(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None = None) -> dict[str, Any]:
     """``chat_template_kwargs`` (vLLM): extra template variables, e.g. ``enable_thinking``;
     ``reasoning_effort`` goes in as a variable too, as vLLM passes it (templates that
     know it, such as gpt-oss's, set the effort in the prompt)."""
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = dict(chat_template_kwargs or {})
     for key in kwargs:
         if key in _RESERVED_TEMPLATE_KEYS:
             invalid(f"chat_template_kwargs.{key}", "is set by the request itself, not a template variable.")
-    if req.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", reasoning_effort)
     return kwargs
 
 
-def _render(spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+def render_prompt(spec: ModelSpec, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
             add_generation_prompt: bool = True, continue_final_message: bool = False,
             extra_context: dict[str, Any] | None = None, client_variables: bool = False) -> str:
     try:
@@ -193,9 +194,10 @@ def parse_chat_request(
     if req.continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
         invalid("continue_final_message", "the last message must be the assistant's message to continue.")
     add_generation_prompt = req.add_generation_prompt is not False and not req.continue_final_message
-    prompt = encode_text(spec, _render(spec, messages, plan.tools, add_generation_prompt,
-                                   bool(req.continue_final_message), _template_kwargs(req),
-                                   client_variables=bool(req.chat_template_kwargs)))
+    prompt = encode_text(spec, render_prompt(spec, messages, plan.tools, add_generation_prompt,
+                                         bool(req.continue_final_message),
+                                         template_kwargs(req.chat_template_kwargs, req.reasoning_effort),
+                                         client_variables=bool(req.chat_template_kwargs)))
     normalized = finish_request("chat", req, spec, prompt, common, max_param, requested, output)
     normalized.tools = plan.tools
     return normalized

@@ -29,9 +29,8 @@ from msgspec import Struct
 from proto import ApiKeyRecord
 
 from .auth import authenticated
-from .chat_request import chat_messages
-from .chat_template import ChatTemplateError
-from .errors import bad_request, from_template_error, payload_too_large, tokenizer_failed
+from .chat_request import chat_messages, render_prompt, template_kwargs
+from .errors import bad_request, payload_too_large, tokenizer_failed
 from .models import ModelSpec
 from .normalized import Body, decode_body, resolve_model
 from .openai_api import ChatCompletionRequest, ChatMessage, encode_json
@@ -126,7 +125,7 @@ def parse_tokenize(body: Body) -> TokenizeCompletionRequest | TokenizeChatReques
 
 
 def _chat_prompt(req: TokenizeChatRequest, spec: ModelSpec) -> str:
-    for param in ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs"):
+    for param in ("chat_template", "mm_processor_kwargs", "media_io_kwargs"):
         if getattr(req, param):
             # vLLM refuses a request's own template too, unless started with --trust-request-chat-template.
             raise bad_request(f"'{param}' is not supported: the model's own chat template renders the messages.",
@@ -139,11 +138,9 @@ def _chat_prompt(req: TokenizeChatRequest, spec: ModelSpec) -> str:
     messages = chat_messages(ChatCompletionRequest(model=spec.name, messages=req.messages))
     # Tools are rendered as given (vLLM's tokenize takes no tool_choice): checked, never forced.
     tools = plan_tools(req.tools, "none").tools
-    try:
-        return spec.template.render(messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                    tools=tools, continue_final_message=req.continue_final_message)
-    except ChatTemplateError as exc:
-        raise from_template_error(exc) from None
+    # chat_template_kwargs as the chat path takes them (enable_thinking: false counts differently).
+    return render_prompt(spec, messages, tools, req.add_generation_prompt is not False, req.continue_final_message,
+                         template_kwargs(req.chat_template_kwargs), client_variables=bool(req.chat_template_kwargs))
 
 
 def tokenize(body: Body, models: Mapping[str, ModelSpec], *, allowed_models: Collection[str] | None = None

@@ -564,3 +564,9 @@ def test_output_options_carry_what_the_answer_is_built_with() -> None:
     assert not single.output.parallel_tool_calls and not single.output.mistral_call_ids
     mistral = {"m": ModelSpec("m", BYTE, ModelLimits(max_model_len=4096), tool_parser="mistral")}
     assert parse_chat_request(chat(model="m", tools=tools, tool_choice="required"), mistral).output.mistral_call_ids
+
+
+def test_top_logprobs_zero_needs_no_logprobs() -> None:
+    """vLLM takes ``top_logprobs: 0`` without ``logprobs`` (nothing more is asked); more is a 400."""
+    req = parse_chat_request(chat(logprobs=False, top_logprobs=0), MODELS)
+    assert req.sampling.logprobs is None

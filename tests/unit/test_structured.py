@@ -172,6 +172,12 @@ def test_structured_outputs_takes_exactly_one_constraint() -> None:
     raises_param("structured_outputs.json_object", from_structured_outputs, {"json_object": "yes"})
     assert from_structured_outputs({"choice": ["a", "b"]}) == StructuredOutput(choice=["a", "b"])
     assert from_structured_outputs({"json_object": True, "regex": None}) == StructuredOutput(json_object=True)
+    # A whole vLLM StructuredOutputsParams, its options at their defaults.
+    whole = {"choice": ["a"], "disable_any_whitespace": False, "disable_additional_properties": False,
+             "disable_fallback": False, "whitespace_pattern": None}
+    assert from_structured_outputs(whole) == StructuredOutput(choice=["a"])
+    raises_param("structured_outputs.disable_any_whitespace", from_structured_outputs,
+                 {"choice": ["a"], "disable_any_whitespace": True})
     raises_param("guided_regex", from_guided_fields, {"guided_json": {}, "guided_regex": "a"})
     assert from_guided_fields({"guided_json": None}) is None
 

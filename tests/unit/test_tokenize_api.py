@@ -140,8 +140,8 @@ def test_model_may_be_left_out_when_only_one_is_usable(tiny: ModelSpec) -> None:
     (body(model="sim", messages=CONVERSATION, tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
      "tools[0].function.name"),
     (body(model="sim", messages=CONVERSATION, chat_template="{{ 'x' }}"), 400, "chat_template"),
-    (body(model="sim", messages=CONVERSATION, chat_template_kwargs={"enable_thinking": True}), 400,
-     "chat_template_kwargs"),
+    (body(model="sim", messages=CONVERSATION, chat_template_kwargs={"messages": []}), 400,
+     "chat_template_kwargs.messages"),
 ])
 def test_tokenize_errors(payload: bytes, status: int, param: str | None) -> None:
     err = error(tokenize, payload, {"sim": SIM})
@@ -158,6 +158,19 @@ def test_tokenize_errors(payload: bytes, status: int, param: str | None) -> None
 def test_detokenize_errors(payload: bytes, status: int, param: str | None) -> None:
     err = error(detokenize, payload, {"sim": SIM})
     assert (err.status, err.param) == (status, param), err.message
+
+
+def test_chat_template_kwargs_count_as_the_chat_path_renders_them() -> None:
+    """vLLM's /tokenize takes chat_template_kwargs: a client counts `enable_thinking: false`."""
+    template = ChatTemplate("{% if enable_thinking is false %}no-think {% endif %}"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}")
+    models = {"t": ModelSpec("t", ByteTokenizer(), ModelLimits(max_model_len=2048), template=template)}
+    kwargs = {"enable_thinking": False}
+    off = tokenize(body(model="t", messages=CONVERSATION, chat_template_kwargs=kwargs), models)
+    on = tokenize(body(model="t", messages=CONVERSATION), models)
+    assert off.count == on.count + len("no-think ")
+    chat = parse_chat_request(body(model="t", messages=CONVERSATION, chat_template_kwargs=kwargs), models)
+    assert chat.prompt_token_ids == off.tokens
 
 
 def test_a_tokenizer_failure_is_a_500_not_a_traceback() -> None:
