@@ -14,6 +14,10 @@
 #   - metering's health check is a script check, which Nomad runs for Consul services only
 #     (Nomad's own service discovery checks http and tcp): metering registers with Consul.
 #
+#   - clients cap kill_timeout with their `max_kill_timeout` (30s by default): set it above
+#     the gateways' 60s and the others' 45s (client { max_kill_timeout = "5m" }), or a
+#     stopping gateway is killed before its open streams end.
+#
 #   nomad job run compose/nomad/control.nomad.hcl
 
 variable "datacenters" {

@@ -8,7 +8,12 @@
 #   - the passwords of the NATS users, as a Nomad variable readable by this job:
 #       nomad var put nomad/jobs/meshserve-nats gateway=... router=... admission=... \
 #         metering=... autoscaler=... worker=... ops=... app=... sys=...
-#     (the same values go into nomad/jobs/meshserve-control and nomad/jobs/meshserve-workers).
+#     (the same values go into nomad/jobs/meshserve-control, and the worker's into the worker
+#     job's own variable, nomad/jobs/meshserve-llama-3-1-8b-instruct: see worker.nomad.hcl).
+#
+#   - clients cap kill_timeout with their `max_kill_timeout` (30s by default): set it above
+#     this job's 45s (client { max_kill_timeout = "5m" }), or a node stopping is killed in
+#     the middle of its lame-duck mode instead of handing its clients over.
 #
 # Run from the repository root (the job embeds ops/nats/accounts.conf):
 #   nomad job run compose/nomad/nats.nomad.hcl

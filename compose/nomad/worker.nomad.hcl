@@ -14,7 +14,11 @@
 #   - GPU clients run Nomad's nvidia device plugin;
 #   - the worker's NATS password (and a Hugging Face token for gated models):
 #       nomad var put nomad/jobs/meshserve-llama-3-1-8b-instruct worker=... hf_token=...
-#   - a host volume `hf-cache` on GPU clients keeps downloaded weights across allocations.
+#   - a host volume `hf-cache` on GPU clients keeps downloaded weights across allocations;
+#     its directory must be writable by the image's user (uid 10001):
+#       mkdir -p /srv/hf-cache && chown 10001:10001 /srv/hf-cache
+#     (client { host_volume "hf-cache" { path = "/srv/hf-cache" } }). The control hosts need
+#     no copy: workers carry their tokenizer to the gateways over NATS.
 #
 #   nomad job run compose/nomad/worker.nomad.hcl
 

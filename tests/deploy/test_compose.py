@@ -448,7 +448,15 @@ def test_dockerfile() -> None:
     stages = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M | re.I))
     assert {"base-control", "base-worker"} <= stages
     assert re.search(r"^FROM base-\$\{VARIANT\}\s*$", text, re.M), "the build argument VARIANT selects the base"
-    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:\S+", text, re.M)
+    image = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\d+)\.(\d+)\.(\d+)\s*$", text, re.M)
+    assert image, "VLLM_IMAGE is a released vllm/vllm-openai:vX.Y.Z"
+    bound = re.search(r'"vllm>=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert bound
+    assert tuple(map(int, image.groups()))[:2] >= tuple(map(int, bound.groups())), \
+        "the worker image's vLLM is older than the version pyproject requires (and tests)"
+    # Named volumes copy the image's directory (and its owner) at first mount: these must
+    # exist, owned by the unprivileged user, or it cannot write weights and tokenizers.
+    assert "/home/meshserve/.cache/huggingface" in text and "/home/meshserve/.cache/meshserve" in text
     user = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert user and not user[-1].startswith(("0", "root")), "runs as a non-root user"
     assert re.search(r'^HEALTHCHECK .*CMD \["meshserve-healthcheck"\]', text, re.M)

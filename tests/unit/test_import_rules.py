@@ -134,3 +134,21 @@ def test_allowed_imports_pass(tmp_path: Path) -> None:
         "proto/kv.py": "from .hashing import h\nimport xxhash\n",
     })
     assert violations(root) == []
+
+
+def test_every_data_file_the_code_ships_is_in_the_package_data() -> None:
+    """A file an installed meshserve reads (the chat page, its icon, profiles, configs) must
+    match pyproject's package-data, or a wheel (the container images) lacks it."""
+    import fnmatch
+    import subprocess
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["*"]
+    files = subprocess.run(["git", "ls-files", "proto", "bus", "services", "ops"], cwd=root, capture_output=True,
+                           text=True, check=True).stdout.split()
+    # Docs and the GPU check script are read in the repository, never by the installed code.
+    shipped = [f for f in files if not f.endswith((".py", ".md", ".sh"))]
+    assert shipped
+    missing = [f for f in shipped if not any(fnmatch.fnmatch(Path(f).name, p) for p in patterns)]
+    assert missing == [], f"not in [tool.setuptools.package-data]: {missing}"
