@@ -117,8 +117,21 @@ async def connect(
             except Exception:
                 log.exception("reconnect listener failed")
 
+    denied_logged: dict[str, float] = {}
+
     async def on_error(exc: Exception) -> None:
-        log.debug("NATS error: %r", exc)
+        text = str(exc)
+        if "violation" not in text.lower():
+            log.debug("NATS error: %r", exc)
+            return
+        # A subject this user may not use: otherwise it only shows as timeouts (a JetStream
+        # call looks like an outage). Once a minute per subject, not once per retry.
+        now = time.monotonic()
+        if now - denied_logged.get(text, -60.0) >= 60.0:
+            denied_logged[text] = now
+            log.error("NATS refused %s: %s; the NATS user %r may not use that subject (check MESHSERVE_NATS_USER "
+                      "and MESHSERVE_ROOT against the server's accounts, ops/nats/PERMISSIONS.md)",
+                      name, text.removeprefix("nats: "), settings.user or "(none)")
 
     while True:
         attempt += 1

@@ -21,7 +21,7 @@ import aiohttp
 import nats
 import pytest
 
-from bus import Bus
+from bus import Bus, BusSettings
 from ops.keys import create_key
 from ops.nats import accounts
 from ops.natsserver import nats_server_binary
@@ -298,3 +298,20 @@ async def test_no_violation_at_shutdown(auth_server: AuthNatsServer, mesh: dict[
         await mesh[name].drain_and_close()
     await asyncio.sleep(0.3)
     assert auth_server.violations() == []
+
+
+async def test_a_refused_subject_is_logged_as_an_error_naming_it(auth_server: AuthNatsServer,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A service whose root or user does not match the accounts (here the router with root
+    ``prod``) used to log only JetStream timeouts: the server's refusal names the subject."""
+    settings = BusSettings(servers=(auth_server.url,), user="router", password=PASSWORDS["router"], root="prod")
+    bus = await Bus.open(settings, "router-prod", initial_attempts=5)
+    try:
+        with pytest.raises((TimeoutError, nats.errors.TimeoutError)):
+            await asyncio.wait_for(bus.js.stream_info("TOKENS_PROD"), 2.0)
+        await eventually(lambda: any("tokens_prod" in r.getMessage().lower() and r.levelname == "ERROR" for r in caplog.records),
+                         "the refusal in the log", timeout=5.0)
+        line = next(r.getMessage() for r in caplog.records if "tokens_prod" in r.getMessage().lower())
+        assert "'router'" in line and "MESHSERVE_ROOT" in line
+    finally:
+        await bus.close()
