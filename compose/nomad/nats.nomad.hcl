@@ -7,7 +7,8 @@
 #     (client { host_volume "meshserve-nats" { path = "/srv/meshserve-nats" } });
 #   - the passwords of the NATS users, as a Nomad variable readable by this job:
 #       nomad var put nomad/jobs/meshserve-nats gateway=... router=... admission=... \
-#         metering=... autoscaler=... worker=... ops=... app=... sys=...
+#         metering=... autoscaler=... worker=... ops=... app=... sys=... cluster=...
+#     (`cluster`: the password the nodes' routes authenticate with; URL-safe characters)
 #     (the same values go into nomad/jobs/meshserve-control, and the worker's into the worker
 #     job's own variable, nomad/jobs/meshserve-llama-3-1-8b-instruct: see worker.nomad.hcl).
 #
@@ -126,6 +127,7 @@ job "meshserve-nats" {
           NATS_PASSWORD_OPS={{ .ops }}
           NATS_PASSWORD_APP={{ .app }}
           NATS_PASSWORD_SYS={{ .sys }}
+          NATS_CLUSTER_PASSWORD={{ .cluster }}
           {{- end }}
         EOT
       }
@@ -147,12 +149,18 @@ job "meshserve-nats" {
             max_memory_store: 4294967296
             max_file_store: 107374182400
           }
+          # Routes authenticate: a server that reaches port 6222 without the cluster
+          # password cannot join and read every stream.
           cluster {
             name: "meshserve"
             listen: "0.0.0.0:6222"
+            authorization {
+              user: "route"
+              password: $NATS_CLUSTER_PASSWORD
+            }
             routes: [
           {{- range nomadService "meshserve-nats-cluster" }}
-              "nats-route://{{ .Address }}:{{ .Port }}"
+              "nats-route://route:{{ with nomadVar "nomad/jobs/meshserve-nats" }}{{ .cluster }}{{ end }}@{{ .Address }}:{{ .Port }}"
           {{- end }}
             ]
           }

@@ -478,3 +478,15 @@ def test_services_get_time_to_drain(which: str) -> None:
         # The autoscaler's --drain-timeout is what the workers it drains get; its own drain is 30 s.
         own = 30.0 if service in ("autoscaler", "gateway", "router", "admission") else float(args.drain_timeout)
         assert grace > own, f"{name}: SIGKILL after {grace}s, before its {own}s drain ends"
+
+
+@pytest.mark.parametrize("which", ["base", "cpu"])
+def test_with_default_passwords_only_the_gateways_listen_beyond_the_host(which: str) -> None:
+    """Unset passwords default to `<user>-dev-secret`: whatever those guard (NATS, its
+    monitoring, the dashboards with Grafana's admin/admin) is published on loopback only."""
+    public = {name for name, svc in services(models()[which]).items()
+              for spec in svc.get("ports") or [] if not str(spec).startswith("127.0.0.1:")}
+    assert public == {"gateway-1", "gateway-2"}
+    # NATS_BIND opens NATS for API clients elsewhere, once .env holds real passwords.
+    nats = services(models({"NATS_BIND": "0.0.0.0"})[which])["nats-1"]
+    assert any(str(p).startswith("0.0.0.0:4222:") for p in nats["ports"])

@@ -260,6 +260,11 @@ def test_nats_job_is_a_three_node_jetstream_cluster() -> None:
     for user in users:
         assert passwords[accounts.password_env(user)] == f"{{{{ .{user} }}}}"
     assert task["kill_signal"] == "SIGUSR2", "lame-duck mode before stopping"
+    # Routes authenticate (port 6222 reaches across hosts), and dial with the same password.
+    cluster = conf[conf.index("cluster {"):conf.index("include ./accounts.conf")]
+    assert re.search(r'authorization \{\s*user: "route"\s*password: \$NATS_CLUSTER_PASSWORD\s*\}', cluster)
+    assert passwords["NATS_CLUSTER_PASSWORD"] == "{{ .cluster }}"
+    assert '"nats-route://route:{{ with nomadVar "nomad/jobs/meshserve-nats" }}{{ .cluster }}{{ end }}@' in cluster
 
 
 def test_job_files_are_where_the_docs_say(tmp_path: Path) -> None:
