@@ -401,7 +401,8 @@ class ChatPlan:
             rest = indexed["rest"].replace(".function.", ".", 1) if indexed["name"] == "tools" else ""
             param = (names[i] + rest) if i < len(names) else ("input" if indexed["name"] == "messages" else "tools")
         elif param == "messages":
-            param = "input"
+            return ApiError(exc.status, exc.message.replace("'messages'", "'input'").replace("at least one message",
+                            "at least one item"), exc.type, "input", exc.code, exc.retry_after)
         elif param.startswith("response_format"):
             param = "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
         elif param.startswith("tool_choice.function"):  # Responses' named choice is flat

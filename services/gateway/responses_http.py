@@ -1,4 +1,4 @@
-"""``/v1/responses`` over HTTP: create (streamed or not), retrieve, delete.
+"""``/v1/responses`` over HTTP: create (streamed or not), retrieve, list its input items, delete.
 
 Thin, like ``http_api``: a Responses body becomes a chat completions body
 (``responses_api.plan_chat``), which goes through ``validation.parse_request`` and
@@ -35,6 +35,7 @@ from .responses_api import (
 from .responses_output import (
     ResponseContext,
     ResponseStream,
+    input_items_page,
     response_from_chat,
     stored_history,
 )
@@ -69,6 +70,7 @@ class ResponsesHttp:
         return [
             web.post("/v1/responses", self.create),
             web.get("/v1/responses/{response_id}", self.retrieve),
+            web.get("/v1/responses/{response_id}/input_items", self.input_items),
             web.delete("/v1/responses/{response_id}", self.delete),
         ]
 
@@ -174,6 +176,24 @@ class ResponsesHttp:
                               "unsupported_parameter")
         stored = await self._load(key, http.match_info["response_id"])
         return web.Response(body=encode_json(stored.response), content_type="application/json")
+
+    @authenticated
+    async def input_items(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
+        """The items a stored response answered, paged as OpenAI's (``after``, ``limit``,
+        ``order``; ``include`` adds nothing: the items carry all they have)."""
+        stored = await self._load(key, http.match_info["response_id"])
+        query = http.query
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            raise bad_request(f"Invalid 'limit': {query['limit'][:40]!r} is not an integer.", "limit", "invalid_value") from None
+        try:
+            page = input_items_page(stored.response["id"], stored.conversation, after=query.get("after"), limit=limit,
+                                    order=query.get("order", "desc"))
+        except ValueError as exc:
+            param, _, detail = str(exc).partition(": ")
+            raise bad_request(f"Invalid '{param}': {detail}.", param, "invalid_value") from None
+        return web.Response(body=encode_json(page), content_type="application/json")
 
     @authenticated
     async def delete(self, http: web.Request, key: ApiKeyRecord) -> web.Response:

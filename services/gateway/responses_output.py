@@ -7,7 +7,9 @@ body) is :mod:`.responses_api`; the module doc there tells the whole story.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ class ResponseContext:
     temperature: float | None = None  # the sampling the chat path resolved
     top_p: float | None = None
     store: bool = True
+    clock: Callable[[], float] = time.time  # completed_at
 
     @property
     def response_id(self) -> str:
@@ -41,6 +44,7 @@ class ResponseContext:
         req = self.request
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "completed_at": int(self.clock()) if status == "completed" else None,
             "background": False, "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -343,3 +347,46 @@ class ResponseStream:
 def stored_history(conversation: list[dict[str, Any]], response: Mapping[str, Any]) -> list[dict[str, Any]]:
     """What a continuation of a stored response prepends: its conversation, then its output."""
     return [*conversation, *(response.get("output") or [])]
+
+
+MAX_INPUT_ITEMS_PAGE = 100
+
+
+def input_items_page(response_id: str, conversation: list[dict[str, Any]], *, after: str | None = None,
+                     limit: int = 20, order: str = "desc") -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: the items the response answered (earlier
+    turns first in ``asc``), as the SDK's ``ResponseItem``s: each with an id (derived
+    from the response's and its position where the client gave none), string contents as
+    content parts, a status. Raises ValueError naming the parameter for a bad one."""
+    if not 1 <= limit <= MAX_INPUT_ITEMS_PAGE:
+        raise ValueError(f"limit: must be between 1 and {MAX_INPUT_ITEMS_PAGE}")
+    if order not in ("asc", "desc"):
+        raise ValueError("order: must be 'asc' or 'desc'")
+    items = [_input_item(response_id, i, item) for i, item in enumerate(conversation)]
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ValueError(f"after: no input item '{after[:80]}' in this response")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
+def _input_item(response_id: str, index: int, given: Mapping[str, Any]) -> dict[str, Any]:
+    item = dict(given)
+    kind = item.setdefault("type", "message")
+    if "id" not in item:
+        digest = hashlib.sha256(f"{response_id}:{index}".encode()).hexdigest()[:32]
+        item["id"] = f"{'msg' if kind == 'message' else 'item'}_{digest}"
+    if kind == "message" and isinstance(item.get("content"), str):
+        if item.get("role") == "assistant":
+            item["content"] = [{"type": "output_text", "text": item["content"], "annotations": []}]
+        else:
+            item["content"] = [{"type": "input_text", "text": item["content"]}]
+    if kind in ("message", "function_call", "function_call_output"):
+        item.setdefault("status", "completed")
+    return item

@@ -107,6 +107,35 @@ async def test_previous_response_id_continues_the_conversation_and_delete_ends_i
                                           max_output_tokens=4)).output_text
 
 
+async def test_input_items_list_what_a_response_answered(client: openai.AsyncOpenAI) -> None:
+    """The SDK's ``responses.input_items.list``: newest first by default, paged, each item
+    with an id and content parts; earlier turns of a chain included (what the model saw)."""
+    first = await client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4)
+    assert (first.completed_at is not None) == (first.status == "completed")
+    second = await client.responses.create(
+        model=MODEL, previous_response_id=first.id, max_output_tokens=4,
+        input=[{"role": "user", "content": "What is my name?"},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Briefly."}]}])
+    page = await client.responses.input_items.list(second.id)
+    items = page.data
+    assert [i.type for i in items] == ["message"] * 4  # Briefly, What is my name?, the first answer, My name is Ada.
+    texts = [i.content[0].text for i in items]  # type: ignore[union-attr]
+    assert texts[0] == "Briefly." and texts[1] == "What is my name?" and texts[3] == "My name is Ada."
+    assert items[2].id == first.output[0].id  # the first response's own output item, as it was
+    assert len({i.id for i in items}) == 4 and all(i.id for i in items)
+    again = await client.responses.input_items.list(second.id)
+    assert [i.id for i in again.data] == [i.id for i in items]  # stable ids
+    oldest = await client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert [i.id for i in oldest.data] == [items[3].id] and oldest.has_more
+    rest = await client.responses.input_items.list(second.id, order="asc", limit=10, after=items[3].id)
+    assert [i.id for i in rest.data] == [i.id for i in reversed(items[:3])] and not rest.has_more
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.responses.input_items.list(second.id, limit=101)
+    assert bad.value.body["param"] == "limit"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.input_items.list("resp_nope")
+
+
 async def test_another_orgs_response_does_not_exist_for_it(bus: Bus, gateway: GatewayService,
                                                            client: openai.AsyncOpenAI) -> None:
     mine = await client.responses.create(model=MODEL, input="secret", max_output_tokens=4)
@@ -151,6 +180,9 @@ async def test_errors_are_openai_4xx_naming_the_responses_field(client: openai.A
     with pytest.raises(openai.BadRequestError) as too_long:
         await client.responses.create(model=MODEL, input="x", max_output_tokens=10**6)
     assert too_long.value.code == "context_length_exceeded" and too_long.value.body["param"] == "input"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as empty:
+        await client.responses.create(model=MODEL, input=[])
+    assert empty.value.body["param"] == "input" and "'messages'" not in empty.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.NotFoundError) as model:
         await client.responses.create(model="no-such-model", input="x")
     assert model.value.code == "model_not_found"

@@ -54,7 +54,14 @@ def error_of(body: dict[str, Any] | str, history: list[dict[str, Any]] | None = 
 def context(body: dict[str, Any]) -> ResponseContext:
     parsed = parse_responses_request(json.dumps(body))
     return ResponseContext(request_id=RID, created_at=1700000000, model=body["model"], plan=plan_chat(parsed),
-                           request=parsed.request, temperature=0.7, top_p=1.0)
+                           request=parsed.request, temperature=0.7, top_p=1.0, clock=lambda: 1700000003.5)
+
+
+def test_completed_at_is_set_when_the_response_completed() -> None:
+    ctx = context({"model": "m", "input": "hi"})
+    assert ctx.response("completed", [], None)["completed_at"] == 1700000003
+    assert ctx.response("incomplete", [], None, incomplete="max_output_tokens")["completed_at"] is None
+    assert ctx.response("failed", [], None)["completed_at"] is None
 
 
 # ------------------------------------------------------------------------- requests
