@@ -297,6 +297,10 @@ _leaf = st.one_of(
     ),
     st.just({"type": "string", "pattern": "^[a-f0-9]{2,6}$"}),
     st.just({}),
+    # Names only the patterns give (closed: no other name may stand), and a count of them.
+    st.builds(lambda lo, closed: {"type": "object", "patternProperties": {"^x_[a-z]{2}$": {"type": "integer"}},
+                                  "minProperties": lo, "additionalProperties": not closed},
+              st.integers(0, 3), st.booleans()),
 )
 
 _names = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)

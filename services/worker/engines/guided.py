@@ -327,10 +327,20 @@ class _JsonGen:
                     break
                 if name not in out:
                     out[name] = self.value(sub, depth + 1)
+            # Then names the patterns allow (with their schema), else any names additional
+            # properties may have: a schema of only patternProperties still gets its count.
+            patterns = schema.get("patternProperties")
+            pattern_items = list(patterns.items()) if isinstance(patterns, dict) else []
             i = 0
-            while len(out) < want and additional is not False and i < 1000:
-                key = f"{rng.choice(_WORDS)}{i}"
+            while len(out) < want and (pattern_items or additional is not False) and i < 1000:
                 i += 1
+                if pattern_items and (additional is False or rng.random() < 0.5):
+                    regex, sub = rng.choice(pattern_items)
+                    key = regex_instance(regex, rng, self.budget)
+                    if key not in out and key not in props:
+                        out[key] = self.value(sub, depth + 1)
+                    continue
+                key = f"{rng.choice(_WORDS)}{i}"
                 if key not in out:
                     out[key] = self.value(additional if isinstance(additional, dict) else True, depth + 1)
         most = schema.get("maxProperties")
