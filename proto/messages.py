@@ -59,6 +59,8 @@ class StructuredOutput(Struct, kw_only=True, omit_defaults=True):
 
 
 class SamplingParams(Struct, kw_only=True, omit_defaults=True):
+    # 0: completions ``echo`` without generation (vLLM's ``max_tokens: 0``): the engine runs
+    # one token (for the prompt's logprobs), which the worker bills but does not stream.
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -192,6 +194,11 @@ class TokenChunk(Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     choice_finish_reason: FinishReason | None = None
     finish_reason: FinishReason | None = None
+    # With a "stop" finish (on the chunk that ends the choice): the stop string matched, or
+    # the stop token id (a ``stop_token_ids`` one, or an extra EOS id of the model's
+    # generation config); None for the tokenizer's EOS and every other finish (vLLM's
+    # ``CompletionOutput.stop_reason``).
+    stop_reason: int | str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
     error: ErrorInfo | None = None
@@ -200,6 +207,20 @@ class TokenChunk(Struct, kw_only=True, omit_defaults=True):
     # gateway publishes it too, under the same de-duplication id, so the request is billed
     # even when the worker dies before its own publish is stored (a USAGE election).
     usage_event: UsageEvent | None = None
+
+
+class SamplingDefaults(Struct, kw_only=True, omit_defaults=True):
+    """A model's own sampling defaults (its ``generation_config.json``, as vLLM's
+    ``--generation-config auto`` reads them): what a request that omits a field gets.
+    None: the model sets none (the OpenAI/vLLM default holds). ``max_tokens`` is the
+    file's ``max_new_tokens``."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
 
 
 class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
@@ -235,6 +256,9 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     # tool calls (hermes, llama3_json, mistral) and reasoning (think); "" = none.
     tool_parser: str = ""
     reasoning_parser: str = ""
+    # The model's generation-config sampling defaults the gateway applies to fields a
+    # request omits (None: none, e.g. a sim worker or ``--generation-config vllm``).
+    sampling_defaults: SamplingDefaults | None = None
     model_dir: str = ""
     # SHA-256 of this worker's tokenizer files in the ``<root>_tokenizers`` object store
     # (``bus.tokenizers``): hosts that cannot read ``model_dir`` fetch them by it.

@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Struct
 
 from proto import AdapterRecord, WorkerInfo
+from proto.messages import SamplingDefaults
 from services.common.tokenizer import load_tokenizer
 
 from .chat_template import ChatTemplate
@@ -48,14 +49,24 @@ class ModelLimits(Struct, kw_only=True, frozen=True):
     context (vLLM's behaviour), capped by ``max_tokens_cap``; legacy completions default
     to ``default_completion_max_tokens`` (OpenAI's 16). Defaults are clamped to what
     fits; only an explicit max_tokens that does not fit is an error.
+
+    The sampling defaults (``default_temperature`` ... ``default_repetition_penalty``)
+    are what a request that omits the field gets. None: the model's own default, from
+    its generation config as its workers advertise it (``WorkerInfo.sampling_defaults``,
+    which also fills ``default_max_tokens`` from ``max_new_tokens``), else vLLM's neutral
+    one (temperature 1, top_p 1, top_k off, min_p 0, repetition_penalty 1). An operator's
+    value wins over the model's, as vLLM's ``--override-generation-config`` does.
     """
 
     max_model_len: int = 4096
     max_tokens_cap: int | None = None
     default_max_tokens: int | None = None
     default_completion_max_tokens: int = 16
-    default_temperature: float = 1.0
-    default_top_p: float = 1.0
+    default_temperature: float | None = None
+    default_top_p: float | None = None
+    default_top_k: int | None = None
+    default_min_p: float | None = None
+    default_repetition_penalty: float | None = None
     max_temperature: float = 2.0
     max_top_k: int | None = None
     max_stop_sequences: int = 4
@@ -104,6 +115,18 @@ class ModelSpec:
 
 
 
+def with_model_defaults(limits: ModelLimits, defaults: SamplingDefaults | None) -> ModelLimits:
+    """``limits`` with the model's generation-config defaults wherever the operator set none."""
+    if defaults is None:
+        return limits
+    model = {"default_temperature": defaults.temperature, "default_top_p": defaults.top_p,
+             "default_top_k": defaults.top_k, "default_min_p": defaults.min_p,
+             "default_repetition_penalty": defaults.repetition_penalty,
+             "default_max_tokens": defaults.max_tokens if defaults.max_tokens and defaults.max_tokens > 0 else None}
+    changes = {name: value for name, value in model.items() if value is not None and getattr(limits, name) is None}
+    return msgspec.structs.replace(limits, **changes) if changes else limits
+
+
 def tokenizer_source(workers: list[WorkerInfo], files: TokenizerFiles | None = None) -> str | None:
     """What a model's requests are tokenized with (a ``load_tokenizer`` spec: ``byte`` or a
     directory; with ``files``, the fetched copy where this host cannot read the workers'
@@ -127,7 +150,7 @@ class ModelCatalog:
         self.limits = limits
         self.aliases = aliases
         self.adapters = adapters if adapters is not None else {}  # the gateway's AdapterStore.records
-        self._specs: dict[tuple[str, str, int, str, str], ModelSpec] = {}
+        self._specs: dict[tuple[str, str, int, str, str, bytes], ModelSpec] = {}
         self._adapter_specs: dict[str, tuple[AdapterRecord, ModelSpec, ModelSpec]] = {}
 
     def specs(self) -> dict[str, ModelSpec]:
@@ -163,7 +186,8 @@ class ModelCatalog:
             return None  # its files are on their way (bus.tokenizers): not servable yet
         max_len = model_max_len(workers) or 4096
         parsers = (workers[0].tool_parser, workers[0].reasoning_parser)
-        cache_key = (model, tokenizer, max_len, *parsers)
+        defaults = workers[0].sampling_defaults
+        cache_key = (model, tokenizer, max_len, *parsers, msgspec.msgpack.encode(defaults) if defaults else b"")
         spec = self._specs.get(cache_key)
         if spec is None:
             try:
@@ -173,6 +197,7 @@ class ModelCatalog:
                 return None
             limits = self.limits.get(model)
             limits = msgspec.structs.replace(limits, max_model_len=max_len) if limits else ModelLimits(max_model_len=max_len)
+            limits = with_model_defaults(limits, defaults)
             spec = ModelSpec(name=model, tokenizer=tok, limits=limits, tool_parser=parsers[0],
                              reasoning_parser=parsers[1])
             self._specs[cache_key] = spec

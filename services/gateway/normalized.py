@@ -175,10 +175,13 @@ def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collectio
     return spec
 
 
-def check_max_tokens(param: str, value: int | None, limits: ModelLimits) -> int | None:
-    """The requested output bound, checked against the model's cap (None: not given)."""
+def check_max_tokens(param: str, value: int | None, limits: ModelLimits, *, allow_zero: bool = False) -> int | None:
+    """The requested output bound, checked against the model's cap (None: not given).
+    ``allow_zero``: completions with ``echo``, where 0 asks for the prompt alone (vLLM's)."""
     if value is None:
         return None
+    if value == 0 and allow_zero:
+        return 0
     if value < 1:
         invalid(param, f"integer below minimum value. Expected a value >= 1, but got {value} instead.",
                  "integer_below_min_value")

@@ -242,6 +242,8 @@ class ChatChoice(Struct, kw_only=True):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice, null otherwise (EOS included)
+    stop_reason: int | str | None = None
 
 
 class ChatCompletion(Struct, kw_only=True):
@@ -269,6 +271,7 @@ class ChatChunkChoice(Struct, kw_only=True):
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | UnsetType | None = UNSET  # on the finishing chunk only, as vLLM's stream
 
 
 class ChatCompletionChunk(Struct, kw_only=True):
@@ -288,6 +291,7 @@ class CompletionChoice(Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's, on every choice (streamed ones too)
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM extension, when asked for
 
 

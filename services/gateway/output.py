@@ -142,6 +142,7 @@ class ChoiceDelta:
     chat_logprobs: list[LogprobEntry] | None = None
     completion_logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # with finish_reason: the stop string or token id (vLLM's)
     # A reasoning or tool parser took this chunk's text and has nothing to send yet: like
     # vLLM's server, no empty delta goes out for it (a plain choice's textless tokens do).
     parsed: bool = False
@@ -256,6 +257,7 @@ class _Choice:
     tool_text: list[str] = field(default_factory=list)  # what the tool parser read
     tokens: int = 0  # completion tokens so far
     engine_finish: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChoiceAssembler:
@@ -301,7 +303,8 @@ class ChoiceAssembler:
         has_tokens = bool(chunk.token_ids or chunk.text)
         finish = chunk.choice_finish_reason or (chunk.finish_reason if single else None)
         if has_tokens or finish is not None or (single and chunk.seq == 0):
-            out.append(self._advance(chunk.index, chunk.text, chunk.token_ids, chunk.logprobs, finish))
+            out.append(self._advance(chunk.index, chunk.text, chunk.token_ids, chunk.logprobs, finish,
+                                     chunk.stop_reason))
         return out
 
     def _echo(self, chunk: TokenChunk) -> list[ChoiceDelta]:
@@ -324,7 +327,7 @@ class ChoiceAssembler:
         return out
 
     def _advance(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-                 finish: str | None) -> ChoiceDelta:
+                 finish: str | None, stop_reason: int | str | None = None) -> ChoiceDelta:
         choice = self._choice(index)
         delta = ChoiceDelta(index=index, first=not choice.started, token_ids=list(token_ids))
         choice.started = True
@@ -363,6 +366,7 @@ class ChoiceAssembler:
         if finish is not None:
             choice.engine_finish = finish
             delta.finish_reason = choice.finish_reason = self._finish_reason(choice, finish)
+            delta.stop_reason = choice.stop_reason = stop_reason if finish == "stop" else None
             if choice.reasoning_stream is not None:
                 self.reasoning_tokens += choice.reasoning_stream.reasoning_tokens
         return delta
@@ -437,7 +441,7 @@ class ChoiceAssembler:
             if not delta.has_output and delta.finish_reason is None and delta.completion_logprobs is None:
                 return []
             choice = CompletionChoice(index=delta.index, text=delta.content, logprobs=delta.completion_logprobs,
-                                      finish_reason=delta.finish_reason)
+                                      finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
             return [encode_json(TextCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
                                                usage=usage))]
         out = []
@@ -457,7 +461,8 @@ class ChoiceAssembler:
             ), delta.index, logprobs, None, usage))
             logprobs = None
         if delta.finish_reason is not None:
-            out.append(self._chat_chunk(ChatDelta(), delta.index, logprobs, delta.finish_reason, usage))
+            out.append(self._chat_chunk(ChatDelta(), delta.index, logprobs, delta.finish_reason, usage,
+                                        delta.stop_reason))
         return out
 
     def _usage_so_far(self, completion_tokens: int) -> CompletionUsage | UnsetType | None:
@@ -473,10 +478,11 @@ class ChoiceAssembler:
                                total_tokens=prompt + completion_tokens)
 
     def _chat_chunk(self, delta: ChatDelta, index: int, logprobs: ChoiceLogprobs | None, finish: str | None,
-                    usage: CompletionUsage | UnsetType | None) -> bytes:
+                    usage: CompletionUsage | UnsetType | None, stop_reason: int | str | None = None) -> bytes:
         return encode_json(ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model,
-            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)],
+            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                     stop_reason=stop_reason if finish is not None else UNSET)],
             usage=usage,
         ))
 
@@ -505,6 +511,7 @@ class ChoiceAssembler:
         if self.kind != "chat":
             return encode_json(TextCompletion(id=self.id, created=self.created, model=self.model, usage=u, choices=[
                 CompletionChoice(index=i, text="".join(c.content), finish_reason=c.finish_reason,
+                                 stop_reason=c.stop_reason,
                                  logprobs=c.completion_logprobs if self.options.logprobs else None,
                                  prompt_logprobs=prompt_logprobs)
                 for i in indices for c in [self._choice(i)]
@@ -538,7 +545,7 @@ class ChoiceAssembler:
             if self.options.reasoning_parser:
                 message.reasoning_content = "".join(c.reasoning) or None
             choices.append(ChatChoice(
-                index=i, message=message, finish_reason=finish,
+                index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                 logprobs=ChoiceLogprobs(content=c.chat_logprobs) if self.options.logprobs else None,
             ))
         return encode_json(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=u,

@@ -103,6 +103,27 @@ def _check_structured(req: SamplingFields) -> StructuredOutput | None:
     return found[0][1] if found else None
 
 
+def _disabled_top_k(top_k: int, vocab_size: int) -> int:
+    # 0 means disabled (vLLM); k >= vocab keeps every token, i.e. disabled too, and
+    # clamping keeps absurd values (10**30) off the msgpack wire.
+    return -1 if top_k in (0, -1) or top_k >= vocab_size else top_k
+
+
+def _model_defaults(out: dict[str, Any], limits: ModelLimits, vocab_size: int) -> None:
+    """The defaults of fields a request omits (the operator's, else the model's generation
+    config: ``ModelLimits``); the request's own values replace them after."""
+    if limits.default_temperature is not None:
+        out["temperature"] = limits.default_temperature
+    if limits.default_top_p is not None:
+        out["top_p"] = limits.default_top_p
+    if limits.default_top_k is not None and limits.default_top_k >= -1:
+        out["top_k"] = _disabled_top_k(limits.default_top_k, vocab_size)
+    if limits.default_min_p is not None:
+        out["min_p"] = limits.default_min_p
+    if limits.default_repetition_penalty is not None:
+        out["repetition_penalty"] = limits.default_repetition_penalty
+
+
 def check_common(req: SamplingFields, limits: ModelLimits, vocab_size: int) -> dict[str, Any]:
     """Sampling fields shared by chat and completions → SamplingParams kwargs (no max_tokens)."""
     out: dict[str, Any] = {}
@@ -110,6 +131,7 @@ def check_common(req: SamplingFields, limits: ModelLimits, vocab_size: int) -> d
         out["n"] = check_count("n", req.n, limits.max_n, low=1)
     if req.logit_bias:
         out["logit_bias"] = _check_logit_bias(req.logit_bias, limits, vocab_size)
+    _model_defaults(out, limits, vocab_size)
     if req.min_p is not None:
         out["min_p"] = float_in("min_p", req.min_p, 0.0, 1.0)
     for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
@@ -127,8 +149,6 @@ def check_common(req: SamplingFields, limits: ModelLimits, vocab_size: int) -> d
         raise bad_request(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options", "invalid_value"
         )
-    out["temperature"] = limits.default_temperature
-    out["top_p"] = limits.default_top_p
     if req.temperature is not None:
         out["temperature"] = float_in("temperature", req.temperature, 0.0, limits.max_temperature)
     if req.top_p is not None:
@@ -145,9 +165,7 @@ def check_common(req: SamplingFields, limits: ModelLimits, vocab_size: int) -> d
             invalid("top_k", f"{top_k} is not allowed: use -1 (or 0) to disable top-k, or a positive number.")
         if limits.max_top_k is not None and top_k > limits.max_top_k:
             invalid("top_k", f"{top_k} exceeds this model's limit of {limits.max_top_k}.")
-        # 0 means disabled (vLLM); k >= vocab keeps every token, i.e. disabled too, and
-        # clamping keeps absurd values (10**30) off the msgpack wire.
-        out["top_k"] = -1 if top_k in (0, -1) or top_k >= vocab_size else top_k
+        out["top_k"] = _disabled_top_k(top_k, vocab_size)
     if req.seed is not None:
         if not _INT64_MIN <= req.seed <= _INT64_MAX:
             invalid("seed", "must fit in a signed 64-bit integer.")

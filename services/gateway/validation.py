@@ -97,22 +97,43 @@ def _check_completion_unsupported(req: CompletionRequest) -> None:
         unsupported("suffix", "suffix (insertion) is not supported.")
 
 
-def _completion_output(req: CompletionRequest, spec: ModelSpec, prompt: list[int], common: dict[str, Any]
-                       ) -> OutputOptions:
+def _decode_with_specials(spec: ModelSpec, token_ids: list[int]) -> str:
+    """``token_ids`` as text, special tokens kept (vLLM decodes an echoed token prompt so)."""
+    tokenizer = spec.tokenizer
+    try:
+        try:
+            return tokenizer.decode(token_ids, skip_special_tokens=False)  # type: ignore[call-arg]
+        except TypeError:  # a tokenizer without the option has no specials to keep
+            return tokenizer.decode(token_ids)
+    except Exception as exc:  # a tokenizer bug is ours, not the client's
+        raise tokenizer_failed(exc) from None
+
+
+def _prompt_text(prompt: str | list[str | int | list[int]]) -> str | None:
+    """The prompt as the client wrote it, when it is text (a string, or a batch of one)."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return None
+
+
+def _completion_output(req: CompletionRequest, spec: ModelSpec, prompt: list[int], common: dict[str, Any],
+                       text: str | None = None) -> OutputOptions:
+    """``text``: the prompt as the client wrote it (None: token ids, or a prompt truncated)."""
     top = 0
     if req.logprobs is not None:
         top = check_count("logprobs", req.logprobs, spec.limits.max_logprobs)
         common["logprobs"] = top
     echo = None
     if req.echo:
-        try:
-            echo = spec.tokenizer.decode(prompt)
-        except Exception as exc:  # a tokenizer bug is ours, not the client's
-            raise tokenizer_failed(exc) from None
+        # As vLLM: a text prompt echoes as written; token ids decode with their special
+        # tokens, so the text and the logprobs' tokens and offsets agree.
+        echo = text if text is not None else _decode_with_specials(spec, prompt)
     first_token = ""
     if echo is not None and req.logprobs is not None:
         common["prompt_logprobs"] = max(top, common.get("prompt_logprobs", 0))
-        first_token = spec.tokenizer.decode(prompt[:1])
+        first_token = _decode_with_specials(spec, prompt[:1])
     # vLLM answers prompt_logprobs whenever the engine computed them (echo with logprobs too)
     return OutputOptions(n=common.get("n", 1), logprobs=req.logprobs is not None, top_logprobs=top, echo=echo,
                          echo_first_token=first_token, prompt_logprobs="prompt_logprobs" in common and not req.stream)
@@ -132,9 +153,11 @@ def parse_completion_request(
     spec = resolve_model(req.model, models, allowed_models)
     _check_completion_unsupported(req)
     common = check_common(req, spec.limits, spec.tokenizer.vocab_size)
-    requested = check_max_tokens("max_tokens", req.max_tokens, spec.limits)
-    prompt = truncate_prompt(req, spec, _completion_prompt(spec, req.prompt), requested)
-    output = _completion_output(req, spec, prompt, common)
+    # max_tokens 0 with echo: the prompt alone (scoring it), as vLLM answers it.
+    requested = check_max_tokens("max_tokens", req.max_tokens, spec.limits, allow_zero=bool(req.echo))
+    tokens = _completion_prompt(spec, req.prompt)
+    prompt = truncate_prompt(req, spec, tokens, requested)
+    output = _completion_output(req, spec, prompt, common, _prompt_text(req.prompt) if prompt == tokens else None)
     return finish_request("completion", req, spec, prompt, common, "max_tokens", requested, output)
 
 

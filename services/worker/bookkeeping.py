@@ -59,6 +59,10 @@ class Choice:
         """Whether the engine finished it (stop, length): not a drain's to hand over."""
         return self.last is not None and self.last.finish_reason in ("stop", "length") and not self.failed
 
+    def stop_reason(self, finish: str) -> int | str | None:
+        """What stopped the choice (the engine's ``stop_reason``) when it ended "stop"."""
+        return self.last.stop_reason if finish == "stop" and self.last is not None else None
+
     @property
     def failed(self) -> bool:
         """Whether this choice fails its request (an error anywhere fails all n)."""

@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
     vllm.add_argument("--kv-events", choices=["auto", "engine", "predicted"], default=None,
                       help="engine: vLLM's KV-event publisher; predicted: model the cache from served requests")
+    vllm.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                      help="the sampling defaults requests that omit a field get: auto (default) the model's"
+                           " generation_config.json, vllm none, DIR that directory's file (echo: DIR only)")
     vllm.add_argument("--cpu-kvcache-space", type=positive_int, default=None, help="GiB of KV cache on vLLM's CPU build")
     vllm.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                       help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")
@@ -142,6 +145,8 @@ def echo_engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["tokens_per_s"] = args.echo_tokens_per_s
     if args.echo_interval_ms is not None:
         options["interval_s"] = args.echo_interval_ms / 1000.0
+    if getattr(args, "generation_config", None) not in (None, "auto", "vllm"):
+        options["generation_config"] = args.generation_config
     if args.lora_adapters or args.host_models:
         raise SystemExit("--engine echo takes no LoRA adapters and hosts no models")
     return options
@@ -151,7 +156,7 @@ def echo_engine_options(args: argparse.Namespace) -> dict[str, Any]:
 _VLLM_OPTIONS = (
     "model_dir", "served_model_name", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "kv_cache_dtype", "tensor_parallel_size", "enable_prefix_caching", "block_size", "enforce_eager", "dtype", "seed",
-    "scheduling_policy", "enable_lora", "max_loras", "max_lora_rank", "kv_events",
+    "scheduling_policy", "enable_lora", "max_loras", "max_lora_rank", "kv_events", "generation_config",
 )
 
 

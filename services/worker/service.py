@@ -127,6 +127,7 @@ class WorkerService(Service):
             tokenizer=self.engine.tokenizer_spec,
             tool_parser=self.config.tool_parser,
             reasoning_parser=self.config.reasoning_parser,
+            sampling_defaults=self.engine.sampling_defaults,
             model_dir=model_dir,
             tokenizer_digest=tokenizer_digest,
             host=socket.gethostname(),
@@ -198,14 +199,15 @@ class WorkerService(Service):
             raise MeshError(f"worker {self.worker_id} serves {self.engine.model!r}, not {request.model!r}", code=ErrorCode.UNKNOWN_MODEL)
         if not prompt:
             raise MeshError("empty prompt", code=ErrorCode.BAD_REQUEST)
-        total = len(prompt) + request.sampling.max_tokens
+        # max_tokens 0 (echo without generation) still runs the engine one token.
+        total = len(prompt) + max(request.sampling.max_tokens, 1)
         if total > self.engine.max_model_len:
             raise MeshError(
                 f"prompt of {len(prompt)} tokens plus max_tokens {request.sampling.max_tokens} exceeds max_model_len {self.engine.max_model_len}",
                 code=ErrorCode.PROMPT_TOO_LONG,
             )
-        if request.sampling.max_tokens < 1:
-            raise MeshError("max_tokens must be at least 1", code=ErrorCode.BAD_REQUEST)
+        if request.sampling.max_tokens < 0:
+            raise MeshError("max_tokens must not be negative", code=ErrorCode.BAD_REQUEST)
         if (request.lora and request.lora not in self.engine.stats().lora_adapters
                 and not (self.engine.lora_runtime["max_loras"] and (request.lora_path or request.lora_size_bytes > 0))):
             raise MeshError(f"LoRA adapter {request.lora!r} is not loaded on {self.worker_id}", code=ErrorCode.BAD_REQUEST)
@@ -300,7 +302,8 @@ class WorkerService(Service):
             # One choice: its last tokens ride on the request's final chunk.
             token_ids, text, logprobs = choices[0].tail
             final = TokenChunk(request_id=request.request_id, seq=0, token_ids=token_ids, text=text, logprobs=logprobs,
-                               finish_reason=outcome.finish, usage=usage, timings=timings, error=outcome.error,
+                               finish_reason=outcome.finish, stop_reason=choices[0].stop_reason(outcome.finish),
+                               usage=usage, timings=timings, error=outcome.error,
                                worker_id=self.worker_id, usage_event=event)
         else:
             final = TokenChunk(request_id=request.request_id, seq=0, finish_reason=outcome.finish, usage=usage,
@@ -336,10 +339,13 @@ class WorkerService(Service):
         """Stream one choice's engine outputs as coalesced chunks. ``single``: the request's
         only choice, whose last tokens the final chunk carries (``choice.tail``); else its
         end is a chunk of its own with ``choice_finish_reason``."""
+        # max_tokens 0 (completions echo without generation, as vLLM): the engine runs one
+        # token, for the prompt's logprobs; the token is billed (vLLM counts it) but not sent.
+        echo_only = choice.sampling.max_tokens == 0
         engine_request = EngineRequest(
             request_id=choice.engine_id,
             prompt_token_ids=choice.prompt,
-            sampling=choice.sampling,
+            sampling=msgspec.structs.replace(choice.sampling, max_tokens=1) if echo_only else choice.sampling,
             priority=request.priority,
             arrival_time=time.time(),
             lora=request.lora,
@@ -364,7 +370,8 @@ class WorkerService(Service):
                         self.book.output(request.request_id)
                     if output.prompt_logprobs is not None and choice.index == 0 and request.first_seq == 0:
                         prompt_logprobs = output.prompt_logprobs
-                    coalescer.add(output.new_token_ids, output.text, now, output.logprobs)
+                    if not echo_only:
+                        coalescer.add(output.new_token_ids, output.text, now, output.logprobs)
                     if output.finish_reason is not None:
                         break
                     if coalescer.should_flush(now, self.coalesce_interval()):
@@ -386,6 +393,8 @@ class WorkerService(Service):
             choice.streamed = coalescer.emitted - unsent - len(token_ids)
             return
         choice.streamed = coalescer.emitted - unsent  # the final chunk's tokens included
+        if echo_only and choice.last is not None:
+            choice.streamed = choice.last.completion_tokens
         if single:
             choice.tail = (token_ids, text, logprobs)
             if prompt_logprobs is not None:  # a one-chunk answer: the prompt's logprobs go first
@@ -399,7 +408,7 @@ class WorkerService(Service):
         end = TokenChunk(
             request_id=request.request_id, seq=0, index=choice.index, token_ids=token_ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, choice_finish_reason="error" if choice.failed else finish,
-            worker_id=self.worker_id)
+            stop_reason=None if choice.failed else choice.stop_reason(finish), worker_id=self.worker_id)
         try:
             await publisher.publish(end)
         except PayloadTooLarge as exc:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
-from proto.messages import FinishReason, KvEvent, SamplingParams, Timings, TokenLogprob
+from proto.messages import FinishReason, KvEvent, SamplingDefaults, SamplingParams, Timings, TokenLogprob
 
 # Engines the factory can build; ``vllm`` is imported only when asked for, because it
 # pulls in torch and CUDA, which laptops and CI do not have.
@@ -91,6 +91,9 @@ class EngineOutput:
     new_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+    # With a "stop" finish: the stop string matched or the stop token id (not the
+    # tokenizer's EOS), as vLLM's ``CompletionOutput.stop_reason``; else None.
+    stop_reason: int | str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -203,6 +206,12 @@ class Engine(ABC):
         """Hot-swap: ``WorkerInfo``'s ``host_id``, ``host_memory_gib``, ``footprint_gib``
         and ``load_s``; empty for an engine that is always resident."""
         return {}
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults | None:
+        """The model's own sampling defaults (its generation config), which ``WorkerInfo``
+        advertises and the gateway applies to fields a request omits; None: none."""
+        return None
 
     @property
     @abstractmethod

@@ -14,7 +14,9 @@ What it honours: ``max_tokens`` (every request runs to it: ``finish_reason`` is
 ``output_offset`` (a continued request goes on where its prompt's output ended),
 ``logprobs`` (each echoed token at log probability 0, as its own only candidate).
 Everything else in the sampling parameters is ignored; guided decoding is refused (an
-echo cannot follow a schema). No prefix cache: no KV events, an empty snapshot.
+echo cannot follow a schema). ``generation_config``: a directory whose
+``generation_config.json`` sampling defaults the worker advertises, as a vLLM worker of
+that model does (the gateway applies them; of them the echo honours ``max_tokens``). No prefix cache: no KV events, an empty snapshot.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from proto.messages import KvEvent, Timings, TokenLogprob, TopLogprob
+from proto.messages import KvEvent, SamplingDefaults, Timings, TokenLogprob, TopLogprob
 from services.common.tokenizer import IncrementalDecoder, load_tokenizer
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats, prompt_error
+from .generation_config import read_sampling_defaults
 
 
 @dataclass(slots=True)
@@ -50,7 +53,8 @@ class EchoEngine(Engine):
     """Options (keyword, optional): ``model`` (default ``echo``), ``tokens_per_s`` per
     request (1000), ``interval_s`` between a request's outputs (0.01), ``max_num_seqs``
     (1024), ``max_model_len`` (32768), ``block_size`` (16), ``tokenizer`` (``byte``, the
-    sim's; or a directory with tokenizer.json)."""
+    sim's; or a directory with tokenizer.json), ``generation_config`` (a directory whose
+    generation_config.json sampling defaults to advertise; "": none)."""
 
     def __init__(
         self,
@@ -62,6 +66,7 @@ class EchoEngine(Engine):
         max_model_len: int = 32768,
         block_size: int = 16,
         tokenizer: str = "byte",
+        generation_config: str = "",
     ) -> None:
         if tokens_per_s <= 0 or interval_s <= 0:
             raise ValueError("echo engine: tokens_per_s and interval_s must be > 0")
@@ -75,6 +80,7 @@ class EchoEngine(Engine):
         self._block_size = block_size
         self._tokenizer_spec = tokenizer
         self._tokenizer = load_tokenizer(tokenizer)
+        self._sampling_defaults = read_sampling_defaults(generation_config, "") if generation_config else None
         self._running: dict[str, _Echo] = {}
         self._waiting: dict[str, _Echo] = {}
         self._wake = asyncio.Event()
@@ -117,6 +123,10 @@ class EchoEngine(Engine):
     @property
     def tokenizer_spec(self) -> str:
         return self._tokenizer_spec
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults | None:
+        return self._sampling_defaults
 
     # ---- lifecycle ----
     async def start(self) -> None:

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Literal
 
-from proto.messages import AllCleared, KvEvent, Timings
+from proto.messages import AllCleared, KvEvent, SamplingDefaults, Timings
 from services.common.residency import PIN_PATIENCE_S, ResidentModel, idle_expired, pins_honoured, victims
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats
@@ -215,6 +215,10 @@ class HostedEngine(Engine):
     @property
     def tokenizer_spec(self) -> str:
         return self.inner.tokenizer_spec
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults | None:
+        return self.inner.sampling_defaults
 
     @property
     def hosting(self) -> dict[str, float | str]:

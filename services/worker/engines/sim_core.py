@@ -525,6 +525,7 @@ class SimCore:
             new_token_ids=tokens,
             text=delta,
             finish_reason=finish,
+            stop_reason=seq.stop_reason if finish == "stop" else None,
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.cached_tokens or 0,
             completion_tokens=len(seq.output_ids),

@@ -161,6 +161,7 @@ class SimSequence:
         "special_gap",
         "status",
         "stop_context",
+        "stop_reason",
         "stream",
         "text",
         "text_sent",
@@ -208,6 +209,7 @@ class SimSequence:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.decoder.decode(_TOK.decode_bytes(prior[-3:]))
         self.special_gap = False  # a special token's text was last: space the next text
+        self.stop_reason: int | str | None = None  # what stopped it (vLLM's stop_reason)
 
     @property
     def num_tokens(self) -> int:
@@ -221,9 +223,11 @@ class SimSequence:
     def sample(self, max_model_len: int) -> tuple[int, str, FinishReason | None]:
         """Produce the next token and the text delta that may be released now.
 
-        Order of checks follows vLLM: length cap first, then (past ``min_tokens``) EOS
-        and stop token ids, whose text is not output, then stop strings, which cut the
-        text before the match and win over a length cap. With
+        Order of checks follows vLLM (``check_stop``): past ``min_tokens``, EOS and stop
+        token ids first, whose text is not output, then the length cap, then stop
+        strings, which cut the text before the match and win over a length cap (vLLM's
+        detokenizer finds them after the scheduler's check). ``stop_reason`` is set as
+        vLLM's: the stop token id (None for EOS) or the matched stop string. With
         ``include_stop_str_in_output`` the stop token's text and the matched stop string
         stay in the text, and nothing is held back (vLLM's detokenizer does the same).
         """
@@ -241,11 +245,12 @@ class SimSequence:
         n_out = pos + 1
         finish: FinishReason | None = None
         stop_token = False
-        if n_out >= sp.max_tokens or self.num_tokens >= max_model_len:
-            finish = "length"
-        elif n_out >= sp.min_tokens and (token == EOS or token in sp.stop_token_ids):
+        if n_out >= sp.min_tokens and (token == EOS or token in sp.stop_token_ids):
             finish = "stop"
             stop_token = True
+            self.stop_reason = None if token == EOS else token  # vLLM checks EOS first
+        elif n_out >= sp.max_tokens or self.num_tokens >= max_model_len:
+            finish = "length"
         added = ""
         if not stop_token or sp.include_stop_str_in_output:
             added = self._token_text(token)
@@ -254,7 +259,7 @@ class SimSequence:
         if sp.stop and n_out > sp.min_tokens and added:
             hit = self._find_stop(len(added))
             if hit is not None:
-                start, stop_end = hit
+                start, stop_end, self.stop_reason = hit
                 self.text = self.text[: stop_end if include else start]
                 finish = "stop"
         if finish is not None:
@@ -289,19 +294,19 @@ class SimSequence:
             self.special_gap = True
         return name
 
-    def _find_stop(self, new_chars: int) -> tuple[int, int] | None:
-        """(start, end) in ``self.text`` of the stop string that completes earliest within
+    def _find_stop(self, new_chars: int) -> tuple[int, int, str] | None:
+        """(start, end, stop) in ``self.text`` of the stop string that completes earliest within
         the newest ``new_chars`` characters, ties in list order (vLLM's rule); starts
         inside the prior output clamp to 0."""
         full = self.stop_context + self.text
-        best: tuple[int, int] | None = None
+        best: tuple[int, int, str] | None = None
         for stop in self.sampling.stop:
             if not stop:
                 continue
             at = full.find(stop, max(0, len(full) - new_chars - len(stop) + 1))
             if at >= 0 and (best is None or at + len(stop) < best[1]):
-                best = (at, at + len(stop))
+                best = (at, at + len(stop), stop)
         if best is None:
             return None
         ctx = len(self.stop_context)
-        return max(0, best[0] - ctx), max(0, best[1] - ctx)
+        return max(0, best[0] - ctx), max(0, best[1] - ctx), best[2]

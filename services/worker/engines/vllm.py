@@ -43,12 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto.messages import AllCleared, BlockStored, KvEvent, Timings, TokenLogprob
+from proto.messages import AllCleared, BlockStored, KvEvent, SamplingDefaults, Timings, TokenLogprob
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats, FinishReason
+from .generation_config import read_sampling_defaults
 from .vllm_args import (
     default_cpu_kvcache_gib,
     engine_arguments,
+    is_validation_error,
     local_model_dir,
     parse_lora_adapters,
     prompt_logprobs,
@@ -95,6 +97,12 @@ class VllmEngine(Engine):
       anything else through ``engine_args`` (a mapping of ``AsyncEngineArgs`` fields).
     - ``lora_adapters``: named adapters ``{name: path}`` (or ``"name=path,..."``); a request
       naming one runs with it (``LoRARequest``); ``enable_lora`` follows.
+    - ``generation_config``: vLLM's ``--generation-config``: ``auto`` (the default) takes
+      the model's ``generation_config.json`` sampling defaults (temperature, top_p, top_k,
+      min_p, repetition_penalty, max_new_tokens as the default max_tokens), ``vllm``
+      ignores them, a directory reads that directory's file. The worker advertises them
+      (``WorkerInfo.sampling_defaults``) and the gateway applies them to fields a request
+      omits, as vLLM's server does.
     - ``kv_events``: ``auto`` (vLLM's publisher when it has one, else predicted),
       ``engine`` (required) or ``predicted``.
     - ``cpu_kvcache_space_gib``: the CPU build's KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
@@ -124,6 +132,7 @@ class VllmEngine(Engine):
         max_lora_rank: int | None = None,
         lora_adapters: Mapping[str, str] | Iterable[str] | str | None = None,
         kv_events: str = "auto",
+        generation_config: str = "auto",
         cpu_kvcache_space_gib: float | None = None,
         engine_args: Mapping[str, Any] | None = None,
         rate_window_s: float = 5.0,
@@ -162,6 +171,12 @@ class VllmEngine(Engine):
         }
         if enable_lora is False and self.lora_adapters:
             raise ValueError("LoRA adapters given but enable_lora is False")
+        if not generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a directory")
+        self.generation_config = generation_config
+        # vLLM reads it too (a generation config's extra EOS ids stop generation: stop_reason).
+        options["generation_config"] = generation_config
+        self._sampling_defaults: SamplingDefaults | None = None
         self.engine_args = engine_arguments(
             model_dir=self.model_dir, served_model_name=self._model, options=options, extra=engine_args,
             enable_lora=bool(enable_lora or self.lora_adapters),
@@ -221,6 +236,10 @@ class VllmEngine(Engine):
     @property
     def tokenizer_spec(self) -> str:
         return self.model_dir
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults | None:
+        return self._sampling_defaults
 
     @property
     def llm(self) -> Any:
@@ -293,6 +312,10 @@ class VllmEngine(Engine):
         local = await asyncio.to_thread(local_model_dir, self.model_dir)
         if local is not None:
             self.model_dir = local
+        self._sampling_defaults = read_sampling_defaults(self.generation_config, self.model_dir)
+        if self._sampling_defaults is not None:
+            log.info("%s: the model's generation config sets sampling defaults %s (--generation-config vllm to"
+                     " ignore them)", self._model, self._sampling_defaults)
         self._stats.kv_events_mode = self.kv_events_mode
         if self.kv_events_mode == "engine" and self._zmq_socket is not None:
             self._bridge = KvEventBridge(self.block_size)
@@ -431,6 +454,7 @@ class VllmEngine(Engine):
         finished = False  # a final output was yielded
         engine_done = False  # vLLM finished the request itself
         error: str | None = None
+        rejected = False
         try:
             async for out in stream:
                 now = time.time()
@@ -462,8 +486,10 @@ class VllmEngine(Engine):
                 text = completion.text if completion is not None else ""
                 if finish is None and not new_ids and not text:
                     continue
+                stop_reason = getattr(completion, "stop_reason", None) if finish == "stop" else None
                 yield EngineOutput(
                     request_id=rid, new_token_ids=new_ids, text=text, finish_reason=finish,
+                    stop_reason=stop_reason if isinstance(stop_reason, (int, str)) else None,
                     logprobs=logprobs, prompt_logprobs=pending_prompt,
                     prompt_tokens=len(prompt_ids), cached_tokens=cached, completion_tokens=len(output_ids),
                     timings=Timings(arrival=req.arrival_time, scheduled=scheduled, first_token=first_token,
@@ -479,6 +505,12 @@ class VllmEngine(Engine):
         except Exception as exc:  # engine dead, bad request, ...: the worker needs a final output
             log.warning("vLLM failed request %s: %r", rid, exc)
             error = f"vLLM: {type(exc).__name__}: {exc}"
+            # vLLM refused the request as sent (its input processing validates a schema,
+            # regex or grammar when the request is added): the client's error, as vLLM's
+            # own server answers it (400), not an engine failure.
+            rejected = not output_ids and is_validation_error(exc)
+            if rejected:
+                error = str(exc) or error
         finally:
             self._flights.pop(rid, None)
             self._stats.finish(rid)
@@ -494,6 +526,7 @@ class VllmEngine(Engine):
             now = time.time()
             yield EngineOutput(
                 request_id=rid, finish_reason="error", error=error or "vLLM ended the request without a finish",
+                rejected=rejected,
                 prompt_tokens=len(prompt_ids), cached_tokens=cached, completion_tokens=len(output_ids),
                 timings=Timings(arrival=req.arrival_time, scheduled=scheduled, first_token=first_token, finished=now),
             )

@@ -106,6 +106,16 @@ def engine_arguments(
     return args
 
 
+def is_validation_error(exc: BaseException) -> bool:
+    """Whether vLLM refused a request as sent: its ``VLLMClientError`` family
+    (``VLLMValidationError``: a schema, regex or grammar it cannot compile) or a plain
+    ``ValueError`` from input processing, which vLLM's own server answers with a 400.
+    By class name, so this module needs no vLLM import."""
+    if isinstance(exc, ValueError):
+        return True
+    return any(cls.__name__ == "VLLMClientError" for cls in type(exc).__mro__)
+
+
 def default_cpu_kvcache_gib(available_bytes: int) -> int:
     """The CPU build's KV cache when none is asked for: a quarter of the free memory, 1-4 GiB."""
     return max(1, min(4, int(available_bytes * 0.25) >> 30))
