@@ -61,6 +61,16 @@ class Subjects:
     def api_all(self) -> str:
         return f"{self.root}.api.>"
 
+    @property
+    def api_cancel(self) -> str:
+        """A NATS API client's cancel of its own request (queue group: any gateway answers)."""
+        return f"{self.root}.api.v1.cancel"
+
+    @property
+    def gateway_cancel(self) -> str:
+        """Gateways only (every one subscribes): the gateway a cancel reached asks the one relaying the request."""
+        return f"{self.root}.gateway.cancel"
+
     # control plane
     @property
     def admission_check(self) -> str:

@@ -214,6 +214,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(resend, "ask a worker to send again chunks that never reached TOKENS"),
                 Rule(usage, "usage event of a request that ended before a worker took it"),
                 Rule(s.metering_usage, "GET /v1/usage"),
+                Rule(s.gateway_cancel, "a NATS API cancel, to the gateway relaying the request"),
                 *_read(s.tokens_stream, "gap fill and resume from TOKENS"),
                 *_kv_read(s.workers_bucket, registry),
                 *_kv_read(s.keys_bucket, "API key lookups and revocation watch"),
@@ -228,6 +229,8 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             [
                 Rule(s.api_chat, "NATS API (queue group gateway)"),
                 Rule(s.api_completions, "NATS API (queue group gateway)"),
+                Rule(s.api_cancel, "NATS API cancel (queue group gateway)"),
+                Rule(s.gateway_cancel, "NATS API cancels other gateways received (each answers for its own requests)"),
                 Rule(tokens, "token chunks of its own requests (mesh.tokens.<gateway>.*)"),
                 Rule(placements, "placements of requests admission forwarded (mesh.placed.<gateway>.*)"),
                 *connections,

@@ -255,3 +255,27 @@ def from_mesh_error(code: str, message: str, retry_after: float | None = None) -
     if status == 429 and code != ErrorCode.SLO:
         api_code = "rate_limit_exceeded"
     return ApiError(status, message, type_, None, api_code, retry_after)
+
+
+def missing_nats_api_key() -> ApiError:
+    """401 for a NATS API request without a key: says where a NATS client puts it."""
+    return ApiError(
+        401,
+        "You didn't provide an API key. Provide it in a NATS header of your request:"
+        " Authorization: Bearer msk-... (or api-key: msk-...).",
+        "invalid_request_error",
+        None,
+        "missing_api_key",
+    )
+
+
+def request_not_found(request_id: str) -> ApiError:
+    """404 for a request id that is not in flight for this key (another key's gets the same answer)."""
+    return ApiError(404, f"No request {clip(request_id, 64)!r} of yours is in flight (unknown, finished or not"
+                         " yours).", "invalid_request_error", None, "not_found")
+
+
+def deadline_passed(timeout_s: float) -> ApiError:
+    """504 for a request whose client-given deadline passed: it was cancelled."""
+    return ApiError(504, f"The request did not finish within its Meshserve-Timeout of {timeout_s:g}s and was"
+                         " cancelled.", "server_error", None, "timeout")

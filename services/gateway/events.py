@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from proto import OutputOptions, TokenChunk
 
-from .errors import from_mesh_error
+from .errors import ApiError, from_mesh_error
 from .openai_api import error_json
 from .output import ChoiceAssembler
 
@@ -27,6 +27,7 @@ class StreamEvent:
     seq: int
     index: int
     data: bytes  # the JSON of an OpenAI chunk (or ``[DONE]``)
+    error: ApiError | None = None  # set on the event carrying an error body (NATS adds its error headers)
 
     @property
     def id(self) -> str:
@@ -64,11 +65,13 @@ class EventBuilder:
                     datas.extend(self.assembler.chunk_json(delta))
             datas.append(error_json(error.message, error.type, error.param, error.code))
             datas.append(DONE)
-        else:
-            for delta in self.assembler.deltas(chunk):
-                datas.extend(self.assembler.chunk_json(delta))
-            if chunk.finish_reason is not None:
-                if self.include_usage and chunk.usage is not None:
-                    datas.append(self.assembler.usage_chunk(chunk.usage))
-                datas.append(DONE)
+            events = [StreamEvent(chunk.seq, i, d) for i, d in enumerate(datas)]
+            events[-2].error = error
+            return events
+        for delta in self.assembler.deltas(chunk):
+            datas.extend(self.assembler.chunk_json(delta))
+        if chunk.finish_reason is not None:
+            if self.include_usage and chunk.usage is not None:
+                datas.append(self.assembler.usage_chunk(chunk.usage))
+            datas.append(DONE)
         return [StreamEvent(chunk.seq, i, d) for i, d in enumerate(datas)]
