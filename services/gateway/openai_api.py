@@ -445,12 +445,14 @@ class WsToken(Struct, kw_only=True, tag_field="type", tag="token", omit_defaults
     tool_calls: list[ToolCallDelta] | None = None
     logprobs: list[LogprobEntry] | CompletionLogprobs | None = None
     finish_reason: str | None = None  # this choice's end (n > 1; else see ``done``)
+    stop_reason: int | str | None = None  # with finish_reason: the stop string or token id (vLLM's)
 
 
 class WsDone(Struct, kw_only=True, tag_field="type", tag="done"):
     id: str
     finish_reason: str | None
     usage: CompletionUsage | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (n = 1), as vLLM's
 
 
 class WsError(Struct, kw_only=True, tag_field="type", tag="error"):
@@ -466,8 +468,9 @@ def ws_token(id: str, seq: int, text: str, token_ids: list[int], **extra: Any) -
     return _encoder.encode(WsToken(id=id, seq=seq, text=text, token_ids=token_ids, **extra))
 
 
-def ws_done(id: str, finish_reason: str | None, usage: CompletionUsage | None) -> bytes:
-    return _encoder.encode(WsDone(id=id, finish_reason=finish_reason, usage=usage))
+def ws_done(id: str, finish_reason: str | None, usage: CompletionUsage | None,
+            stop_reason: int | str | None = None) -> bytes:
+    return _encoder.encode(WsDone(id=id, finish_reason=finish_reason, usage=usage, stop_reason=stop_reason))
 
 
 def ws_error(id: str | None, status: int, error: ErrorBody, retry_after: float | None = None) -> bytes:

@@ -174,6 +174,7 @@ class WsApi:
                     await send(with_request_id(err.to_ws(client_id), active.request_id))
                     return
                 finish: str | None = chunk.finish_reason
+                stop_reason: int | str | None = None
                 for delta in assembler.deltas(chunk):
                     extra: dict[str, Any] = {"index": delta.index, "reasoning_content": delta.reasoning,
                                              "tool_calls": delta.tool_calls or None,
@@ -181,13 +182,16 @@ class WsApi:
                                              else delta.completion_logprobs}
                     if single:
                         finish = delta.finish_reason or finish  # "tool_calls" where the parser found calls
+                        stop_reason = delta.stop_reason if delta.finish_reason else stop_reason
                     else:
                         extra["finish_reason"] = delta.finish_reason
+                        extra["stop_reason"] = delta.stop_reason
                     if delta.has_output or extra["tool_calls"] or (not single and delta.finish_reason):
                         await send(ws_token(client_id, chunk.seq, delta.content, delta.token_ids, **extra))
                 if chunk.finish_reason is not None:
                     # After a cancel this is the worker's "abort" chunk: its usage is what was billed.
-                    done = ws_done(client_id, finish, assembler.usage(chunk.usage) if chunk.usage else None)
+                    done = ws_done(client_id, finish, assembler.usage(chunk.usage) if chunk.usage else None,
+                                   stop_reason)
                     await send(with_request_id(done, active.request_id))
 
     def _cut_slow_client(self, http: web.Request, active: ActiveRequest) -> None:

@@ -218,3 +218,24 @@ async def test_a_sim_worker_advertises_no_defaults(gateway: GatewayService, work
         await sub.unsubscribe()
     s = seen[0].sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (1.0, 1.0, -1, 0.0, 1.0)
+
+
+async def test_the_websocket_carries_stop_reason_too(gateway: GatewayService, key: str) -> None:
+    """``done`` names what stopped a single choice; with n > 1 each choice's last ``token`` does."""
+    request = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "seed": 3, "stop_token_ids": [SPACE],
+               "ignore_eos": True}
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{gateway.http_url}/v1/ws?api_key={key}") as ws:
+        await ws.send_json({"type": "completion", "id": "one", "body": request})
+        await ws.send_json({"type": "completion", "id": "two", "body": {**request, "n": 2}})
+        done: dict[str, dict[str, Any]] = {}
+        ends: list[dict[str, Any]] = []
+        while len(done) < 2:
+            frame = await ws.receive_json(timeout=30)
+            assert frame["type"] != "error", frame
+            if frame["type"] == "done":
+                done[frame["id"]] = frame
+            elif frame.get("finish_reason"):
+                ends.append(frame)
+    assert (done["one"]["finish_reason"], done["one"]["stop_reason"]) == ("stop", SPACE)
+    assert sorted(f.get("index", 0) for f in ends if f["id"] == "two") == [0, 1]  # 0 is left out
+    assert all(f["stop_reason"] == SPACE for f in ends if f["finish_reason"] == "stop")
