@@ -49,7 +49,7 @@ class OutputOptions(Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     logprobs: bool = False  # chat ``logprobs`` / completions ``logprobs`` asked for
     top_logprobs: int = 0
-    echo: str | None = None  # completions ``echo``: the prompt text to prefix
+    echo: str | None = None  # completions ``echo``: the prompt text to prefix; chat: the continued message
     echo_first_token: str = ""  # the prompt's first token as text (it has no logprob)
     prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` answer (non-streamed responses)
     # "none", "auto" (the tool parser finds calls), "required" (a JSON array of calls,

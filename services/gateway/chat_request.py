@@ -198,6 +198,8 @@ def parse_chat_request(
                                          bool(req.continue_final_message),
                                          template_kwargs(req.chat_template_kwargs, req.reasoning_effort),
                                          client_variables=bool(req.chat_template_kwargs)))
+    if req.echo and messages and messages[-1]["role"] == "assistant" and messages[-1].get("content"):
+        output.echo = messages[-1]["content"]
     normalized = finish_request("chat", req, spec, prompt, common, max_param, requested, output)
     normalized.tools = plan.tools
     return normalized

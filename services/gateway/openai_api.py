@@ -138,6 +138,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    # vLLM: the answer opens with the last message's content when that message is the
+    # assistant's (a continued final message), streamed as its first content.
+    echo: bool | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

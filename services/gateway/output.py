@@ -297,7 +297,7 @@ class ChoiceAssembler:
         out: list[ChoiceDelta] = []
         if chunk.prompt_logprobs is not None and self.options.prompt_logprobs and self._prompt_logprobs is None:
             self._prompt_logprobs = [_prompt_position(lp) for lp in chunk.prompt_logprobs]
-        if chunk.prompt_logprobs is not None or (chunk.seq == 0 and self.kind == "completion" and self.options.echo):
+        if (chunk.prompt_logprobs is not None and self.kind == "completion") or (chunk.seq == 0 and self.options.echo):
             out.extend(self._echo(chunk))
         single = self.options.n <= 1
         has_tokens = bool(chunk.token_ids or chunk.text)
@@ -308,7 +308,8 @@ class ChoiceAssembler:
         return out
 
     def _echo(self, chunk: TokenChunk) -> list[ChoiceDelta]:
-        """Completions ``echo``: the prompt (and its logprobs) opens every choice."""
+        """``echo``: completions' prompt (and its logprobs), or vLLM's chat echo (the final
+        assistant message continued), opens every choice."""
         out = []
         for i in range(max(self.options.n, 1)):
             choice = self._choice(i)
@@ -319,7 +320,7 @@ class ChoiceAssembler:
             if self.options.echo:
                 delta.content = self.options.echo
                 choice.content.append(self.options.echo)
-            if self.options.logprobs and chunk.prompt_logprobs is not None:
+            if self.kind == "completion" and self.options.logprobs and chunk.prompt_logprobs is not None:
                 delta.completion_logprobs = self._completion_logprobs(choice, chunk.prompt_logprobs)
             elif self.options.echo:
                 choice.text_offset += len(self.options.echo)

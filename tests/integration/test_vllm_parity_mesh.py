@@ -239,3 +239,31 @@ async def test_the_websocket_carries_stop_reason_too(gateway: GatewayService, ke
     assert (done["one"]["finish_reason"], done["one"]["stop_reason"]) == ("stop", SPACE)
     assert sorted(f.get("index", 0) for f in ends if f["id"] == "two") == [0, 1]  # 0 is left out
     assert all(f["stop_reason"] == SPACE for f in ends if f["finish_reason"] == "stop")
+
+
+async def test_chat_echo_opens_the_answer_with_the_continued_message(gateway: GatewayService, key: str) -> None:
+    """vLLM's chat ``echo``: with the final message the assistant's, the answer (whole and
+    streamed, every choice) starts with it; otherwise nothing is added."""
+    start = "Sure, the"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": start}],
+            "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 6, "ignore_eos": True,
+            "seed": 4, "n": 2}
+    status, plain = await _post(gateway, key, "chat/completions", chat)
+    assert status == 200, plain
+    status, echoed = await _post(gateway, key, "chat/completions", {**chat, "echo": True})
+    assert status == 200, echoed
+    for without, with_echo in zip(plain["choices"], echoed["choices"], strict=True):
+        assert with_echo["message"]["content"] == start + without["message"]["content"]
+    tokens = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [echoed["usage"][k] for k in tokens] == [plain["usage"][k] for k in tokens]  # nothing more generated
+    events = await _events(gateway, key, "chat/completions", {**chat, "echo": True})
+    streamed = {0: "", 1: ""}
+    for event in events:
+        for c in event["choices"]:
+            streamed[c["index"]] += c["delta"].get("content") or ""
+    assert [streamed[0], streamed[1]] == [c["message"]["content"] for c in echoed["choices"]]
+    # The last message is the user's: nothing to echo.
+    status, user_last = await _post(gateway, key, "chat/completions",
+                                    {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                     "ignore_eos": True, "seed": 4, "echo": True})
+    assert status == 200 and not user_last["choices"][0]["message"]["content"].startswith("Hi")
