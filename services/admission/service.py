@@ -70,7 +70,7 @@ from prometheus_client import (
 
 from bus import BusSettings, Service, cancel_and_wait
 from bus.metrics import MetricsServer
-from bus.provision import ensure_kv
+from bus.provision import ensure_kv, workers_bucket
 from proto import (
     AdmissionDecision,
     AdmissionRequest,
@@ -211,6 +211,13 @@ class AdmissionService(Service):
         self._state: KeyValue | None = None
         self._lease_rev = 0
         self._renewed_at = float("-inf")
+        # When a leader (this instance, or the holder of the lease) was last known to hold
+        # the lease: no leader for longer than its TTL is logged as a warning.
+        self._leader_seen_at = monotonic()
+        self._no_leader_warned_at = float("-inf")
+        # A standby that provisioned the lease bucket again waits one TTL before taking
+        # the lease: a leader may still serve on its last renewal until 0.8 TTL after it.
+        self._hold_off_until = float("-inf")
         self._usage_sub: Subscription | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._role_lock = asyncio.Lock()
@@ -301,35 +308,131 @@ class AdmissionService(Service):
 
     async def _lease_step(self) -> None:
         assert self._lease is not None
-        value = self.instance_id.encode()
         async with self._role_lock:
             if self.leading:
-                try:
-                    self._lease_rev = await self._lease.update(LEASE_KEY, value, last=self._lease_rev)
-                    self._renewed_at = self.monotonic()
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    await self._step_down("another instance holds the lease")
-                except (nats.errors.Error, TimeoutError) as exc:
-                    # Stop before the lease can expire and a standby take over: two
-                    # leaders must never serve at once.
-                    if self.monotonic() - self._renewed_at > 0.8 * self.config.lease_ttl_s:
-                        await self._step_down(f"lease not renewed: {exc!r}")
-                return
-            try:
-                self._lease_rev = await self._lease.create(LEASE_KEY, value)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return  # somebody leads
-            except (nats.errors.Error, TimeoutError) as exc:
-                log.debug("lease create failed: %r", exc)
-                return
+                await self._renew()
+            else:
+                await self._try_to_lead()
+            if self.leading:
+                self._leader_seen_at = self.monotonic()
+
+    async def _renew(self) -> None:
+        assert self._lease is not None
+        value = self.instance_id.encode()
+        try:
+            self._lease_rev = await self._lease.update(LEASE_KEY, value, last=self._lease_rev)
             self._renewed_at = self.monotonic()
+            return
+        except nats.js.errors.KeyWrongLastSequenceError:
+            # Someone else wrote the lease, or it is gone with its bucket (NATS restarted
+            # without its memory storage, and another instance provisioned it again).
+            # ``create`` tells them apart atomically: it succeeds only where nobody holds it.
+            if await self._keep_lease("the lease was gone"):
+                return
+            await self._step_down("another instance holds the lease")
+            return
+        except (nats.errors.Error, TimeoutError) as exc:
+            failure: BaseException = exc
+        stale = self.monotonic() - self._renewed_at > 0.8 * self.config.lease_ttl_s
+        if isinstance(failure, nats.js.errors.NoStreamResponseError):
+            # Nothing stores the lease's subject: its bucket is gone (a restarted single
+            # NATS loses memory storage). Provision it again, else nobody can ever lead
+            # again; while our last renewal is recent, take the lease there at once.
             try:
-                await self._take_over()
-            except Exception:
-                log.exception("taking over failed; giving the lease back")
-                await self._step_down("take-over failed")
-                with contextlib.suppress(Exception):
-                    await self._lease.delete(LEASE_KEY, last=self._lease_rev)
+                restored = await self._restore_buckets()
+                if restored and not stale and await self._keep_lease("the lease bucket was gone"):
+                    return
+            except (nats.errors.Error, TimeoutError) as exc:
+                failure = exc
+        # Stop before the lease can expire and a standby take over: two leaders must
+        # never serve at once.
+        if stale:
+            await self._step_down(f"lease not renewed: {failure!r}")
+
+    async def _keep_lease(self, why: str) -> bool:
+        """As the leader, take the lease again where nobody holds it (its bucket provisioned
+        again); False when somebody does, or when it could not be written."""
+        assert self._lease is not None
+        try:
+            self._lease_rev = await self._lease.create(LEASE_KEY, self.instance_id.encode())
+        except (nats.errors.Error, TimeoutError):
+            return False
+        self._renewed_at = self.monotonic()
+        # The USAGE consumer may have gone with the server's state: follow it again from
+        # what this leader has applied (a leader that cannot reconcile must not lead).
+        try:
+            await self._follow_usage()
+        except Exception as exc:
+            log.warning("%s: following USAGE again failed: %r", self.instance_id, exc)
+            with contextlib.suppress(Exception):
+                await self._lease.delete(LEASE_KEY, last=self._lease_rev)
+            return False
+        log.warning("%s: %s; it holds the lease again", self.instance_id, why)
+        return True
+
+    async def _try_to_lead(self) -> None:
+        assert self._lease is not None
+        now = self.monotonic()
+        if now < self._hold_off_until:
+            return
+        try:
+            self._lease_rev = await self._lease.create(LEASE_KEY, self.instance_id.encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self._leader_seen_at = now  # somebody leads: the lease is held
+            return
+        except (nats.errors.Error, TimeoutError) as exc:
+            if isinstance(exc, nats.js.errors.NoStreamResponseError):
+                # The lease bucket is gone: provision it again (else nobody could ever lead
+                # again), then wait out a lease TTL, which a leader serving on its last
+                # renewal stops within.
+                try:
+                    if await self._restore_buckets():
+                        self._hold_off_until = now + self.config.lease_ttl_s
+                except (nats.errors.Error, TimeoutError) as restore_exc:
+                    exc = restore_exc
+            self._warn_without_leader(exc)
+            return
+        self._renewed_at = self.monotonic()
+        try:
+            await self._take_over()
+        except Exception:
+            log.exception("taking over failed; giving the lease back")
+            await self._step_down("take-over failed")
+            with contextlib.suppress(Exception):
+                await self._lease.delete(LEASE_KEY, last=self._lease_rev)
+
+    def _warn_without_leader(self, exc: BaseException) -> None:
+        now = self.monotonic()
+        without = now - self._leader_seen_at
+        if without <= self.config.lease_ttl_s:
+            log.debug("lease create failed: %r", exc)
+            return
+        if now - self._no_leader_warned_at >= 10.0:  # every 10 s while it lasts, not every attempt
+            self._no_leader_warned_at = now
+            log.warning("no admission leader for %.0fs (taking the lease failed: %r); gateways admit without "
+                        "admission for their grace, then refuse with 503", without, exc)
+
+    async def _restore_buckets(self) -> bool:
+        """Provision admission's buckets again where they are gone (a single nats-server
+        restarted: memory storage, the lease's, does not survive it). The worker registry's
+        bucket is in memory too and admission predicts nothing without it, so it is
+        provisioned again as well. True when something was missing."""
+        s = self.bus.subjects
+        missing = []
+        for bucket in (lease_bucket_name(s), state_bucket_name(s), s.workers_bucket):
+            try:
+                await self.bus.js.stream_info(f"KV_{bucket}")
+            except nats.js.errors.NotFoundError:
+                missing.append(bucket)
+        if not missing:
+            return False
+        self._lease, self._state = await admission_buckets(
+            self.bus.js, s, lease_ttl_s=self.config.lease_ttl_s, replicas=self.settings.js_replicas
+        )
+        await workers_bucket(self.bus.js, s, replicas=self.settings.js_replicas)
+        log.warning("JetStream had lost the buckets %s (a NATS restart loses memory storage): provisioned again",
+                    ", ".join(missing))
+        return True
 
     async def _take_over(self) -> None:
         assert self._state is not None
@@ -352,12 +455,7 @@ class AdmissionService(Service):
         else:
             # Nothing to carry over: every reservation is ours from here on.
             self.usage_seq = (await self.bus.js.stream_info(s.usage_stream)).state.last_seq
-        config = api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.usage_seq + 1
-        )
-        self._usage_sub = await self.bus.js.subscribe(
-            s.usage_all, stream=s.usage_stream, cb=self._on_usage, ordered_consumer=True, config=config
-        )
+        await self._follow_usage()
         await self.add_endpoint("check", s.admission_check, AdmissionRequest, self.handle_check,
                                 queue_group="admission", concurrent=False)
         # Ready means the server routes to our subscriptions (no "no responders").
@@ -367,6 +465,20 @@ class AdmissionService(Service):
         self.metrics.leader.set(1)
         self.metrics.takeovers.inc()
         log.info("%s is the admission leader", self.instance_id)
+
+    async def _follow_usage(self) -> None:
+        """(Re)subscribe to USAGE from the first event not yet applied."""
+        s = self.bus.subjects
+        if self._usage_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._usage_sub.unsubscribe()
+            self._usage_sub = None
+        config = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.usage_seq + 1
+        )
+        self._usage_sub = await self.bus.js.subscribe(
+            s.usage_all, stream=s.usage_stream, cb=self._on_usage, ordered_consumer=True, config=config
+        )
 
     async def _step_down(self, reason: str) -> None:
         if not self.leading:
@@ -395,6 +507,9 @@ class AdmissionService(Service):
             self.checkpoints += 1
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("admission checkpoint failed: %r", exc)
+            if isinstance(exc, nats.js.errors.NoStreamResponseError):  # its bucket is gone: the next one is stored
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await self._restore_buckets()
 
     async def _demand_loop(self) -> None:
         """Tell the autoscalers what was refused for want of capacity (``RefusedDemand``)."""

@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shell.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
     shell.add_argument("--metrics-host", default="127.0.0.1")
     local = parser.add_argument_group("local driver")
-    local.add_argument("--state-dir", default=".meshserve", help="worker logs go to STATE_DIR/logs")
+    local.add_argument("--state-dir", default=".meshserve", help="worker logs go to STATE_DIR/logs, a record of each worker started "
+                       "to STATE_DIR/autoscaler/workers (a restarted autoscaler manages them again)")
     local.add_argument("--worker-args", default="", help='arguments for every worker, one string: "--engine sim --speed 20"')
     local.add_argument("--max-workers", type=positive_int, default=8, help="most worker processes on this machine, all pools")
     local.add_argument("--on-exit", choices=["drain", "leave"], default="drain",
@@ -166,6 +167,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.driver == "local":
         driver = LocalDriver(
             log_dir=Path(args.state_dir) / "logs",
+            # A record per worker it starts, so that an autoscaler restarted on this folder
+            # (it was killed; its workers served on) manages them again.
+            pid_dir=Path(args.state_dir) / "autoscaler" / "workers",
             worker_args=worker_args,
             command=shlex.split(args.worker_command) if args.worker_command else None,
             max_workers=args.max_workers,

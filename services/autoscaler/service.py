@@ -202,6 +202,7 @@ class AutoscalerService(Service):
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
+        await self.driver.open()  # before the first tick: workers an earlier run started are managed
         await self.feed.start()
         self._listening_since = self.clock()
         await self.add_endpoint("status", self.bus.subjects.autoscaler_status, AutoscalerStatusRequest, self.handle_status)

@@ -107,6 +107,9 @@ class Driver(ABC):
         """Ids of the workers this driver runs, where it knows them."""
         return set()
 
+    async def open(self) -> None:  # noqa: B027 - a hook: most drivers find their replicas by asking
+        """The autoscaler is starting (``pools`` is set): pick up what an earlier run left."""
+
     async def close(self) -> None:  # noqa: B027 - a hook: most drivers hold nothing to release
         """The autoscaler is stopping."""
 
