@@ -128,6 +128,10 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     # Hot-swap hosts (``WorkerInfo.host_id``): the models the router counts as the fleet's
     # busiest, which a host loading this request's model must not evict.
     pinned_models: list[str] = []
+    # The placement try this copy belongs to (0: its placer names none), set with each
+    # ``place_by``: a ``superseded`` cancel names it, so a worker refuses that try's copy
+    # only, not a later try of the same segment (a migration waiting for a replica).
+    attempt: int = 0
 
 
 def placement_expired(request: GenerateRequest, now: float) -> bool:
@@ -463,6 +467,7 @@ class Placement(Struct, kw_only=True, omit_defaults=True):
     model: str
     policy: str = ""
     cached_tokens: int = 0  # the router's estimate of the prefix already cached there
+    attempt: int = 0  # the placed copy's GenerateRequest.attempt (a superseded cancel names it)
 
 
 class UsageEvent(Struct, kw_only=True, omit_defaults=True):
@@ -541,6 +546,7 @@ class CancelRequest(Struct, kw_only=True, omit_defaults=True):
     request_id: str
     reason: str = "client disconnected"
     migrations: int = 0  # the segment cancelled (GenerateRequest.migrations); read with SUPERSEDED
+    attempt: int = 0  # ... and its placement try (GenerateRequest.attempt); read with SUPERSEDED
 
 
 class RequestProbe(Struct, kw_only=True, omit_defaults=True):
@@ -574,6 +580,7 @@ class RequestProbeReply(Struct, kw_only=True, omit_defaults=True):
     state: Literal["unknown", "waiting", "running"]
     since_output_s: float = 0.0  # since this request's last engine output (or its arrival)
     engine_idle_s: float = 0.0  # since the engine last produced output for any request
+    attempt: int = 0  # the placement try (GenerateRequest.attempt) of the copy held here
 
 
 # Every top-level message type sent over NATS (``proto.MESSAGE_TYPES`` adds the stored

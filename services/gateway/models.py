@@ -1,12 +1,19 @@
 """The models this gateway serves: what validation needs of one (``ModelSpec``: its
 tokenizer, chat template and ``ModelLimits``), and the catalog of them built from the
-live worker registry, aliases included, each tokenizer loaded once."""
+live worker registry, aliases included, each tokenizer loaded once.
+
+A model whose last worker left (every replica restarting at once, a rolling restart of a
+small pool) stays in the catalog for ``MODEL_GRACE_S`` with the spec it had, marked not
+``serving``: it is still listed, and its requests get 503 ``no_capacity`` with a
+Retry-After (``normalized.resolve_model``), not the 404 of a model that does not exist,
+which clients (the OpenAI SDK) take as final. A model never seen is still a 404."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,6 +31,13 @@ if TYPE_CHECKING:
     from bus.tokenizers import TokenizerFiles
 
 log = logging.getLogger(__name__)
+
+# How long a model whose last worker left stays listed and answers 503 + Retry-After
+# (workers restarting, a pool scaled to zero and back) before it is a 404 again.
+MODEL_GRACE_S = 600.0
+# The Retry-After of those 503s: admission's for "no replica is serving this model"
+# (``no_capacity_retry_after_s``) and the router's for "no capacity".
+NO_REPLICA_RETRY_AFTER_S = 5.0
 
 
 class TokenizerLike(Protocol):
@@ -108,6 +122,9 @@ class ModelSpec:
     lora: str | None = None
     lora_path: str = ""
     lora_size_bytes: int = 0
+    # False: no worker serves it right now, but one did within the catalog's grace period
+    # (``MODEL_GRACE_S``): listed, its requests answered 503 no_capacity + Retry-After.
+    serving: bool = True
 
     def __post_init__(self) -> None:
         if self.template is None:
@@ -144,23 +161,58 @@ def model_max_len(workers: list[WorkerInfo]) -> int:
 
 class ModelCatalog:
     def __init__(self, registry: WorkerRegistry, limits: Mapping[str, ModelLimits], aliases: Mapping[str, str],
-                 adapters: Mapping[str, AdapterRecord] | None = None, tokenizer_files: TokenizerFiles | None = None) -> None:
+                 adapters: Mapping[str, AdapterRecord] | None = None, tokenizer_files: TokenizerFiles | None = None,
+                 *, grace_s: float = MODEL_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         self.tokenizer_files = tokenizer_files
         self.limits = limits
         self.aliases = aliases
         self.adapters = adapters if adapters is not None else {}  # the gateway's AdapterStore.records
+        self.grace_s = grace_s
+        self.clock = clock
         self._specs: dict[tuple[str, str, int, str, str, bytes], ModelSpec] = {}
         self._adapter_specs: dict[str, tuple[AdapterRecord, ModelSpec, ModelSpec]] = {}
+        # Each model served → its workers when last seen serving it (its spec is built from
+        # them), and when: every heartbeat of a worker serving it says so, so a model's last
+        # worker leaving is known within a heartbeat, requests or not.
+        self._served: dict[str, tuple[list[WorkerInfo], float]] = {}
+        self._not_serving: dict[str, tuple[ModelSpec, ModelSpec]] = {}  # model → (its spec, that spec not serving)
+        registry.on_change(self._registry_changed)
+
+    def _registry_changed(self, worker_id: str, info: WorkerInfo | None) -> None:
+        if info is not None and info.state in ("ready", "draining"):  # as ``WorkerRegistry.models``
+            workers, _ = self._served.get(info.model, ([info], 0.0))
+            self._served[info.model] = (workers, self.clock())
+
+    def _note_served(self) -> dict[str, list[WorkerInfo]]:
+        """The live registry's models, each noted as served now."""
+        now = self.clock()
+        live = self.registry.models()
+        for model, workers in live.items():
+            self._served[model] = (workers, now)
+        return live
 
     def specs(self) -> dict[str, ModelSpec]:
         """Servable models from the live registry (aliases and adapters of served models
-        included), tokenizers cached. A model name wins over an adapter of the same name."""
+        included), tokenizers cached. A model name wins over an adapter of the same name.
+        A model whose last worker left within ``grace_s`` is included, not ``serving``."""
         specs: dict[str, ModelSpec] = {}
-        for model, workers in self.registry.models().items():
+        live = self._note_served()
+        for model, workers in live.items():
             spec = self._spec(model, workers)
             if spec is not None:
                 specs[model] = spec
+        now = self.clock()
+        for model, (workers, seen) in list(self._served.items()):
+            if model in specs:
+                continue
+            if model not in live and now - seen >= self.grace_s:
+                del self._served[model]
+                self._not_serving.pop(model, None)
+                continue
+            spec = self._spec(model, workers)  # cached: the spec it had
+            if spec is not None:
+                specs[model] = self._waiting(model, spec)
         for alias, target in self.aliases.items():
             if target in specs:
                 specs[alias] = specs[target]
@@ -169,6 +221,14 @@ class ModelCatalog:
             if base is not None and name not in specs and base.lora is None:
                 specs[name] = self._adapter_spec(name, record, base)
         return specs
+
+    def _waiting(self, model: str, spec: ModelSpec) -> ModelSpec:
+        """``spec`` marked not serving; the same object while ``spec`` is (adapters' cache)."""
+        cached = self._not_serving.get(model)
+        if cached is None or cached[0] is not spec:
+            cached = (spec, dataclasses.replace(spec, serving=False))
+            self._not_serving[model] = cached
+        return cached[1]
 
     def _adapter_spec(self, name: str, record: AdapterRecord, base: ModelSpec) -> ModelSpec:
         """The base's spec with the adapter's fields; built once per (record, base spec):

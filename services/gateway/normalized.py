@@ -23,8 +23,8 @@ from proto.hashing import pack_tokens
 from proto.messages import MESH_MAX_PAYLOAD, GenerateRequest, SamplingParams
 from proto.records import OutputOptions
 
-from .errors import ApiError, bad_request, clip, invalid_json, model_not_found, tokenizer_failed
-from .models import ModelLimits, ModelSpec
+from .errors import ApiError, bad_request, clip, invalid_json, model_not_found, overloaded, tokenizer_failed
+from .models import NO_REPLICA_RETRY_AFTER_S, ModelLimits, ModelSpec
 from .openai_api import RequestKind, SamplingFields, WsClientMessage, ws_client_decoder
 from .sampling_fields import check_metadata, invalid
 
@@ -164,7 +164,8 @@ def parse_ws_message(data: Body) -> WsClientMessage:
 
 
 def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collection[str] | None) -> ModelSpec:
-    """The spec of model ``name`` if the key may use it (``allowed``), else a 404."""
+    """The spec of model ``name`` if the key may use it (``allowed``), else a 404; a 503
+    with a Retry-After while no worker serves it for a moment (``ModelSpec.serving``)."""
     if not name:
         raise bad_request("You must provide a model parameter.", "model", "missing_required_parameter")
     spec = models.get(name)
@@ -172,6 +173,11 @@ def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collectio
     # answers like a missing one (404), as OpenAI does, so keys cannot probe the catalog.
     if spec is None or (allowed and name not in allowed and spec.name not in allowed):
         raise model_not_found(name)
+    if not spec.serving:
+        # Its workers left a moment ago (restarting): admission's "no replica" answer, so
+        # clients retry instead of taking a 404 as final.
+        raise overloaded(f"No replica of the model `{clip(name)}` is available right now. Please try again in"
+                         f" {NO_REPLICA_RETRY_AFTER_S:.1f}s.", NO_REPLICA_RETRY_AFTER_S, 503, "no_capacity")
     return spec
 
 

@@ -163,7 +163,8 @@ class GatewayService(Service):
         reads it any more (its client went away), that copy is stopped and bills nothing;
         one still in flight was adopted where it runs."""
         if placement.request_id not in self.dispatcher.streams:
-            self.spawn(self.upstream.cancel(placement.worker_id, placement.request_id, SUPERSEDED),
+            self.spawn(self.upstream.cancel(placement.worker_id, placement.request_id, SUPERSEDED,
+                                            attempt=placement.attempt),
                        name=f"cancel-{placement.request_id}")
 
     # ---- what outlives a request's relay ----------------------------------------------

@@ -19,7 +19,10 @@ answered past the gateway's timeout and the gateway placed the request itself) g
 ``on_late_placement``.
 
 Each placement carries a deadline (``GenerateRequest.place_by``, the route timeout from
-now): past it the router forwards nothing and no worker takes the request. So when a
+now) and its own try id (``GenerateRequest.attempt``, increasing): a copy its placer gave
+up on is cancelled as ``superseded`` by that id, so the worker refuses that try only and
+takes a later one of the same segment (a migration that waited for a paused worker).
+Past the deadline the router forwards nothing and no worker takes the request. So when a
 router does not answer in time (stalled, paused), the request is either on the worker
 it was forwarded to, which holds it (its chunks arrived, or a probe finds it), or on no
 worker and never will be: the gateway adopts that worker, or places the request itself.
@@ -67,6 +70,14 @@ log = logging.getLogger(__name__)
 
 # A worker's answers that mean "not me, try another": nothing started there.
 DIRECT_REFUSALS = frozenset({ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.TIMEOUT})
+# How long a client told "no capacity" should wait: what the router (services/router/retry.py)
+# and admission (no_capacity_retry_after_s) say for the same, so every such 503 has it.
+NO_CAPACITY_RETRY_AFTER_S = 5.0
+
+
+def no_capacity(message: str) -> RemoteError:
+    """Placement's "no capacity" with its Retry-After, as the router's error reply reads."""
+    return RemoteError(message, code=ErrorCode.NO_CAPACITY, retry_after=NO_CAPACITY_RETRY_AFTER_S)
 
 
 def pick_holder(probes: Sequence[RequestProbeReply]) -> tuple[str, list[str]]:
@@ -125,6 +136,7 @@ class UpstreamClient:
         self.router_seen = False
         self._placements: dict[str, tuple[asyncio.Future[Msg], RouteRequest]] = {}
         self._placement_sub: Subscription | None = None
+        self._attempt = 0  # the last placement try's id (GenerateRequest.attempt)
 
     async def start(self) -> None:
         """Subscribe to this gateway's placements (forwarded requests' router replies)."""
@@ -229,7 +241,12 @@ class UpstreamClient:
         )
 
     def _with_deadline(self, request: GenerateRequest) -> GenerateRequest:
-        return msgspec.structs.replace(request, place_by=self.wall_clock() + self.config.route_timeout_s)
+        """``request`` as one new placement try: its deadline and its try id."""
+        now = self.wall_clock()
+        # Increasing here, and unlike another gateway's (one a client resumed on): the wall
+        # clock in microseconds. A worker takes a later try of a segment over an earlier one.
+        self._attempt = max(self._attempt + 1, int(now * 1e6))
+        return msgspec.structs.replace(request, place_by=now + self.config.route_timeout_s, attempt=self._attempt)
 
     async def place(self, route: RouteRequest, *, arrived_from: Callable[[], str] | None = None) -> Placement:
         """Place ``route.request``. ``arrived_from``: the worker whose chunks for it already
@@ -263,9 +280,11 @@ class UpstreamClient:
             probes = await asyncio.gather(*(
                 self.probe(w, request.request_id, timeout_s=min(1.0, self.config.route_timeout_s)) for w in candidates
             ))
-            worker_id, others = pick_holder([p for p in probes if p is not None])
+            answers = {p.worker_id: p for p in probes if p is not None}
+            worker_id, others = pick_holder(list(answers.values()))
             for other in others:  # cannot happen unless a forward timed out and its cancel is late
-                await self.cancel(other, request.request_id, SUPERSEDED, migrations=request.migrations)
+                await self.cancel(other, request.request_id, SUPERSEDED, migrations=request.migrations,
+                                  attempt=answers[other].attempt)
         if worker_id:
             log.warning("router gave no placement for %s in %.1fs; %s holds it", request.request_id,
                         self.config.route_timeout_s, worker_id)
@@ -282,13 +301,14 @@ class UpstreamClient:
         request = route.request
         candidates = [w for w in self.registry.ready_workers(request.model) if w.worker_id not in route.exclude_workers]
         if not candidates:
-            raise MeshError(f"no ready worker serves model {request.model!r}", code=ErrorCode.NO_CAPACITY)
+            raise no_capacity(f"no ready worker serves model {request.model!r}")
         start = next(self._round_robin)
         last: MeshError | None = None
         for i in range(min(2, len(candidates))):
             worker = candidates[(start + i) % len(candidates)]
+            sent = self._with_deadline(request)
             try:
-                await self.bus.request(self.bus.subjects.worker_generate(worker.worker_id), self._with_deadline(request),
+                await self.bus.request(self.bus.subjects.worker_generate(worker.worker_id), sent,
                                        ControlReply, timeout=self.config.route_timeout_s)
             except RemoteError as exc:
                 if exc.code not in DIRECT_REFUSALS:
@@ -299,13 +319,15 @@ class UpstreamClient:
                 last = exc
                 continue
             except RequestTimeout as exc:
-                # It may have taken it and answered late: that copy is stale (the next worker runs it).
-                await self.cancel(worker.worker_id, request.request_id, SUPERSEDED, migrations=request.migrations)
+                # It may have taken it and answered late: that copy (this try) is stale.
+                await self.cancel(worker.worker_id, request.request_id, SUPERSEDED, migrations=request.migrations,
+                                  attempt=sent.attempt)
                 last = exc
                 continue
             self.direct_placements += 1
-            return Placement(request_id=request.request_id, worker_id=worker.worker_id, model=request.model, policy="direct")
-        raise MeshError(f"no worker accepted the request: {last}", code=ErrorCode.NO_CAPACITY)
+            return Placement(request_id=request.request_id, worker_id=worker.worker_id, model=request.model,
+                             policy="direct", attempt=sent.attempt)
+        raise no_capacity(f"no worker accepted the request: {last}")
 
     async def probe(self, worker_id: str, request_id: str, timeout_s: float) -> RequestProbeReply | None:
         """The worker's word on one request, or None when it does not answer in time."""
@@ -317,10 +339,11 @@ class UpstreamClient:
             return None
 
     async def cancel(self, worker_id: str, request_id: str, reason: str = "client disconnected", *,
-                     migrations: int = 0) -> None:
-        """``migrations``: the segment cancelled, which a ``SUPERSEDED`` cancel names."""
+                     migrations: int = 0, attempt: int = 0) -> None:
+        """``migrations``, ``attempt``: the segment and placement try cancelled, which a
+        ``SUPERSEDED`` cancel names."""
         try:
-            await self.bus.publish(self.bus.subjects.worker_cancel(worker_id),
-                                   CancelRequest(request_id=request_id, reason=reason, migrations=migrations))
+            await self.bus.publish(self.bus.subjects.worker_cancel(worker_id), CancelRequest(
+                request_id=request_id, reason=reason, migrations=migrations, attempt=attempt))
         except MeshError as exc:
             log.warning("cancel of %s on %s failed: %s", request_id, worker_id, exc)

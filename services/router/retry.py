@@ -17,9 +17,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proto.errors import ErrorCode
+from proto.errors import ErrorCode, MeshError
 
 ATTEMPTS = 2
+# How long a client told "no capacity" (every worker refused, or none is ready) should wait
+# before trying again: admission's for "no replica is serving this model" (its
+# ``no_capacity_retry_after_s``), so both answers carry the same Retry-After.
+NO_CAPACITY_RETRY_AFTER_S = 5.0
 
 # Worker answers that mean "not me, try another": nothing started there.
 REFUSALS = frozenset({ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT})
@@ -38,6 +42,24 @@ class GiveUp:
 
     code: ErrorCode
     message: str
+
+    def error(self) -> PlacementError:
+        """The error to answer, with a ``retry_after`` when capacity may come back."""
+        return PlacementError(self.message, code=self.code, retry_after=retry_after_for(self.code))
+
+
+class PlacementError(MeshError):
+    """The router's answer when it placed nothing; ``retry_after`` travels in the error
+    reply (``ErrorInfo.retry_after``), which the gateway makes a ``Retry-After``."""
+
+    def __init__(self, message: str, *, code: ErrorCode, retry_after: float | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+def retry_after_for(code: ErrorCode) -> float | None:
+    """A capacity answer may pass: ``NO_CAPACITY_RETRY_AFTER_S``; any other none."""
+    return NO_CAPACITY_RETRY_AFTER_S if code is ErrorCode.NO_CAPACITY else None
 
 
 def is_refusal(code: ErrorCode) -> bool:

@@ -14,9 +14,12 @@ model rewritten to the resolved pool when an alias or cascade resolved it), and 
 the gateway with a ``Placement``. A worker that refuses (draining, no responders,
 timeout) costs one retry on a new decision without it (``retry.py`` decides); then the
 gateway gets a typed error (``no_capacity``; ``unknown_model`` for a model nobody ever served).
-On a timeout the first worker is told its copy is ``superseded``, in case it did take the
-request and only its answer was late (or the request reaches it later still): that copy
-stops, or is refused, and streams and bills nothing, so the request never runs twice. Past the request's
+On a timeout the first worker is told its copy is ``superseded`` (naming the request's
+segment and placement try, ``GenerateRequest.attempt``, which the gateway sets for each
+try), in case it did take the request and only its answer was late (or the request
+reaches it later still): that copy stops, or is refused, and streams and bills nothing,
+so the request never runs twice; a later try of the same segment there is taken. A
+"no capacity" answer carries a ``retry_after``. Past the request's
 ``place_by`` (its gateway stopped waiting and places it itself) nothing is forwarded.
 
 Metrics (own Prometheus registry, served on ``metrics_port`` when set, also in
@@ -315,7 +318,10 @@ class RouterService(Service):
                 raise
             span.set_attributes({"meshserve.worker_id": decision.worker_id, "meshserve.policy": decision.policy,
                                  "meshserve.cached_tokens": decision.cached_tokens})
-        await self.bus.respond(msg, decision.to_placement())
+        placement = decision.to_placement()
+        if request.attempt:  # the placed copy's try: what a cancel of it as superseded names
+            placement = msgspec.structs.replace(placement, attempt=request.attempt)
+        await self.bus.respond(msg, placement)
 
     def _decide(self, query: RouteQuery, exclude: list[str]) -> RouteDecision | NoCapacity:
         t0 = time.perf_counter()
@@ -338,8 +344,7 @@ class RouterService(Service):
             decision = self._decide(query, exclude)
             if isinstance(decision, NoCapacity):
                 code = ErrorCode.NO_CAPACITY if decision.retryable else ErrorCode.UNKNOWN_MODEL
-                error = no_worker(refusals, code, decision.message)
-                raise MeshError(error.message, code=error.code)
+                raise no_worker(refusals, code, decision.message).error()
             try:
                 await self._forward(decision, request)
             except MeshError as exc:
@@ -351,7 +356,7 @@ class RouterService(Service):
                 refusals.append(Refusal(decision.worker_id, exc.code, exc.message))
                 give_up = after_refusal(refusals)
                 if give_up is not None:
-                    raise MeshError(give_up.message, code=give_up.code) from exc
+                    raise give_up.error() from exc
                 self.retried += 1
                 self.metrics.retries.labels(reason=exc.code.value).inc()
                 log.info("worker %s refused %s (%s); retrying elsewhere", decision.worker_id, request.request_id, exc.code.value)
@@ -380,7 +385,8 @@ class RouterService(Service):
             # is stale (the request goes elsewhere), it stops or is refused, and bills nothing.
             with contextlib.suppress(MeshError):
                 await self.bus.publish(s.worker_cancel(decision.worker_id), CancelRequest(
-                    request_id=request.request_id, reason=SUPERSEDED, migrations=request.migrations))
+                    request_id=request.request_id, reason=SUPERSEDED, migrations=request.migrations,
+                    attempt=request.attempt))
             raise
 
     def _count(self, d: RouteDecision) -> None:

@@ -31,8 +31,10 @@ from .engines.base import EngineOutput
 ARRIVALS_GAUGES = 8
 ARRIVALS_WINDOW_S = 2.0
 ARRIVALS_REPORTED = 256
-# How long a superseded copy (request id, segment) is remembered: its cancel may come
-# before the request itself (a router's timed-out forward), which is then refused.
+# How long a superseded copy (request id, segment, placement try) is remembered: its
+# cancel may come before the request itself (a router's timed-out forward), which is then
+# refused. The mark names the try (``GenerateRequest.attempt``): a later try of the same
+# segment (a migration that waited for this worker to come back) is no stale copy.
 SUPERSEDED_MEMORY_S = 120.0
 
 ProbeState = Literal["unknown", "waiting", "running"]
@@ -103,22 +105,26 @@ class RequestBook:
         self.engine_output_at = clock()  # when the engine as a whole last had output
         self.engine_arrivals: deque[EngineArrival] = deque(maxlen=ARRIVALS_REPORTED)  # what it took in lately
         self.segments: dict[str, int] = {}  # request id → the segment (migrations) held here
+        self.attempts: dict[str, int] = {}  # request id → the placement try of the copy held here
         self.engine_ids: dict[str, list[str]] = {}  # request id → its engine requests (n choices)
         # Requests the drain timeout handed over: their gateway continues them elsewhere.
         self.handed_over: set[str] = set()
-        # (request id, segment) of copies their placer gave up on → until when remembered
-        self._superseded: dict[tuple[str, int], float] = {}
+        # (request id, segment, placement try) of copies their placer gave up on → until when remembered
+        self._superseded: dict[tuple[str, int, int], float] = {}
 
     # ---- a request's life here --------------------------------------------------------
-    def hold(self, request_id: str, segment: int) -> None:
-        """``request_id`` (that segment of it) runs here from now on: probes find it."""
+    def hold(self, request_id: str, segment: int, attempt: int = 0) -> None:
+        """``request_id`` (that segment of it, placed by that try) runs here from now on:
+        probes find it."""
         self.arrived_at[request_id] = self.clock()
         self.segments[request_id] = segment
+        self.attempts[request_id] = attempt
 
     def release(self, request_id: str) -> None:
         """The request ended here: nothing of it is kept (but a superseded mark, which expires)."""
         self.arrived_at.pop(request_id, None)
         self.segments.pop(request_id, None)
+        self.attempts.pop(request_id, None)
         self.output_at.pop(request_id, None)
         self.engine_ids.pop(request_id, None)
         self.handed_over.discard(request_id)
@@ -163,9 +169,15 @@ class RequestBook:
         return state, since_output, engine_idle
 
     # ---- superseded copies ------------------------------------------------------------
-    def superseded(self, request_id: str, segment: int) -> bool:
-        """Whether this copy (that segment of the request) was superseded: it runs elsewhere."""
-        return (request_id, segment) in self._superseded
+    def superseded(self, request_id: str, segment: int, attempt: int = 0) -> bool:
+        """Whether this copy (that segment of the request, placed by that try) was
+        superseded: it runs elsewhere, or a later try of it does."""
+        return (request_id, segment, attempt) in self._superseded
+
+    def held(self, request_id: str) -> tuple[int, int] | None:
+        """(segment, placement try) of the copy of ``request_id`` held here, if any."""
+        segment = self.segments.get(request_id)
+        return None if segment is None else (segment, self.attempts.get(request_id, 0))
 
     def stale_segment(self, request_id: str, segment: int) -> int | None:
         """The earlier segment of ``request_id`` held here that ``segment`` arriving makes
@@ -173,16 +185,34 @@ class RequestBook:
         running = self.segments.get(request_id)
         return running if running is not None and segment > running else None
 
-    def supersede(self, request_id: str, segment: int) -> bool:
-        """Remember that copy as stale, whether or not it came yet (one still on its way is
-        refused); whether it is held here (the shell stops it). Expired marks are forgotten,
-        except that of a copy still held."""
+    def stale_copy(self, request_id: str, segment: int, attempt: int) -> tuple[int, int] | None:
+        """The copy of ``request_id`` held here (segment, try) that this one arriving makes
+        stale, if any: an earlier segment, or an earlier try of the same segment (its placer
+        gave up on it and tried again; tries are numbered in the order they are made)."""
+        held = self.held(request_id)
+        if held is None:
+            return None
+        if segment > held[0] or (segment == held[0] and attempt > held[1] > 0):
+            return held
+        return None
+
+    def later_try_held(self, request_id: str, segment: int, attempt: int) -> bool:
+        """Whether a later try of this segment than ``attempt`` is held here: this copy,
+        arriving after it, is one its placer gave up on."""
+        held = self.held(request_id)
+        return held is not None and held[0] == segment and 0 < attempt < held[1]
+
+    def supersede(self, request_id: str, segment: int, attempt: int = 0) -> bool:
+        """Remember that copy (segment, placement try) as stale, whether or not it came yet
+        (one still on its way is refused; another try of the segment is not); whether it is
+        held here (the shell stops it). Expired marks are forgotten, except that of a copy
+        still held."""
         now = self.clock()
         for key, until in list(self._superseded.items()):
-            if until <= now and self.segments.get(key[0]) != key[1]:
+            if until <= now and self.held(key[0]) != key[1:]:
                 del self._superseded[key]
-        self._superseded[(request_id, segment)] = now + SUPERSEDED_MEMORY_S
-        return self.segments.get(request_id) == segment
+        self._superseded[(request_id, segment, attempt)] = now + SUPERSEDED_MEMORY_S
+        return self.held(request_id) == (segment, attempt)
 
 
 def usage_event(request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None, error: str,

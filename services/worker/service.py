@@ -9,9 +9,11 @@ the drain timeout, after which they end with an explicit error chunk), then the 
 deregisters and exits 0.
 
 A request is held (probes find it) before its placement is answered, and refused past
-its ``place_by``. A copy its placer gave up on (a ``superseded`` cancel, or a later
-segment of the same request arriving) is refused, or stops and streams and bills
-nothing: the copy that runs on reports the request.
+its ``place_by``. A copy its placer gave up on (a ``superseded`` cancel, which names
+the segment and the placement try, or a later segment or later try of the same request
+arriving) is refused, or stops and streams and bills nothing: the copy that runs on
+reports the request. A later try of a superseded segment is no stale copy: a migration
+that waited for this worker (paused, then back) lands here.
 """
 
 from __future__ import annotations
@@ -218,13 +220,16 @@ class WorkerService(Service):
         if self.state != "ready":
             # Retryable: the router places it elsewhere. No chunk, no usage: nothing started here.
             raise MeshError(f"worker {self.worker_id} is {self.state}", code=ErrorCode.DRAINING)
-        if self.superseded(request):
-            # Its placer gave up on this copy before it came (a timed-out forward): it runs elsewhere.
+        if self.superseded(request) or self.book.later_try_held(request.request_id, request.migrations,
+                                                                     request.attempt):
+            # Its placer gave up on this copy (this placement try) before it came (a timed-out
+            # forward): it runs elsewhere, or a later try of it runs here.
             raise MeshError(f"request {request.request_id} was superseded", code=ErrorCode.CANCELLED)
-        stale = self.book.stale_segment(request.request_id, request.migrations)
+        stale = self.book.stale_copy(request.request_id, request.migrations, request.attempt)
         if stale is not None:
-            # A later segment of a request whose earlier copy still runs here: that copy is stale.
-            await self._supersede(request.request_id, stale, wait=True)
+            # A later segment, or a later placement try of the segment, of a request whose
+            # earlier copy is still held here: that copy is stale.
+            await self._supersede(request.request_id, *stale, wait=True)
         if placement_expired(request, time.time()):
             # Whoever placed it stopped waiting (a stalled router): the gateway may have
             # placed it elsewhere. Retryable, nothing started here.
@@ -243,7 +248,7 @@ class WorkerService(Service):
         assert task is not None
         self._requests[request.request_id] = task
         self._state_changed.set()
-        self.book.hold(request.request_id, request.migrations)
+        self.book.hold(request.request_id, request.migrations, request.attempt)
         try:
             await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state="ready",
                                                      in_flight=len(self._requests) - 1))
@@ -463,13 +468,13 @@ class WorkerService(Service):
 
     def superseded(self, request: GenerateRequest) -> bool:
         """Whether this copy of ``request`` (its segment) was superseded: it runs elsewhere."""
-        return self.book.superseded(request.request_id, request.migrations)
+        return self.book.superseded(request.request_id, request.migrations, request.attempt)
 
-    async def _supersede(self, request_id: str, segment: int, *, wait: bool) -> bool:
-        """Remember that copy as stale (``RequestBook.supersede``); one running here stops
-        (``wait``: until it ended). Whether one ran."""
+    async def _supersede(self, request_id: str, segment: int, attempt: int, *, wait: bool) -> bool:
+        """Remember that copy (segment, placement try) as stale (``RequestBook.supersede``);
+        one running here stops (``wait``: until it ended). Whether one ran."""
         task = self._requests.get(request_id)
-        if not self.book.supersede(request_id, segment) or task is None:
+        if not self.book.supersede(request_id, segment, attempt) or task is None:
             return False
         await self._abort(request_id)
         if wait:
@@ -478,7 +483,7 @@ class WorkerService(Service):
 
     async def handle_cancel(self, cancel: CancelRequest, msg: Msg) -> None:
         if cancel.reason == SUPERSEDED:
-            running = await self._supersede(cancel.request_id, cancel.migrations, wait=False)
+            running = await self._supersede(cancel.request_id, cancel.migrations, cancel.attempt, wait=False)
             await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state=self.state,  # type: ignore[arg-type]
                                                      message="superseded" if running else "unknown request"))
             return
@@ -493,9 +498,10 @@ class WorkerService(Service):
             # A hot-swap model being loaded (or waiting for room) is work under way, not a
             # hung engine: a load can outlast the gateway's stall timeout.
             engine_idle = 0.0
+        held = self.book.held(probe.request_id)
         await self.bus.respond(msg, RequestProbeReply(
             worker_id=self.worker_id, request_id=probe.request_id, state=state, since_output_s=since_output,
-            engine_idle_s=engine_idle,
+            engine_idle_s=engine_idle, attempt=held[1] if held is not None else 0,
         ))
 
     async def handle_control(self, command: ControlCommand, msg: Msg) -> None:
