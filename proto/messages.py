@@ -132,6 +132,9 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     # ``place_by``: a ``superseded`` cancel names it, so a worker refuses that try's copy
     # only, not a later try of the same segment (a migration waiting for a replica).
     attempt: int = 0
+    # The client may resume it on another gateway (``X-Meshserve-Resumable``): a worker keeps
+    # generating if its gateway dies; any other request stops then (services/worker/orphans.py).
+    resumable: bool = False
 
 
 def placement_expired(request: GenerateRequest, now: float) -> bool:

@@ -306,6 +306,8 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             [
                 Rule(generate, "generate endpoint"),
                 Rule(cancel, "cancel endpoint"),
+                Rule(s.client_disconnected, "client disconnect advisories (its gateway's death: stop what nobody reads)"),
+                Rule(s.client_connected, "client connect advisories (a gateway back after a NATS failover)"),
                 Rule(probe, "request probe endpoint"),
                 Rule(resend, "chunk resend endpoint"),
                 Rule(control, "drain and control endpoint"),

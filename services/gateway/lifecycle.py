@@ -169,6 +169,7 @@ class ActiveRequest:
             key_id=key.key_id, tier=key.tier, priority=g.config.tier_priority.get(key.tier, 1),
             arrival_time=time.time(), reserved_tokens=request.reserved_tokens,
         )
+        generate.resumable = resumable  # its worker keeps it if this gateway dies
         try:
             with tracer.start_as_current_span("gateway.admission") as admission_span:
                 # A resumable request's record must exist before any worker has it: it is

@@ -28,11 +28,13 @@ from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.js.errors import NoStreamResponseError
 from nats.js.kv import KeyValue
 from opentelemetry import trace
 
 from bus import BusSettings, Service, cancel_and_wait, tokenizers
 from bus.client import MSG_ID_HEADER
+from bus.connections import parse_advisory
 from bus.metrics import MetricsServer
 from bus.provision import StreamLimits, workers_bucket
 from bus.runner import MESHSERVE_VERSION
@@ -70,6 +72,7 @@ from .coalesce import Coalescer
 from .config import WorkerConfig, default_worker_id
 from .engines.base import Engine, EngineRequest
 from .metrics import WorkerMetrics
+from .orphans import OrphanWatch
 from .outcome import combine_outcomes, request_outcome
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class WorkerService(Service):
         self.worker_id = worker_id
         self.state = "starting"
         self._requests: dict[str, asyncio.Task[None]] = {}
+        self.orphans = OrphanWatch()  # requests whose gateway died: stopped
         self.book = RequestBook(time.monotonic)  # what is known of each request, superseded copies
         self._kv: KeyValue | None = None
         self._kv_seq = -1
@@ -145,6 +149,8 @@ class WorkerService(Service):
         await self.add_endpoint(
             "kv_snapshot", s.worker_kv_snapshot(self.worker_id), KvSnapshotRequest, self.handle_kv_snapshot, concurrent=False
         )
+        for subject in (s.client_connected, s.client_disconnected):
+            await self.bus.nc.subscribe(subject, cb=self._on_connection_advisory)
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host, port=self.config.metrics_port,
                                                  before_scrape=lambda: self.metrics.observe_stats(self.engine.stats()))
@@ -249,6 +255,7 @@ class WorkerService(Service):
         self._requests[request.request_id] = task
         self._state_changed.set()
         self.book.hold(request.request_id, request.migrations, request.attempt)
+        self.orphans.track(request.request_id, request.gateway_id, request.resumable)
         try:
             await self.bus.respond(msg, ControlReply(worker_id=self.worker_id, state="ready",
                                                      in_flight=len(self._requests) - 1))
@@ -263,6 +270,7 @@ class WorkerService(Service):
         finally:
             self._requests.pop(request.request_id, None)
             self.book.release(request.request_id)
+            self.orphans.release(request.request_id)
             if self.superseded(request):
                 self._sent.drop(request.request_id)  # never to be sent again
             self._sent.ended(request.request_id, self._requests)
@@ -481,6 +489,19 @@ class WorkerService(Service):
             await asyncio.wait({task})
         return True
 
+    async def _on_connection_advisory(self, msg: Msg) -> None:
+        event = parse_advisory(msg.data)
+        if event is not None and self.orphans.observe(event, time.monotonic()):
+            asyncio.get_running_loop().call_later(self.orphans.connections.grace_s + 0.01, self._stop_orphans)
+
+    def _stop_orphans(self) -> None:
+        """Stop the requests of gateways gone for good (services/worker/orphans.py): billed
+        for what they produced, as a client's cancel is."""
+        for gateway_id, request_ids in self.orphans.due(time.monotonic()).items():
+            log.warning("gateway %s is gone: stopping its %d requests (not resumable)", gateway_id, len(request_ids))
+            for request_id in request_ids:
+                self.spawn(self._abort(request_id), name=f"orphan-{request_id}")
+
     async def handle_cancel(self, cancel: CancelRequest, msg: Msg) -> None:
         if cancel.reason == SUPERSEDED:
             running = await self._supersede(cancel.request_id, cancel.migrations, cancel.attempt, wait=False)
@@ -573,7 +594,14 @@ class WorkerService(Service):
         self._info.heartbeat_at = time.time()
         started = time.monotonic()
         try:
-            await self._kv.put(self.worker_id, encode(self._info))
+            try:
+                await self._kv.put(self.worker_id, encode(self._info))
+            except NoStreamResponseError:
+                # The registry is in memory: a restarted single nats-server lost it. Made
+                # again (idempotent, as at start), or no heartbeat is ever stored again.
+                log.warning("the worker registry bucket is gone (a NATS restart?): provisioning it again")
+                self._kv = await workers_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
+                await self._kv.put(self.worker_id, encode(self._info))
         except Exception as exc:  # the next beat retries; say so, since missed beats end in expiry
             log.warning("heartbeat not stored after %.1fs: %r", time.monotonic() - started, exc)
             return

@@ -107,3 +107,26 @@ async def test_admission_leads_again_after_its_nats_server_restarts(
     finally:
         watching.cancel()
     assert not both_led, "two admission instances served at once"
+
+
+async def test_a_worker_alone_stores_its_heartbeat_again_after_a_nats_restart(
+    nats_server: NatsServer, bus: Bus, worker: WorkerService
+) -> None:
+    """Without admission (which also provisions it), the worker makes the registry bucket
+    again: its heartbeats were refused for good (no stream) and every service lost it."""
+    registry = await bus.js.key_value(bus.subjects.workers_bucket)
+    assert await registry.get("w-restart")
+    nats_server.kill()
+    await asyncio.sleep(1.0)
+    nats_server.start()
+    found = False
+    for _ in range(60):
+        try:
+            kv = await bus.js.key_value(bus.subjects.workers_bucket)
+            found = bool((await kv.get("w-restart")).value)
+        except Exception:
+            found = False
+        if found:
+            break
+        await asyncio.sleep(0.5)
+    assert found, "the worker's heartbeat never reached a registry again"

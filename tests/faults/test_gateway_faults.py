@@ -71,6 +71,50 @@ async def _gateway_death(mesh: Mesh, second_url: str, second: ServiceProcess) ->
     assert recovery < 60  # sanity bound only; the figure goes to RELIABILITY.md via benchmarks/faults.py
 
 
+def test_a_dead_gateways_requests_stop_unless_resumable(mesh: Mesh) -> None:
+    """kill -9 of the gateway relaying them: its non-resumable request stops on its worker
+    (billed for what it produced), where it ran to max_tokens for nobody; a resumable one
+    generates on for its client's resume elsewhere."""
+    asyncio.run(_gateway_orphans(mesh))
+
+
+async def _gateway_orphans(mesh: Mesh) -> None:
+    bus = await Bus.open(mesh.settings, "orphan-observer", initial_attempts=10)
+    finals: dict[str, TokenChunk] = {}
+
+    async def on_chunk(msg) -> None:  # type: ignore[no-untyped-def]
+        chunk = decode(msg.data, TokenChunk)
+        if chunk.finish_reason is not None:
+            finals[chunk.request_id] = chunk
+
+    await bus.nc.subscribe(bus.subjects.tokens_all, cb=on_chunk)
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    plain = {"model": MODEL, "prompt": "orphan", "max_tokens": 20000, "ignore_eos": True, "stream": True}
+    kept = {**plain, "prompt": "kept", "max_tokens": 3000}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(mesh.gateway_url + "/v1/completions", json=plain, headers=headers) as a, \
+                    http.post(mesh.gateway_url + "/v1/completions", json=kept,
+                              headers={**headers, "X-Meshserve-Resumable": "true"}) as b:
+                orphan_id, resumable_id = a.headers["X-Request-Id"], b.headers["X-Request-Id"]
+                await read_sse(a, limit=3)
+                await read_sse(b, limit=3)
+                next(p for p in mesh.processes if p.label == "gateway").kill()
+        for _ in range(600):
+            if orphan_id in finals and resumable_id in finals:
+                break
+            await asyncio.sleep(0.1)
+        stopped = finals.get(orphan_id)
+        assert stopped is not None, "the dead gateway's request was never stopped"
+        assert stopped.finish_reason == "abort"
+        assert stopped.usage is not None and 0 < stopped.usage.completion_tokens < 20000
+        resumed = finals.get(resumable_id)
+        assert resumed is not None and resumed.finish_reason == "length"  # generated on to its end
+        assert resumed.usage is not None and resumed.usage.completion_tokens == 3000
+    finally:
+        await bus.close()
+
+
 def test_slow_client_is_cut_without_slowing_others(mesh: Mesh) -> None:
     asyncio.run(_slow_client(mesh))
 
