@@ -158,7 +158,8 @@ def check_common(req: SamplingFields, limits: ModelLimits, vocab_size: int) -> d
     if req.frequency_penalty is not None:
         out["frequency_penalty"] = float_in("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
     if req.repetition_penalty is not None:
-        out["repetition_penalty"] = float_in("repetition_penalty", req.repetition_penalty, 0.0, 2.0, low_open=True)
+        # vLLM bounds it below only (> 0); above 2 it is rare, not wrong.
+        out["repetition_penalty"] = float_in("repetition_penalty", req.repetition_penalty, 0.0, math.inf, low_open=True)
     if req.top_k is not None:
         top_k = req.top_k
         if top_k < -1:

@@ -570,3 +570,8 @@ def test_top_logprobs_zero_needs_no_logprobs() -> None:
     """vLLM takes ``top_logprobs: 0`` without ``logprobs`` (nothing more is asked); more is a 400."""
     req = parse_chat_request(chat(logprobs=False, top_logprobs=0), MODELS)
     assert req.sampling.logprobs is None
+
+
+def test_repetition_penalty_is_bounded_below_only_as_in_vllm() -> None:
+    req = parse_chat_request(chat(repetition_penalty=3.5), MODELS)
+    assert req.sampling.repetition_penalty == 3.5
