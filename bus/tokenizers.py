@@ -19,6 +19,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -44,6 +45,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # logs it and serves on; only hosts without its directory miss it) rather than dropping
 # one that gateways still fetch.
 BUCKET_MAX_BYTES = 2 << 30
+# A digest names a cache directory: only 64 hex digits may (a registry entry is input).
+DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def bundle(directory: str | Path) -> tuple[str, bytes] | None:
@@ -134,7 +137,13 @@ async def publish(js: JetStreamContext, subjects: Subjects, directory: str, *, r
         try:
             await store.get_info(digest)
         except ObjectNotFoundError:
-            await store.put(digest, data)
+            try:
+                await store.put(digest, data)
+            except Exception:
+                # A worker beside it stored the same bundle first: nats-py then purges the
+                # replaced copy's chunks, which workers may not (PERMISSIONS.md). The
+                # object is whole all the same (its meta names this put's chunks).
+                await store.get_info(digest)
             log.info("tokenizer of %s stored as %s (%d bytes)", directory, digest[:12], len(data))
     except Exception as exc:
         log.error("cannot store the tokenizer of %s in %s: %r; hosts without that directory cannot "
@@ -146,6 +155,8 @@ async def publish(js: JetStreamContext, subjects: Subjects, directory: str, *, r
 async def fetch(js: JetStreamContext, subjects: Subjects, digest: str, into: Path | None = None) -> Path:
     """The local directory of tokenizer ``digest``, fetched from the object store unless
     the cache holds it."""
+    if not DIGEST.fullmatch(digest):
+        raise ValueError(f"not a tokenizer digest: {digest[:80]!r}")
     into = into or cache_root()
     target = into / digest
     if (target / "tokenizer.json").is_file():
@@ -206,7 +217,7 @@ class TokenizerFiles:
 
     def source(self, info: WorkerInfo) -> str | None:
         directory = directory_of(info.model_dir, info.tokenizer)
-        if not directory or not info.tokenizer_digest:
+        if not directory or not DIGEST.fullmatch(info.tokenizer_digest):
             return directory or "byte"
         local = self._local.get(directory)
         if local is None:

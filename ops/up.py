@@ -47,7 +47,9 @@ class RestartPolicy:
     to ``max_backoff_s``, back to the first after a run of ``healthy_after_s``; it gives up
     (and stops the mesh) on the ``max_crashes``-th crash within ``window_s``."""
 
-    first_backoff_s: float = 1.0
+    # Above the 2 s a worker waits before stopping a vanished gateway's requests
+    # (services/worker/orphans.py): a gateway back sooner under its id would keep them.
+    first_backoff_s: float = 3.0
     max_backoff_s: float = 30.0
     healthy_after_s: float = 30.0
     max_crashes: int = 5

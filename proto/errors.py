@@ -34,6 +34,10 @@ class ErrorCode(StrEnum):
 
 
 # Codes a caller may retry elsewhere or later without changing the request.
+# How long a client told "no capacity" (no replica ready, every worker refused) should
+# wait before trying again: admission, router and gateway all say the same.
+NO_CAPACITY_RETRY_AFTER_S = 5.0
+
 RETRYABLE = frozenset(
     {
         ErrorCode.QUOTA_TOKENS,

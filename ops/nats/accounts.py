@@ -163,8 +163,7 @@ def _tokenizers_read(subjects: Subjects) -> list[Rule]:
 def _tokenizers_write(subjects: Subjects) -> list[Rule]:
     bucket, stream = subjects.tokenizers_bucket, obj_stream(subjects.tokenizers_bucket)
     why = "store its model's tokenizer files for hosts without them (bus.tokenizers)"
-    return [*_provision([stream]), Rule(f"$O.{bucket}.C.>", why), Rule(f"$O.{bucket}.M.>", why),
-            Rule(f"$JS.API.STREAM.PURGE.{stream}", why), *_read(stream, why)]
+    return [*_provision([stream]), Rule(f"$O.{bucket}.C.>", why), Rule(f"$O.{bucket}.M.>", why), *_read(stream, why)]
 
 
 def _common(subjects: Subjects, service: str) -> tuple[list[Rule], list[Rule]]:

@@ -113,6 +113,10 @@ def state_bucket_name(subjects: Subjects) -> str:
     return f"{subjects.root}_admission_state"
 
 
+# A lease bucket made this long after the state bucket was made again (a NATS restart).
+LEASE_REMADE_AFTER_S = 1.0
+
+
 async def admission_buckets(
     js: JetStreamContext, subjects: Subjects, *, lease_ttl_s: float, replicas: int = 1
 ) -> tuple[KeyValue, KeyValue]:
@@ -215,8 +219,7 @@ class AdmissionService(Service):
         # the lease: no leader for longer than its TTL is logged as a warning.
         self._leader_seen_at = monotonic()
         self._no_leader_warned_at = float("-inf")
-        # A standby that provisioned the lease bucket again waits one TTL before taking
-        # the lease: a leader may still serve on its last renewal until 0.8 TTL after it.
+        # No standby takes the lease in a bucket younger than one TTL (``_try_to_lead``).
         self._hold_off_until = float("-inf")
         self._usage_sub: Subscription | None = None
         self._loops: list[asyncio.Task[None]] = []
@@ -339,8 +342,10 @@ class AdmissionService(Service):
             # NATS loses memory storage). Provision it again, else nobody can ever lead
             # again; while our last renewal is recent, take the lease there at once.
             try:
-                restored = await self._restore_buckets()
-                if restored and not stale and await self._keep_lease("the lease bucket was gone"):
+                await self._restore_buckets()
+                if not stale:
+                    if not await self._keep_lease("the lease bucket was gone"):
+                        await self._step_down("another instance took the lease in its new bucket")
                     return
             except (nats.errors.Error, TimeoutError) as exc:
                 failure = exc
@@ -364,6 +369,7 @@ class AdmissionService(Service):
             await self._follow_usage()
         except Exception as exc:
             log.warning("%s: following USAGE again failed: %r", self.instance_id, exc)
+            await self._step_down("it cannot follow USAGE")  # before the lease is free for another
             with contextlib.suppress(Exception):
                 await self._lease.delete(LEASE_KEY, last=self._lease_rev)
             return False
@@ -375,6 +381,13 @@ class AdmissionService(Service):
         now = self.monotonic()
         if now < self._hold_off_until:
             return
+        young = await self._lease_bucket_young()
+        if young > 0:
+            # A lease bucket made less than a TTL ago (NATS lost it, someone provisioned it
+            # again): a leader may still serve on its last renewal in the old one, until
+            # 0.8 TTL after it. Whoever made it, nobody takes the lease before that.
+            self._hold_off_until = now + young
+            return
         try:
             self._lease_rev = await self._lease.create(LEASE_KEY, self.instance_id.encode())
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -383,11 +396,9 @@ class AdmissionService(Service):
         except (nats.errors.Error, TimeoutError) as exc:
             if isinstance(exc, nats.js.errors.NoStreamResponseError):
                 # The lease bucket is gone: provision it again (else nobody could ever lead
-                # again), then wait out a lease TTL, which a leader serving on its last
-                # renewal stops within.
+                # again); being new, it is taken only once a TTL old (``_lease_bucket_young``).
                 try:
-                    if await self._restore_buckets():
-                        self._hold_off_until = now + self.config.lease_ttl_s
+                    await self._restore_buckets()
                 except (nats.errors.Error, TimeoutError) as restore_exc:
                     exc = restore_exc
             self._warn_without_leader(exc)
@@ -400,6 +411,25 @@ class AdmissionService(Service):
             await self._step_down("take-over failed")
             with contextlib.suppress(Exception):
                 await self._lease.delete(LEASE_KEY, last=self._lease_rev)
+
+    async def _lease_bucket_young(self) -> float:
+        """Seconds until the lease bucket is one lease TTL old, where it was made again after
+        the state bucket (0: older, made with it at the mesh's start, or unknown). The lease
+        is in memory, the checkpoints on file: a NATS restart loses only the lease bucket."""
+        s = self.bus.subjects
+        try:
+            lease = await self.bus.js.stream_info(f"KV_{lease_bucket_name(s)}")
+            state = await self.bus.js.stream_info(f"KV_{state_bucket_name(s)}")
+        except (nats.errors.Error, TimeoutError):
+            return 0.0  # the create that follows says what is wrong
+        if lease.created is None or state.created is None:
+            return 0.0
+        made = lease.created.timestamp()
+        if made - state.created.timestamp() < LEASE_REMADE_AFTER_S:
+            return 0.0  # both made at the mesh's start: no leader before
+        # Against the server's timestamps, so the host's real clock (not the quota clock,
+        # which tests freeze); hosts and servers agree to well within a TTL (NTP).
+        return max(0.0, self.config.lease_ttl_s - (time.time() - made))
 
     def _warn_without_leader(self, exc: BaseException) -> None:
         now = self.monotonic()
@@ -506,10 +536,9 @@ class AdmissionService(Service):
             await self._state.put(STATE_KEY, data)
             self.checkpoints += 1
         except (nats.errors.Error, TimeoutError) as exc:
+            # A bucket gone with a NATS restart is provisioned again by the lease loop (under
+            # its lock, with the lease); the next checkpoint is stored then.
             log.warning("admission checkpoint failed: %r", exc)
-            if isinstance(exc, nats.js.errors.NoStreamResponseError):  # its bucket is gone: the next one is stored
-                with contextlib.suppress(nats.errors.Error, TimeoutError):
-                    await self._restore_buckets()
 
     async def _demand_loop(self) -> None:
         """Tell the autoscalers what was refused for want of capacity (``RefusedDemand``)."""

@@ -120,6 +120,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from proto.errors import NO_CAPACITY_RETRY_AFTER_S
 from proto.messages import WorkerGauge
 
 SloReason = Literal["slo", "no_capacity"]
@@ -150,7 +151,7 @@ class SloConfig:
     default_prefill_tokens_per_s: float = 8000.0
     default_step_time_s: float = 0.05
     min_retry_after_s: float = 0.25
-    no_capacity_retry_after_s: float = 5.0
+    no_capacity_retry_after_s: float = NO_CAPACITY_RETRY_AFTER_S
     max_overtake: float = 0.9  # cap: a queue is taken to drain at ≥ 10 % of the rate, however busy
     # Admit when the (calibrated) prediction is within this fraction of the SLO: below 1
     # keeps a fixed margin on top of the calibration's.

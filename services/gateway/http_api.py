@@ -34,7 +34,7 @@ from .errors import (
     unknown_url,
 )
 from .events import EventBuilder, parse_event_id
-from .lifecycle import ActiveRequest, on_client_gone
+from .lifecycle import ActiveRequest, cut_slow_client, on_client_gone
 from .local import is_local_request
 from .models import ModelSpec
 from .openai_api import ModelCard, ModelList, RequestKind, encode_json, sse_event
@@ -161,20 +161,9 @@ class HttpApi:
             await response.prepare(http)
             builder = EventBuilder(request.kind, active.request_id, request.requested_model, active.record.created,
                                    request.include_usage, request.output)
-            active.stream.on_overflow = functools.partial(self._cut_slow_client, http, active)
+            active.stream.on_overflow = functools.partial(cut_slow_client, http.transport, active)
             await relay_sse(response, active.chunks(), builder, after=None)
             return response
-
-    def _cut_slow_client(self, http: web.Request, active: ActiveRequest) -> None:
-        log.warning("request %s: client too slow (%d chunks buffered); cutting it", active.request_id, active.stream.buffered)
-        self.gateway.metrics.errors.labels(code="slow_client").inc()
-        if active.record.resumable:
-            # A client that cannot keep up does not get to resume: its request is cancelled,
-            # and its stored record must say so to every gateway's resume endpoint.
-            active.record.resumable = False
-            self.gateway.spawn(self.gateway.records.save(active.record), name=f"unresumable-{active.request_id}")
-        if http.transport is not None:
-            http.transport.abort()  # the blocked write fails; the handler cancels the worker
 
     @authenticated
     async def resume(self, http: web.Request, key: ApiKeyRecord) -> web.StreamResponse:

@@ -509,6 +509,23 @@ async def on_client_gone(gone: Callable[[], Awaitable[None]]) -> AsyncIterator[N
         raise
 
 
+def cut_slow_client(transport: asyncio.Transport | None, active: ActiveRequest) -> None:
+    """A client that cannot keep up (its request's buffer is full): its connection is
+    aborted, so the blocked write fails and its handler cancels the worker. SSE, the
+    Responses stream and the WebSocket all cut it so (``stream.on_overflow``)."""
+    log.warning("request %s: client too slow (%d chunks buffered); cutting it", active.request_id,
+                active.stream.buffered)
+    g = active.gateway
+    g.metrics.errors.labels(code="slow_client").inc()
+    if active.record.resumable:
+        # A client that cannot keep up does not get to resume: its request is cancelled,
+        # and its stored record must say so to every gateway's resume endpoint.
+        active.record.resumable = False
+        g.spawn(g.records.save(active.record), name=f"unresumable-{active.request_id}")
+    if transport is not None:
+        transport.abort()
+
+
 def rejected_usage(generate: GenerateRequest, error: str) -> UsageEvent:
     """The usage event of an admitted request that no worker took: it reconciles what admission reserved."""
     return UsageEvent(request_id=generate.request_id, org=generate.org, key_id=generate.key_id,

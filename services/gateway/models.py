@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 from msgspec import Struct
 
+from bus.tokenizers import directory_of
 from proto import AdapterRecord, WorkerInfo
 from proto.messages import SamplingDefaults
 from services.common.tokenizer import load_tokenizer
@@ -30,14 +31,12 @@ if TYPE_CHECKING:
     from bus.registry import WorkerRegistry
     from bus.tokenizers import TokenizerFiles
 
+
 log = logging.getLogger(__name__)
 
 # How long a model whose last worker left stays listed and answers 503 + Retry-After
 # (workers restarting, a pool scaled to zero and back) before it is a 404 again.
 MODEL_GRACE_S = 600.0
-# The Retry-After of those 503s: admission's for "no replica is serving this model"
-# (``no_capacity_retry_after_s``) and the router's for "no capacity".
-NO_REPLICA_RETRY_AFTER_S = 5.0
 
 
 class TokenizerLike(Protocol):
@@ -151,7 +150,7 @@ def tokenizer_source(workers: list[WorkerInfo], files: TokenizerFiles | None = N
     the same."""
     if files is not None:
         return files.source(workers[0])
-    return workers[0].model_dir or workers[0].tokenizer or "byte"
+    return directory_of(workers[0].model_dir, workers[0].tokenizer) or "byte"
 
 
 def model_max_len(workers: list[WorkerInfo]) -> int:

@@ -123,11 +123,14 @@ class NatsApi:
             return
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         request_id: str | None = None
+        scope: asyncio.Timeout | None = None
         try:
+            # Started outside the deadline: cut while it is placed, a copy a worker already
+            # took would run on for nobody. A deadline passed by now fires at once below.
+            active = await ActiveRequest.start(g, request, key, parent=g.bus.remote_context(msg))
+            request_id = active.request_id
             async with asyncio.timeout_at(deadline) as scope:
                 relay = _Relay(key.key_id, scope)
-                active = await ActiveRequest.start(g, request, key, parent=g.bus.remote_context(msg))
-                request_id = active.request_id
                 relay.active = active
                 self.relays[request_id] = relay
                 try:
@@ -141,7 +144,7 @@ class NatsApi:
                 finally:
                     self.relays.pop(request_id, None)
         except TimeoutError:
-            if not scope.expired():
+            if scope is None or not scope.expired():
                 log.exception("NATS API request %s failed", request_id)
                 await self._error(msg.reply, internal_error(), request_id, stream)
             elif not relay.gone:  # the deadline: a requester still listening learns why

@@ -19,12 +19,13 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from proto.errors import NO_CAPACITY_RETRY_AFTER_S
 from proto.hashing import pack_tokens
 from proto.messages import MESH_MAX_PAYLOAD, GenerateRequest, SamplingParams
 from proto.records import OutputOptions
 
 from .errors import ApiError, bad_request, clip, invalid_json, model_not_found, overloaded, tokenizer_failed
-from .models import NO_REPLICA_RETRY_AFTER_S, ModelLimits, ModelSpec
+from .models import ModelLimits, ModelSpec
 from .openai_api import RequestKind, SamplingFields, WsClientMessage, ws_client_decoder
 from .sampling_fields import check_metadata, invalid
 
@@ -177,7 +178,7 @@ def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collectio
         # Its workers left a moment ago (restarting): admission's "no replica" answer, so
         # clients retry instead of taking a 404 as final.
         raise overloaded(f"No replica of the model `{clip(name)}` is available right now. Please try again in"
-                         f" {NO_REPLICA_RETRY_AFTER_S:.1f}s.", NO_REPLICA_RETRY_AFTER_S, 503, "no_capacity")
+                         f" {NO_CAPACITY_RETRY_AFTER_S:.1f}s.", NO_CAPACITY_RETRY_AFTER_S, 503, "no_capacity")
     return spec
 
 

@@ -22,7 +22,7 @@ from proto import ApiKeyRecord
 from .auth import REQUEST_MODEL, REQUEST_STARTED, authenticated
 from .errors import ApiError, bad_request, overloaded, payload_too_large
 from .events import DONE, EventBuilder
-from .lifecycle import ActiveRequest
+from .lifecycle import ActiveRequest, cut_slow_client
 from .normalized import NormalizedRequest
 from .openai_api import encode_json
 from .response_store import ResponseStore, StoredResponse, responses_bucket
@@ -140,7 +140,7 @@ class ResponsesHttp:
         await response.write(stream.start())
         builder = EventBuilder(request.kind, active.request_id, request.requested_model, ctx.created_at,
                                request.include_usage, request.output)
-        active.stream.on_overflow = functools.partial(self.api._cut_slow_client, http, active)
+        active.stream.on_overflow = functools.partial(cut_slow_client, http.transport, active)
         async for chunk in active.chunks():
             frames: list[bytes] = []
             for event in builder.events(chunk, first=chunk.seq == 0):

@@ -61,6 +61,7 @@ from proto import (
     RequestTimeout,
     RouteRequest,
 )
+from proto.errors import NO_CAPACITY_RETRY_AFTER_S
 from proto.subjects import unescape_token
 
 from .errors import from_mesh_error
@@ -70,9 +71,6 @@ log = logging.getLogger(__name__)
 
 # A worker's answers that mean "not me, try another": nothing started there.
 DIRECT_REFUSALS = frozenset({ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.TIMEOUT})
-# How long a client told "no capacity" should wait: what the router (services/router/retry.py)
-# and admission (no_capacity_retry_after_s) say for the same, so every such 503 has it.
-NO_CAPACITY_RETRY_AFTER_S = 5.0
 
 
 def no_capacity(message: str) -> RemoteError:

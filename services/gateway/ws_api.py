@@ -19,7 +19,7 @@ from proto import ApiKeyRecord
 
 from .auth import presented_key
 from .errors import ApiError, from_mesh_error, internal_error, missing_api_key
-from .lifecycle import ActiveRequest
+from .lifecycle import ActiveRequest, cut_slow_client
 from .normalized import NormalizedRequest, parse_ws_message
 from .openai_api import WsAuth, WsCancel, ws_done, ws_token
 from .validation import parse_ws_request
@@ -161,7 +161,7 @@ class WsApi:
             return
         job.active = active
         # A reader that stopped reading blocks every send on the socket: cut it as SSE does.
-        active.stream.on_overflow = functools.partial(self._cut_slow_client, http, active)
+        active.stream.on_overflow = functools.partial(cut_slow_client, http.transport, active)
         # The socket closing cancels this task: nobody is left to tell, so the worker stops too.
         async with active.serving():
             if job.stop_requested:  # the cancel came while the request was being admitted and placed
@@ -193,13 +193,6 @@ class WsApi:
                     done = ws_done(client_id, finish, assembler.usage(chunk.usage) if chunk.usage else None,
                                    stop_reason)
                     await send(with_request_id(done, active.request_id))
-
-    def _cut_slow_client(self, http: web.Request, active: ActiveRequest) -> None:
-        log.warning("request %s: WebSocket client too slow (%d chunks buffered); closing its socket",
-                    active.request_id, active.stream.buffered)
-        self.gateway.metrics.errors.labels(code="slow_client").inc()
-        if http.transport is not None:
-            http.transport.abort()  # the blocked send fails; the socket's requests are cancelled with it
 
 
 def with_request_id(frame: bytes, request_id: str) -> bytes:

@@ -17,13 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proto.errors import ErrorCode, MeshError
+from proto.errors import NO_CAPACITY_RETRY_AFTER_S, ErrorCode, MeshError
 
 ATTEMPTS = 2
-# How long a client told "no capacity" (every worker refused, or none is ready) should wait
-# before trying again: admission's for "no replica is serving this model" (its
-# ``no_capacity_retry_after_s``), so both answers carry the same Retry-After.
-NO_CAPACITY_RETRY_AFTER_S = 5.0
 
 # Worker answers that mean "not me, try another": nothing started there.
 REFUSALS = frozenset({ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT})

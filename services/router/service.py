@@ -53,7 +53,7 @@ from prometheus_client import (
 
 from bus import BusSettings, Service, cancel_and_wait
 from bus.metrics import MetricsServer
-from bus.tokenizers import TokenizerFiles
+from bus.tokenizers import TokenizerFiles, directory_of
 from proto import (
     SUPERSEDED,
     CancelRequest,
@@ -279,7 +279,8 @@ class RouterService(Service):
                 continue
             if info.model not in (cascade.small, cascade.large):
                 continue
-            source = self.tokenizer_files.source(info) if self.tokenizer_files else info.model_dir or info.tokenizer or "byte"
+            source = (self.tokenizer_files.source(info) if self.tokenizer_files
+                      else directory_of(info.model_dir, info.tokenizer) or "byte")
             if source is None:
                 assert self.tokenizer_files is not None
                 self.tokenizer_files.want(info)  # compiled at a heartbeat after it arrives

@@ -179,12 +179,6 @@ class RequestBook:
         segment = self.segments.get(request_id)
         return None if segment is None else (segment, self.attempts.get(request_id, 0))
 
-    def stale_segment(self, request_id: str, segment: int) -> int | None:
-        """The earlier segment of ``request_id`` held here that ``segment`` arriving makes
-        stale, if any."""
-        running = self.segments.get(request_id)
-        return running if running is not None and segment > running else None
-
     def stale_copy(self, request_id: str, segment: int, attempt: int) -> tuple[int, int] | None:
         """The copy of ``request_id`` held here (segment, try) that this one arriving makes
         stale, if any: an earlier segment, or an earlier try of the same segment (its placer

@@ -26,10 +26,15 @@ class OrphanWatch:
         self.connections = ConnectionWatch(grace_s)
         self._by_gateway: dict[str, set[str]] = {}
         self._gateway_of: dict[str, str] = {}
+        # Every gateway that relayed a request here: their connections are followed for
+        # good (a reconnect while none of its requests is here still counts: a later
+        # request must not be stopped for the earlier disconnect). A handful of names.
+        self._known: set[str] = set()
 
     def track(self, request_id: str, gateway_id: str, resumable: bool) -> None:
         if not gateway_id or resumable:
             return
+        self._known.add(gateway_id)
         self._by_gateway.setdefault(gateway_id, set()).add(request_id)
         self._gateway_of[request_id] = gateway_id
 
@@ -46,15 +51,15 @@ class OrphanWatch:
     def observe(self, event: ConnectionEvent, now: float) -> bool:
         """Take an advisory; whether it concerns a gateway with requests here (then ask
         ``due`` once the grace has passed)."""
-        if event.name not in self._by_gateway:
+        if event.name not in self._known:
             return False
         self.connections.observe(event, now)
-        return event.kind == "disconnect"
+        return event.kind == "disconnect" and event.name in self._by_gateway
 
     def due(self, now: float) -> dict[str, list[str]]:
         """Gateway → its requests here, for each gateway gone a grace ago and not back."""
         gone: dict[str, list[str]] = {}
-        for gateway_id in self.connections.due(now):
+        for gateway_id in self.connections.due(now):  # (a known gateway with nothing here: nothing)
             requests = self._by_gateway.pop(gateway_id, set())
             for request_id in requests:
                 self._gateway_of.pop(request_id, None)

@@ -497,6 +497,8 @@ class WorkerService(Service):
     def _stop_orphans(self) -> None:
         """Stop the requests of gateways gone for good (services/worker/orphans.py): billed
         for what they produced, as a client's cancel is."""
+        if self.state == "stopped":
+            return  # a timer of a disconnect seen before the stop: nothing runs here any more
         for gateway_id, request_ids in self.orphans.due(time.monotonic()).items():
             log.warning("gateway %s is gone: stopping its %d requests (not resumable)", gateway_id, len(request_ids))
             for request_id in request_ids:

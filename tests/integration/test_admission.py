@@ -316,7 +316,7 @@ async def test_a_forward_to_a_router_gone_is_placed_by_the_gateway_after_its_dea
     key, record = await create_key(bus, org="o")
     await wait_for_key(gateway, record.key_id)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.bound_port}/v1", api_key=key, max_retries=0)
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "extra_body": {"ignore_eos": True}}
     await client.completions.create(**body)  # type: ignore[call-overload]
     assert gateway.upstream.router_seen
     await router.drain_and_close()

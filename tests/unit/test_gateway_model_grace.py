@@ -10,10 +10,11 @@ from typing import Any, cast
 import pytest
 
 from proto import ErrorCode, WorkerInfo
+from proto.errors import NO_CAPACITY_RETRY_AFTER_S
 from services.gateway.errors import ApiError
 from services.gateway.models import MODEL_GRACE_S, ModelCatalog
 from services.gateway.normalized import resolve_model
-from services.gateway.upstream import NO_CAPACITY_RETRY_AFTER_S, no_capacity
+from services.gateway.upstream import no_capacity
 from services.router.retry import GiveUp, Refusal, after_refusal, no_worker
 
 MODEL = "sim-llama-8b"

@@ -73,3 +73,19 @@ def test_the_directory_a_worker_reads_its_tokenizer_from() -> None:
     assert directory_of("/models/llama", "/models/llama") == "/models/llama"
     assert directory_of("", "/tok") == "/tok"  # an echo engine given a tokenizer
     assert directory_of("", "byte") == "" and directory_of("", "") == ""
+
+
+async def test_a_digest_that_is_not_one_never_names_a_directory(tmp_path: Path) -> None:
+    """A registry entry is input: ``../`` in its digest must not pick a local directory."""
+    from bus.tokenizers import TokenizerFiles, fetch
+    from proto import WorkerInfo
+    from proto.subjects import Subjects
+
+    evil = "../../" + "a" * 58
+    with pytest.raises(ValueError, match="not a tokenizer digest"):
+        await fetch(None, Subjects(), evil, tmp_path)  # type: ignore[arg-type]
+    files = TokenizerFiles(None, Subjects(), into=tmp_path)  # type: ignore[arg-type]
+    info = WorkerInfo(worker_id="w", model="m", engine="vllm", model_dir="/elsewhere/m", tokenizer_digest=evil)
+    assert files.source(info) == "/elsewhere/m"  # as without a digest: nothing fetched, nothing loaded from the cache
+    files.want(info)
+    assert not files._tasks

@@ -1,5 +1,5 @@
-"""``meshserve up`` as a supervisor: a crashed service is restarted with backoff (1 s doubling
-to 30 s, back to 1 s after a healthy run), one that exits 0 stopped on purpose and stays
+"""``meshserve up`` as a supervisor: a crashed service is restarted with backoff (3 s doubling
+to 30 s, back to 3 s after a healthy run), one that exits 0 stopped on purpose and stays
 stopped, and one that keeps crashing (5 times within a minute) makes ``up`` give up with
 its last words. The restart policy is pure; ``Mesh.supervise`` runs real processes (a
 ``meshserve serve`` that fails its arguments is a service that crashes at once)."""
@@ -25,8 +25,8 @@ def test_backoff_doubles_to_its_cap_and_resets_after_a_healthy_run() -> None:
         assert delay is not None
         delays.append(delay)
         backoff, now = delay, now + delay + 0.5
-    assert delays == [1, 2, 4, 8, 16, 30, 30]
-    assert policy.after_crash(crashes, backoff, ran_s=policy.healthy_after_s, now=now) == 1
+    assert delays == [3, 6, 12, 24, 30, 30, 30]
+    assert policy.after_crash(crashes, backoff, ran_s=policy.healthy_after_s, now=now) == 3
 
 
 def test_it_gives_up_on_the_fifth_crash_within_a_minute_only() -> None:
@@ -52,7 +52,9 @@ def test_a_crashing_service_is_restarted_with_backoff_then_given_up_on(tmp_path:
     crashing = ServiceProcess("bogus", "bogus", [], mesh.log_dir / "bogus.log")
     crashing.start(mesh.env())
     mesh.processes = [crashing]
-    now = 1000.0
+    # The processes' start times are real monotonic readings: the test's clock starts there
+    # (a fixed 1000.0 read as a long healthy run on a host up for less than 16 minutes).
+    now = time.monotonic()
     said: list[str] = []
     with pytest.raises(GaveUp) as gave_up:
         for _ in range(10):
@@ -63,7 +65,7 @@ def test_a_crashing_service_is_restarted_with_backoff_then_given_up_on(tmp_path:
             now = crashing.restart_at
             said += mesh.supervise(now)  # restarted
     exited = [line for line in said if line.startswith("exited: ")]
-    assert [line.rsplit(" ", 1)[-1] for line in exited] == ["1s", "2s", "4s", "8s"], said
+    assert [line.rsplit(" ", 1)[-1] for line in exited] == ["3s", "6s", "12s", "24s"], said
     assert all("bogus (exit 2)" in line for line in exited), said
     assert [line.split(" (")[0] for line in said if line.startswith("restarted: ")] == ["restarted: bogus"] * 4
     message = str(gave_up.value)

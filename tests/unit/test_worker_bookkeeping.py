@@ -52,10 +52,10 @@ def test_a_held_copys_mark_outlives_the_memory_while_it_runs() -> None:
 
 def test_a_later_segment_makes_the_held_one_stale() -> None:
     b, _ = book()
-    assert b.stale_segment("r", 1) is None  # nothing held
+    assert b.stale_copy("r", 1, 0) is None  # nothing held
     b.hold("r", 1)
-    assert b.stale_segment("r", 1) is None and b.stale_segment("r", 0) is None
-    assert b.stale_segment("r", 2) == 1
+    assert b.stale_copy("r", 1, 0) is None and b.stale_copy("r", 0, 0) is None
+    assert b.stale_copy("r", 2, 0) == (1, 0)
 
 
 def test_probe_progress_waiting_then_running_and_engine_idleness() -> None:

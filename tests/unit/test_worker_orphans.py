@@ -34,3 +34,15 @@ def test_a_gateway_back_within_the_grace_keeps_its_requests() -> None:
     assert watch.due(5.0) == {}
     watch.release("r1")
     assert not watch.observe(event("disconnect", "gw-1", 7, "n2"), 6.0)  # nothing of it here any more
+
+
+def test_a_reconnect_while_none_of_its_requests_is_here_still_counts() -> None:
+    """The review's case: disconnect, the request ends, the gateway reconnects elsewhere,
+    a new request of it arrives: the old disconnect must not stop the new request."""
+    watch = OrphanWatch(grace_s=2.0)
+    watch.track("r1", "gw", resumable=False)
+    assert watch.observe(event("disconnect", "gw", 1, "n1"), 0.0)
+    watch.release("r1")
+    watch.observe(event("connect", "gw", 5, "n2"), 0.5)
+    watch.track("r2", "gw", resumable=False)
+    assert watch.due(2.1) == {}
