@@ -115,7 +115,7 @@ def test_invalid_schema_is_a_400_naming_the_parameter(client: openai.OpenAI) -> 
 def test_required_tool_call_and_a_tool_result_in_the_history(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
-        tool_choice="required", max_tokens=300,
+        tool_choice="required", max_tokens=2000,  # a random array of calls: room for the longest
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -397,7 +397,7 @@ def test_responses_api_streams_and_continues_a_conversation(client: openai.OpenA
     structured = client.responses.create(model=MODEL, input="ok?", max_output_tokens=50,
                                          text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
     jsonschema.validate(json.loads(structured.output_text), schema)
-    forced = client.responses.create(model=MODEL, input="Weather?", max_output_tokens=200, tool_choice="required",
+    forced = client.responses.create(model=MODEL, input="Weather?", max_output_tokens=2000, tool_choice="required",
                                      tools=[{"type": "function", **WEATHER["function"]}])  # type: ignore[list-item]
     calls = [item for item in forced.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather"

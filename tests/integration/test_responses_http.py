@@ -215,7 +215,7 @@ async def test_structured_output_and_a_forced_tool_call(client: openai.AsyncOpen
     tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
     stream = await client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools,  # type: ignore[call-overload]
-                                           tool_choice="required", max_output_tokens=200, stream=True)
+                                           tool_choice="required", max_output_tokens=2000, stream=True)
     events = [event async for event in stream]
     final = events[-1].response  # type: ignore[union-attr]
     calls = [item for item in final.output if item.type == "function_call"]
