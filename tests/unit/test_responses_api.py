@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pydantic
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseStreamEvent
 
@@ -450,6 +450,7 @@ def bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @given(bodies(), st.none() | well_formed_items | items)
+@example({"model": "sim", "input": []}, None)  # CI drew it once: the empty-input message is renamed, not kept
 @settings(max_examples=400, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 def test_any_body_is_a_chat_request_or_a_4xx(body: dict[str, Any], history: list[dict[str, Any]] | None) -> None:
@@ -468,6 +469,9 @@ def test_any_body_is_a_chat_request_or_a_4xx(body: dict[str, Any], history: list
     except ApiError as exc:
         mapped = p.api_error(exc)
         assert 400 <= mapped.status < 500
+        if exc.param == "messages":  # an empty conversation is named as the Responses field that was empty
+            assert mapped.param == "input" and "'input'" in mapped.message
+            return
         assert mapped.message == exc.message or exc.param in ("max_completion_tokens", "max_tokens", "session_id",
                                                               "reasoning_effort", "logprobs")
 
