@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from proto import GenerateRequest, decode, encode
@@ -215,7 +215,9 @@ def _check(kind: str, body: bytes) -> None:
     limits = MODELS[req.requested_model].limits
     assert req.prompt_token_ids, body
     assert all(0 <= t < BYTE.vocab_size for t in req.prompt_token_ids)
-    assert 1 <= req.max_tokens and req.prompt_tokens + req.max_tokens <= limits.max_model_len
+    # 0 only where vLLM allows it: a completion that echoes its prompt and generates nothing
+    assert 1 <= req.max_tokens or (req.max_tokens == 0 and kind == "completion" and req.output.echo is not None)
+    assert req.prompt_tokens + req.max_tokens <= limits.max_model_len
     assert 0 <= req.sampling.min_tokens <= req.max_tokens
     assert 1 <= req.sampling.n <= limits.max_n and req.output.n == req.sampling.n
     assert req.sampling.logprobs is None or 0 <= req.sampling.logprobs <= limits.max_logprobs
@@ -227,6 +229,8 @@ def _check(kind: str, body: bytes) -> None:
 
 @settings(FUZZ, max_examples=1500)
 @given(request=plausible_requests, ascii_only=st.booleans())
+@example(("completion", {"model": "sim", "prompt": "0", "echo": True, "max_tokens": 0}), False)  # the prompt alone
+@example(("chat", {"model": "sim", "messages": [{"role": "user", "content": "0"}], "max_tokens": 0}), False)  # a 400
 def test_plausible_bodies(request: tuple[str, dict[str, Any]], ascii_only: bool) -> None:
     kind, body = request
     _check(kind, _encode(body, ascii_only))
