@@ -400,9 +400,10 @@ class ChatPlan:
             names = self.message_params if indexed["name"] == "messages" else self.tool_params
             rest = indexed["rest"].replace(".function.", ".", 1) if indexed["name"] == "tools" else ""
             param = (names[i] + rest) if i < len(names) else ("input" if indexed["name"] == "messages" else "tools")
-        elif param == "messages":
-            return ApiError(exc.status, exc.message.replace("'messages'", "'input'").replace("at least one message",
-                            "at least one item"), exc.type, "input", exc.code, exc.retry_after)
+        elif param == "messages":  # empty, or past the context length: said of what the client sent
+            message = (exc.message.replace("'messages'", "'input'").replace("at least one message", "at least one item")
+                       .replace("your messages", "your input").replace("the messages", "the input"))
+            return ApiError(exc.status, message, exc.type, "input", exc.code, exc.retry_after)
         elif param.startswith("response_format"):
             param = "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
         elif param.startswith("tool_choice.function"):  # Responses' named choice is flat

@@ -205,6 +205,11 @@ def test_chat_errors_come_back_naming_the_responses_field() -> None:
     renamed = p.api_error(ApiError(400, "Invalid 'max_completion_tokens': must be at least 1.",
                                    param="max_completion_tokens"))
     assert renamed.message == "Invalid 'max_output_tokens': must be at least 1."
+    too_long = p.api_error(ApiError(400, "This model's maximum context length is 512 tokens. However, your messages"
+                                    " resulted in 512 tokens. Please reduce the length of the messages.",
+                                    param="messages", code="context_length_exceeded"))
+    assert too_long.message == ("This model's maximum context length is 512 tokens. However, your input resulted in"
+                                " 512 tokens. Please reduce the length of the input.")
     # chat and Responses take the same efforts ("none" and "xhigh" passed one and failed the other)
     for effort in ("none", "xhigh"):
         assert plan({"model": "m", "input": "x", "reasoning": {"effort": effort}}).body["reasoning_effort"] == effort
@@ -469,8 +474,8 @@ def test_any_body_is_a_chat_request_or_a_4xx(body: dict[str, Any], history: list
     except ApiError as exc:
         mapped = p.api_error(exc)
         assert 400 <= mapped.status < 500
-        if exc.param == "messages":  # an empty conversation is named as the Responses field that was empty
-            assert mapped.param == "input" and "'input'" in mapped.message
+        if exc.param == "messages":  # empty or too long: named as the Responses field the client sent
+            assert mapped.param == "input" and "input" in mapped.message and "message" not in mapped.message
             return
         assert mapped.message == exc.message or exc.param in ("max_completion_tokens", "max_tokens", "session_id",
                                                               "reasoning_effort", "logprobs")
