@@ -101,7 +101,7 @@ def kv_stream(bucket: str) -> str:
 
 
 def admission_buckets(subjects: Subjects) -> tuple[str, str]:
-    from services.admission.service import lease_bucket_name, state_bucket_name
+    from services.admission.lease import lease_bucket_name, state_bucket_name
 
     return lease_bucket_name(subjects), state_bucket_name(subjects)
 

@@ -58,19 +58,13 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext, api
+from nats.js import api
 from nats.js.kv import KeyValue
 from opentelemetry import trace
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-)
 
 from bus import BusSettings, Service, cancel_and_wait
 from bus.metrics import MetricsServer
-from bus.provision import ensure_kv, workers_bucket
+from bus.provision import workers_bucket
 from proto import (
     AdmissionDecision,
     AdmissionRequest,
@@ -84,105 +78,29 @@ from proto import (
     UsageEvent,
     decode,
 )
-from proto.subjects import Subjects
 from services.common.feed import FleetFeed
 from services.common.residency import residency, swap_costs
 
-from .buckets import InvalidLimits, Limiter, LimiterState
+from .buckets import InvalidLimits, Limiter
 from .config import AdmissionConfig
 from .demand import CAPACITY_REASONS, RefusedDemand
+from .lease import (
+    LEASE_KEY,
+    STATE_KEY,
+    Checkpoint,
+    admission_buckets,
+    lease_bucket_name,
+    lease_bucket_young,
+    missing_buckets,
+    state_bucket_name,
+)
+from .metrics import AdmissionMetrics
 from .policy import AdmissionPolicy, forwarded_route
 from .replicas import ReplicaBook
 from .slo import ReplicaLoad, SloAdmitter
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.admission")
-
-LEASE_KEY = "leader"
-STATE_KEY = "limiter"
-
-
-# ============================================================================ buckets
-
-
-def lease_bucket_name(subjects: Subjects) -> str:
-    return f"{subjects.root}_admission"
-
-
-def state_bucket_name(subjects: Subjects) -> str:
-    return f"{subjects.root}_admission_state"
-
-
-# A lease bucket made this long after the state bucket was made again (a NATS restart).
-LEASE_REMADE_AFTER_S = 1.0
-
-
-async def admission_buckets(
-    js: JetStreamContext, subjects: Subjects, *, lease_ttl_s: float, replicas: int = 1
-) -> tuple[KeyValue, KeyValue]:
-    """The lease bucket (entries expire after the lease TTL) and the checkpoint bucket."""
-    lease = await ensure_kv(
-        js,
-        api.KeyValueConfig(
-            bucket=lease_bucket_name(subjects),
-            description="meshserve admission leader lease",
-            history=1,
-            ttl=lease_ttl_s,
-            storage=api.StorageType.MEMORY,  # a lease is worth nothing after a restart
-            replicas=replicas,
-        ),
-    )
-    state = await ensure_kv(
-        js,
-        api.KeyValueConfig(
-            bucket=state_bucket_name(subjects),
-            description="meshserve admission limiter checkpoint (for the next leader)",
-            history=1,
-            storage=api.StorageType.FILE,
-            replicas=replicas,
-        ),
-    )
-    return lease, state
-
-
-class Checkpoint(msgspec.Struct, kw_only=True):
-    """The leader's hand-over record in ``<root>_admission_state``."""
-
-    v: int = 1
-    instance_id: str
-    usage_seq: int  # every USAGE event up to this stream sequence is in ``limiter``
-    limiter: LimiterState
-
-
-# ============================================================================ metrics
-
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
-
-
-class AdmissionMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.decisions = Counter(
-            "meshserve:admission_decisions_total", "Verdicts by tier and outcome (admitted or the reason)",
-            ["tier", "outcome"], registry=r,
-        )
-        self.predicted_ttft = Histogram(
-            "meshserve:admission_predicted_ttft_seconds", "Predicted TTFT of admitted requests", ["tier"],
-            buckets=TTFT_BUCKETS, registry=r,
-        )
-        self.reconciled = Counter(
-            "meshserve:admission_reconciled_total", "Usage events by what they did to a reservation", ["outcome"], registry=r
-        )
-        self.expired = Counter("meshserve:admission_reservations_expired_total", "Reservations charged in full", registry=r)
-        self.open = Gauge("meshserve:admission_reservations_open", "Reservations awaiting their usage event", registry=r)
-        self.leader = Gauge("meshserve:admission_leader", "1 while this instance holds the lease", registry=r)
-        self.takeovers = Counter("meshserve:admission_takeovers_total", "Times this instance became the leader", registry=r)
-        self.calibration = Gauge(
-            "meshserve:admission_ttft_calibration", "Factor on predicted TTFT learned from outcomes, per tier", ["tier"],
-            registry=r,
-        )
-
 
 # ============================================================================ the shell
 
@@ -381,7 +299,7 @@ class AdmissionService(Service):
         now = self.monotonic()
         if now < self._hold_off_until:
             return
-        young = await self._lease_bucket_young()
+        young = await lease_bucket_young(self.bus.js, self.bus.subjects, self.config.lease_ttl_s)
         if young > 0:
             # A lease bucket made less than a TTL ago (NATS lost it, someone provisioned it
             # again): a leader may still serve on its last renewal in the old one, until
@@ -396,7 +314,7 @@ class AdmissionService(Service):
         except (nats.errors.Error, TimeoutError) as exc:
             if isinstance(exc, nats.js.errors.NoStreamResponseError):
                 # The lease bucket is gone: provision it again (else nobody could ever lead
-                # again); being new, it is taken only once a TTL old (``_lease_bucket_young``).
+                # again); being new, it is taken only once a TTL old (``lease_bucket_young``).
                 try:
                     await self._restore_buckets()
                 except (nats.errors.Error, TimeoutError) as restore_exc:
@@ -411,25 +329,6 @@ class AdmissionService(Service):
             await self._step_down("take-over failed")
             with contextlib.suppress(Exception):
                 await self._lease.delete(LEASE_KEY, last=self._lease_rev)
-
-    async def _lease_bucket_young(self) -> float:
-        """Seconds until the lease bucket is one lease TTL old, where it was made again after
-        the state bucket (0: older, made with it at the mesh's start, or unknown). The lease
-        is in memory, the checkpoints on file: a NATS restart loses only the lease bucket."""
-        s = self.bus.subjects
-        try:
-            lease = await self.bus.js.stream_info(f"KV_{lease_bucket_name(s)}")
-            state = await self.bus.js.stream_info(f"KV_{state_bucket_name(s)}")
-        except (nats.errors.Error, TimeoutError):
-            return 0.0  # the create that follows says what is wrong
-        if lease.created is None or state.created is None:
-            return 0.0
-        made = lease.created.timestamp()
-        if made - state.created.timestamp() < LEASE_REMADE_AFTER_S:
-            return 0.0  # both made at the mesh's start: no leader before
-        # Against the server's timestamps, so the host's real clock (not the quota clock,
-        # which tests freeze); hosts and servers agree to well within a TTL (NTP).
-        return max(0.0, self.config.lease_ttl_s - (time.time() - made))
 
     def _warn_without_leader(self, exc: BaseException) -> None:
         now = self.monotonic()
@@ -448,12 +347,7 @@ class AdmissionService(Service):
         bucket is in memory too and admission predicts nothing without it, so it is
         provisioned again as well. True when something was missing."""
         s = self.bus.subjects
-        missing = []
-        for bucket in (lease_bucket_name(s), state_bucket_name(s), s.workers_bucket):
-            try:
-                await self.bus.js.stream_info(f"KV_{bucket}")
-            except nats.js.errors.NotFoundError:
-                missing.append(bucket)
+        missing = await missing_buckets(self.bus.js, (lease_bucket_name(s), state_bucket_name(s), s.workers_bucket))
         if not missing:
             return False
         self._lease, self._state = await admission_buckets(
@@ -693,10 +587,5 @@ class AdmissionService(Service):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # ---- metrics endpoint -------------------------------------------------------------
-__all__ = [
-    "AdmissionMetrics",
-    "AdmissionService",
-    "Checkpoint",
-    "admission_buckets",
-]
+
+__all__ = ["AdmissionService"]

@@ -15,7 +15,8 @@ from bus import Bus, BusSettings, provision
 from ops.natsserver import NatsServer
 from proto import AdmissionDecision, AdmissionRequest
 from services.admission.config import AdmissionConfig
-from services.admission.service import LEASE_KEY, AdmissionService, lease_bucket_name
+from services.admission.lease import LEASE_KEY, lease_bucket_name
+from services.admission.service import AdmissionService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
 from tests.conftest import eventually

@@ -9,8 +9,8 @@ import pytest
 
 from services.admission.buckets import Limiter, LimiterConfig, Limits
 from services.admission.config import AdmissionConfig, load_config, parse_config
+from services.admission.lease import Checkpoint
 from services.admission.main import add_arguments, build_config
-from services.admission.service import Checkpoint
 
 LIMITS = Limits(rpm=100, tpm=1000, org_tpm=5000)
 
