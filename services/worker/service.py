@@ -21,23 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import NoStreamResponseError
-from nats.js.kv import KeyValue
 from opentelemetry import trace
 
 from bus import BusSettings, Service, cancel_and_wait, tokenizers
 from bus.client import MSG_ID_HEADER
 from bus.connections import parse_advisory
 from bus.metrics import MetricsServer
-from bus.provision import StreamLimits, workers_bucket
-from bus.runner import MESHSERVE_VERSION
 from proto import (
     SUPERSEDED,
     CancelRequest,
@@ -59,8 +53,6 @@ from proto import (
     Usage,
     UsageEvent,
     WorkerGauge,
-    WorkerInfo,
-    encode,
     placement_expired,
     unpack_tokens,
     usage_dedup_id,
@@ -74,6 +66,7 @@ from .engines.base import Engine, EngineRequest
 from .metrics import WorkerMetrics
 from .orphans import OrphanWatch
 from .outcome import combine_outcomes, request_outcome
+from .registration import Registration, worker_info
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.worker")
@@ -94,10 +87,9 @@ class WorkerService(Service):
         self._requests: dict[str, asyncio.Task[None]] = {}
         self.orphans = OrphanWatch()  # requests whose gateway died: stopped
         self.book = RequestBook(time.monotonic)  # what is known of each request, superseded copies
-        self._kv: KeyValue | None = None
+        self.registration: Registration | None = None  # made on start, with the bus
         self._kv_seq = -1
         self._state_changed = asyncio.Event()
-        self._info: WorkerInfo | None = None
         self._sent = SentChunks(self.config.chunk_retention_s)
         self.chunks_published = 0
         self.chunks_resent = 0
@@ -109,38 +101,13 @@ class WorkerService(Service):
     async def on_start(self) -> None:
         await self.engine.start()
         s = self.bus.subjects
-        self._kv = await workers_bucket(self.bus.js, s, replicas=self.settings.js_replicas)
+        self.registration = Registration(self.bus.js, s, replicas=self.settings.js_replicas, state=lambda: self.state)
+        await self.registration.open()
         model_dir = getattr(self.engine, "model_dir", "")
         # Gateways on other hosts tokenize this model's requests with these files.
         tokenizer_dir = tokenizers.directory_of(model_dir, self.engine.tokenizer_spec)
         tokenizer_digest = await tokenizers.publish(self.bus.js, s, tokenizer_dir, replicas=self.settings.js_replicas) if tokenizer_dir else ""
-        self._info = WorkerInfo(
-            worker_id=self.worker_id,
-            model=self.engine.model,
-            engine=self.engine.engine_name,
-            state="ready",
-            block_size=self.engine.block_size,
-            max_num_seqs=self.engine.max_num_seqs,
-            max_num_batched_tokens=self.engine.max_num_batched_tokens,
-            max_model_len=self.engine.max_model_len,
-            kv_blocks_total=self.engine.kv_blocks_total,
-            lora_adapters=list(self.engine.stats().lora_adapters),
-            max_loras=int(self.engine.lora_runtime["max_loras"]),
-            max_lora_rank=int(self.engine.lora_runtime["max_lora_rank"]),
-            lora_load_gb_per_s=self.engine.lora_runtime["lora_load_gb_per_s"],
-            lora_host_gb_per_s=self.engine.lora_runtime["lora_host_gb_per_s"],
-            **self.engine.hosting,  # type: ignore[arg-type]
-            tokenizer=self.engine.tokenizer_spec,
-            tool_parser=self.config.tool_parser,
-            reasoning_parser=self.config.reasoning_parser,
-            sampling_defaults=self.engine.sampling_defaults,
-            model_dir=model_dir,
-            tokenizer_digest=tokenizer_digest,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            started_at=time.time(),
-            version=MESHSERVE_VERSION,
-        )
+        self.registration.info = worker_info(self.engine, self.config, self.worker_id, model_dir, tokenizer_digest)
         await self.add_endpoint("generate", s.worker_generate(self.worker_id), GenerateRequest, self.handle_generate)
         await self.add_endpoint("cancel", s.worker_cancel(self.worker_id), CancelRequest, self.handle_cancel, concurrent=False)
         await self.add_endpoint("probe", s.worker_probe(self.worker_id), RequestProbe, self.handle_probe, concurrent=False)
@@ -160,7 +127,7 @@ class WorkerService(Service):
         # Background loops are not in-flight work: they run until on_stop.
         self._loops = [
             asyncio.create_task(self._gauge_loop(), name="gauges"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self.registration.beat_every(self.config.heartbeat_interval_s), name="heartbeat"),
             asyncio.create_task(self._kv_event_loop(), name="kv-events"),
         ]
 
@@ -184,9 +151,8 @@ class WorkerService(Service):
         await self.stop_endpoints()
         await cancel_and_wait(getattr(self, "_loops", []))
         await self._publish_gauge()
-        if self._kv is not None:
-            with contextlib.suppress(Exception):
-                await self._kv.delete(self.worker_id)
+        if self.registration is not None:
+            await self.registration.remove()
         await self.engine.shutdown()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
@@ -590,34 +556,8 @@ class WorkerService(Service):
                 await asyncio.sleep(rest)
 
     async def _heartbeat(self) -> None:
-        if self._kv is None or self._info is None:
-            return
-        self._info.state = self.state  # type: ignore[assignment]
-        self._info.heartbeat_at = time.time()
-        started = time.monotonic()
-        try:
-            try:
-                await self._kv.put(self.worker_id, encode(self._info))
-            except NoStreamResponseError:
-                # The registry is in memory: a restarted single nats-server lost it. Made
-                # again (idempotent, as at start), or no heartbeat is ever stored again.
-                log.warning("the worker registry bucket is gone (a NATS restart?): provisioning it again")
-                self._kv = await workers_bucket(self.bus.js, self.bus.subjects, replicas=self.settings.js_replicas)
-                await self._kv.put(self.worker_id, encode(self._info))
-        except Exception as exc:  # the next beat retries; say so, since missed beats end in expiry
-            log.warning("heartbeat not stored after %.1fs: %r", time.monotonic() - started, exc)
-            return
-        if (took := time.monotonic() - started) > 1.0:
-            log.warning("heartbeat took %.1fs to store", took)
-
-    async def _heartbeat_loop(self) -> None:
-        interval = min(self.config.heartbeat_interval_s, StreamLimits().workers_ttl_s / 4)
-        while True:
-            due = time.monotonic() + interval
-            await asyncio.sleep(interval)
-            if (late := time.monotonic() - due) > interval:  # a blocked event loop, not NATS
-                log.warning("heartbeat %.1fs late: the worker's event loop was blocked", late)
-            await self._heartbeat()
+        if self.registration is not None:
+            await self.registration.beat()
 
     async def _kv_event_loop(self) -> None:
         async for events in self.engine.kv_events():
