@@ -27,7 +27,8 @@ from services.common.cli_types import (
 )
 from services.worker.main import vllm_importable, vllm_missing
 
-from .up import GaveUp, Mesh, MeshConfig, StartupError, ready_workers
+from .supervise import GaveUp
+from .up import Mesh, MeshConfig, StartupError, ready_workers
 
 
 def add_parser(subparsers: Any) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.up import GaveUp, Mesh, MeshConfig, RestartPolicy, ServiceProcess
+from ops.supervise import GaveUp, RestartPolicy, ServiceProcess
+from ops.up import Mesh, MeshConfig
 
 
 def test_backoff_doubles_to_its_cap_and_resets_after_a_healthy_run() -> None:
