@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 
 from ops.natsserver import free_port
 from ops.up import Mesh, MeshConfig
-from proto.messages import WorkerGauge, WorkerInfo
+from proto.workers import WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
 
 MODEL = "sim-llama-8b"

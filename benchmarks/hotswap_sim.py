@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from router_sim import SLO_TPOT_S, SLO_TTFT_S, TOKEN_BASE, Req, _q, zipf_weights
 
-from proto.messages import AllCleared, KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
+from proto.messages import SamplingParams
+from proto.workers import AllCleared, KvEventBatch, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
 from services.common.residency import ResidentModel, pins_honoured, victims
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig

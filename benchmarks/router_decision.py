@@ -33,7 +33,7 @@ import time
 import tracemalloc
 
 from proto.hashing import block_hashes
-from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
+from proto.workers import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
 from services.common import native
 from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig

@@ -30,7 +30,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from proto.messages import KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
+from proto.messages import SamplingParams
+from proto.workers import KvEventBatch, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.worker.engines.base import EngineRequest

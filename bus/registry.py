@@ -31,7 +31,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from proto.codec import decode
 from proto.errors import DecodeError
-from proto.messages import WorkerInfo
+from proto.workers import WorkerInfo
 
 from .client import Bus
 from .connections import ConnectionWatch, parse_advisory

@@ -30,8 +30,8 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from proto.messages import WorkerInfo
 from proto.subjects import Subjects
+from proto.workers import WorkerInfo
 
 from .registry import WorkerRegistry
 from .tasks import cancel_and_wait

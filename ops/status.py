@@ -196,7 +196,7 @@ async def workers_from_registry(bus: Bus, model: str = "", listen_s: float = 1.0
 
     from ops.up import ready_workers
     from proto.codec import decode
-    from proto.messages import WorkerGauge
+    from proto.workers import WorkerGauge
 
     gauges: dict[str, tuple[float, WorkerGauge]] = {}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import Bus, BusSettings, provision
-from proto.messages import WorkerInfo
+from proto.workers import WorkerInfo
 
 from .natsserver import NatsServer, cluster, free_port, port_in_use, port_owner
 from .processes import (

@@ -1,5 +1,7 @@
 """meshserve's wire contract: messages, subjects, errors and the shared block hash."""
 
+from msgspec import Struct
+
 from .codec import decode, encode
 from .errors import (
     DecodeError,
@@ -15,12 +17,8 @@ from .hashing import block_hashes, extend_block_hashes, pack_tokens, root_hash, 
 from .messages import (
     SCHEMA_VERSION,
     SUPERSEDED,
-    WIRE_TYPES,
     AdmissionDecision,
     AdmissionRequest,
-    AllCleared,
-    BlockRemoved,
-    BlockStored,
     CancelRequest,
     ChunkResend,
     ControlCommand,
@@ -28,10 +26,6 @@ from .messages import (
     ErrorInfo,
     ErrorReply,
     GenerateRequest,
-    KvEvent,
-    KvEventBatch,
-    KvSnapshot,
-    KvSnapshotRequest,
     Placement,
     PoolDemand,
     RequestProbe,
@@ -46,8 +40,6 @@ from .messages import (
     TtftObservation,
     Usage,
     UsageEvent,
-    WorkerGauge,
-    WorkerInfo,
     placement_expired,
     segment_usage,
     usage_dedup_id,
@@ -55,7 +47,42 @@ from .messages import (
 )
 from .records import RECORD_TYPES, AdapterRecord, ApiKeyRecord, OutputOptions, RequestRecord
 from .subjects import Subjects, subject_token, unescape_token
+from .workers import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    KvSnapshot,
+    KvSnapshotRequest,
+    WorkerGauge,
+    WorkerInfo,
+)
 
+# Every top-level message type sent over NATS: the property tests' list.
+WIRE_TYPES: tuple[type[Struct], ...] = (
+    ErrorReply,
+    GenerateRequest,
+    TokenChunk,
+    WorkerInfo,
+    WorkerGauge,
+    KvEventBatch,
+    KvSnapshotRequest,
+    KvSnapshot,
+    AdmissionRequest,
+    AdmissionDecision,
+    TtftObservation,
+    PoolDemand,
+    RouteRequest,
+    Placement,
+    UsageEvent,
+    ControlCommand,
+    ControlReply,
+    CancelRequest,
+    RequestProbe,
+    RequestProbeReply,
+    ChunkResend,
+)
 # Every versioned top-level type: what travels over NATS and what is stored in KV buckets.
 MESSAGE_TYPES = (*WIRE_TYPES, *RECORD_TYPES)
 

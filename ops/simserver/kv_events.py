@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from proto.hashing import extend_block_hashes, root_hash
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent
+from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent
 
 MEDIUM_GPU = "GPU"
 

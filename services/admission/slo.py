@@ -121,7 +121,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proto.errors import NO_CAPACITY_RETRY_AFTER_S
-from proto.messages import WorkerGauge
+from proto.workers import WorkerGauge
 
 SloReason = Literal["slo", "no_capacity"]
 

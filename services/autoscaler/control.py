@@ -59,7 +59,7 @@ from datetime import datetime
 from typing import Literal
 from zoneinfo import ZoneInfo
 
-from proto.messages import WorkerGauge
+from proto.workers import WorkerGauge
 from services.common.smoothing import ewma
 
 Action = Literal["scale_up", "scale_down", "hold"]

@@ -59,7 +59,8 @@ from proto.autoscaler import (
     WorkerView,
 )
 from proto.errors import MeshError, RemoteError
-from proto.messages import ControlCommand, ControlReply, PoolDemand, WorkerGauge, WorkerInfo
+from proto.messages import ControlCommand, ControlReply, PoolDemand
+from proto.workers import WorkerGauge, WorkerInfo
 from services.common.feed import FleetFeed
 from services.common.fleet import FleetView
 

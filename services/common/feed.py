@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from bus import Service, cancel_and_wait
 from bus.registry import WorkerRegistry
 from proto.errors import MeshError
-from proto.messages import KvEventBatch, KvSnapshot, KvSnapshotRequest, WorkerGauge, WorkerInfo
+from proto.workers import KvEventBatch, KvSnapshot, KvSnapshotRequest, WorkerGauge, WorkerInfo
 
 from .fleet import FleetView
 from .kvindex import KvApply

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from mypy_extensions import mypyc_attr
 
 from proto.hashing import pack_tokens
-from proto.messages import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
+from proto.workers import KvEventBatch, KvSnapshot, WorkerGauge, WorkerInfo
 
 from .kvindex import DEFAULT_BLOCK_SIZE, KvApply, KvHolder, KvIndex, KvIndexConfig
 from .smoothing import ewma

@@ -39,7 +39,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from proto.hashing import extend_block_hashes, root_hash
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
+from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 
 DEFAULT_BLOCK_SIZE = 16
 

@@ -22,7 +22,7 @@ from msgspec import Struct
 
 from bus.tokenizers import directory_of
 from proto import AdapterRecord, WorkerInfo
-from proto.messages import SamplingDefaults
+from proto.workers import SamplingDefaults
 from services.common.tokenizer import load_tokenizer
 
 from .chat_template import ChatTemplate

@@ -19,7 +19,7 @@ import pytest
 
 from bus import Bus, BusSettings
 from proto import GenerateRequest, WorkerInfo, decode
-from proto.messages import SamplingDefaults
+from proto.workers import SamplingDefaults
 from services.gateway.service import GatewayConfig, GatewayService
 from services.worker.engines.echo import EchoEngine
 from services.worker.service import WorkerConfig, WorkerService

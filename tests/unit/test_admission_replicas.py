@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from proto.hashing import block_hashes
-from proto.messages import AdmissionRequest, BlockStored, KvEventBatch, WorkerGauge, WorkerInfo, WorkerState
+from proto.messages import AdmissionRequest, WorkerState
+from proto.workers import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
 from services.admission.replicas import BookConfig, ReplicaBook
 
 MODEL = "m"

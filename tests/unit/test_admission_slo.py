@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto.messages import WorkerGauge
+from proto.workers import WorkerGauge
 from services.admission.slo import DEFAULT_TIERS, RankedWindow, ReplicaLoad, SloAdmitter, SloConfig, TierSLO
 
 TIERS = ("premium", "standard", "batch")

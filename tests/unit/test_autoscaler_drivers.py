@@ -530,7 +530,7 @@ def test_arrival_waiting_for_the_next_step_is_not_saturation() -> None:
     """Workers publish a gauge as a request arrives, before the engine schedules it: the
     gauge shows one waiting on an idle replica. With the replica's max_num_seqs known
     (the shell reads it from the registry) that is not a capacity sample."""
-    from proto.messages import WorkerGauge
+    from proto.workers import WorkerGauge
 
     arrival = WorkerGauge(worker_id="w", model="m", ts=0.0, waiting=1, running=1, running_tokens=330, kv_usage=0.01)
     full = WorkerGauge(worker_id="w", model="m", ts=0.0, waiting=3, running=16, running_tokens=6000, kv_usage=0.3)

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.hashing import block_hashes, pack_tokens
-from proto.messages import (
+from proto.messages import WorkerState
+from proto.workers import (
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -16,7 +17,6 @@ from proto.messages import (
     KvSnapshot,
     WorkerGauge,
     WorkerInfo,
-    WorkerState,
 )
 from services.common.fleet import FleetConfig, FleetView, KvApply, Pool
 

@@ -13,7 +13,7 @@ import pytest
 
 from ops.tiny_model import BOS, build_tokenizer_json, tokenizer_config
 from proto import OutputOptions, TokenChunk, TokenLogprob, Usage
-from proto.messages import SamplingDefaults
+from proto.workers import SamplingDefaults
 from services.common.tokenizer import ByteTokenizer, HFTokenizer
 from services.gateway.chat_request import parse_chat_request
 from services.gateway.errors import ApiError

@@ -8,7 +8,8 @@ import contextlib
 
 import pytest
 
-from proto.messages import AllCleared, KvEvent, SamplingParams, WorkerGauge, WorkerInfo
+from proto.messages import SamplingParams
+from proto.workers import AllCleared, KvEvent, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
 from services.common.residency import (
     PIN_PATIENCE_S,

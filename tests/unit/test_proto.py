@@ -69,9 +69,10 @@ def test_every_versioned_message_is_listed() -> None:
     escape the round-trip and hostile-bytes properties below."""
     import proto.messages
     import proto.records
+    import proto.workers
 
     versioned = {
-        obj for module in (proto.messages, proto.records) for obj in vars(module).values()
+        obj for module in (proto.messages, proto.records, proto.workers) for obj in vars(module).values()
         if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and "v" in obj.__struct_fields__
     }
     assert versioned == set(MESSAGE_TYPES)

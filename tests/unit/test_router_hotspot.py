@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from proto.hashing import block_hashes
-from proto.messages import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
+from proto.workers import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 

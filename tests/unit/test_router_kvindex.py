@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.hashing import block_hashes, pack_tokens
-from proto.messages import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
+from proto.workers import BlockRemoved, BlockStored, KvEventBatch, KvSnapshot
 from services.common.kvindex import KvApply, KvIndex
 
 PROMPT = list(range(500, 500 + 16 * 8))  # 8 full blocks

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from proto.hashing import block_hashes, pack_tokens
-from proto.messages import BlockStored, GenerateRequest, KvEventBatch, SamplingParams, WorkerGauge, WorkerInfo
+from proto.messages import GenerateRequest, SamplingParams
+from proto.workers import BlockStored, KvEventBatch, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
 from services.router.policy import (
     CascadeConfig,

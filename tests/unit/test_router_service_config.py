@@ -104,7 +104,7 @@ def test_cli_arguments(tmp_path: Path) -> None:
 
 def test_cascade_keywords_are_tokenized_once_the_pool_tokenizer_is_known() -> None:
     from proto.hashing import pack_tokens
-    from proto.messages import WorkerInfo
+    from proto.workers import WorkerInfo
     from services.common.tokenizer import load_tokenizer
     from services.router.policy import RouteQuery
     from services.router.service import RouterService

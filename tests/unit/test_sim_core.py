@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proto.hashing import block_hashes
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
+from proto.messages import SamplingParams
+from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent
 from services.common.tokenizer import ByteTokenizer
 from services.worker.engines.base import EngineOutput, EngineRequest
 from services.worker.engines.sim_core import SimCore, StepResult

@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 from proto.codec import decode, encode
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams, WorkerGauge
+from proto.messages import SamplingParams
+from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent, WorkerGauge
 from services.common.tokenizer import load_tokenizer
 from services.worker.engines import Engine, EngineOutput, EngineRequest, EngineStats, create_engine
 from services.worker.engines.sim import SimEngine

@@ -23,7 +23,8 @@ from ops.simserver.kv_events import (
     encode_batch,
 )
 from proto.hashing import block_hashes
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
+from proto.messages import SamplingParams
+from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent
 from services.gateway.errors import ApiError
 from services.worker.engines.base import EngineRequest
 from services.worker.engines.sim_core import SimCore

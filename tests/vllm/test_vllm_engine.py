@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from proto.hashing import block_hashes
-from proto.messages import BlockStored, KvEvent, SamplingParams
+from proto.messages import SamplingParams
+from proto.workers import BlockStored, KvEvent
 from services.worker.engines.base import EngineOutput, EngineRequest, create_engine
 from tests.vllm.meshes import COMPACT_JSON
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from proto.messages import AllCleared, KvEvent, SamplingParams
+from proto.messages import SamplingParams
+from proto.workers import AllCleared, KvEvent
 from services.worker.engines.base import EngineOutput, EngineRequest
 from services.worker.engines.hosted import HostedEngine
 

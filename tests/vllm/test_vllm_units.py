@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from proto.hashing import block_hashes, extend_block_hashes, root_hash
-from proto.messages import AllCleared, BlockRemoved, BlockStored
+from proto.workers import AllCleared, BlockRemoved, BlockStored
 from services.worker.engines.vllm_kv import KvEventBridge, KvPredictor
 from services.worker.engines.vllm_stats import VllmStatsTracker, record_step
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
-from proto.messages import FinishReason, KvEvent, SamplingDefaults, SamplingParams, Timings, TokenLogprob
+from proto.messages import FinishReason, SamplingParams, Timings, TokenLogprob
+from proto.workers import KvEvent, SamplingDefaults
 
 # Engines the factory can build; ``vllm`` is imported only when asked for, because it
 # pulls in torch and CUDA, which laptops and CI do not have.

@@ -28,7 +28,8 @@ from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from proto.messages import KvEvent, SamplingDefaults, Timings, TokenLogprob, TopLogprob
+from proto.messages import Timings, TokenLogprob, TopLogprob
+from proto.workers import KvEvent, SamplingDefaults
 from services.common.tokenizer import IncrementalDecoder, load_tokenizer
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats, prompt_error

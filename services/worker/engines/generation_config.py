@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from proto.messages import SamplingDefaults
+from proto.workers import SamplingDefaults
 
 # vLLM's ``ModelConfig.get_diff_sampling_param``: the generation-config fields that become
 # the server's defaults (``max_new_tokens`` as ``max_tokens``).

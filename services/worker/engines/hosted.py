@@ -28,7 +28,8 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Literal
 
-from proto.messages import AllCleared, KvEvent, SamplingDefaults, Timings
+from proto.messages import Timings
+from proto.workers import AllCleared, KvEvent, SamplingDefaults
 from services.common.residency import PIN_PATIENCE_S, ResidentModel, idle_expired, pins_honoured, victims
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats

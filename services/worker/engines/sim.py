@@ -30,7 +30,8 @@ import time
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 
-from proto.messages import AllCleared, BlockStored, KvEvent, Timings
+from proto.messages import Timings
+from proto.workers import AllCleared, BlockStored, KvEvent
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats
 from .sim_core import SimCore, StepResult

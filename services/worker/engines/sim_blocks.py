@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent
+from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent
 
 
 class KVBlock:

@@ -39,7 +39,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from proto.hashing import extend_block_hashes, root_hash
-from proto.messages import KvEvent, Timings
+from proto.messages import Timings
+from proto.workers import KvEvent
 
 from . import guided
 from .base import EngineOutput, EngineRequest, EngineStats, FinishReason, prompt_error

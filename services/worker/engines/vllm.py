@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto.messages import AllCleared, BlockStored, KvEvent, SamplingDefaults, Timings, TokenLogprob
+from proto.messages import Timings, TokenLogprob
+from proto.workers import AllCleared, BlockStored, KvEvent, SamplingDefaults
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats, FinishReason
 from .generation_config import read_sampling_defaults

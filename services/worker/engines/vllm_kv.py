@@ -32,7 +32,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from proto.hashing import extend_block_hashes, root_hash
-from proto.messages import AllCleared, BlockRemoved, BlockStored, KvEvent
+from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent
 
 log = logging.getLogger(__name__)
 
