@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto.messages import Timings, TokenLogprob
+from proto.messages import Timings
 from proto.workers import AllCleared, BlockStored, KvEvent, SamplingDefaults
 
-from .base import Engine, EngineOutput, EngineRequest, EngineStats, FinishReason
+from .base import Engine, EngineOutput, EngineRequest, EngineStats
 from .generation_config import read_sampling_defaults
 from .vllm_args import (
     default_cpu_kvcache_gib,
@@ -54,24 +54,20 @@ from .vllm_args import (
     is_validation_error,
     local_model_dir,
     parse_lora_adapters,
-    prompt_logprobs,
     resolve_model,
     runtime_adapter_problem,
-    sample_logprobs,
     sampling_kwargs,
-    scheduled_epoch,
     structured_kwargs,
     token_prompt,
 )
 from .vllm_kv import KvEventBridge, KvPredictor
+from .vllm_output import OutputConverter
 from .vllm_plugin import DEFAULT_CPU_SPIN_SLEEP_S, SPIN_SLEEP_ENV
 from .vllm_stats import VllmStatsTracker, record_step, stat_logger_factory
 
 log = logging.getLogger(__name__)
 
 KV_EVENT_MODES = ("auto", "engine", "predicted")
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
-                                    "repetition": "stop"}
 
 
 @dataclass(slots=True)
@@ -445,60 +441,21 @@ class VllmEngine(Engine):
             token_prompt(prompt_ids, req.arrival_time), params, rid,
             lora_request=self._lora_request(req.lora, req.lora_path), priority=-req.priority,  # vLLM: lower runs first
         )
-        output_ids: list[int] = []
-        top = req.sampling.logprobs
-        # vLLM sends the prompt's logprobs once, when prefill ends: they ride on the next output.
-        pending_prompt: list[TokenLogprob | None] | None = None
-        prompt_seen = 0
-        cached = 0
-        scheduled = first_token = 0.0
+        converter = OutputConverter(req, prompt_ids, self._decode)
         finished = False  # a final output was yielded
-        engine_done = False  # vLLM finished the request itself
         error: str | None = None
         rejected = False
         try:
             async for out in stream:
-                now = time.time()
-                completion = out.outputs[0] if out.outputs else None
-                new_ids = list(completion.token_ids) if completion is not None else []
-                if out.num_cached_tokens is not None:
-                    cached = int(out.num_cached_tokens)
-                if new_ids and not first_token:
-                    first_token = now
-                    scheduled = scheduled_epoch(out, req.arrival_time, now)
-                    if self._predictor is not None:
-                        self._push_kv(self._predictor.observe(prompt_ids, req.lora))
-                output_ids += new_ids
-                self._stats.progress(rid, len(new_ids))
-                if out.prompt_logprobs:
-                    part = prompt_logprobs(prompt_ids[prompt_seen:prompt_seen + len(out.prompt_logprobs)],
-                                           out.prompt_logprobs, req.sampling.prompt_logprobs or 0, self._decode)
-                    prompt_seen += len(part)
-                    pending_prompt = (pending_prompt or []) + part
-                logprobs = (sample_logprobs(new_ids, completion.logprobs or [], top, self._decode)
-                            if top is not None and completion is not None and new_ids else None)
-                finish: FinishReason | None = None
-                if out.finished:
-                    engine_done = True
-                    reason = str(completion.finish_reason) if completion is not None else "abort"
-                    finish = _FINISH.get(reason, "stop")
-                elif flight.aborted:
-                    finish = "abort"  # asked before vLLM knew the request: end it here
-                text = completion.text if completion is not None else ""
-                if finish is None and not new_ids and not text:
+                first = not converter.first_token
+                new_tokens, output = converter.convert(out, time.time(), flight.aborted)
+                if first and converter.first_token and self._predictor is not None:
+                    self._push_kv(self._predictor.observe(prompt_ids, req.lora))
+                self._stats.progress(rid, new_tokens)
+                if output is None:
                     continue
-                stop_reason = getattr(completion, "stop_reason", None) if finish == "stop" else None
-                yield EngineOutput(
-                    request_id=rid, new_token_ids=new_ids, text=text, finish_reason=finish,
-                    stop_reason=stop_reason if isinstance(stop_reason, (int, str)) else None,
-                    logprobs=logprobs, prompt_logprobs=pending_prompt,
-                    prompt_tokens=len(prompt_ids), cached_tokens=cached, completion_tokens=len(output_ids),
-                    timings=Timings(arrival=req.arrival_time, scheduled=scheduled, first_token=first_token,
-                                    finished=now if finish else 0.0),
-                    error="vLLM ended the request with an error" if finish == "error" else None,
-                )
-                pending_prompt = None
-                if finish is not None:
+                yield output
+                if output.finish_reason is not None:
                     finished = True
                     break
         except (asyncio.CancelledError, GeneratorExit):
@@ -509,28 +466,22 @@ class VllmEngine(Engine):
             # vLLM refused the request as sent (its input processing validates a schema,
             # regex or grammar when the request is added): the client's error, as vLLM's
             # own server answers it (400), not an engine failure.
-            rejected = not output_ids and is_validation_error(exc)
+            rejected = not converter.output_ids and is_validation_error(exc)
             if rejected:
                 error = str(exc) or error
         finally:
             self._flights.pop(rid, None)
             self._stats.finish(rid)
-            if not engine_done:
+            if not converter.engine_done:
                 # Left early (consumer closed, or an exception): vLLM's generator aborts the
                 # request on close, freeing its KV blocks now.
                 with contextlib.suppress(Exception):
                     await stream.aclose()
-            if self._predictor is not None and output_ids:
+            if self._predictor is not None and converter.output_ids:
                 # The last sampled token was never fed back: its K/V are not in the cache.
-                self._push_kv(self._predictor.observe(prompt_ids + output_ids[:-1], req.lora))
+                self._push_kv(self._predictor.observe(prompt_ids + converter.output_ids[:-1], req.lora))
         if not finished:
-            now = time.time()
-            yield EngineOutput(
-                request_id=rid, finish_reason="error", error=error or "vLLM ended the request without a finish",
-                rejected=rejected,
-                prompt_tokens=len(prompt_ids), cached_tokens=cached, completion_tokens=len(output_ids),
-                timings=Timings(arrival=req.arrival_time, scheduled=scheduled, first_token=first_token, finished=now),
-            )
+            yield converter.failed(error or "vLLM ended the request without a finish", rejected, time.time())
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
