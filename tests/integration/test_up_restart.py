@@ -9,8 +9,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,42 +23,17 @@ from ops.status import fetch_status
 from ops.up import discover
 from proto import AdmissionDecision, AdmissionRequest
 from tests.conftest import eventually
+from tests.up_process import UpProcess
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not Path("/proc").is_dir(), reason="the mesh's processes are found through /proc")]
 
 
-class Up:
-    def __init__(self, cwd: Path, *args: str) -> None:
-        self.out = cwd / "up.out"
-        self._file = open(self.out, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", "up", "--state-dir", str(cwd / ".meshserve"), *args],
-            stdout=self._file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "COLUMNS": "200"},
-        )
-
-    def text(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def wait_for(self, needle: str, timeout: float = 90.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if needle in (text := self.text()):
-                return text
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{needle!r} not printed (exit {self.proc.poll()}):\n{self.text()}")
-
-
 @pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
-    run = Up(tmp_path, "--nats-port", str(free_port()), "--http-port", str(free_port()))
+def up(tmp_path: Path) -> Iterator[UpProcess]:
+    run = UpProcess(["--nats-port", str(free_port()), "--http-port", str(free_port())], tmp_path)
     yield run
-    if run.proc.poll() is None:
-        os.killpg(run.proc.pid, signal.SIGKILL)
-        run.proc.wait()
+    run.kill()
     signal_all(list(marked_processes((tmp_path / ".meshserve").resolve())), signal.SIGKILL)
 
 
@@ -85,8 +58,8 @@ async def _completion(http: aiohttp.ClientSession, url: str, key: str) -> int:
         return r.status
 
 
-async def test_up_restarts_a_killed_service_and_it_serves_again(tmp_path: Path, up: Up) -> None:
-    text = up.wait_for("Ctrl-C stops everything")
+async def test_up_restarts_a_killed_service_and_it_serves_again(tmp_path: Path, up: UpProcess) -> None:
+    text = up.wait_for("Ctrl-C stops everything", timeout=90)
     nats_url = re.findall(r"NATS: (nats://\S+)", text)[0]
     gateway_url = re.findall(r"OpenAI-compatible API: (http://\S+)/v1", text)[0]
     key = (tmp_path / ".meshserve" / "dev-key").read_text().strip()
