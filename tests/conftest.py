@@ -20,7 +20,7 @@ from nats.js import api
 from bus import Bus, BusSettings
 from ops.natsserver import NatsServer, cluster, free_port
 from ops.up import Mesh, MeshConfig
-from proto import UsageEvent, decode
+from proto import TokenChunk, UsageEvent, decode
 
 # The suite runs the mesh as shipped, tracing included: an OTEL_SDK_DISABLED left in the
 # shell (benchmarks set it) would fail the trace tests for a reason that is not theirs.
@@ -82,6 +82,19 @@ async def usage_events(bus: Bus) -> list[UsageEvent]:
         out.extend(decode(m.data, UsageEvent) for m in await sub.fetch(n - len(out), timeout=5))
     await sub.unsubscribe()
     return out
+
+
+async def final_chunks(bus: Bus, subject: str) -> dict[str, TokenChunk]:
+    """Each request's last chunk published on ``subject`` from now on, by request id: the
+    dict fills in as they arrive."""
+    finals: dict[str, TokenChunk] = {}
+
+    async def on_chunk(chunk: TokenChunk, msg: Any) -> None:
+        if chunk.finish_reason is not None:
+            finals[chunk.request_id] = chunk
+
+    await bus.subscribe(subject, TokenChunk, on_chunk)
+    return finals
 
 
 async def _wait_for_jetstream(urls: list[str], timeout: float = 20.0) -> None:

@@ -14,8 +14,7 @@ import pytest
 from bus import Bus
 from ops.natsserver import free_port
 from ops.up import Mesh, ServiceProcess
-from proto import TokenChunk, decode
-from tests.conftest import running_mesh
+from tests.conftest import final_chunks, running_mesh
 from tests.sse import read_sse, sse_text, sse_usage
 
 MODEL = "sim-llama-8b"
@@ -80,14 +79,7 @@ def test_a_dead_gateways_requests_stop_unless_resumable(mesh: Mesh) -> None:
 
 async def _gateway_orphans(mesh: Mesh) -> None:
     bus = await Bus.open(mesh.settings, "orphan-observer", initial_attempts=10)
-    finals: dict[str, TokenChunk] = {}
-
-    async def on_chunk(msg) -> None:  # type: ignore[no-untyped-def]
-        chunk = decode(msg.data, TokenChunk)
-        if chunk.finish_reason is not None:
-            finals[chunk.request_id] = chunk
-
-    await bus.nc.subscribe(bus.subjects.tokens_all, cb=on_chunk)
+    finals = await final_chunks(bus, bus.subjects.tokens_all)
     headers = {"Authorization": f"Bearer {mesh.dev_key}"}
     plain = {"model": MODEL, "prompt": "orphan", "max_tokens": 20000, "ignore_eos": True, "stream": True}
     kept = {**plain, "prompt": "kept", "max_tokens": 3000}
@@ -129,14 +121,7 @@ async def _slow_client(mesh: Mesh) -> None:
                  b"Authorization: Bearer " + mesh.dev_key.encode() + b"\r\n"
                  b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     bus = await Bus.open(mesh.settings, "slow-observer", initial_attempts=10)
-    finals: dict[str, TokenChunk] = {}
-
-    async def on_chunk(msg) -> None:  # type: ignore[no-untyped-def]
-        chunk = decode(msg.data, TokenChunk)
-        if chunk.finish_reason is not None:
-            finals[chunk.request_id] = chunk
-
-    await bus.nc.subscribe(bus.subjects.tokens_all, cb=on_chunk)
+    finals = await final_chunks(bus, bus.subjects.tokens_all)
     try:
         # Meanwhile normal clients are served normally.
         async with aiohttp.ClientSession(mesh.gateway_url) as http:
