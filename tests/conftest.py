@@ -21,6 +21,7 @@ from bus import Bus, BusSettings
 from ops.natsserver import NatsServer, cluster, free_port
 from ops.up import Mesh, MeshConfig
 from proto import TokenChunk, UsageEvent, decode
+from proto.metering import UsageQuery, UsageReport, UsageRow
 
 # The suite runs the mesh as shipped, tracing included: an OTEL_SDK_DISABLED left in the
 # shell (benchmarks set it) would fail the trace tests for a reason that is not theirs.
@@ -95,6 +96,23 @@ async def final_chunks(bus: Bus, subject: str) -> dict[str, TokenChunk]:
 
     await bus.subscribe(subject, TokenChunk, on_chunk)
     return finals
+
+
+async def ledger_total(bus: Bus, *, completion_tokens: int, org: str = "dev", settle_s: float = 0.0) -> UsageRow:
+    """The org's usage total from metering once it counts ``completion_tokens`` (polled
+    for up to 20 s); after ``settle_s`` more, read again: a double count would show then."""
+    total = UsageRow()
+    for _ in range(100):
+        report = await bus.request(bus.subjects.metering_usage, UsageQuery(org=org, group_by=[]), UsageReport, timeout=5)
+        total = report.rows[0] if report.rows else UsageRow()
+        if total.completion_tokens >= completion_tokens:
+            break
+        await asyncio.sleep(0.2)
+    if settle_s:
+        await asyncio.sleep(settle_s)
+        report = await bus.request(bus.subjects.metering_usage, UsageQuery(org=org, group_by=[]), UsageReport, timeout=5)
+        total = report.rows[0] if report.rows else UsageRow()
+    return total
 
 
 async def _wait_for_jetstream(urls: list[str], timeout: float = 20.0) -> None:

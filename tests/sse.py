@@ -51,3 +51,16 @@ def sse_usage(events: list[tuple[str, str]]) -> dict | None:
         if data != "[DONE]" and json.loads(data).get("usage"):
             return json.loads(data)["usage"]
     return None
+
+
+def check_continued_stream(events: list[tuple[str, str]], reference: str, completion_tokens: int, what: str) -> None:
+    """A stream that was moved, paused or resumed on its way reads as the uninterrupted run
+    did: each event once, no error, ``[DONE]`` last, the same text and usage."""
+    ids = [e for e, _ in events]
+    assert len(ids) == len(set(ids)), f"{what}: an event id repeated"
+    errors = [data for _, data in events if data != "[DONE]" and "error" in json.loads(data)]
+    assert not errors, f"{what} failed: {errors[:1]}"
+    assert events and events[-1][1] == "[DONE]", events[-3:]
+    assert sse_text(events) == reference, f"{what}: text differs from the uninterrupted run"
+    usage = sse_usage(events)
+    assert usage is not None and usage["completion_tokens"] == completion_tokens, usage

@@ -22,8 +22,8 @@ from bus import Bus
 from ops.up import Mesh
 from proto import WorkerGauge, decode
 from proto.metering import UsageQuery, UsageReport
-from tests.conftest import running_mesh
-from tests.sse import read_sse, sse_text, sse_usage
+from tests.conftest import ledger_total, running_mesh
+from tests.sse import check_continued_stream, read_sse, sse_text, sse_usage
 
 MODEL = "sim-llama-8b"
 TOKENS = 600
@@ -76,26 +76,13 @@ async def _run(mesh: Mesh) -> None:
         assert usage is not None and usage["completion_tokens"] == 2 * TOKENS
 
     for i, (_, events, _) in enumerate(results):
-        ids = [e for e, _ in events]
-        assert len(ids) == len(set(ids)), "an event id repeated"
-        assert events[-1][1] == "[DONE]"
-        text = sse_text(events)
-        assert text == reference[i % 3], f"request {i}: text differs from the uninterrupted run"
-        usage = sse_usage(events)
-        assert usage is not None and usage["completion_tokens"] == TOKENS
+        check_continued_stream(events, reference[i % 3], TOKENS, f"request {i}")
 
     bus = await Bus.open(mesh.settings, "fault-check", initial_attempts=10)
     try:
         # The ledger counts each token once, migrated or not.
         expected = (3 + REQUESTS + 2 * (1 + CHOICE_REQUESTS)) * TOKENS
-        total = None
-        for _ in range(100):
-            report = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=[]), UsageReport, timeout=5)
-            total = report.rows[0] if report.rows else None
-            if total is not None and total.completion_tokens >= expected:
-                break
-            await asyncio.sleep(0.2)
-        assert total is not None and total.completion_tokens == expected
+        assert (await ledger_total(bus, completion_tokens=expected)).completion_tokens == expected
         by_status = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=["status"]), UsageReport, timeout=5)
         statuses = {row.status: row.requests for row in by_status.rows}
         assert statuses.get("migrated", 0) >= 1, statuses  # some requests did move
@@ -160,16 +147,7 @@ async def _resume_after_worker_death(mesh: Mesh) -> None:
         usage = sse_usage(joined)
         assert usage is not None and usage["completion_tokens"] == TOKENS
         expected = 2 * TOKENS  # the reference and the moved request, each token once
-        total = None
-        for _ in range(100):
-            report = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=[]), UsageReport, timeout=5)
-            total = report.rows[0] if report.rows else None
-            if total is not None and total.completion_tokens >= expected:
-                break
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(0.5)  # a double count would arrive by now
-        report = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=[]), UsageReport, timeout=5)
-        assert report.rows and report.rows[0].completion_tokens == expected
+        assert (await ledger_total(bus, completion_tokens=expected, settle_s=0.5)).completion_tokens == expected
     finally:
         await bus.close()
 
@@ -201,9 +179,4 @@ async def _wait_for_restart(mesh: Mesh) -> None:
         results = await asyncio.gather(*tasks)
 
     for i, (_, events, _) in enumerate(results):
-        ids = [e for e, _ in events]
-        assert len(ids) == len(set(ids)), "an event id repeated"
-        assert events[-1][1] == "[DONE]", events[-3:]
-        assert sse_text(events) == reference[i % 2], f"request {i}: text differs from the uninterrupted run"
-        usage = sse_usage(events)
-        assert usage is not None and usage["completion_tokens"] == TOKENS
+        check_continued_stream(events, reference[i % 2], TOKENS, f"request {i}")

@@ -16,8 +16,8 @@ import pytest
 from bus import Bus
 from ops.up import Mesh
 from proto.metering import UsageQuery, UsageReport
-from tests.conftest import running_mesh
-from tests.sse import read_sse, sse_text, sse_usage
+from tests.conftest import ledger_total, running_mesh
+from tests.sse import check_continued_stream, read_sse, sse_text
 
 MODEL = "sim-llama-8b"
 TOKENS = 3000
@@ -57,25 +57,13 @@ async def _run(mesh: Mesh) -> None:
         assert "drain timeout: handing" in victim.log_file.read_text()  # the drain did outlast its timeout
 
     for i, events in enumerate(results):
-        ids = [e for e, _ in events]
-        assert len(ids) == len(set(ids)), "an event id repeated"
-        assert events[-1][1] == "[DONE]" and not any('"error"' in data for _, data in events), events[-3:]
-        assert sse_text(events) == reference[i % 2], f"request {i}: text differs from the uninterrupted run"
-        usage = sse_usage(events)
-        assert usage is not None and usage["completion_tokens"] == TOKENS
+        check_continued_stream(events, reference[i % 2], TOKENS, f"request {i}")
 
     bus = await Bus.open(mesh.settings, "drain-check", initial_attempts=10)
     try:
         expected = (2 + REQUESTS) * TOKENS  # each token billed once, whichever worker made it
-        total = None
-        for _ in range(100):
-            report = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=[]), UsageReport,
-                                       timeout=5)
-            total = report.rows[0] if report.rows else None
-            if total is not None and total.completion_tokens >= expected:
-                break
-            await asyncio.sleep(0.2)
-        assert total is not None and total.completion_tokens == expected and total.requests == 2 + REQUESTS
+        total = await ledger_total(bus, completion_tokens=expected)
+        assert total.completion_tokens == expected and total.requests == 2 + REQUESTS
         by_status = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=["status"]),
                                       UsageReport, timeout=5)
         statuses = {row.status: sum(row.by_status.values()) for row in by_status.rows}

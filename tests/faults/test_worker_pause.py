@@ -12,7 +12,6 @@ run with the same seed, no SSE event id twice, every token billed once.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -23,9 +22,8 @@ import pytest
 
 from bus import Bus
 from ops.up import Mesh
-from proto.metering import UsageQuery, UsageReport
-from tests.conftest import running_mesh
-from tests.sse import read_sse, sse_text, sse_usage
+from tests.conftest import ledger_total, running_mesh
+from tests.sse import check_continued_stream, read_sse, sse_text
 
 MODEL = "sim-llama-8b"
 TOKENS = 1000
@@ -87,30 +85,12 @@ async def _run(mesh: Mesh, *, kill: str, pause: float) -> None:
         results = await asyncio.gather(*tasks)
 
     for i, events in enumerate(results):
-        ids = [e for e, _ in events]
-        assert len(ids) == len(set(ids)), "an event id repeated"
-        errors = [data for _, data in events if data != "[DONE]" and "error" in json.loads(data)]
-        assert not errors, f"request {i} failed: {errors[:1]}"
-        assert events[-1][1] == "[DONE]", events[-3:]
-        assert sse_text(events) == reference[i % SEEDS], f"request {i}: text differs from the uninterrupted run"
-        usage = sse_usage(events)
-        assert usage is not None and usage["completion_tokens"] == TOKENS
+        check_continued_stream(events, reference[i % SEEDS], TOKENS, f"request {i}")
 
     bus = await Bus.open(mesh.settings, "fault-check", initial_attempts=10)
     try:
         # The ledger counts each token once: no superseded copy billed anything.
         expected = (SEEDS + REQUESTS) * TOKENS
-        total = None
-        for _ in range(100):
-            report = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=[]), UsageReport,
-                                       timeout=5)
-            total = report.rows[0] if report.rows else None
-            if total is not None and total.completion_tokens >= expected:
-                break
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(0.5)  # a double count would arrive by now
-        report = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=[]), UsageReport,
-                                   timeout=5)
-        assert report.rows and report.rows[0].completion_tokens == expected
+        assert (await ledger_total(bus, completion_tokens=expected, settle_s=0.5)).completion_tokens == expected
     finally:
         await bus.close()
