@@ -9,11 +9,18 @@ fails to start and the caller's test skips with the worker's log tail as the rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import platform
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterator, Sequence
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -114,3 +121,54 @@ async def settled(mesh: Mesh, steady_s: float = 3.0, timeout_s: float = 60.0) ->
                 return
     finally:
         await bus.close()
+
+
+@dataclass
+class VllmServer:
+    url: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until ``/v1/models`` answers; its log's tail when it exits or never does."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited {self.proc.returncode}:\n{self._tail()}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's server not ready in {timeout_s}s:\n{self._tail()}")
+            time.sleep(1.0)
+
+    def _tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+@contextmanager
+def vllm_openai_server(model_dir: Path, log_dir: Path, args: Sequence[str] = (),
+                       env: Mapping[str, str] | None = None) -> Iterator[VllmServer]:
+    """vLLM's own OpenAI server on the model with ``engine_flags`` (the reference a
+    differential test compares the mesh with), started at once: its engine loads while the
+    caller starts the mesh (both take most of a minute on CPU); ``wait_ready`` before use."""
+    port = free_port()
+    log = log_dir / "vllm-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), *engine_flags(), *args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})},
+        )
+    try:
+        yield VllmServer(f"http://127.0.0.1:{port}", proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

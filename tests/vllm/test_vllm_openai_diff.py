@@ -21,16 +21,9 @@ greedy, where the sampled token is the most likely and the list is the true top 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -53,7 +46,6 @@ import jsonschema  # noqa: E402
 import openai  # noqa: E402
 
 from ops.calibrate_engine import EnginePlan, calibrate_engine  # noqa: E402
-from ops.natsserver import free_port  # noqa: E402
 from services.worker.engines.sim_profile import load_profile  # noqa: E402
 from tests.vllm.meshes import (  # noqa: E402
     BLOCK,
@@ -61,8 +53,8 @@ from tests.vllm.meshes import (  # noqa: E402
     MAX_NUM_SEQS,
     MODEL,
     cpu_unsupported,
-    engine_flags,
     vllm_mesh,
+    vllm_openai_server,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -90,56 +82,24 @@ class Servers:
     urls: Urls
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM's server not ready in {timeout_s}s:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(1.0)
-
-
 @pytest.fixture(scope="module")
 def urls(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Urls]:
     reason = cpu_unsupported()
     if reason:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("diff")
-    port = free_port()
-    log = tmp / "vllm-server.log"
-    with open(log, "wb") as out:
-        # Started first: its engine loads while the mesh starts (both take most of a minute on CPU).
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), *engine_flags(),
-             "--structured-outputs-config", json.dumps(COMPACT_JSON), "--enable-auto-tool-choice",
-             "--tool-call-parser", TOOL_PARSER],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-                 # A forced tool call as a JSON schema built from the tools (what meshserve does),
-                 # not vLLM 0.32's default for parsers with a structural tag (hermes): the model's
-                 # own <tool_call> envelope, with the arguments' schema enforced for strict tools only.
-                 "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
-        )
-    try:
-        worker_args = ["--engine-arg", f"structured_outputs_config={json.dumps(COMPACT_JSON)}",
-                       "--tool-call-parser", TOOL_PARSER]
-        with vllm_mesh(tiny_model, tmp / "mesh", worker_args) as mesh:
-            _wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, log, 300)
-            yield Urls(vllm=f"http://127.0.0.1:{port}", mesh=mesh.gateway_url, key=mesh.dev_key)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    server_args = ["--structured-outputs-config", json.dumps(COMPACT_JSON), "--enable-auto-tool-choice",
+                   "--tool-call-parser", TOOL_PARSER]
+    # A forced tool call as a JSON schema built from the tools (what meshserve does), not
+    # vLLM 0.32's default for parsers with a structural tag (hermes): the model's own
+    # <tool_call> envelope, with the arguments' schema enforced for strict tools only.
+    server_env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+    worker_args = ["--engine-arg", f"structured_outputs_config={json.dumps(COMPACT_JSON)}",
+                   "--tool-call-parser", TOOL_PARSER]
+    with vllm_openai_server(tiny_model, tmp, server_args, server_env) as server, \
+            vllm_mesh(tiny_model, tmp / "mesh", worker_args) as mesh:
+        server.wait_ready()
+        yield Urls(vllm=server.url, mesh=mesh.gateway_url, key=mesh.dev_key)
 
 
 @pytest.fixture

@@ -16,11 +16,7 @@ The same comparison helpers as ``test_vllm_openai_diff`` (field by field, logpro
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,15 +24,13 @@ from typing import Any
 import openai
 import pytest
 
-from ops.natsserver import free_port
-from tests.vllm.meshes import MODEL, cpu_unsupported, engine_flags, vllm_mesh
+from tests.vllm.meshes import MODEL, cpu_unsupported, vllm_mesh, vllm_openai_server
 
 # Its module skips where vLLM is not installed: this one with it.
 from tests.vllm.test_vllm_openai_diff import (
     Servers,
     Urls,
     _split,
-    _wait_ready,
     assert_same,
     chat_view,
     completion_view,
@@ -65,27 +59,11 @@ def urls(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     if reason:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("parity")
-    port = free_port()
-    log = tmp / "vllm-server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), *engine_flags()],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
-        )
     try:
-        with vllm_mesh(model_dir, tmp / "mesh") as mesh:
-            _wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, log, 300)
-            yield Urls(vllm=f"http://127.0.0.1:{port}", mesh=mesh.gateway_url, key=mesh.dev_key)
+        with vllm_openai_server(model_dir, tmp) as server, vllm_mesh(model_dir, tmp / "mesh") as mesh:
+            server.wait_ready()
+            yield Urls(vllm=server.url, mesh=mesh.gateway_url, key=mesh.dev_key)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
         shutil.rmtree(tmp / "mesh", ignore_errors=True)
 
 
