@@ -164,9 +164,11 @@ def parse_ws_message(data: Body) -> WsClientMessage:
 # ------------------------------------------------------------------ field validation
 
 
-def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collection[str] | None) -> ModelSpec:
+def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collection[str] | None, *,
+                  needs_replica: bool = True) -> ModelSpec:
     """The spec of model ``name`` if the key may use it (``allowed``), else a 404; a 503
-    with a Retry-After while no worker serves it for a moment (``ModelSpec.serving``)."""
+    with a Retry-After while no worker serves it for a moment (``ModelSpec.serving``),
+    unless the caller ``needs_replica`` not (tokenizing: the gateway has the tokenizer)."""
     if not name:
         raise bad_request("You must provide a model parameter.", "model", "missing_required_parameter")
     spec = models.get(name)
@@ -174,7 +176,7 @@ def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collectio
     # answers like a missing one (404), as OpenAI does, so keys cannot probe the catalog.
     if spec is None or (allowed and name not in allowed and spec.name not in allowed):
         raise model_not_found(name)
-    if not spec.serving:
+    if not spec.serving and needs_replica:
         # Its workers left a moment ago (restarting): admission's "no replica" answer, so
         # clients retry instead of taking a 404 as final.
         raise overloaded(f"No replica of the model `{clip(name)}` is available right now. Please try again in"

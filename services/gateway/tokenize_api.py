@@ -98,7 +98,7 @@ class _Vocabulary(Protocol):
 def _model(name: str | None, models: Mapping[str, ModelSpec], allowed: Collection[str] | None) -> ModelSpec:
     """The named model, or without a name the only one the key can use."""
     if name is not None:
-        return resolve_model(name, models, allowed)
+        return resolve_model(name, models, allowed, needs_replica=False)
     usable = {spec.name: spec for alias, spec in models.items()
               if not allowed or alias in allowed or spec.name in allowed}
     if len(usable) == 1:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -14,6 +15,7 @@ from proto.errors import NO_CAPACITY_RETRY_AFTER_S
 from services.gateway.errors import ApiError
 from services.gateway.models import MODEL_GRACE_S, ModelCatalog
 from services.gateway.normalized import resolve_model
+from services.gateway.tokenize_api import tokenize
 from services.gateway.upstream import no_capacity
 from services.router.retry import GiveUp, Refusal, after_refusal, no_worker
 
@@ -90,6 +92,13 @@ def test_a_model_whose_workers_left_answers_503_with_retry_after_for_the_grace_p
     # A forbidden key gets the 404 it always got: keys cannot probe the catalog.
     with pytest.raises(ApiError) as info:
         resolve_model(MODEL, models.specs(), ["other-model"])
+    assert info.value.status == 404
+
+    # Tokenizing needs no replica: the gateway holds the tokenizer (vLLM's /tokenize
+    # answers whenever its server is up).
+    assert tokenize(json.dumps({"model": "llama", "prompt": "hi"}), models.specs()).tokens == [107, 108]
+    with pytest.raises(ApiError) as info:
+        tokenize(json.dumps({"model": MODEL, "prompt": "hi"}), models.specs(), allowed_models=["other-model"])
     assert info.value.status == 404
 
     registry.set("w2", worker("w2"))  # back
