@@ -46,7 +46,7 @@ from bus import Bus  # noqa: E402
 from ops.up import Mesh  # noqa: E402
 from proto import KvEventBatch, TokenChunk, WorkerGauge  # noqa: E402
 from proto.hashing import block_hashes  # noqa: E402
-from proto.messages import BlockStored  # noqa: E402
+from proto.workers import BlockStored  # noqa: E402
 from services.common.tokenizer import HFTokenizer  # noqa: E402
 from tests.vllm.meshes import BLOCK, MAX_MODEL_LEN, MODEL, vllm_mesh  # noqa: E402
 
