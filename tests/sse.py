@@ -58,9 +58,14 @@ def check_continued_stream(events: list[tuple[str, str]], reference: str, comple
     did: each event once, no error, ``[DONE]`` last, the same text and usage."""
     ids = [e for e, _ in events]
     assert len(ids) == len(set(ids)), f"{what}: an event id repeated"
-    errors = [data for _, data in events if data != "[DONE]" and "error" in json.loads(data)]
+    errors = [data for _, data in events if data != "[DONE]" and _is_error(json.loads(data))]
     assert not errors, f"{what} failed: {errors[:1]}"
     assert events and events[-1][1] == "[DONE]", events[-3:]
     assert sse_text(events) == reference, f"{what}: text differs from the uninterrupted run"
     usage = sse_usage(events)
     assert usage is not None and usage["completion_tokens"] == completion_tokens, usage
+
+
+def _is_error(event: dict) -> bool:
+    """An error event, or a choice that ended in one."""
+    return "error" in event or any(c.get("finish_reason") == "error" for c in event.get("choices") or [])

@@ -205,6 +205,9 @@ def test_chat_errors_come_back_naming_the_responses_field() -> None:
     renamed = p.api_error(ApiError(400, "Invalid 'max_completion_tokens': must be at least 1.",
                                    param="max_completion_tokens"))
     assert renamed.message == "Invalid 'max_output_tokens': must be at least 1."
+    empty = p.api_error(ApiError(400, "'messages' must contain at least one message.", param="messages",
+                                 code="invalid_value"))
+    assert (empty.param, empty.message) == ("input", "'input' must contain at least one item.")
     too_long = p.api_error(ApiError(400, "This model's maximum context length is 512 tokens. However, your messages"
                                     " resulted in 512 tokens. Please reduce the length of the messages.",
                                     param="messages", code="context_length_exceeded"))
@@ -475,7 +478,8 @@ def test_any_body_is_a_chat_request_or_a_4xx(body: dict[str, Any], history: list
         mapped = p.api_error(exc)
         assert 400 <= mapped.status < 500
         if exc.param == "messages":  # empty or too long: named as the Responses field the client sent
-            assert mapped.param == "input" and "input" in mapped.message and "message" not in mapped.message
+            assert mapped.param == "input" and "message" not in mapped.message
+            assert "'input'" in mapped.message or (mapped.code == "context_length_exceeded" and "input" in mapped.message)
             return
         assert mapped.message == exc.message or exc.param in ("max_completion_tokens", "max_tokens", "session_id",
                                                               "reasoning_effort", "logprobs")
