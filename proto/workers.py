@@ -22,6 +22,9 @@ class SamplingDefaults(Struct, kw_only=True, omit_defaults=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     max_tokens: int | None = None
+    # vLLM's ``override_max_tokens``: with ``--generation-config DIR`` the file's
+    # ``max_new_tokens`` also caps every request's max_tokens (silently, as vLLM does).
+    max_tokens_override: int | None = None
 
 
 class WorkerInfo(Struct, kw_only=True, omit_defaults=True):

@@ -73,6 +73,9 @@ class ModelLimits(Struct, kw_only=True, frozen=True):
 
     max_model_len: int = 4096
     max_tokens_cap: int | None = None
+    # vLLM's override_max_tokens (a worker's ``--generation-config DIR``): every request's
+    # max_tokens, explicit or default, is lowered to it without an error.
+    max_tokens_override: int | None = None
     default_max_tokens: int | None = None
     default_completion_max_tokens: int = 16
     default_temperature: float | None = None
@@ -94,6 +97,8 @@ class ModelLimits(Struct, kw_only=True, frozen=True):
             raise ValueError("max_model_len must be at least 2")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("max_tokens_cap must be at least 1")
+        if self.max_tokens_override is not None and self.max_tokens_override < 1:
+            raise ValueError("max_tokens_override must be at least 1")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be at least 1")
         if self.default_completion_max_tokens < 1:
@@ -138,7 +143,9 @@ def with_model_defaults(limits: ModelLimits, defaults: SamplingDefaults | None) 
     model = {"default_temperature": defaults.temperature, "default_top_p": defaults.top_p,
              "default_top_k": defaults.top_k, "default_min_p": defaults.min_p,
              "default_repetition_penalty": defaults.repetition_penalty,
-             "default_max_tokens": defaults.max_tokens if defaults.max_tokens and defaults.max_tokens > 0 else None}
+             "default_max_tokens": defaults.max_tokens if defaults.max_tokens and defaults.max_tokens > 0 else None,
+             "max_tokens_override": (defaults.max_tokens_override
+                                     if defaults.max_tokens_override and defaults.max_tokens_override > 0 else None)}
     changes = {name: value for name, value in model.items() if value is not None and getattr(limits, name) is None}
     return msgspec.structs.replace(limits, **changes) if changes else limits
 

@@ -206,7 +206,8 @@ def check_max_tokens(param: str, value: int | None, limits: ModelLimits, *, allo
 def _resolve_max_tokens(
     kind: RequestKind, param: str, requested: int | None, prompt_tokens: int, limits: ModelLimits
 ) -> int:
-    """max_tokens after the context-length check (OpenAI's wording for the error)."""
+    """max_tokens after the context-length check (OpenAI's wording for the error), lowered
+    to the model's ``max_tokens_override`` as vLLM's ``get_max_tokens`` does."""
     n = limits.max_model_len
     where = "in the messages" if kind == "chat" else "in the prompt"
     field_name = "messages" if kind == "chat" else "prompt"
@@ -220,7 +221,7 @@ def _resolve_max_tokens(
                 field_name,
                 "context_length_exceeded",
             )
-        return requested
+        return requested if limits.max_tokens_override is None else min(requested, limits.max_tokens_override)
     if prompt_tokens >= n:  # not even one output token fits
         raise bad_request(
             f"This model's maximum context length is {n} tokens. However, your {field_name} resulted in"
@@ -231,8 +232,9 @@ def _resolve_max_tokens(
     room = n - prompt_tokens
     default = limits.default_max_tokens if kind == "chat" else limits.default_completion_max_tokens
     resolved = room if default is None else min(default, room)
-    if limits.max_tokens_cap is not None:
-        resolved = min(resolved, limits.max_tokens_cap)
+    for cap in (limits.max_tokens_cap, limits.max_tokens_override):
+        if cap is not None:
+            resolved = min(resolved, cap)
     return resolved
 
 

@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="engine: vLLM's KV-event publisher; predicted: model the cache from served requests")
     vllm.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
                       help="the sampling defaults requests that omit a field get: auto (default) the model's"
-                           " generation_config.json, vllm none, DIR that directory's file (echo: DIR only)")
+                           " generation_config.json, vllm none, DIR that directory's file, whose max_new_tokens"
+                           " then caps every request, as vLLM's (echo: DIR only)")
     vllm.add_argument("--cpu-kvcache-space", type=positive_int, default=None, help="GiB of KV cache on vLLM's CPU build")
     vllm.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                       help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")

@@ -120,6 +120,26 @@ def test_model_defaults_fill_only_omitted_fields() -> None:
         1.0, 1.0, -1, 0.0, 1.0)
 
 
+def test_an_override_lowers_every_max_tokens_silently() -> None:
+    """vLLM's get_max_tokens: min(the request's max_tokens or the default, the override);
+    the context check stays on what the client asked for."""
+    limits = with_model_defaults(ModelLimits(max_model_len=256),
+                                 SamplingDefaults(max_tokens=5, max_tokens_override=5))
+    spec = {"sim": ModelSpec("sim", ByteTokenizer(), limits)}
+    chat = [{"role": "user", "content": "x"}]
+    assert parse_chat_request(body(model="sim", messages=chat, max_tokens=20), spec).max_tokens == 5
+    assert parse_chat_request(body(model="sim", messages=chat, max_tokens=3), spec).max_tokens == 3
+    assert parse_chat_request(body(model="sim", messages=chat), spec).max_tokens == 5
+    assert parse_completion_request(body(model="sim", prompt="x"), spec).max_tokens == 5  # its 16, lowered
+    assert parse_completion_request(body(model="sim", prompt="x", max_tokens=0, echo=True), spec).max_tokens == 0
+    with pytest.raises(ApiError, match="maximum context length"):
+        parse_completion_request(body(model="sim", prompt="x", max_tokens=256), spec)
+    # Without an override (auto), the model's max_new_tokens is only a default.
+    auto = {"sim": ModelSpec("sim", ByteTokenizer(), with_model_defaults(ModelLimits(max_model_len=256),
+                                                                         SamplingDefaults(max_tokens=5)))}
+    assert parse_chat_request(body(model="sim", messages=chat, max_tokens=20), auto).max_tokens == 20
+
+
 def test_generation_config_is_read_as_vllm_reads_it(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
@@ -136,6 +156,9 @@ def test_generation_config_is_read_as_vllm_reads_it(tmp_path: Path) -> None:
     found = read_sampling_defaults(str(other), str(model))
     assert found == SamplingDefaults(repetition_penalty=1.2, temperature=1.0)
     assert found is not None and isinstance(found.temperature, float)
+    # A directory's max_new_tokens also caps explicit max_tokens (vLLM's override_max_tokens).
+    (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    assert read_sampling_defaults(str(other), str(model)) == SamplingDefaults(max_tokens=5, max_tokens_override=5)
     (other / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation config"):
         read_sampling_defaults(str(other), str(model))

@@ -23,7 +23,8 @@ GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p
 def read_sampling_defaults(generation_config: str, model_dir: str) -> SamplingDefaults | None:
     """The sampling defaults vLLM's ``--generation-config`` gives a model: ``auto`` reads
     ``generation_config.json`` in ``model_dir``, ``vllm`` none (vLLM's neutral defaults),
-    anything else is a directory holding that file. Values the file leaves out or sets
+    anything else is a directory holding that file, whose ``max_new_tokens`` then also
+    caps explicit max_tokens (``max_tokens_override``). Values the file leaves out or sets
     to null are not defaults (transformers 5 keeps every value a file sets, as vLLM
     0.32 reads it); None when there are none. A file that is not JSON is an error, as
     it is for vLLM."""
@@ -53,4 +54,7 @@ def read_sampling_defaults(generation_config: str, model_dir: str) -> SamplingDe
         found["max_tokens" if name == "max_new_tokens" else name] = value
     if found.get("max_tokens") is not None and found["max_tokens"] < 1:
         del found["max_tokens"]  # no output at all is no default a request can run with
+    if generation_config != "auto" and "max_tokens" in found:
+        # vLLM's server caps every request by it then, not only those that omit max_tokens.
+        found["max_tokens_override"] = found["max_tokens"]
     return SamplingDefaults(**found) if found else None
