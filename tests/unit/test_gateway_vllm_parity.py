@@ -21,6 +21,8 @@ from services.gateway.models import ModelLimits, ModelSpec, with_model_defaults
 from services.gateway.output import ChoiceAssembler
 from services.gateway.validation import parse_completion_request
 from services.worker.engines.generation_config import read_sampling_defaults
+from services.worker.engines.hosted import HostedEngine, ModelHost
+from services.worker.engines.vllm import VllmEngine
 from services.worker.engines.vllm_args import is_validation_error
 
 BYTE = ModelSpec("sim", ByteTokenizer(), ModelLimits(max_model_len=256))
@@ -162,6 +164,20 @@ def test_generation_config_is_read_as_vllm_reads_it(tmp_path: Path) -> None:
     (other / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation config"):
         read_sampling_defaults(str(other), str(model))
+
+
+def test_a_hot_swap_model_not_loaded_yet_advertises_its_defaults(tmp_path: Path) -> None:
+    """A vLLM model of a hot-swap host registers before its first load: its entry carries
+    the defaults that load will read (vLLM itself is not needed to build the engine)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "max_new_tokens": 4}))
+    cold = HostedEngine(ModelHost("host", 10.0), lambda: VllmEngine(model=str(model)), footprint_gib=1.0, load_s=1.0)
+    assert cold.residency == "cold"
+    assert cold.sampling_defaults == SamplingDefaults(temperature=0.6, max_tokens=4)
+    assert VllmEngine(model=str(model), generation_config="vllm").sampling_defaults is None
+    assert VllmEngine(model=str(model), generation_config=str(model)).sampling_defaults == SamplingDefaults(
+        temperature=0.6, max_tokens=4, max_tokens_override=4)
 
 
 def test_vllm_validation_errors_are_the_clients() -> None:

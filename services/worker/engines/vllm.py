@@ -174,6 +174,7 @@ class VllmEngine(Engine):
         # vLLM reads it too (a generation config's extra EOS ids stop generation: stop_reason).
         options["generation_config"] = generation_config
         self._sampling_defaults: SamplingDefaults | None = None
+        self._defaults_read = False  # read at start, or before it when asked (sampling_defaults)
         self.engine_args = engine_arguments(
             model_dir=self.model_dir, served_model_name=self._model, options=options, extra=engine_args,
             enable_lora=bool(enable_lora or self.lora_adapters),
@@ -236,6 +237,12 @@ class VllmEngine(Engine):
 
     @property
     def sampling_defaults(self) -> SamplingDefaults | None:
+        if self._llm is None and not self._defaults_read:
+            # Not started: a hot-swap model not resident yet registers too, and its
+            # requests need the defaults its first load will read (from the local copy).
+            self._defaults_read = True
+            self._sampling_defaults = read_sampling_defaults(self.generation_config,
+                                                             local_model_dir(self.model_dir) or self.model_dir)
         return self._sampling_defaults
 
     @property
@@ -310,6 +317,7 @@ class VllmEngine(Engine):
         if local is not None:
             self.model_dir = local
         self._sampling_defaults = read_sampling_defaults(self.generation_config, self.model_dir)
+        self._defaults_read = True
         if self._sampling_defaults is not None:
             log.info("%s: the model's generation config sets sampling defaults %s (--generation-config vllm to"
                      " ignore them)", self._model, self._sampling_defaults)
