@@ -23,7 +23,7 @@ from typing import Any
 
 from bus import Bus
 from bus.keys import AdapterStore
-from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
+from ops.console import EXIT_USAGE, CliError, mesh_bus, plain, print_table
 from proto import AdapterRecord, WorkerInfo
 from services.common.cli_types import add_mesh_arguments
 
@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace, found: tuple[Path, int, int] | None) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     async with mesh_bus("meshserve-adapters") as bus:
@@ -144,8 +145,8 @@ async def _run(args: argparse.Namespace, found: tuple[Path, int, int] | None) ->
             record = AdapterRecord(name=args.name, base=args.base, path=str(where), rank=rank, size_bytes=size,
                                    created_at=time.time())
             await store.put(record)
-            console.print(f"adapter [bold]{record.name}[/bold] of {record.base}: rank {rank}, "
-                          f"{size / 1e6:,.1f} MB, from {where}")
+            console.print(f"adapter [bold]{escape(record.name)}[/bold] of {escape(record.base)}: rank {rank}, "
+                          f"{size / 1e6:,.1f} MB, from {escape(str(where))}")
             return 0
         if args.action == "list":
             records = await store.list()
@@ -162,7 +163,7 @@ async def _run(args: argparse.Namespace, found: tuple[Path, int, int] | None) ->
             return 0
         if not await store.delete(args.name):
             raise CliError(f"no adapter {args.name!r}")
-        console.print(f"removed {args.name}")
+        console.print(f"removed {args.name}", markup=False)
         return 0
 
 
@@ -171,5 +172,5 @@ def adapters_table(records: Iterable[AdapterRecord]) -> Any:
 
     table = Table("adapter", "base", "rank", "MB", "path")
     for r in records:
-        table.add_row(r.name, r.base, str(r.rank), f"{r.size_bytes / 1e6:,.1f}", r.path)
+        table.add_row(plain(r.name), plain(r.base), str(r.rank), f"{r.size_bytes / 1e6:,.1f}", plain(r.path))
     return table

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Sub-command → the module that contributes it, in help order.
@@ -53,8 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         result = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`meshserve plan --json | head -1`): stop quietly, as a
+        # command killed by SIGPIPE does, and keep Python's exit-time flush from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE
     except Exception as exc:
         failure = describe_failure(exc)
         if failure is None:

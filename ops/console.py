@@ -139,6 +139,16 @@ async def unreachable_servers(servers: list[str] | tuple[str, ...], timeout_s: f
 
 # ============================================================================ tables
 
+
+def plain(value: object) -> RenderableType:
+    """``value`` as a table cell that rich never reads as markup: orgs, names, paths and
+    reasons come from users and stored records (an org ``acme[/]`` crashed ``keys list``;
+    ``[red]evil`` printed as ``evil``)."""
+    from rich.text import Text
+
+    shown = str(value)
+    return Text(shown) if shown else ""  # "" stays a str: ``stacked`` leaves empty cells out
+
 _UNBOUNDED = 1 << 20
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from bus import Bus
 from bus.keys import AdapterStore, KeyStore
-from ops.console import EXIT_USAGE, CliError, mesh_bus, print_table
+from ops.console import EXIT_USAGE, CliError, mesh_bus, plain, print_table
 from proto import ApiKeyRecord, DecodeError, decode
 from services.admission.buckets import Limits, limits_problem
 from services.common.cli_types import MAX_COUNT, add_mesh_arguments
@@ -175,6 +175,7 @@ def run_keys(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace, key_id: str) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     async with mesh_bus("meshserve-keys") as bus:
@@ -183,8 +184,9 @@ async def _run(args: argparse.Namespace, key_id: str) -> int:
                 check_models(args.model, await served_models(bus))
             key, record = await create_key(bus, org=args.org, tier=args.tier, name=args.name, rpm=args.rpm,
                                            tpm=args.tpm, models=args.model)
-            Console(stderr=True).print(f"key id [bold]{record.key_id}[/bold] for org {record.org} (tier {record.tier})")
-            print(key)
+            print(key, flush=True)  # first: the record is stored, and the secret is shown only now
+            Console(stderr=True).print(f"key id [bold]{record.key_id}[/bold] for org {escape(record.org)}"
+                                       f" (tier {escape(record.tier)})")
             return 0
         store = await KeyStore(bus).open()
         if args.action == "list":
@@ -203,7 +205,7 @@ async def _run(args: argparse.Namespace, key_id: str) -> int:
             return 0
         if not await store.revoke(key_id):
             raise CliError(f"no key {key_id}")
-        console.print(f"revoked {key_id}")
+        console.print(f"revoked {key_id}", markup=False)
         return 0
 
 
@@ -215,9 +217,9 @@ def keys_table(records: Sequence[ApiKeyRecord], unreadable: Sequence[str] = ()) 
     if any(problems) or unreadable:
         table.add_column("problem", style="red")
     for r, problem in zip(records, problems, strict=True):
-        row = [r.key_id, r.org, r.tier, r.name, str(r.rpm) if r.rpm is not None else "-",
-               str(r.tpm) if r.tpm is not None else "-", ",".join(r.models) or "all", "yes" if r.revoked else ""]
-        table.add_row(*row, *([problem] if len(table.columns) > 8 else []))
+        row = [plain(r.key_id), plain(r.org), plain(r.tier), plain(r.name), str(r.rpm) if r.rpm is not None else "-",
+               str(r.tpm) if r.tpm is not None else "-", plain(",".join(r.models) or "all"), "yes" if r.revoked else ""]
+        table.add_row(*row, *([plain(problem)] if len(table.columns) > 8 else []))
     for key_id in unreadable:
-        table.add_row(key_id, "", "", "", "", "", "", "", "unreadable record: recreate the key")
+        table.add_row(plain(key_id), "", "", "", "", "", "", "", "unreadable record: recreate the key")
     return table

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from bus import Bus
-from ops.console import CliError, mesh_bus, print_table
+from ops.console import CliError, mesh_bus, plain, print_table
 from proto.autoscaler import AutoscalerStatus, AutoscalerStatusRequest, PoolStatus, WorkerView
 from proto.errors import MeshError
 from services.common.cli_types import add_nats_url_argument, count, positive_seconds, subject_root
@@ -110,6 +110,7 @@ def _num(x: float | None, digits: int = 0) -> str:
 
 def print_status(status: AutoscalerStatus, console: Any = None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -120,10 +121,10 @@ def print_status(status: AutoscalerStatus, console: Any = None) -> None:
     for p in status.pools:
         s = p.signals
         summary.add_row(
-            p.pool, str(p.current), f"[bold]{p.desired}[/bold]", str(p.ready), str(p.starting), str(p.draining),
+            plain(p.pool), str(p.current), f"[bold]{p.desired}[/bold]", str(p.ready), str(p.starting), str(p.draining),
             f"{p.min_replicas}–{p.max_replicas}",
             _num(s.waiting_tokens + s.running_tokens) if s else "-",
-            f"{_num(s.replica_token_capacity)} ({s.capacity_source})" if s else "-",
+            plain(f"{_num(s.replica_token_capacity)} ({s.capacity_source})") if s else "-",
             str(p.pending_requests),
         )
     print_table(console, summary)
@@ -131,17 +132,20 @@ def print_status(status: AutoscalerStatus, console: Any = None) -> None:
         _print_pool(console, p, status.at)
     d = status.driver
     colour = "green" if d.ok else "red"
-    console.print(f"driver [bold]{d.name}[/bold]: [{colour}]{'ok' if d.ok else 'CANNOT ACT'}[/{colour}] — {d.message}")
+    console.print(f"driver [bold]{escape(d.name)}[/bold]: [{colour}]{'ok' if d.ok else 'CANNOT ACT'}[/{colour}]"
+                  f" — {escape(d.message)}")
     if d.errors:
-        console.print("  errors: " + ", ".join(f"{reason} ×{n}" for reason, n in sorted(d.errors.items())))
+        console.print("  errors: " + ", ".join(f"{reason} ×{n}" for reason, n in sorted(d.errors.items())),
+                      markup=False)
     if d.last_error and d.last_error != d.message:
-        console.print(f"  last error at {_clock(d.last_error_at)}: {d.last_error}")
+        console.print(f"  last error at {_clock(d.last_error_at)}: {d.last_error}", markup=False)
 
 
 def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
-    console.print(f"\n[bold]{p.pool}[/bold]: {p.last_reason}")
+    console.print(f"\n[bold]{escape(p.pool)}[/bold]: {escape(p.last_reason)}")
     if p.signals is not None:
         s = p.signals
         signals = Table(show_header=True, box=None, pad_edge=False)
@@ -161,7 +165,8 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
         left = drain.deadline - now
         console.print(
             f"  draining {drain.worker_id}: since {_clock(drain.issued_at)}, {drain.in_flight} in flight when asked, "
-            f"{'acknowledged' if drain.acknowledged else 'NOT acknowledged'}, forced stop in {max(0.0, left):,.0f} s"
+            f"{'acknowledged' if drain.acknowledged else 'NOT acknowledged'}, forced stop in {max(0.0, left):,.0f} s",
+            markup=False,
         )
     if p.decisions:
         decisions = Table(title="recent decisions", title_justify="left")
@@ -170,7 +175,7 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
         for r in p.decisions:
             colour = {"scale_up": "green", "scale_down": "yellow"}.get(r.action, "")
             action = f"[{colour}]{r.action}[/{colour}]" if colour else r.action
-            decisions.add_row(_clock(r.at), action, f"{r.current} → {r.desired}", r.reason, r.outcome)
+            decisions.add_row(_clock(r.at), action, f"{r.current} → {r.desired}", plain(r.reason), plain(r.outcome))
         print_table(console, decisions)
 
 
@@ -182,7 +187,7 @@ def _print_workers(console: Any, views: list[WorkerView], title: str) -> None:
         workers.add_column(column, justify="left" if column in ("worker", "state") else "right")
     for w in views:
         workers.add_row(
-            w.worker_id, w.state, str(w.running), str(w.waiting), _num(w.running_tokens), _num(w.queued_prefill_tokens),
+            plain(w.worker_id), plain(w.state), str(w.running), str(w.waiting), _num(w.running_tokens), _num(w.queued_prefill_tokens),
             f"{w.kv_usage:.0%}", f"{w.gauge_age_s:.1f} s" if w.gauge_age_s is not None else "-",
             "yes" if w.managed else "",
         )

@@ -85,6 +85,8 @@ def _statuses(by_status: dict[str, int]) -> str:
 def render(report: UsageReport) -> Any:
     from rich.table import Table
 
+    from ops.console import plain
+
     headers = {"org": "org", "key": "key", "model": "model", "tier": "tier", "worker": "worker", "status": "status",
                "hour": "hour (UTC)", "day": "day (UTC)"}
     fields = {"org": "org", "key": "key_id", "model": "model", "tier": "tier", "worker": "worker_id",
@@ -107,7 +109,7 @@ def render(report: UsageReport) -> Any:
             dim = getattr(row, fields[name])
             if name in ("hour", "day"):
                 dim = _when(dim)[: 10 if name == "day" else 16]
-            dims.append("" if dim is None else str(dim) or "-")
+            dims.append("" if dim is None else plain(str(dim) or "-"))
         table.add_row(*dims, f"{row.requests:,}", f"{row.prompt_tokens:,}", f"{row.cached_tokens:,}",
                       f"{row.completion_tokens:,}", _spend(row), _statuses(row.by_status))
     return table

@@ -1,0 +1,56 @@
+"""What the CLI prints of stored or user-given text: never read as rich markup (an org
+``acme[/]`` crashed ``keys list`` for every operator; ``[red]evil`` printed as ``evil`` in a
+billing report), and a reader that goes away stops a command quietly."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from ops.adapters import adapters_table
+from ops.console import print_table
+from ops.keys import keys_table
+from ops.status import _print_workers
+from ops.usage import render
+from proto import AdapterRecord, ApiKeyRecord
+from proto.autoscaler import WorkerView
+from proto.metering import UsageReport, UsageRow
+
+HOSTILE = ["acme[/]", "[red]evil", "team [/] x", "[bold]"]
+
+
+def shown(print_into: object) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    print_into(console)  # type: ignore[operator]
+    return out.getvalue()
+
+
+def test_keys_usage_adapters_and_workers_print_names_as_written() -> None:
+    keys = [ApiKeyRecord(key_id=f"{i:012x}", key_hash="h", org=org, name=org, tier="standard", created_at=1.0)
+            for i, org in enumerate(HOSTILE)]
+    text = shown(lambda c: print_table(c, keys_table(keys)))
+    usage = UsageReport(rows=[UsageRow(org=org, requests=1) for org in HOSTILE], group_by=["org"])
+    text += shown(lambda c: print_table(c, render(usage)))
+    adapters = [AdapterRecord(name="a", base="b", path=f"/x/{org}", rank=8, size_bytes=1, created_at=1.0)
+                for org in HOSTILE]
+    text += shown(lambda c: print_table(c, adapters_table(adapters)))
+    text += shown(lambda c: _print_workers(c, [WorkerView(worker_id=org, state="ready") for org in HOSTILE], "w"))
+    for value in HOSTILE:
+        assert text.count(value) >= 4, (value, text)
+
+
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path) -> None:
+    """``meshserve plan --json | head -1``: the reader closes its end; the command stops
+    as one killed by SIGPIPE would (141), with no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "plan", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes a byte
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
