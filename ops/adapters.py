@@ -157,7 +157,7 @@ async def _run(args: argparse.Namespace, found: tuple[Path, int, int] | None) ->
                 return 0
             if not records:
                 console.print("no LoRA adapters in this mesh: `meshserve adapters add NAME --base MODEL --path DIR` "
-                              "registers one", markup=False)
+                              "registers one", markup=False, soft_wrap=True)
                 return 0
             print_table(console, adapters_table(records))
             return 0

@@ -199,7 +199,8 @@ async def _run(args: argparse.Namespace, key_id: str) -> int:
                 print()
                 return 0
             if not records and not unreadable:
-                console.print("no API keys in this mesh: `meshserve keys create --org ORG` makes one", markup=False)
+                console.print("no API keys in this mesh: `meshserve keys create --org ORG` makes one", markup=False,
+                              soft_wrap=True)
                 return 0
             print_table(console, keys_table(records, unreadable))
             return 0

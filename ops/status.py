@@ -74,7 +74,7 @@ def run_status(args: argparse.Namespace) -> int:
             from rich.console import Console
 
             console = Console()
-            console.print("no autoscaler on this mesh: the workers, from the registry and their gauges")
+            console.print("no autoscaler on this mesh: the workers, from the registry and their gauges", soft_wrap=True)
             _print_workers(console, status, "workers")
         return 0
     if args.json:
@@ -133,19 +133,19 @@ def print_status(status: AutoscalerStatus, console: Any = None) -> None:
     d = status.driver
     colour = "green" if d.ok else "red"
     console.print(f"driver [bold]{escape(d.name)}[/bold]: [{colour}]{'ok' if d.ok else 'CANNOT ACT'}[/{colour}]"
-                  f" — {escape(d.message)}")
+                  f" — {escape(d.message)}", soft_wrap=True)
     if d.errors:
         console.print("  errors: " + ", ".join(f"{reason} ×{n}" for reason, n in sorted(d.errors.items())),
-                      markup=False)
+                      markup=False, soft_wrap=True)
     if d.last_error and d.last_error != d.message:
-        console.print(f"  last error at {_clock(d.last_error_at)}: {d.last_error}", markup=False)
+        console.print(f"  last error at {_clock(d.last_error_at)}: {d.last_error}", markup=False, soft_wrap=True)
 
 
 def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console.print(f"\n[bold]{escape(p.pool)}[/bold]: {escape(p.last_reason)}")
+    console.print(f"\n[bold]{escape(p.pool)}[/bold]: {escape(p.last_reason)}", soft_wrap=True)
     if p.signals is not None:
         s = p.signals
         signals = Table(show_header=True, box=None, pad_edge=False)
@@ -166,7 +166,7 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
         console.print(
             f"  draining {drain.worker_id}: since {_clock(drain.issued_at)}, {drain.in_flight} in flight when asked, "
             f"{'acknowledged' if drain.acknowledged else 'NOT acknowledged'}, forced stop in {max(0.0, left):,.0f} s",
-            markup=False,
+            markup=False, soft_wrap=True,
         )
     if p.decisions:
         decisions = Table(title="recent decisions", title_justify="left")

@@ -146,5 +146,6 @@ def run_usage(args: argparse.Namespace) -> int:
     print_table(Console(), render(report))
     if report.truncated:
         Console(stderr=True).print(
-            f"[yellow]more groups matched than --limit {query.limit}; showing the first {len(report.rows)}[/yellow]")
+            f"[yellow]more groups matched than --limit {query.limit}; showing the first {len(report.rows)}[/yellow]",
+            soft_wrap=True)
     return 0

@@ -54,3 +54,19 @@ def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_status_prose_keeps_its_lines_when_piped() -> None:
+    """A pipe is an 80-column console to rich: a reason or a driver message wrapped there
+    (``logs in \\n/path``) breaks grep and copy-paste; tables keep their own layout."""
+    from ops.status import print_status
+    from proto.autoscaler import AutoscalerStatus, DriverInfo, PoolStatus
+
+    long = "workers start as local processes; logs in /very/long/state/directory/of/this/mesh/logs/worker-17.log"
+    status = AutoscalerStatus(instance_id="a", at=1.0, tick_s=1.0, driver=DriverInfo(name="local", ok=True, message=long),
+                              pools=[PoolStatus(pool="[p]", min_replicas=0, max_replicas=2, last_reason=long)])
+    out = io.StringIO()
+    print_status(status, Console(file=out, width=80))
+    lines = out.getvalue().splitlines()
+    assert any(line.endswith(long) and line.startswith("driver local") for line in lines), lines
+    assert f"[p]: {long}" in lines, lines
