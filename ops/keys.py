@@ -136,13 +136,14 @@ def add_parser(subparsers: Any) -> None:
         description="Create a key and print it once (on stdout; the key id goes to stderr). Refused, exit 2 and "
                     "nothing stored: a limit below 1, a tier admission does not define, a --model no registered "
                     "worker serves (unless --allow-unknown-model).")
-    create.add_argument("--org", required=True)
+    create.add_argument("--org", required=True,
+                        help="the organisation the key bills to (usage is reported and limited per org)")
     create.add_argument("--tier", default="standard",
                         help=f"an admission tier: {default_tiers} unless admission runs with its own "
                              "(see --admission-config)")
     create.add_argument("--admission-config", default=None, metavar="FILE",
                         help="admission's config file (JSON or TOML), when it defines its own tiers")
-    create.add_argument("--name", default="")
+    create.add_argument("--name", default="", help="a label for people (keys list shows it)")
     create.add_argument("--rpm", type=int, default=None, help="requests per minute, ≥ 1 (none: unlimited)")
     create.add_argument("--tpm", type=int, default=None, help="tokens per minute, ≥ 1 (none: unlimited)")
     create.add_argument("--model", action="append", default=[],

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bus import Bus
 
 from services.common.cli_types import add_nats_url_argument, positive_int, positive_seconds, subject_root
 from services.common.tokenizer import (
@@ -68,7 +70,7 @@ def add_parser(subparsers: Any) -> None:
     add_nats_url_argument(export)
     export.add_argument("--root", type=subject_root, default=None, help="subject root (env MESHSERVE_ROOT)")
     export.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds to wait for the mesh")
-    export.set_defaults(func=run_export)
+    export.set_defaults(func=run_export, cli_prog="meshserve tokenizer export")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -92,50 +94,47 @@ def run_export(args: argparse.Namespace) -> int:
 
 async def lookup(model: str, timeout: float) -> tuple[str, int]:
     """(tokenizer spec, max_model_len or 0) of ``model``, from the workers serving it."""
-    from bus import Bus, BusSettings, tokenizers
+    from ops.console import CliError, mesh_bus
+
+    try:
+        async with asyncio.timeout(timeout), mesh_bus("meshserve-tokenizer", initial_attempts=2) as bus:
+            return await _lookup(bus, model)
+    except CliError as exc:  # NATS unreachable: said as every command says it, and the way round it
+        raise CliError(f"{exc.message}; or pass --tokenizer byte (the sim models) or --tokenizer DIR",
+                       exc.exit_code) from None
+    except TimeoutError:
+        raise CliError(f"the mesh did not answer within {timeout:g} s (--timeout) looking up {model!r}") from None
+
+
+async def _lookup(bus: Bus, model: str) -> tuple[str, int]:
+    from bus import tokenizers
     from bus.keys import AdapterStore
     from bus.registry import WorkerRegistry
-    from proto.errors import MeshError
     from services.gateway.models import model_max_len, tokenizer_source
 
-    settings = BusSettings.from_env()
-    client_log = logging.getLogger("bus.client")
-    level = client_log.level
-    client_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line that matters
+    registry = WorkerRegistry(bus)
+    await registry.start()
     try:
-        bus = await asyncio.wait_for(Bus.open(settings, "meshserve-tokenizer", initial_attempts=2), timeout)
-    except (MeshError, OSError, TimeoutError) as exc:
-        raise ExportError(f"cannot reach the mesh at {','.join(settings.servers)} to look up {model!r} "
-                          f"({str(exc) or type(exc).__name__}); pass --tokenizer byte for the sim models, or "
-                          "--tokenizer DIR") from None
+        served = registry.models()
     finally:
-        client_log.setLevel(level)
-    try:
-        registry = WorkerRegistry(bus)
-        await registry.start()
+        await registry.stop()
+    workers = served.get(model)
+    if not workers:  # a LoRA adapter: its base model's tokenizer
+        adapter = next((a for a in await (await AdapterStore(bus).open()).list() if a.name == model), None)
+        workers = served.get(adapter.base) if adapter is not None else None
+    if not workers:
+        names = ", ".join(sorted(served)) or "none"
+        raise ExportError(f"no worker serves {model!r} (served: {names}); pass --tokenizer byte|DIR for a model "
+                          "not running now")
+    source = tokenizer_source(workers)
+    first = workers[0]
+    if first.tokenizer_digest and source and source != "byte" and not tokenizers.readable_dir(source):
+        # The workers' directory is on their hosts: the copy they stored on the bus.
         try:
-            served = registry.models()
-        finally:
-            await registry.stop()
-        workers = served.get(model)
-        if not workers:  # a LoRA adapter: its base model's tokenizer
-            adapter = next((a for a in await (await AdapterStore(bus).open()).list() if a.name == model), None)
-            workers = served.get(adapter.base) if adapter is not None else None
-        if not workers:
-            names = ", ".join(sorted(served)) or "none"
-            raise ExportError(f"no worker serves {model!r} (served: {names}); pass --tokenizer byte|DIR for a model "
-                              "not running now")
-        source = tokenizer_source(workers)
-        first = workers[0]
-        if first.tokenizer_digest and source and source != "byte" and not tokenizers.readable_dir(source):
-            # The workers' directory is on their hosts: the copy they stored on the bus.
-            try:
-                source = str(await tokenizers.fetch(bus.js, bus.subjects, first.tokenizer_digest))
-            except Exception as exc:
-                raise ExportError(f"cannot fetch {model!r}'s tokenizer from {bus.subjects.tokenizers_bucket}: "
-                                  f"{str(exc) or type(exc).__name__}") from None
-    finally:
-        await bus.close()
+            source = str(await tokenizers.fetch(bus.js, bus.subjects, first.tokenizer_digest))
+        except Exception as exc:
+            raise ExportError(f"cannot fetch {model!r}'s tokenizer from {bus.subjects.tokenizers_bucket}: "
+                              f"{str(exc) or type(exc).__name__}") from None
     assert source is not None
     return source, model_max_len(workers)
 
