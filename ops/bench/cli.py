@@ -13,6 +13,7 @@ from ops.bench.arrivals import KINDS as ARRIVAL_KINDS
 from ops.bench.config import WORKLOADS, BenchConfig, EndpointConfig, WorkloadConfig, default_api_key
 from ops.bench.results import SLOSpec
 from ops.bench.workload import MAX_LENGTH, LengthDist
+from ops.console import EXIT_FAILURE, EXIT_USAGE, CliError
 from services.common.cli_types import (
     count,
     fraction,
@@ -94,7 +95,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--target", action="append", default=[], metavar="[LABEL=]URL",
                    help="http(s)://host:port/v1 (OpenAI-compatible) or nats://host:port (meshserve); "
                         "repeat to compare endpoints on the same arrivals")
-    g.add_argument("--api", choices=("chat", "completions"), default="chat")
+    g.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="which API to load: chat (/chat/completions, messages) or completions "
+                        "(/completions, a prompt) (default chat)")
     g.add_argument("--model", help="model name (default: the HTTP target's first /models entry)")
     g.add_argument("--api-key", default=None,
                    help="sent as Authorization: Bearer (default: $MESHSERVE_API_KEY or $OPENAI_API_KEY)")
@@ -114,15 +117,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("-n", "--num-requests", type=positive_int, default=None,
                    help="requests per run (default 100 unless --duration is given)")
     g.add_argument("--duration", type=positive_seconds, default=None, help="seconds of sending per run")
-    g.add_argument("--request-timeout", type=positive_seconds, default=300.0)
+    g.add_argument("--request-timeout", type=positive_seconds, default=300.0, metavar="S",
+                   help="a request not ended after this many seconds counts as failed (timeout) "
+                        "(default 300)")
     g.add_argument("--drain-timeout", type=non_negative_seconds, default=None,
                    help="after the last arrival, wait this long for in-flight requests (default: request timeout + 1 s)")
     g.add_argument("--warmup", type=count, default=0, help="unmeasured requests per endpoint first")
     g.add_argument("--cooldown", type=non_negative_seconds, default=0.0, help="pause between runs (s)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the arrivals and prompts: the same seed sends the same load (default 0)")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOADS, default="random")
+    g.add_argument("--workload", choices=WORKLOADS, default=None,
+                   help="what the requests ask for: random prompts, shared-prefix groups, multi-turn "
+                        "sessions, or a replayed --trace (default random; trace when --trace is given)")
     g.add_argument("--input-tokens", type=token_dist, default="512", metavar="DIST",
                    help="prompt tokens (shared-prefix: the distinct suffix; multi-turn: each user message)")
     g.add_argument("--output-tokens", type=token_dist, default="128", metavar="DIST", help="max_tokens (with ignore_eos)")
@@ -134,9 +142,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--think-time", type=time_dist, default="0", metavar="DIST", help="multi-turn: s between turns")
     g.add_argument("--history", choices=("synthetic", "actual"), default="synthetic",
                    help="multi-turn: resend synthetic replies (exact lengths) or the real ones")
-    g.add_argument("--trace", help="JSONL trace: timestamp, input_tokens|text, output_tokens")
-    g.add_argument("--trace-time-unit", choices=("s", "ms", "us"), default="s")
-    g.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per trace hash_id block")
+    g.add_argument("--trace", metavar="FILE",
+                   help="JSONL trace to replay (implies --workload trace): timestamp, input_tokens|text, "
+                        "output_tokens")
+    g.add_argument("--trace-time-unit", choices=("s", "ms", "us"), default="s",
+                   help="unit of the trace's timestamps (default s)")
+    g.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per trace hash_id block (default 512)")
     g.add_argument("--tokenizer", default="byte",
                    help="'byte' (meshserve sim) or a local HF tokenizer directory; prompt lengths are exact in it")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -155,8 +166,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, metavar="DIR", help="write results.json (raw timings) and PNG plots")
     g.add_argument("--label", default="", help="name of this result in --compare views")
-    g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-plots", action="store_true", help="with --out, write results.json but no PNG plots")
+    g.add_argument("--no-progress", action="store_true", help="draw no progress bar on stderr")
     g.add_argument("--compare", nargs="+", metavar="RESULT.json",
                    help="show two or more result files side by side with ratios (no load is sent)")
     g.add_argument("--json", action="store_true",
@@ -172,13 +183,22 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     api_key = args.api_key if args.api_key is not None else default_api_key()
     endpoints = [EndpointConfig.parse(spec, api=args.api, model=args.model, api_key=api_key, root=args.root)
                  for spec in args.target]
+    kind = args.workload
+    if args.trace and kind not in (None, "trace"):
+        raise ValueError(f"--trace replays a trace: it goes with --workload trace, not --workload {kind} "
+                         "(leave --workload out, or drop --trace)")
+    if kind is None:
+        kind = "trace" if args.trace else "random"
     workload = WorkloadConfig(
-        kind=args.workload, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        kind=kind, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens, turns=args.turns,
         think_time=args.think_time, history=args.history, trace=args.trace,
         trace_time_unit=args.trace_time_unit, trace_block_size=args.trace_block_size,
         tokenizer=args.tokenizer)
-    extra = json.loads(args.extra_body) if args.extra_body else {}
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body: not JSON ({exc})") from None
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     num = args.num_requests
@@ -196,81 +216,111 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the command; an expected failure is one plain line on stderr, ``meshserve bench:
+    <message>``, and its exit code (2 bad input, 1 a failure at run time), never a traceback.
+
+    The line is printed here, not left to ``ops.cli.main``, so a caller that runs ``func``
+    itself gets the exit code; and it is printed plainly, not through rich, whose markup
+    parser would read a ``[`` in a path or URL as a tag (and crash on ``[/]``).
+    """
+    try:
+        return _main(args)
+    except CliError as exc:
+        print(f"meshserve bench: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _out_dir(spec: str) -> Path:
+    out = Path(spec)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {spec}: is not a directory", EXIT_USAGE)
+    # Made before the run: a path that cannot be a directory failed only after it, and
+    # the results were lost.
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"--out {spec}: {exc.strerror or exc}", EXIT_USAGE) from None
+    return out
+
+
+def _load_results(paths: list[str]) -> list[Any]:
+    from ops.bench.results import load_result
+
+    if len(paths) < 2:
+        raise CliError("--compare needs two or more result files", EXIT_USAGE)
+    results = []
+    for path in paths:
+        try:
+            result = load_result(path)
+        except OSError as exc:
+            raise CliError(f"--compare {path}: {exc.strerror or exc}", EXIT_USAGE) from None
+        except ValueError as exc:
+            raise CliError(f"--compare {path}: cannot read results: {exc}", EXIT_USAGE) from None
+        if not result.runs:
+            raise CliError(f"--compare {path}: no runs in it", EXIT_USAGE)
+        results.append(result)
+    return results
+
+
+def _main(args: argparse.Namespace) -> int:
     import msgspec
     from rich.console import Console
+    from rich.markup import escape
 
     from ops.bench.report import compare_rows, render, render_compare
-    from ops.bench.results import load_result, save_result
+    from ops.bench.results import save_result
 
     console = Console()
     err = Console(stderr=True)
-    if args.out:
-        # Made before the run: a path that cannot be a directory failed only after it, and
-        # the results were lost.
-        try:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            err.print(f"[red]meshserve bench: --out {args.out}: {exc.strerror or exc}[/]")
-            return 2
+    out = _out_dir(args.out) if args.out else None
     if args.trace and not Path(args.trace).is_file():
-        err.print(f"[red]meshserve bench: --trace {args.trace}: not a readable file[/]")
-        return 2
+        raise CliError(f"--trace {args.trace}: not a readable file", EXIT_USAGE)
     if args.compare:
-        if len(args.compare) < 2:
-            err.print("[red]--compare needs two or more result files[/]")
-            return 2
-        try:
-            results = [load_result(p) for p in args.compare]
-        except (OSError, ValueError) as exc:
-            err.print(f"[red]cannot read results: {exc}[/]")
-            return 2
+        results = _load_results(args.compare)
         if args.json:
             json.dump({"results": [r.label for r in results], "rows": compare_rows(results)}, sys.stdout, indent=2)
             print()
         else:
             render_compare(results, console)
-        if args.out and not args.no_plots:
+        if out is not None and not args.no_plots:
             from ops.bench.plots import write_plots
 
-            paths = write_plots(results, args.out, prefix="compare_")
-            (err if args.json else console).print("plots: " + ", ".join(str(p) for p in paths))
+            paths = write_plots(results, out, prefix="compare_")
+            (err if args.json else console).print("plots: " + escape(", ".join(str(p) for p in paths)), soft_wrap=True)
         return 0
     try:
         config = config_from_args(args)
     except (ValueError, json.JSONDecodeError) as exc:
-        err.print(f"[red]meshserve bench: {exc}[/]")
-        return 2
+        raise CliError(str(exc), EXIT_USAGE) from None
     from ops.bench.runner import run_bench, run_loop
 
     try:
         result = run_loop(run_bench(config, console=err))
-    except (ValueError, ConnectionError) as exc:
-        err.print(f"[red]meshserve bench: {exc}[/]")
-        return 2
+    except ConnectionError as exc:  # a target that cannot be reached: a failure at run time
+        raise CliError(str(exc), EXIT_FAILURE) from None
+    except ValueError as exc:  # the workload, the trace, the tokenizer, no model
+        raise CliError(str(exc), EXIT_USAGE) from None
     except KeyboardInterrupt:
-        err.print("[red]interrupted[/]")
+        print("meshserve bench: interrupted", file=sys.stderr)
         return 130
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(result)).decode() + "\n")
     else:
         render(result, console)
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         path = save_result(result, out / "results.json")
-        (err if args.json else console).print(f"results: {path}")
+        (err if args.json else console).print(f"results: {escape(str(path))}", soft_wrap=True)  # a path whole, on one line
         if not args.no_plots:
             from ops.bench.plots import write_plots
 
             paths = write_plots([result], out)
-            (err if args.json else console).print("plots: " + ", ".join(str(p) for p in paths))
+            (err if args.json else console).print("plots: " + escape(", ".join(str(p) for p in paths)), soft_wrap=True)
     if not any(r.summary.ok for r in result.runs):
-        err.print("[red]no request succeeded[/]")
-        return 1
+        raise CliError("no request succeeded", EXIT_FAILURE)
     return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    parser = argparse.ArgumentParser(prog="meshserve")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(["bench", *sys.argv[1:]])
-    sys.exit(ns.func(ns))
+    from ops.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -50,7 +51,7 @@ def latency_table(result: BenchResult) -> Table:
             t.add_column(f"{metric_name}\n{stat}", justify="right")
     for r in result.runs:
         s = r.summary
-        t.add_row(r.endpoint, r.load,
+        t.add_row(Text(r.endpoint), Text(r.load),
                   _ms(s.ttft_ms.mean), _ms(s.ttft_ms.p50), _ms(s.ttft_ms.p90), _ms(s.ttft_ms.p99),
                   _ms(s.tpot_ms.mean), _ms(s.tpot_ms.p50), _ms(s.tpot_ms.p90), _ms(s.tpot_ms.p99),
                   _ms(s.itl_ms.p50), _ms(s.itl_ms.p99), _ms(s.e2e_ms.p50), _ms(s.e2e_ms.p99))
@@ -74,7 +75,8 @@ def throughput_table(result: BenchResult) -> Table:
     for r in result.runs:
         s = r.summary
         errors = ", ".join(f"{k}:{v}" for k, v in s.errors.items()) or "0"
-        row = [r.endpoint, r.load, str(s.requests), str(s.ok), errors, _num(s.offered_rate),
+        row: list[str | Text] = [Text(r.endpoint), Text(r.load), str(s.requests), str(s.ok), Text(errors),
+                                 _num(s.offered_rate),
                _num(s.request_throughput), _num(s.input_token_throughput, "{:.0f}"),
                _num(s.output_token_throughput, "{:.0f}")]
         if slo.active:
@@ -119,7 +121,7 @@ def queueing_picture(result: BenchResult, width: int = 40) -> Table | None:
             bar = Text("█" * n, style=style)
             if knee is not None and r.load_value == knee:
                 bar.append(" ◀ knee", style="bold")
-            t.add_row(ep, r.load, _num(s.request_throughput),
+            t.add_row(Text(ep), Text(r.load), _num(s.request_throughput),
                       f"{_ms(s.ttft_ms.p50)}/{_ms(s.ttft_ms.p99)}",
                       f"{_ms(s.tpot_ms.p50)}/{_ms(s.tpot_ms.p99)}", bar)
     return t
@@ -139,13 +141,14 @@ def render(result: BenchResult, console: Console) -> None:
             sessions = any("sessions/s" in r.load for r in result.runs if r.endpoint == ep)
             unit = ("concurrent requests (closed loop)" if closed else
                     "sessions/s" if sessions else "req/s")
-            console.print(f"[bold]{ep}[/]: goodput knee " +
+            console.print(f"[bold]{escape(ep)}[/]: goodput knee " +
                           (f"[green]{knee:g} {unit}[/]" if knee is not None else
                            "[red]none — the SLO fails at the lowest load[/]"))
     warnings = [f"{r.endpoint} · {r.load}: {w}" for r in result.runs for w in r.warnings]
     if warnings:
         style = "red" if result.lagged else "yellow"
-        console.print(Panel("\n".join(warnings), title="warnings", border_style=style))
+        # Text, not markup: the warnings carry labels and the target's own error messages.
+        console.print(Panel(Text("\n".join(warnings)), title="warnings", border_style=style))
     if result.lagged:
         console.print("[bold red]WARNING: the load generator lagged in at least one run; "
                       "its latencies are not trustworthy. Use fewer rates per process, a faster "
@@ -232,11 +235,11 @@ def compare_table(results: Sequence[BenchResult]) -> Table:
     """Runs matched by load (mode and rate/concurrency); ratios against the first series."""
     ser = series(results)
     base_name = ser[0].name
-    t = Table(title=f"Comparison (ratios against {base_name}; ▲ better, ▼ worse)", title_justify="left")
+    t = Table(title=Text(f"Comparison (ratios against {base_name}; ▲ better, ▼ worse)"), title_justify="left")
     t.add_column("load", no_wrap=True)
     t.add_column("metric", no_wrap=True)
     for i, sr in enumerate(ser):
-        t.add_column(sr.name, justify="right")
+        t.add_column(Text(sr.name), justify="right")
         if i:
             t.add_column("ratio", justify="right")
     rows = compare_rows(results)
@@ -244,7 +247,7 @@ def compare_table(results: Sequence[BenchResult]) -> Table:
         first = n == 0 or rows[n - 1]["load"] != row["load"]
         last = n == len(rows) - 1 or rows[n + 1]["load"] != row["load"]
         # Every row names its load (dim after the first): a narrow terminal shows rows apart.
-        cells = [row["load"] if first else f"[dim]{row['load']}[/]", row["metric"]]
+        cells: list[str | Text] = [Text(row["load"], style="" if first else "dim"), row["metric"]]
         path = row["path"]
         for i, val in enumerate(row["values"].values()):
             cells.append("—" if val is None else f"{val:.1%}" if path == "slo_attainment" else
@@ -271,9 +274,9 @@ def render_compare(results: Sequence[BenchResult], console: Console) -> None:
         if res.knees:
             knees = ", ".join(f"{ep}: {k:g}" if k is not None else f"{ep}: none"
                               for ep, k in res.knees.items())
-            console.print(f"[bold]{res.label}[/] goodput knee ({res.slo.describe()}): {knees}")
+            console.print(f"[bold]{escape(res.label)}[/] goodput knee ({res.slo.describe()}): {escape(knees)}")
         if res.lagged:
-            console.print(f"[bold red]WARNING: {res.label}: the load generator lagged; "
+            console.print(f"[bold red]WARNING: {escape(res.label)}: the load generator lagged; "
                           "treat its latencies with suspicion[/]")
     workloads = {str(res.meta.get("workload")) for res in results}
     if len(workloads) > 1:

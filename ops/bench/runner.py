@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.markup import escape
 
 from ops.bench.arrivals import ArrivalProcess, scale_trace
 from ops.bench.bodies import build_body
@@ -36,7 +37,7 @@ from ops.bench.results import (
 )
 from ops.bench.stats import client_health, find_knee, fmt_load, summarize
 from ops.bench.stream import StreamAccumulator
-from ops.bench.targets import Target, make_target
+from ops.bench.targets import KEY_REFUSED, PASS_KEY, Target, make_target
 from ops.bench.workload import Session, TextFactory, TraceWorkload, Workload
 
 _ARRIVAL_SEED_TAG = 99
@@ -300,7 +301,7 @@ def _meta() -> dict[str, Any]:
             "numpy": np.__version__, "tool": "meshserve bench"}
 
 
-def _warnings(run: RunResult) -> list[str]:
+def _warnings(run: RunResult, api_key: str | None = None) -> list[str]:
     s, out = run.summary, []
     if run.client.lagged:
         out.append("client lagged (" + "; ".join(run.client.reasons) +
@@ -308,7 +309,14 @@ def _warnings(run: RunResult) -> list[str]:
     failed = s.requests - s.ok
     if failed:
         kinds = ", ".join(f"{k}×{v}" for k, v in s.errors.items())
-        out.append(f"{failed}/{s.requests} requests failed ({kinds})")
+        first: dict[str, str] = {}  # the first message the target gave for each status
+        for r in run.requests:
+            if r.status != STATUS_OK and r.error and r.status not in first:
+                first[r.status] = r.error if len(r.error) <= 300 else r.error[:299] + "…"
+        why = "".join(f"; {status}: {message}" for status, message in first.items())
+        out.append(f"{failed}/{s.requests} requests failed ({kinds}){why}")
+        if any(r.http_status in (401, 403) for r in run.requests):
+            out.append(KEY_REFUSED if api_key else PASS_KEY)
     if s.output_len_mismatch:
         out.append(f"{s.output_len_mismatch} ok requests returned a different output length than "
                    "max_tokens (does the target honour ignore_eos?)")
@@ -358,11 +366,16 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
     try:
         models: dict[str, str] = {}
         for target in targets:
+            ep = target.endpoint
+            where = f"{ep.label}: " if ep.label != ep.url else ""
             try:
                 await target.start()
+            except ValueError as exc:  # it refused what it was given (the API key)
+                raise ValueError(f"{where}{exc}") from exc
+            except ConnectionError as exc:  # said in full by the target
+                raise ConnectionError(f"{where}{exc}") from exc
             except Exception as exc:  # nats.connect raises its own families
-                raise ConnectionError(f"{target.endpoint.label}: cannot connect: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                raise ConnectionError(f"{where}cannot connect: {type(exc).__name__}: {exc}") from exc
             model = target.endpoint.model or await target.discover_model()
             if model is None:
                 other = next((m for m in models.values()), None)
@@ -427,7 +440,8 @@ async def _one_run(config: BenchConfig, target: Target, model: str, text: TextFa
     total = planned_turns(plan)
     task_id = None
     if progress is not None:
-        task_id = progress.add_task(f"{ep.label} · {label}", total=total, errors=0, inflight=0)
+        # The column parses its text as markup: a label is the user's, "x[/]" is no tag.
+        task_id = progress.add_task(escape(f"{ep.label} · {label}"), total=total, errors=0, inflight=0)
     run = _Run(config, target, model, text, plan, progress, task_id, concurrency=conc or 1)
     records, wall, lags, cpu, _ = await run.execute()
     send_late = [max(0.0, r.sent_s - r.scheduled_s) for r in records]
@@ -436,7 +450,7 @@ async def _one_run(config: BenchConfig, target: Target, model: str, text: TextFa
                     rate=None if rate is None or math.isinf(rate) else rate,
                     concurrency=conc, load=label, summary=summarize(records, config.slo),
                     client=health, requests=records)
-    out.warnings = _warnings(out)
+    out.warnings = _warnings(out, ep.api_key)
     return out
 
 

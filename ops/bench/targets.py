@@ -177,13 +177,34 @@ class NatsTarget:
         self._seq = itertools.count()
         self._handlers: dict[str, Callable[[float, Any], None]] = {}
         self._headers = _auth_headers(endpoint)
+        self._cancel_subject = subjects.api_cancel
+        self.errors: list[Exception] = []  # what nats-py reported asynchronously
+
+    async def _on_error(self, exc: Exception) -> None:
+        # nats-py's default logs every error with its traceback (4 of them for one refused
+        # connect); the bench reports the outcome once, and failed requests as such.
+        self.errors.append(exc)
 
     async def start(self) -> None:
         import nats
 
-        self._nc = await nats.connect(self.endpoint.url, name="meshserve-bench",
-                                      max_reconnect_attempts=3, reconnect_time_wait=0.5,
-                                      connect_timeout=10)
+        from ops.console import unreachable_servers
+        from services.common.cli_types import shown_nats_url
+
+        hint = "(is the mesh up? `meshserve up` starts it)"
+        # nats-py retries a refused connection until its connect timeout: say it at once.
+        unreachable = await unreachable_servers([self.endpoint.url], timeout_s=10)
+        if unreachable:
+            raise ConnectionError(f"cannot reach NATS at {unreachable[0]} {hint}")
+        try:
+            self._nc = await nats.connect(self.endpoint.url, name="meshserve-bench",
+                                          max_reconnect_attempts=3, reconnect_time_wait=0.5,
+                                          connect_timeout=10, error_cb=self._on_error)
+        except Exception as exc:  # nats-py's own families, OSError, TimeoutError
+            cause = self.errors[-1] if self.errors else exc
+            why = str(cause) or type(cause).__name__
+            raise ConnectionError(f"cannot connect to NATS at {shown_nats_url(self.endpoint.url)}: {why}") from exc
+        await self._check_key()
         self._prefix = self._nc.new_inbox()
         # Generous pending limits: a slow callback must show up as lag, not as drops.
         await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch,
@@ -193,6 +214,29 @@ class NatsTarget:
         if self._nc is not None:
             await self._nc.close()
             self._nc = None
+
+    async def _check_key(self) -> None:
+        """Preflight: ask the gateway to cancel no request. It checks the API key first, so
+        a 401/403 here is the refusal every request would get, said once, before the run.
+        Any other answer (400: no id), or none, leaves it to the requests."""
+        from nats.errors import Error as NatsError
+
+        try:
+            msg = await self._nc.request(self._cancel_subject, b"", timeout=5,
+                                         headers=self._headers or None)
+        except (NatsError, TimeoutError):
+            return
+        headers = msg.headers or {}
+        code = headers.get(HDR_ERROR_CODE)
+        if code not in ("401", "403"):
+            return
+        text = headers.get(HDR_ERROR, "")
+        try:
+            text = error_message(_decode(msg.data))[0] if msg.data else text
+        except msgspec.DecodeError:
+            pass
+        hint = KEY_REFUSED if self.endpoint.api_key else PASS_KEY
+        raise ValueError(f"meshserve's NATS API at {self.endpoint.url} answered {code}: {text}; {hint}")
 
     async def discover_model(self) -> str | None:
         return None

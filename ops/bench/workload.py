@@ -134,11 +134,29 @@ class LengthDist:
 # ---------------------------------------------------------------------------- text
 
 
+def open_tokenizer(spec: str) -> Tokenizer:
+    """``load_tokenizer(spec)``, its failures a ``ValueError`` naming ``--tokenizer`` and
+    what is wrong (the tokenizers library raises a bare ``Exception``)."""
+    if spec in ("", "byte"):
+        return load_tokenizer(spec)
+    path = Path(spec)
+    if not path.is_dir():
+        why = "not a directory" if path.exists() else "no such directory"
+        raise ValueError(f"--tokenizer {spec}: {why} (give 'byte', or a local Hugging Face tokenizer "
+                         "directory holding tokenizer.json)")
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer {spec}: no tokenizer.json in this directory")
+    try:
+        return load_tokenizer(spec)
+    except Exception as exc:  # tokenizers: bare Exception; a bad tokenizer_config.json: ValueError
+        raise ValueError(f"--tokenizer {spec}: cannot load it: {str(exc) or type(exc).__name__}") from None
+
+
 class TextFactory:
     """Makes text of an exact number of tokens for one tokenizer."""
 
     def __init__(self, tokenizer: Tokenizer | str = "byte") -> None:
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer = open_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self._byte = isinstance(self.tokenizer, ByteTokenizer)
 
     @property
@@ -415,6 +433,8 @@ def parse_trace(lines: Iterable[str], time_unit: str = "s") -> list[TraceEntry]:
         if text is not None and not isinstance(text, str):
             raise ValueError(f"trace line {lineno}: text must be a string")
         try:
+            if isinstance(ts, bool) or not math.isfinite(float(ts)):
+                raise ValueError(f"timestamp {ts!r} is not a finite number")
             entry = TraceEntry(
                 timestamp=float(ts) * scale,
                 output_tokens=int(n_out),
@@ -422,18 +442,34 @@ def parse_trace(lines: Iterable[str], time_unit: str = "s") -> list[TraceEntry]:
                 text=text,
                 hash_ids=tuple(int(h) for h in obj.get("hash_ids") or ()),
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # int(inf): OverflowError
             raise ValueError(f"trace line {lineno}: {exc}") from None
         if entry.output_tokens < 1 or (entry.input_tokens is not None and entry.input_tokens < 0):
             raise ValueError(f"trace line {lineno}: token counts must be positive")
+        # Bounded as --input-tokens and --output-tokens are: 1e12 is a typo, and the client
+        # would try to build terabytes of prompt for it.
+        for name, n in (("input", entry.input_tokens), ("output", entry.output_tokens)):
+            if n is not None and n > MAX_LENGTH:
+                raise ValueError(f"trace line {lineno}: {n:,} {name} tokens, more than {MAX_LENGTH:,}, "
+                                 "longer than any model's context")
         out.append(entry)
     out.sort(key=lambda e: e.timestamp)
     return out
 
 
 def load_trace(path: str | Path, time_unit: str = "s") -> list[TraceEntry]:
-    with open(path, encoding="utf-8") as fh:
-        return parse_trace(fh, time_unit)
+    """``parse_trace`` of a file; any problem with it (unreadable, not UTF-8, a bad line,
+    no request at all) is a ``ValueError`` that names the file (``--trace FILE: ...``)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            entries = parse_trace(fh, time_unit)
+    except OSError as exc:
+        raise ValueError(f"--trace {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # UnicodeDecodeError among them
+        raise ValueError(f"--trace {path}: {exc}") from None
+    if not entries:
+        raise ValueError(f"--trace {path}: no requests in it")
+    return entries
 
 
 @dataclass
