@@ -46,7 +46,7 @@ from services.common.cli_types import (
 )
 
 from .console import CliError
-from .tiny_model import PRESETS, ModelShape, add_shape_arguments, shape_from_args
+from .tiny_model import PRESETS, ModelShape, add_shape_arguments, output_file_problem, shape_from_args
 
 COEFFICIENTS = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "per_prefill_seq_s",
                 "per_prefill_step_s")
@@ -412,6 +412,65 @@ def _lengths(text: str) -> tuple[int, ...]:
     return _ints(text, count)
 
 
+def engine_url(text: str) -> str:
+    """``--engine-url``: an http(s) URL with a host (``foo`` was tried as a path, ``foo/v1/models``)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text.strip())
+        parts.port  # noqa: B018 (a port that is no number raises here)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an http(s) URL: {text!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"not an http(s) URL: {text!r} (e.g. http://127.0.0.1:8000)")
+    return text.strip()
+
+
+def missing_measurements(points: Sequence[Point]) -> str:
+    """What a grid lacked when its fit is not a usable step model (a prefill or a decode
+    step of no time): the measurements that would tell the costs apart."""
+    wanted = []
+    if len({p.prefill_tokens for p in points if p.kind == "prefill"}) < 2:
+        wanted.append("prefill chunks of two sizes or more (--prefill-chunks, e.g. 32,128,512)")
+    if len({p.decode_seqs for p in points if p.kind == "decode"}) < 2:
+        wanted.append("decode batches of two sizes or more (--decode-batches, e.g. 1,4,16)")
+    if len({p.kv_tokens for p in points if p.kind == "decode"}) < 2:
+        wanted.append("decode contexts of two lengths or more (--decode-contexts)")
+    return ("; it needs " + " and ".join(wanted)) if wanted else "; measure a larger grid, or more --repeats"
+
+
+def save_profile(profile: dict[str, Any], out: Path, points: Sequence[Point]) -> str | None:
+    """Write ``profile`` to ``out``; the problem the sim's own loader finds in it (then the
+    file holds the measurements but is no profile to run), or None.
+
+    ``out`` was checked before measuring; if writing fails all the same, the profile goes
+    to stdout (the measurements are not lost) and this raises ``CliError``."""
+    from services.worker.engines.sim_profile import profile_from_dict
+
+    text = json.dumps(profile, indent=2) + "\n"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as exc:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        raise CliError(f"cannot write {out}: {exc.strerror or exc}; the profile is printed above on stdout "
+                       "(save it to a file to use it)") from None
+    try:
+        profile_from_dict(profile, where=str(out))
+    except ValueError as exc:
+        return f"{exc}{missing_measurements(points)}"
+    return None
+
+
+def check_out(out: str) -> Path:
+    """``--out``, refused before anything is measured when it cannot be written."""
+    problem = output_file_problem(out)
+    if problem:
+        raise CliError(f"--out {out}: {problem}", exit_code=2)
+    return Path(out)
+
+
 def _csv(values: Sequence[int]) -> str:
     return ",".join(map(str, values))
 
@@ -433,7 +492,7 @@ def add_parser(subparsers: Any) -> None:
     add_shape_arguments(p)
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda, cuda:1, cpu")
     p.add_argument("--kv-cache-dtype", default=None, help="KV cache element type (default: the model dtype)")
-    p.add_argument("--engine-url", default=None,
+    p.add_argument("--engine-url", type=engine_url, default=None,
                    help="measure this running vLLM-compatible server (e.g. http://127.0.0.1:8000) instead of a "
                         "PyTorch forward: its own prefill and decode times, from its /metrics")
     p.add_argument("--prefill-chunks", type=_sizes, default=None,
@@ -474,6 +533,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("prefill_chunks", "prefill_contexts", "decode_batches", "decode_contexts", "repeats"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(grid, name, 5))
+    check_out(args.out)
     if args.engine_url is not None:
         return run_engine(args)
     try:  # before anything is measured, and before torch is looked for
@@ -536,9 +596,10 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len, seconds=time.monotonic() - t_start,
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(profile, indent=2) + "\n")
+    unusable = save_profile(profile, out, points)
     print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in coef.items()))
+    if unusable:
+        raise CliError(f"wrote the measurements to {out}, but they make no usable sim profile: {unusable}")
     for p in profile["intended"]["points"]:
         print(f"  batch {p['batch']:4d}: {p['output_tokens_per_s']:9.1f} output tokens/s, TPOT {p['tpot_ms']:.2f} ms")
     print(f"wrote {out} in {time.monotonic() - t_start:.0f}s (use it with: meshserve serve worker --engine sim "

@@ -48,7 +48,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import random
 import re
 import statistics
@@ -60,7 +59,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from .calibrate import Point, fit, fitted_parts, point_rows, predict
+from .calibrate import Point, fit, fitted_parts, point_rows, predict, save_profile
+from .console import CliError
 
 PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
 PREFILL_COUNT = "vllm:request_prefill_time_seconds_count"
@@ -430,14 +430,15 @@ def run_engine(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, name=args.name, input_len=args.input_len,
             output_len=args.output_len, seed=args.seed))
     except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:
-        print(f"meshserve calibrate: {args.engine_url}: {exc}")
-        return 1
+        raise CliError(f"{args.engine_url}: {exc or type(exc).__name__}") from None
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(profile, indent=2) + "\n")
     cal = profile["calibration"]
+    points = [Point(**{k: v for k, v in row.items() if k != "predicted"}) for row in cal["points"]]
+    unusable = save_profile(profile, out, points)
     print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in profile["step"].items())
           + f" (fit error median {cal['fit_error_median']:.1%}, worst {cal['fit_error_max']:.1%})")
+    if unusable:
+        raise CliError(f"wrote the measurements to {out}, but they make no usable sim profile: {unusable}")
     print(f"wrote {out} (use it with: meshserve sim-server --profile {out})")
     return 0
 

@@ -31,6 +31,70 @@ from .supervise import GaveUp
 from .up import Mesh, MeshConfig, StartupError, ready_workers
 
 
+def state_dir(text: str) -> str:
+    """``--state-dir``: a folder that is there or can be made (not '', which was the
+    current directory: an unset ``$STATE`` filled it with nats/, logs/ and a ledger)."""
+    from .tiny_model import output_dir_problem
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset variable?); give a folder, e.g. .meshserve")
+    problem = output_dir_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def http_port(text: str) -> int:
+    """``--http-port``: a fixed port; 0 (any free one) would leave ``up`` waiting on port 0."""
+    port = port_number(text)
+    if port == 0:
+        raise argparse.ArgumentTypeError("0 (any free port) is not supported here: `up` waits for the gateway "
+                                         "on this port; pick a free port, e.g. 8080")
+    return port
+
+
+class _WorkerArgs(argparse.ArgumentParser):
+    """The worker's own parser, its errors raised (``up`` checks what it will pass)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def worker_problem(config: MeshConfig) -> str | None:
+    """What a worker started with this config would refuse (an unknown --profile, a bad
+    --worker-arg, limits the KV cache cannot hold), found here before anything starts: a
+    worker that fails on start-up was restarted again and again until ``up`` gave up."""
+    from ops.serve import add_common_arguments
+    from services.worker.main import add_arguments
+
+    if config.workers == 0 and "autoscaler" not in config.services:
+        return None
+    argv = ["--engine", config.engine, "--model", config.model, *config.worker_args]
+    if config.engine == "sim":
+        argv += ["--speed", str(config.speed), *(["--profile", config.profile] if config.profile else [])]
+    parser = _WorkerArgs(prog="worker", add_help=False)
+    add_common_arguments(parser)
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except ValueError as exc:
+        return f"a worker would refuse its arguments ({' '.join(config.worker_args) or 'none from --worker-arg'}): {exc}"
+    if config.engine != "sim":
+        return None
+    from services.worker.engines.sim_profile import DEFAULT_PROFILE, SimConfig, load_profile
+
+    try:
+        if args.host_models:
+            load_profile(args.profile or DEFAULT_PROFILE)
+        else:
+            SimConfig.build(args.profile or DEFAULT_PROFILE, block_size=args.block_size,
+                            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "up", help="start the whole mesh locally (nats-server and every service)",
@@ -43,10 +107,10 @@ def add_parser(subparsers: Any) -> None:
                "  meshserve up --nats-url nats://nats:4222   (a NATS with JetStream that you run)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--state-dir", default=".meshserve", help="NATS data, logs, the ledger and the dev key live here")
+    parser.add_argument("--state-dir", type=state_dir, default=".meshserve", help="NATS data, logs, the ledger and the dev key live here")
     parser.add_argument("--nats-port", type=port_number, default=4222, help="port of the nats-server started here (0: a free one)")
     add_nats_url_argument(parser, "use this NATS (with JetStream) instead of starting one; comma-separated for a cluster")
-    parser.add_argument("--http-port", type=port_number, default=8080, help="the gateway's HTTP port")
+    parser.add_argument("--http-port", type=http_port, default=8080, help="the gateway's HTTP port (not 0: up waits on it)")
     parser.add_argument("--root", type=subject_root, default="mesh", help="subject root of this mesh")
     parser.add_argument("--engine", choices=["sim", "vllm", "echo"], default="sim",
                         help="the workers' engine: sim (simulated, default), vllm (real, needs vLLM installed) or"
@@ -99,6 +163,9 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
     if autoscaled:
         services.append("autoscaler")
     config.services = tuple(services)
+    problem = worker_problem(config)
+    if problem:
+        raise StartupError(problem)
     return config
 
 

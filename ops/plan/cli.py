@@ -26,6 +26,34 @@ def _gb(value: str) -> int:
     return round(bytes_)
 
 
+MAX_RATE = 1e6  # requests/s: far beyond any fleet; the queueing sums run once per replica (1e15 never ended)
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")  # what matplotlib's Agg writes
+
+
+def _rate(value: str) -> float:
+    """λ: a positive number of requests/s, at most ``MAX_RATE`` (1e308 made the replica count NaN)."""
+    rate = positive_number(value)
+    if rate > MAX_RATE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RATE:,.0f} requests/s, not {value}")
+    return rate
+
+
+def plot_path(given: Path) -> Path:
+    """The file ``--plot`` writes: ``given``, or ``given.png`` without a suffix (as
+    matplotlib does); ``CliError`` (exit 2) before anything is computed when it cannot."""
+    from ops.console import EXIT_USAGE, CliError
+    from ops.tiny_model import output_file_problem
+
+    path = given if given.suffix else given.with_name(given.name + ".png")
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise CliError(f"--plot {given}: {path.suffix} is not an image format it writes; use "
+                       f"{', '.join(PLOT_FORMATS)}", EXIT_USAGE)
+    problem = output_file_problem(path, create_parents=False)  # matplotlib makes no folder
+    if problem:
+        raise CliError(f"--plot {given}: {problem}", EXIT_USAGE)
+    return path
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "plan",
@@ -80,7 +108,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         dest="context_tokens",
         help="mean context a sequence holds in KV (default: prompt + output)",
     )
-    p.add_argument("--rate", "-r", type=positive_number, help="λ: arrivals per second for the whole pool")
+    p.add_argument("--rate", "-r", type=_rate, help=f"λ: arrivals per second for the whole pool (at most {MAX_RATE:g})")
     p.add_argument(
         "--time-in-system",
         "-W",
@@ -116,19 +144,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     many.add_argument("--keep-s", type=positive_number, default=600.0, help="a time-shared model idle this long is evicted")
     many.add_argument(
         "--static-load",
-        type=float,
+        type=positive_number,
         default=0.5,
         help="replicas of traffic (at ρ) from which a model gets a pool of its own (default 0.5)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--plot", type=Path, metavar="FILE", help="write the queueing curve as a PNG")
+    p.add_argument("--plot", type=Path, metavar="FILE",
+                   help="write the queueing curve as a PNG (or .pdf, .svg, .jpg; FILE.png without a suffix)")
     p.add_argument("--list", action="store_true", help="list model and GPU presets")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(highlight=False, width=max(Console().width, 120))
+    # The terminal's own width: print_table transposes or stacks a table wider than it
+    # (a forced 120 columns printed 105-column tables on a 40-column terminal).
+    console = Console(highlight=False)
     if args.list:
         console.print("models: " + ", ".join(MODEL_PRESETS))
         for g in GPU_PRESETS.values():
@@ -139,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.models is not None:
         return run_many(args, console)
+    plot = plot_path(args.plot) if args.plot is not None else None  # before the plan is printed
     try:
         inputs = PlanInputs(
             model=load_model(args.model),
@@ -168,13 +200,17 @@ def run(args: argparse.Namespace) -> int:
         print(to_json(plan))
     else:
         render(plan, console)
-    if args.plot is not None:
+    if plot is not None:
         if plan.service_rate is None:
             print("meshserve plan: no service rate to plot (a sequence does not fit)", file=sys.stderr)
             return 2
-        plot_curve(plan, args.plot)
+        try:
+            plot_curve(plan, plot)
+        except OSError as exc:  # checked above; the folder changed since, or the disk filled
+            print(f"meshserve plan: cannot write {plot}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         if not args.json:
-            console.print(f"queueing curve written to {args.plot}")
+            console.print(f"queueing curve written to {plot}")
     return 0 if plan.concurrent_per_replica > 0 else 1
 
 

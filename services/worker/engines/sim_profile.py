@@ -138,44 +138,107 @@ def _get(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
+def _section(data: dict[str, Any], key: str, where: str, required: bool = True) -> dict[str, Any]:
+    value = _get(data, key, where) if required else data.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"profile {where}: {key!r} must be a mapping, not {type(value).__name__}")
+    return value
+
+
+def _number(d: dict[str, Any], key: str, where: str, field: str, default: float | None = None) -> float:
+    """``d[key]`` as a finite float; a problem names the file and the field (``step.base_s``)."""
+    value = _get(d, key, where) if default is None or key in d else default
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"profile {where}: {field} must be a number, not {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"profile {where}: {field} must be a number, not {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"profile {where}: {field} must be a finite number, not {value!r}")
+    return number
+
+
+def _whole(d: dict[str, Any], key: str, where: str, field: str, least: int, default: int | None = None) -> int:
+    number = _number(d, key, where, field, None if default is None else float(default))
+    if number != int(number) or number < least:
+        raise ValueError(f"profile {where}: {field} must be a whole number of at least {least}, not {d.get(key)!r}")
+    return int(number)
+
+
+def step_costs_problem(costs: StepCosts) -> str | None:
+    """Why ``costs`` cannot drive the sim (a step of no time divides by zero), or None.
+
+    Every coefficient is a cost: 0 or more. A prefill step and a decode step must each take
+    some time with no context cached (the sim's rates divide by them)."""
+    names = ("base_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "per_prefill_seq_s",
+             "per_prefill_step_s", "idle_wake_s")
+    negative = [n for n in names if not getattr(costs, n) >= 0]
+    if negative:
+        return f"step costs cannot be negative: {', '.join(f'{n} {getattr(costs, n)}' for n in negative)}"
+    problems = []
+    if not costs.step_time(1, 0, 0, 1) > 0:
+        problems.append("a prefill step takes no time (base_s, per_prefill_token_s, per_prefill_seq_s and "
+                        "per_prefill_step_s are all 0)")
+    if not costs.step_time(0, 1, 0) > 0:
+        problems.append("a decode step takes no time (base_s and per_decode_seq_s are both 0)")
+    return "; ".join(problems) or None
+
+
 def profile_from_dict(data: dict[str, Any], where: str = "<dict>") -> SimProfile:
-    step = _get(data, "step", where)
-    mem = _get(data, "memory", where)
-    defaults = _get(data, "engine_defaults", where)
-    intended = data.get("intended", {})
+    """A checked profile: ``ValueError`` naming ``where`` and the field for anything the sim
+    cannot run with (a bad number, a zero block size, a step model that takes no time)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"profile {where}: expected a JSON object, not {type(data).__name__}")
+    step = _section(data, "step", where)
+    mem = _section(data, "memory", where)
+    defaults = _section(data, "engine_defaults", where)
+    intended = _section(data, "intended", where, required=False)
+    raw_points = intended.get("points", [])
+    if not isinstance(raw_points, list) or not all(isinstance(p, dict) for p in raw_points):
+        raise ValueError(f"profile {where}: intended.points must be a list of mappings")
     points = tuple(
         IntendedPoint(
-            batch=int(p["batch"]),
-            output_tokens_per_s=float(p["output_tokens_per_s"]),
-            tpot_ms=float(p["tpot_ms"]),
+            batch=_whole(p, "batch", where, f"intended.points[{i}].batch", 1),
+            output_tokens_per_s=_number(p, "output_tokens_per_s", where, f"intended.points[{i}].output_tokens_per_s"),
+            tpot_ms=_number(p, "tpot_ms", where, f"intended.points[{i}].tpot_ms"),
         )
-        for p in intended.get("points", [])
+        for i, p in enumerate(raw_points)
     )
+
+    def cost(key: str, optional: bool = False) -> float:
+        return _number(step, key, where, f"step.{key}", 0.0 if optional else None)
+
+    costs = StepCosts(
+        base_s=cost("base_s"),
+        per_prefill_token_s=cost("per_prefill_token_s"),
+        per_decode_seq_s=cost("per_decode_seq_s"),
+        per_kv_token_s=cost("per_kv_token_s"),
+        per_prefill_seq_s=cost("per_prefill_seq_s", optional=True),
+        per_prefill_step_s=cost("per_prefill_step_s", optional=True),
+        idle_wake_s=cost("idle_wake_s", optional=True),
+    )
+    problem = step_costs_problem(costs)
+    if problem:
+        raise ValueError(f"profile {where}: {problem}")
     return SimProfile(
         name=str(_get(data, "name", where)),
         model=str(_get(data, "model", where)),
-        costs=StepCosts(
-            base_s=float(_get(step, "base_s", where)),
-            per_prefill_token_s=float(_get(step, "per_prefill_token_s", where)),
-            per_decode_seq_s=float(_get(step, "per_decode_seq_s", where)),
-            per_kv_token_s=float(_get(step, "per_kv_token_s", where)),
-            per_prefill_seq_s=float(step.get("per_prefill_seq_s", 0.0)),
-            per_prefill_step_s=float(step.get("per_prefill_step_s", 0.0)),
-            idle_wake_s=float(step.get("idle_wake_s", 0.0)),
-        ),
+        costs=costs,
         memory=MemoryBudget(
-            hbm_bytes=int(_get(mem, "hbm_bytes", where)),
-            weights_bytes=int(_get(mem, "weights_bytes", where)),
-            reserve_bytes=int(_get(mem, "reserve_bytes", where)),
-            kv_bytes_per_token=int(_get(mem, "kv_bytes_per_token", where)),
+            hbm_bytes=_whole(mem, "hbm_bytes", where, "memory.hbm_bytes", 0),
+            weights_bytes=_whole(mem, "weights_bytes", where, "memory.weights_bytes", 0),
+            reserve_bytes=_whole(mem, "reserve_bytes", where, "memory.reserve_bytes", 0),
+            kv_bytes_per_token=_whole(mem, "kv_bytes_per_token", where, "memory.kv_bytes_per_token", 1),
         ),
-        block_size=int(_get(defaults, "block_size", where)),
-        max_num_seqs=int(_get(defaults, "max_num_seqs", where)),
-        max_num_batched_tokens=int(_get(defaults, "max_num_batched_tokens", where)),
-        max_model_len=int(_get(defaults, "max_model_len", where)),
+        block_size=_whole(defaults, "block_size", where, "engine_defaults.block_size", 1),
+        max_num_seqs=_whole(defaults, "max_num_seqs", where, "engine_defaults.max_num_seqs", 1),
+        max_num_batched_tokens=_whole(defaults, "max_num_batched_tokens", where,
+                                      "engine_defaults.max_num_batched_tokens", 1),
+        max_model_len=_whole(defaults, "max_model_len", where, "engine_defaults.max_model_len", 1),
         intended=points,
-        reference_input_len=int(intended.get("input_len", 0)),
-        reference_output_len=int(intended.get("output_len", 0)),
+        reference_input_len=_whole(intended, "input_len", where, "intended.input_len", 0, default=0),
+        reference_output_len=_whole(intended, "output_len", where, "intended.output_len", 0, default=0),
         comment=str(data.get("comment", "")),
     )
 
@@ -193,7 +256,13 @@ def load_profile(spec: str | Path | SimProfile = DEFAULT_PROFILE) -> SimProfile:
         path = PROFILES_DIR / f"{spec}.json"
     if not path.is_file():
         raise ValueError(f"unknown sim profile {str(spec)!r}; known: {', '.join(available_profiles())}")
-    return profile_from_dict(json.loads(path.read_text()), where=str(path))
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"profile {path} is not JSON: {exc}") from None
+    return profile_from_dict(data, where=str(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +308,12 @@ class SimConfig:
         sequence could never make progress).
         """
         prof = load_profile(profile)
+        problem = step_costs_problem(prof.costs)  # a SimProfile given as is was not checked on loading
+        if problem:
+            raise ValueError(f"profile {prof.name}: {problem}")
         bs = block_size or prof.block_size
+        if bs <= 0:
+            raise ValueError(f"block_size must be positive, not {bs}")
         if num_kv_blocks is None:
             mem = prof.memory
             budget = MemoryBudget(
