@@ -56,6 +56,41 @@ MESHSERVE_VERSION = "0.1.0"
 JETSTREAM_WAIT_S = 120.0
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level_problem(level: str) -> str | None:
+    """Why ``level`` (``--log-level``, ``MESHSERVE_LOG_LEVEL``) is not a logging level, or
+    None when it is (any case; ``warn`` and ``fatal`` too, as ``logging`` takes them)."""
+    if level.upper() in logging.getLevelNamesMapping():
+        return None
+    return f"not a level ({', '.join(LOG_LEVELS)})"
+
+
+def listen_problem(host: str, port: int) -> tuple[str, int] | None:
+    """Why nothing can listen on ``host:port`` (TCP, as aiohttp's sites bind: every address
+    the name resolves to, ``SO_REUSEADDR``), with the exit code to end with (2: a host
+    that does not resolve, bad input; 1: an address in use or not on this machine); None
+    when the port is free. Checked before a service connects to NATS, so that a port in
+    use is one line at once rather than a traceback once the mesh is up. Port 0 checks the
+    host only."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return f"cannot listen on {host}:{port}: {host} does not resolve to an address ({why})", 2
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {(exc.strerror or str(exc)).lower()}", 1
+    return None
+
+
 def jetstream_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` (or what it was raised from) says JetStream did not answer: no
     responders on its API (not enabled, no leader), a 503, or a request nobody answered

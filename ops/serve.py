@@ -10,9 +10,12 @@ own, in a container, under Nomad, or as a child of ``meshserve up``. The common 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
+from ops.console import EXIT_USAGE, CliError
 from services.common.cli_types import add_nats_url_argument, subject_root
 
 # service name → module with add_arguments/run
@@ -29,8 +32,19 @@ SERVICES: dict[str, str] = {
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_url_argument(parser)
     parser.add_argument("--root", type=subject_root, help="subject root of this mesh (env MESHSERVE_ROOT, default mesh)")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (env MESHSERVE_LOG_LEVEL)")
+    parser.add_argument("--log-level", type=log_level, default=None, metavar="LEVEL",
+                        help="debug, info, warning, error, critical (env MESHSERVE_LOG_LEVEL)")
     parser.add_argument("--log-format", choices=["text", "json"], default=None, help="json for JSON lines (env MESHSERVE_LOG_FORMAT)")
+
+
+def log_level(text: str) -> str:
+    """An argparse ``type`` for ``--log-level``: a level ``logging`` knows, in any case."""
+    from bus.runner import log_level_problem
+
+    problem = log_level_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+    return text
 
 
 def apply_common_arguments(args: argparse.Namespace) -> None:
@@ -56,11 +70,33 @@ def add_parser(subparsers: Any) -> None:
         parser = services.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         add_common_arguments(parser)
         module.add_arguments(parser)
-        parser.set_defaults(func=_runner(module))
+        parser.set_defaults(func=_runner(module), cli_prog=f"meshserve serve {name}")
 
 
 def _runner(module: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
-        return int(module.run(args))
+        if not getattr(args, "log_level", None):  # --log-level overrides it (and the parser checked that)
+            check_log_level_env()
+        try:
+            return int(module.run(args))
+        except OSError as exc:
+            # A listening socket a pre-start check could not foresee (taken meanwhile): one
+            # line, as sim-server says it, not a traceback. Any other OSError is a bug's.
+            if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES) or "bind" not in str(exc):
+                raise
+            raise CliError(f"cannot listen: {exc.strerror or exc}") from None
 
     return run
+
+
+def check_log_level_env(env: Mapping[str, str] | None = None) -> None:
+    """``MESHSERVE_LOG_LEVEL`` (what ``--log-level`` overrides; the parser checks that) must
+    name a level: a bad one is one line and exit 2, not ``setup_logging``'s traceback."""
+    import os
+
+    from bus.runner import log_level_problem
+
+    level = (os.environ if env is None else env).get("MESHSERVE_LOG_LEVEL")
+    problem = log_level_problem(level) if level else None
+    if problem:
+        raise CliError(f"MESHSERVE_LOG_LEVEL={level}: {problem}", EXIT_USAGE)

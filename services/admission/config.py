@@ -76,13 +76,10 @@ def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
         if key in overrides:
             limits[key] = overrides.pop(key)
     slo = checked(SloConfig, raw.get("slo") or {}, "slo")
+    if "tiers" in slo:
+        raise ValueError("slo.tiers is not a setting: use the tiers section")
     if raw.get("tiers"):
-        tiers = raw["tiers"]
-        items = tiers.items() if isinstance(tiers, Mapping) else ((t.get("name"), t) for t in tiers)
-        slo["tiers"] = tuple(
-            build(TierSLO, {**{k: v for k, v in spec.items() if k != "name"}, "name": name}, f"tiers.{name}")
-            for name, spec in items
-        )
+        slo["tiers"] = _tiers(raw["tiers"])
     if "default_tier" in raw:
         slo["default_tier"] = raw["default_tier"]
     service = checked(AdmissionConfig, raw.get("service") or {}, "service")
@@ -96,3 +93,27 @@ def parse_config(raw: Mapping[str, Any], **overrides: Any) -> AdmissionConfig:
         "book": build(BookConfig, raw.get("replicas") or {}, "replicas"),
         **service,
     }, "service")
+
+
+def _tiers(tiers: Any) -> tuple[TierSLO, ...]:
+    """The ``tiers`` section: a table of tables by name, or a list of tables with a name."""
+    if isinstance(tiers, Mapping):
+        items = list(tiers.items())
+    elif isinstance(tiers, list):
+        items = []
+        for i, spec in enumerate(tiers):
+            if not isinstance(spec, Mapping):
+                raise ValueError(f"tiers[{i}]: expected a table of settings (ttft_slo_s, priority), "
+                                 f"not {type(spec).__name__}")
+            if not isinstance(spec.get("name"), str):
+                raise ValueError(f"tiers[{i}]: name must be a string")
+            items.append((spec["name"], spec))
+    else:
+        raise ValueError(f"tiers: expected a table of tiers by name, not {type(tiers).__name__}")
+    built = []
+    for name, spec in items:
+        where = f"tiers.{name}"
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{where}: expected a table of settings (ttft_slo_s, priority), not {type(spec).__name__}")
+        built.append(build(TierSLO, {**{k: v for k, v in spec.items() if k != "name"}, "name": name}, where))
+    return tuple(built)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 
 from bus import RunOptions, run_service
-from bus.config import default_of, given
+from bus.config import default_of, file_problem, given, refuse
+from bus.runner import listen_problem
 from services.common.cli_types import port_number, positive_seconds
 
 from .buckets import LimiterConfig
@@ -53,13 +54,15 @@ def build_config(args: argparse.Namespace) -> AdmissionConfig:
         overrides["lease_renew_s"] = overrides["lease_ttl_s"] / 3
     try:
         return load_config(args.config, **overrides)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"admission config: {exc}") from exc
+    except (OSError, ValueError) as exc:  # bad input: one line, exit 2
+        refuse("admission", file_problem("--config", args.config, exc) if args.config else f"config: {exc}")
 
 
 def run(args: argparse.Namespace) -> int:
     from .service import AdmissionService
 
     config = build_config(args)
+    if config.metrics_port is not None and (problem := listen_problem(config.metrics_host, config.metrics_port)):
+        refuse("admission", *problem)
     options = RunOptions.from_args(args)
     return run_service(lambda: AdmissionService(config, options.settings), options)

@@ -25,6 +25,8 @@ from typing import Any
 from zoneinfo import ZoneInfoNotFoundError
 
 from bus import RunOptions, run_service
+from bus.config import file_problem, refuse
+from bus.runner import listen_problem
 from services.common.cli_types import (
     count,
     fraction,
@@ -100,10 +102,10 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     that cannot be is one line naming what is wrong (``SystemExit``), not a traceback."""
     try:
         return _build(args)
-    except OSError as exc:
-        raise SystemExit(f"cannot read --config {args.config}: {exc.strerror or exc}") from None
+    except OSError as exc:  # bad input: one line, exit 2, as every service says it
+        refuse("autoscaler", file_problem("--config", args.config, exc))
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--config {args.config} is not JSON: {exc}") from None
+        refuse("autoscaler", f"--config {args.config}: not JSON: {exc}")
     except ZoneInfoNotFoundError as exc:
         raise SystemExit(f"unknown timezone: {exc}") from None
     except (ValueError, TypeError, AttributeError) as exc:
@@ -196,5 +198,7 @@ def run(args: argparse.Namespace) -> int:
     from .service import AutoscalerService
 
     config, driver = build(args)
+    if config.metrics_port is not None and (problem := listen_problem(config.metrics_host, config.metrics_port)):
+        refuse("autoscaler", *problem)
     options = RunOptions.from_args(args)
     return run_service(lambda: AutoscalerService(config, driver, options.settings), options)

@@ -7,12 +7,13 @@ balancer; each answers the NATS API in one queue group).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
-import sys
 from typing import TYPE_CHECKING
 
 from bus import RunOptions, run_service
-from bus.config import default_of, given
+from bus.config import default_of, file_problem, given, refuse
+from bus.runner import listen_problem
 from services.common.cli_types import count, non_negative_seconds, port_number, positive_int, positive_seconds
 
 from .config import GatewayConfig, load_config, load_oidc_config
@@ -41,6 +42,15 @@ def _default(name: str) -> str:
     return f"(default {default_of(GatewayConfig, name)})"
 
 
+def cidr(text: str) -> str:
+    """An argparse ``type`` for ``--trusted-proxy``: an address or network (``10.0.0.0/8``)."""
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IP address or network (CIDR, e.g. 10.0.0.0/8): {text!r}") from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults come from GatewayConfig (None here: not given); the help quotes them.
     parser.add_argument("--host", default=None, help=f"address to listen on (0.0.0.0 in containers) {_default('host')}")
@@ -48,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-id", default=None, help="stable id (default: gateway-host-random)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--trusted-proxy", action="append", default=None, metavar="CIDR",
+    parser.add_argument("--trusted-proxy", type=cidr, action="append", default=None, metavar="CIDR",
                         help="honour X-Forwarded-For from these proxies (repeatable)")
     parser.add_argument("--max-body-bytes", type=positive_int, default=None, help=_default("max_body_bytes"))
     parser.add_argument("--max-in-flight", type=positive_int, default=None,
@@ -102,18 +112,64 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     dev_key_file = args.dev_key_file or os.environ.get(DEV_KEY_FILE_ENV)
     if dev_key_file:
         overrides["dev_key_file"] = dev_key_file
+    # Bad input: one line, exit 2. A file that cannot be read or used is named with its option.
     try:
         overrides["oidc"] = load_oidc_config(args.oidc_config, **given(args, _OIDC_OPTIONS))
+    except OSError as exc:
+        refuse("gateway", file_problem("--oidc-config", args.oidc_config, exc))
+    except ValueError as exc:
+        refuse("gateway", f"config: {exc}")
+    try:
         return load_config(args.models_config, upstream=given(args, _UPSTREAM_OPTIONS), **overrides)
-    except (OSError, ValueError) as exc:
-        print(f"meshserve serve gateway: config: {exc}", file=sys.stderr)  # bad input: one line, exit 2
-        raise SystemExit(2) from exc
+    except OSError as exc:
+        refuse("gateway", file_problem("--models-config", args.models_config, exc))
+    except ValueError as exc:
+        refuse("gateway", f"config: {exc}")
+
+
+def check_tls(config: GatewayConfig) -> None:
+    """The certificate and key load, before the gateway connects to NATS: a missing file or
+    one that is not PEM is one line naming it (exit 2), not an ``ssl`` traceback at start."""
+    import ssl
+
+    if config.tls_key and not config.tls_cert:
+        refuse("gateway", "--tls-key needs --tls-cert (the certificate the key is for)")
+    if not config.tls_cert:
+        return
+    files = [("--tls-cert", config.tls_cert)] + ([("--tls-key", config.tls_key)] if config.tls_key else [])
+    contents = {}
+    for option, path in files:
+        try:
+            with open(path, "rb") as f:
+                contents[option] = f.read()
+        except OSError as exc:
+            refuse("gateway", f"{option} {path}: {exc.strerror or exc}")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key)
+    except ssl.SSLError as exc:
+        why = exc.reason or exc.strerror or str(exc)
+        if b"-----BEGIN CERTIFICATE-----" not in contents["--tls-cert"]:
+            refuse("gateway", f"--tls-cert {config.tls_cert}: not a PEM certificate")
+        key_option = "--tls-key" if config.tls_key else "--tls-cert"
+        if b"PRIVATE KEY-----" not in contents[key_option]:
+            what = "not a PEM private key" if config.tls_key else "holds no PEM private key (give one with --tls-key)"
+            refuse("gateway", f"{key_option} {config.tls_key or config.tls_cert}: {what}")
+        shown = f"--tls-cert {config.tls_cert}" + (f" and --tls-key {config.tls_key}" if config.tls_key else "")
+        if "KEY_VALUES_MISMATCH" in why:
+            why = "the key is not the certificate's (KEY_VALUES_MISMATCH)"
+        refuse("gateway", f"{shown}: cannot be used: {why}")
+    except OSError as exc:  # (a password-protected key that was not unlocked, say)
+        refuse("gateway", f"--tls-cert {config.tls_cert}: {exc.strerror or exc}")
 
 
 def run(args: argparse.Namespace) -> int:
     from .service import GatewayService
 
     config = build_config(args)
+    check_tls(config)
+    problem = listen_problem(config.host, config.port)
+    if problem:
+        refuse("gateway", *problem)
     options = RunOptions.from_args(args)
 
     def service() -> GatewayService:

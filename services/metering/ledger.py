@@ -416,6 +416,25 @@ class PostgresLedger(Ledger):
                 pool.terminate()
 
 
+def sqlite_ledger_problem(path: str | Path) -> str | None:
+    """Why the SQLite ledger at ``path`` can never be opened (its directory cannot be made,
+    the file cannot be opened for writing), or None when it can. Checked at start, since
+    the ledger is otherwise opened after "ready" and retried for ever. It makes what
+    opening the ledger makes anyway: the directory, and the file (empty: SQLite takes an
+    empty file as a new database)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{path}: cannot make its directory {path.parent}: {exc.strerror or exc}"
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    return None
+
+
 def ledger_from_url(url: str | None) -> Ledger:
     """``sqlite:///relative/path``, ``sqlite:////absolute/path``, a plain path, or ``postgresql://...``."""
     if not url:

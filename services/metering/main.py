@@ -12,6 +12,8 @@ import os
 import sys
 
 from bus import RunOptions, run_service
+from bus.config import file_problem, refuse
+from bus.runner import listen_problem
 from services.common.cli_types import port_number, positive_int, positive_seconds
 
 LEDGER_URL_ENV = "MESHSERVE_LEDGER_URL"
@@ -41,9 +43,18 @@ def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     if args.max_ack_pending < args.batch_size:  # (each ≥ 1, the ack wait > 0: the parser's types)
         raise ValueError("--max-ack-pending must be >= --batch-size")
+    prices_path = args.prices or os.environ.get(PRICES_ENV) or None
+    try:
+        prices = load_prices(prices_path)
+    except ValueError as exc:
+        assert prices_path is not None
+        problem = file_problem("--prices", prices_path, exc.__cause__ if isinstance(exc.__cause__, OSError) else exc)
+        if not args.prices:  # from the environment: name the variable
+            problem = f"{PRICES_ENV}={problem.removeprefix('--prices ')}"
+        raise ValueError(problem) from exc
     return MeteringConfig(
         ledger_url=args.ledger_url or os.environ.get(LEDGER_URL_ENV) or None,
-        prices=load_prices(args.prices or os.environ.get(PRICES_ENV) or None),
+        prices=prices,
         durable=args.durable,
         batch_size=args.batch_size,
         max_ack_pending=args.max_ack_pending,
@@ -55,14 +66,20 @@ def build_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
-    from .ledger import ledger_from_url
+    from .ledger import SqliteLedger, ledger_from_url, sqlite_ledger_problem
     from .service import MeteringService
 
     try:
         config = build_config(args)
-        ledger_from_url(config.ledger_url)  # a malformed URL is an error now, not a retry loop
+        ledger = ledger_from_url(config.ledger_url)  # a malformed URL is an error now, not a retry loop
     except ValueError as exc:
         print(f"meshserve serve metering: {exc}", file=sys.stderr)
         return 2
+    # A SQLite ledger that can never be opened too (the ledger opens after "ready", retrying).
+    problem = sqlite_ledger_problem(ledger.path) if isinstance(ledger, SqliteLedger) else None
+    if problem:
+        refuse("metering", f"cannot open the ledger: {problem}", 1)
+    if config.metrics_port is not None and (listen := listen_problem(config.metrics_host, config.metrics_port)):
+        refuse("metering", *listen)
     options = RunOptions.from_args(args)
     return run_service(lambda: MeteringService(config, options.settings), options)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 
 from bus import RunOptions, run_service
-from bus.config import default_of, given
+from bus.config import default_of, file_problem, given, refuse
+from bus.runner import listen_problem
 from services.common.cli_types import port_number, positive_seconds
 
 from .config import RouterServiceConfig, load_config
@@ -46,13 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> RouterServiceConfig:
     try:
         return load_config(args.config, policy=args.policy, **given(args, _OPTIONS))
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"router config: {exc}") from exc
+    except (OSError, ValueError) as exc:  # bad input: one line, exit 2
+        refuse("router", file_problem("--config", args.config, exc) if args.config else f"config: {exc}")
 
 
 def run(args: argparse.Namespace) -> int:
     from .service import RouterService
 
     config = build_config(args)
+    if config.metrics_port is not None and (problem := listen_problem(config.metrics_host, config.metrics_port)):
+        refuse("router", *problem)
     options = RunOptions.from_args(args)
     return run_service(lambda: RouterService(config, options.settings), options)

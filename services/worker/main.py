@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from bus import RunOptions, run_service, run_services
+from bus.config import refuse
+from bus.runner import listen_problem
 from services.common.cli_types import (
     count,
     fraction,
@@ -248,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
             "hermes" if args.engine == "sim" else ""),
         reasoning_parser=args.reasoning_parser or "",
     )
+    if args.metrics_port is not None and (problem := listen_problem(args.metrics_host, args.metrics_port)):
+        refuse("worker", *problem)
     options = RunOptions.from_args(args)
     if args.host_models:
         return run_services(lambda: [WorkerService(engine, replace(config, worker_id=worker_id), options.settings)
