@@ -64,14 +64,29 @@ def test_busy_ports_are_named_before_anything_starts(tmp_path: Path, up_runs: li
 
 
 def test_a_child_that_dies_at_start_up_is_reported_with_its_last_words(tmp_path: Path, up_runs: list[UpProcess]) -> None:
+    # A worker argument up cannot check for it (a metrics port another process holds):
+    # the worker itself fails at start-up.
+    held, port = listening_socket()
+    with held:
+        run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--no-autoscaler",
+                       "--workers", "1", f"--worker-arg=--metrics-port={port}")
+        code = run.finish(timeout=60)
+    text = run.text()
+    assert code == 1, text
+    assert "exited during start-up: worker-1 (exit 1)" in text, text
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in text, text  # the worker's own line
+    assert "meshserve is up" not in text
+
+
+def test_worker_arguments_up_can_check_are_refused_before_anything_starts(tmp_path: Path,
+                                                                           up_runs: list[UpProcess]) -> None:
     run = start_up(up_runs, tmp_path, "--nats-port", "0", "--http-port", str(free_port()), "--no-autoscaler",
                    "--workers", "1", "--worker-arg=--max-num-seqs=not-a-number")
     code = run.finish(timeout=60)
     text = run.text()
-    assert code == 1, text
-    assert "exited during start-up: worker-1 (exit 2)" in text, text
-    assert "not a whole number: 'not-a-number'" in text, text  # the worker's own error line
-    assert "meshserve is up" not in text
+    assert code == 2, text
+    assert "not a whole number: 'not-a-number'" in text, text
+    assert not (tmp_path / ".meshserve" / "logs").exists()  # nothing was started
 
 
 def test_ctrl_c_during_start_up_stops_everything_started(tmp_path: Path, up_runs: list[UpProcess]) -> None:
