@@ -55,14 +55,24 @@ def build(kind: type[T], spec: Mapping[str, Any], where: str) -> T:
         hints = typing.get_type_hints(kind)
     except Exception:  # an annotation only a type checker resolves: leave the types unchecked
         hints = {}
-    for name, value in spec.items():
-        expected = _expected(hints.get(name, Any), value)
+    for name, value in list(spec.items()):
+        annotation = hints.get(name, Any)
+        if isinstance(value, float) and value.is_integer() and int in _members(annotation):
+            spec[name] = value = int(value)  # 32.0 in a TOML or JSON file means 32
+        expected = _expected(annotation, value)
         if expected is not None:
             raise ValueError(f"{where}: {name} must be {expected}, not {_shown(value)}")
     try:
         return kind(**spec)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The types of a union (``int | None`` → int, None), or the annotation alone."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
 
 
 def _shown(value: Any) -> str:

@@ -81,7 +81,11 @@ def listen_problem(host: str, port: int) -> tuple[str, int] | None:
         return f"cannot listen on {host}:{port}: {host} does not resolve to an address ({why})", 2
     for family, kind, proto, _, address in infos:
         try:
-            with socket.socket(family, kind, proto) as sock:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family this host lacks (no IPv6): asyncio's create_server skips it too
+        try:
+            with sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
@@ -96,14 +97,18 @@ async def lookup(model: str, timeout: float) -> tuple[str, int]:
     """(tokenizer spec, max_model_len or 0) of ``model``, from the workers serving it."""
     from ops.console import CliError, mesh_bus
 
-    try:
-        async with asyncio.timeout(timeout), mesh_bus("meshserve-tokenizer", initial_attempts=2) as bus:
-            return await _lookup(bus, model)
-    except CliError as exc:  # NATS unreachable: said as every command says it, and the way round it
-        raise CliError(f"{exc.message}; or pass --tokenizer byte (the sim models) or --tokenizer DIR",
-                       exc.exit_code) from None
-    except TimeoutError:
-        raise CliError(f"the mesh did not answer within {timeout:g} s (--timeout) looking up {model!r}") from None
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            async with asyncio.timeout(timeout):  # reaching the mesh; a download has its own limit
+                bus = await stack.enter_async_context(mesh_bus("meshserve-tokenizer", initial_attempts=2))
+        except CliError as exc:  # NATS unreachable: said as every command says it, and the way round it
+            raise CliError(f"{exc.message}; or pass --tokenizer byte (the sim models) or --tokenizer DIR",
+                           exc.exit_code) from None
+        except TimeoutError:
+            raise CliError(f"the mesh did not answer within {timeout:g} s (--timeout); or pass --tokenizer byte"
+                           " (the sim models) or --tokenizer DIR") from None
+        return await _lookup(bus, model)
+    raise AssertionError("unreachable")  # an exit stack does not swallow: for mypy
 
 
 async def _lookup(bus: Bus, model: str) -> tuple[str, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -28,6 +29,8 @@ from ops.bench.results import (
 )
 from ops.bench.stream import SSEParser, StreamAccumulator, error_message
 from proto.subjects import Subjects
+
+log = logging.getLogger(__name__)
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -178,12 +181,18 @@ class NatsTarget:
         self._handlers: dict[str, Callable[[float, Any], None]] = {}
         self._headers = _auth_headers(endpoint)
         self._cancel_subject = subjects.api_cancel
-        self.errors: list[Exception] = []  # what nats-py reported asynchronously
+        self.errors: list[Exception] = []  # what nats-py reported while connecting
+        self._connected = False
 
     async def _on_error(self, exc: Exception) -> None:
-        # nats-py's default logs every error with its traceback (4 of them for one refused
-        # connect); the bench reports the outcome once, and failed requests as such.
-        self.errors.append(exc)
+        # While connecting, nats-py's default logs every error with its traceback (4 of them
+        # for one refused connect): the bench reports the outcome once. Once connected, an
+        # error (a slow consumer, a permission, a reconnect) is logged: else it would show
+        # only as requests timing out.
+        if self._connected:
+            log.warning("nats: %s", exc or type(exc).__name__)
+        elif len(self.errors) < 16:
+            self.errors.append(exc)
 
     async def start(self) -> None:
         import nats
@@ -204,6 +213,7 @@ class NatsTarget:
             cause = self.errors[-1] if self.errors else exc
             why = str(cause) or type(cause).__name__
             raise ConnectionError(f"cannot connect to NATS at {shown_nats_url(self.endpoint.url)}: {why}") from exc
+        self._connected = True
         await self._check_key()
         self._prefix = self._nc.new_inbox()
         # Generous pending limits: a slow callback must show up as lag, not as drops.

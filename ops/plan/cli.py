@@ -27,7 +27,13 @@ def _gb(value: str) -> int:
 
 
 MAX_RATE = 1e6  # requests/s: far beyond any fleet; the queueing sums run once per replica (1e15 never ended)
-PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")  # what matplotlib's Agg writes
+
+
+def plot_formats() -> list[str]:
+    """The file suffixes matplotlib's Agg canvas writes (png, pdf, svg, eps, tiff, webp, ...)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return sorted(f".{suffix}" for suffix in FigureCanvasAgg.get_supported_filetypes())
 
 
 def _rate(value: str) -> float:
@@ -45,9 +51,10 @@ def plot_path(given: Path) -> Path:
     from ops.tiny_model import output_file_problem
 
     path = given if given.suffix else given.with_name(given.name + ".png")
-    if path.suffix.lower() not in PLOT_FORMATS:
+    formats = plot_formats()
+    if path.suffix.lower() not in formats:
         raise CliError(f"--plot {given}: {path.suffix} is not an image format it writes; use "
-                       f"{', '.join(PLOT_FORMATS)}", EXIT_USAGE)
+                       f"{', '.join(formats)}", EXIT_USAGE)
     problem = output_file_problem(path, create_parents=False)  # matplotlib makes no folder
     if problem:
         raise CliError(f"--plot {given}: {problem}", EXIT_USAGE)
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     # (a forced 120 columns printed 105-column tables on a 40-column terminal).
     console = Console(highlight=False)
     if args.list:
-        console.print("models: " + ", ".join(MODEL_PRESETS))
+        console.print("models: " + ", ".join(MODEL_PRESETS), soft_wrap=not console.is_terminal)
         for g in GPU_PRESETS.values():
             console.print(
                 f"{g.name}: {g.hbm_bytes / GB:.0f} GB, {g.bf16_tflops:.0f} TFLOP/s bf16, "
@@ -210,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"meshserve plan: cannot write {plot}: {exc.strerror or exc}", file=sys.stderr)
             return 1
         if not args.json:
-            console.print(f"queueing curve written to {plot}")
+            console.print(f"queueing curve written to {plot}", markup=False, soft_wrap=not console.is_terminal)
     return 0 if plan.concurrent_per_replica > 0 else 1
 
 

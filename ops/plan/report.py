@@ -173,7 +173,7 @@ def render(plan: Plan, console: Console) -> None:
     if plan.curve:
         print_table(console, curve_table(plan))
     for note in plan.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", soft_wrap=not console.is_terminal)  # a pipe: whole lines
 
 
 def to_json(plan: Plan) -> str:
@@ -268,7 +268,7 @@ def render_fleet(plan: FleetPlan, console: Console) -> None:
     print_table(console, fleet_table(plan))
     print_table(console, fleet_summary(plan))
     for note in plan.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", soft_wrap=not console.is_terminal)  # a pipe: whole lines
 
 
 def fleet_json(plan: FleetPlan) -> str:

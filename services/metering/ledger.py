@@ -422,6 +422,8 @@ def sqlite_ledger_problem(path: str | Path) -> str | None:
     the ledger is otherwise opened after "ready" and retried for ever. It makes what
     opening the ledger makes anyway: the directory, and the file (empty: SQLite takes an
     empty file as a new database)."""
+    if str(path) == ":memory:":  # SQLite's in-memory database: no file to check
+        return None
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

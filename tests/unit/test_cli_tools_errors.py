@@ -266,8 +266,11 @@ def test_plan_checks_the_plot_path_before_planning(
 def test_plan_says_where_the_plot_went(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     code, out, _ = run_cli(["plan", "--plot", str(tmp_path / "adir")], capsys)
-    assert code == 0 and f"written to {tmp_path / 'adir.png'}" in out.replace("\n", "")
+    assert code == 0 and f"queueing curve written to {tmp_path / 'adir.png'}\n" in out  # on one line when piped
     assert (tmp_path / "adir.png").is_file()
+    # Every format matplotlib writes, not only the common ones.
+    code, _, _ = run_cli(["plan", "--plot", str(tmp_path / "curve.eps")], capsys)
+    assert code == 0 and (tmp_path / "curve.eps").is_file()
 
 
 @pytest.mark.parametrize(("argv", "message"), [

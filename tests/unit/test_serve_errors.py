@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -291,3 +292,43 @@ def test_a_config_file_that_is_not_json_is_one_line_and_exit_2(service: str, tmp
     result = meshserve("serve", service, *NO_NATS, "--config", str(path), *(["--pool", "m"] if service == "autoscaler" else []))
     assert result.returncode == 2
     assert one_line(result.stderr).startswith(f"meshserve serve {service}: --config {path}: ")
+
+
+def test_listen_problem_skips_a_family_this_host_lacks_as_asyncio_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--host localhost`` on a host without IPv6: asyncio's create_server skips the ::1
+    address it cannot make a socket for and listens on 127.0.0.1; so does the check."""
+    real_socket = socket.socket
+    both = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+
+    def no_ipv6(family: int = socket.AF_INET, *args: Any, **kwargs: Any) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real_socket(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: both)
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    assert listen_problem("localhost", 0) is None
+
+
+def test_whole_numbers_written_as_floats_are_whole_numbers() -> None:
+    import dataclasses
+
+    from bus.config import build
+
+    @dataclasses.dataclass
+    class Settings:
+        window: int = 1
+        limit: int | None = None
+
+    assert build(Settings, {"window": 32.0, "limit": 2.0}, "x") == Settings(window=32, limit=2)
+    with pytest.raises(ValueError, match="window must be a whole number"):
+        build(Settings, {"window": 32.5}, "x")
+
+
+def test_an_in_memory_ledger_needs_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.metering.ledger import sqlite_ledger_problem
+
+    monkeypatch.chdir(tmp_path)
+    assert sqlite_ledger_problem(":memory:") is None
+    assert not (tmp_path / ":memory:").exists()
