@@ -45,7 +45,8 @@ async def test_a_gateway_without_the_models_files_fetches_its_tokenizer(
     gateway: GatewayService | None = None
     ops = await Bus.open(settings_for(auth_server, "ops"), "ops-test", initial_attempts=20)
     try:
-        digest = worker._info.tokenizer_digest
+        assert worker.registration is not None and worker.registration.info is not None
+        digest = worker.registration.info.tokenizer_digest
         assert len(digest) == 64
         shutil.move(model_dir, tmp_path / "elsewhere")  # the gateway's host has no such path
         cache = tmp_path / "gateway-cache"

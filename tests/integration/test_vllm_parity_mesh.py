@@ -63,6 +63,13 @@ async def key(bus: Bus, gateway: GatewayService) -> str:
     return await known_key(bus, gateway, "parity-org")
 
 
+async def registered(bus: Bus, worker_id: str) -> WorkerInfo:
+    """The worker's entry in the registry, as gateways read it."""
+    entry = await (await bus.js.key_value(bus.subjects.workers_bucket)).get(worker_id)
+    assert entry.value is not None
+    return decode(entry.value, WorkerInfo)
+
+
 async def _post(gateway: GatewayService, key: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as http, http.post(
             f"{gateway.http_url}/v1/{path}", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
@@ -174,9 +181,11 @@ async def test_echo_with_max_tokens_0_answers_the_prompt_and_its_logprobs(gatewa
 
 async def test_the_models_generation_config_fills_what_a_request_omits(
         bus: Bus, gateway: GatewayService, key: str, echo_worker: WorkerService) -> None:
-    info = decode((await echo_worker._kv.get("echo1")).value, WorkerInfo)  # type: ignore[union-attr]
+    info = await registered(bus, "echo1")
+    # A directory's generation config (the echo engine takes one only so): its max_new_tokens
+    # is the default and also the cap, as vLLM's --generation-config DIR (override_max_tokens).
     assert info.sampling_defaults == SamplingDefaults(temperature=0.25, top_p=0.5, top_k=7, min_p=0.05,
-                                                      repetition_penalty=1.3, max_tokens=5)
+                                                      repetition_penalty=1.3, max_tokens=5, max_tokens_override=5)
     seen: list[GenerateRequest] = []
     sub = await _watch(bus, "echo1", seen)
     try:
@@ -187,7 +196,7 @@ async def test_the_models_generation_config_fills_what_a_request_omits(
         assert reply["usage"]["completion_tokens"] == 5  # max_new_tokens: the chat default max_tokens
         status, reply = await _post(gateway, key, "completions", {"model": ECHO, "prompt": "a long enough prompt",
                                                                   "max_tokens": 12, "min_p": 0.0})
-        assert status == 200 and reply["usage"]["completion_tokens"] == 12  # an explicit one wins
+        assert status == 200 and reply["usage"]["completion_tokens"] == 5  # an explicit 12 lowered to the cap
         for _ in range(50):
             if len(seen) == 2:
                 break
@@ -197,12 +206,12 @@ async def test_the_models_generation_config_fills_what_a_request_omits(
     chat, completion = (r.sampling for r in seen)
     assert (chat.temperature, chat.top_k, chat.max_tokens) == (0.9, 3, 5)  # given: the request's
     assert (chat.top_p, chat.min_p, chat.repetition_penalty) == (0.5, 0.05, 1.3)  # omitted: the model's
-    assert (completion.temperature, completion.top_k, completion.min_p, completion.max_tokens) == (0.25, 7, 0.0, 12)
+    assert (completion.temperature, completion.top_k, completion.min_p, completion.max_tokens) == (0.25, 7, 0.0, 5)
 
 
 async def test_a_sim_worker_advertises_no_defaults(gateway: GatewayService, worker: WorkerService, key: str,
                                                    bus: Bus) -> None:
-    info = decode((await worker._kv.get("w1")).value, WorkerInfo)  # type: ignore[union-attr]
+    info = await registered(bus, "w1")
     assert info.sampling_defaults is None
     seen: list[GenerateRequest] = []
     sub = await _watch(bus, "w1", seen)
