@@ -502,4 +502,5 @@ def test_calibrate_engine_url_that_does_not_answer_is_one_line() -> None:
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert "Traceback" not in run.stdout + run.stderr
-    assert run.stdout.strip().count("\n") == 0 and f"127.0.0.1:{port}" in run.stdout
+    # one line, on stderr as every command's error (it was on stdout)
+    assert run.stdout == "" and run.stderr.strip().count("\n") == 0 and f"127.0.0.1:{port}" in run.stderr
