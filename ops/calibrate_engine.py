@@ -59,7 +59,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from .calibrate import Point, fit, fitted_parts, point_rows, predict, save_profile
+from .calibrate import fitted_parts, point_rows, save_profile
+from .calibrate_fit import Point, fit, predict
 from .console import CliError
 
 PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"

@@ -31,7 +31,7 @@ def test_cache_config_reads_block_size_and_blocks() -> None:
 
 
 def _points(truth: object, batches: tuple[int, ...] = (1,)) -> list:
-    from ops.calibrate import Point
+    from ops.calibrate_fit import Point
 
     points = [Point("prefill", n, 0, c + n, truth.step_time(n, 0, c + n, 1), prefill_seqs=1)  # type: ignore[attr-defined]
               for n in (32, 128, 512, 1024) for c in (0, 1024)]
@@ -48,7 +48,7 @@ def test_a_prefilling_step_has_a_fixed_cost_of_its_own() -> None:
     error of 9 % (29 % at worst); with it, the fit recovers it. One-request prefills alone
     cannot say whether the cost is the step's or each sequence's: the step's is the simpler
     reading (and vLLM's, see the next test)."""
-    from ops.calibrate import fit, predict
+    from ops.calibrate_fit import fit, predict
     from services.worker.engines.sim_profile import StepCosts
 
     truth = StepCosts(base_s=0.002, per_prefill_token_s=1e-5, per_decode_seq_s=2e-5, per_kv_token_s=3e-7,
@@ -69,7 +69,7 @@ def test_steps_of_several_prefills_tell_a_sequence_cost_from_a_step_cost(per_seq
     """With steps of 4 and 8 prefills beside the one-request points (calibrate times them
     behind a blocker), the fit finds which fixed cost the engine has. vLLM's CPU build: 8
     prefills of 32 tokens in one step took 6.2 ms, one alone 6.4 ms: the step's."""
-    from ops.calibrate import fit
+    from ops.calibrate_fit import fit
     from services.worker.engines.sim_profile import StepCosts
 
     truth = StepCosts(base_s=0.002, per_prefill_token_s=1e-5, per_decode_seq_s=2e-5, per_kv_token_s=3e-7,
@@ -93,8 +93,8 @@ def test_the_wake_cost_is_what_idle_steps_take_beyond_the_busy_fit() -> None:
     """Prefills timed on an idle engine took 2.5 ms longer than the busy fit predicts for
     the same step (vLLM's CPU build parks its threads): that is ``idle_wake_s``, and it is
     never negative (an engine faster from idle has none)."""
-    from ops.calibrate import Point, fit
     from ops.calibrate_engine import idle_wake
+    from ops.calibrate_fit import Point, fit
     from services.worker.engines.sim_profile import StepCosts
 
     truth = StepCosts(base_s=0.002, per_prefill_token_s=1e-5, per_decode_seq_s=2e-5, per_kv_token_s=3e-7)

@@ -38,8 +38,8 @@ def afile(tmp_path: Path) -> Path:
 
 
 def _profile_of(costs: dict[str, float]) -> dict[str, Any]:
-    from ops.calibrate import Point
     from ops.calibrate_engine import engine_profile
+    from ops.calibrate_fit import Point
 
     coef = {"base_s": 0.0, "per_prefill_token_s": 0.0, "per_decode_seq_s": 0.0, "per_kv_token_s": 0.0,
             "per_prefill_seq_s": 0.0, "per_prefill_step_s": 0.0, **costs}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.calibrate import Point, fit, predict
+from ops.calibrate_fit import Point, fit, predict
 from ops.cli import main as meshserve
 from ops.tiny_model import PRESETS, ModelShape
 
