@@ -46,8 +46,8 @@ from services.common.cli_types import (
 )
 
 from .calibrate_fit import Point, fit, predict
-from .console import CliError
-from .tiny_model import PRESETS, ModelShape, add_shape_arguments, output_file_problem, shape_from_args
+from .console import CliError, output_file_problem
+from .tiny_model import PRESETS, ModelShape, add_shape_arguments, shape_from_args
 
 # ----------------------------------------------------------------------- measurement
 

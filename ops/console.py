@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -135,6 +136,68 @@ async def unreachable_servers(servers: list[str] | tuple[str, ...], timeout_s: f
 
     found = await asyncio.gather(*(probe(s) for s in servers))
     return [why for why in found if why is not None]
+
+
+# ============================================================================ output paths
+
+
+def output_dir_problem(directory: str | Path) -> str | None:
+    """Why ``directory`` cannot be written into (created if missing), or None: checked
+    before any work, by creating (and removing) the first missing folder, or a scratch file
+    in an existing one, so that what the OS refuses (a file in the way, no permission, a
+    read-only or virtual file system) is said before minutes of work, not after."""
+    import os
+    import tempfile
+
+    path = Path(directory)
+    if str(directory) == "":
+        return "an empty path is no directory"
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} exists and is not a directory"
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            return f"cannot write in {path}: {exc.strerror or exc}"
+        return None
+    first = path.absolute()
+    while not first.parent.exists() and first.parent != first:
+        first = first.parent
+    parent = first.parent
+    if not parent.is_dir():
+        return f"cannot create {path}: {parent} is not a directory"
+    try:
+        first.mkdir()
+    except OSError as exc:
+        return f"cannot create {path}: {exc.strerror or exc}"
+    with contextlib.suppress(OSError):
+        os.rmdir(first)
+    return None
+
+
+def output_file_problem(file: str | Path, create_parents: bool = True) -> str | None:
+    """Why ``file`` cannot be written (its folder created if missing, with
+    ``create_parents``; else it must be there), or None; an existing file is opened to
+    append, nothing else, so it is left as it is."""
+    path = Path(file)
+    if str(file) == "":
+        return "an empty path is no file"
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not create_parents and not path.parent.is_dir():
+        what = "is not a directory" if path.parent.exists() else "no such directory"
+        return f"{path.parent}: {what}"
+    problem = output_dir_problem(path.parent)
+    if problem:
+        return problem
+    if path.exists():
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            return f"cannot write {path}: {exc.strerror or exc}"
+    return None
 
 
 # ============================================================================ tables

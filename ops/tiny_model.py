@@ -22,7 +22,6 @@ The same seed and shapes give byte-identical files with the same torch version.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import sys
@@ -337,65 +336,6 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
     return replace(shape, **overrides)
 
 
-def output_dir_problem(directory: str | Path) -> str | None:
-    """Why ``directory`` cannot be written into (created if missing), or None: checked
-    before any work, by creating (and removing) the first missing folder, or a scratch file
-    in an existing one, so that what the OS refuses (a file in the way, no permission, a
-    read-only or virtual file system) is said before minutes of work, not after."""
-    import os
-    import tempfile
-
-    path = Path(directory)
-    if str(directory) == "":
-        return "an empty path is no directory"
-    if path.exists():
-        if not path.is_dir():
-            return f"{path} exists and is not a directory"
-        try:
-            with tempfile.TemporaryFile(dir=path):
-                pass
-        except OSError as exc:
-            return f"cannot write in {path}: {exc.strerror or exc}"
-        return None
-    first = path.absolute()
-    while not first.parent.exists() and first.parent != first:
-        first = first.parent
-    parent = first.parent
-    if not parent.is_dir():
-        return f"cannot create {path}: {parent} is not a directory"
-    try:
-        first.mkdir()
-    except OSError as exc:
-        return f"cannot create {path}: {exc.strerror or exc}"
-    with contextlib.suppress(OSError):
-        os.rmdir(first)
-    return None
-
-
-def output_file_problem(file: str | Path, create_parents: bool = True) -> str | None:
-    """Why ``file`` cannot be written (its folder created if missing, with
-    ``create_parents``; else it must be there), or None; an existing file is opened to
-    append, nothing else, so it is left as it is."""
-    path = Path(file)
-    if str(file) == "":
-        return "an empty path is no file"
-    if path.is_dir():
-        return f"{path} is a directory"
-    if not create_parents and not path.parent.is_dir():
-        what = "is not a directory" if path.parent.exists() else "no such directory"
-        return f"{path.parent}: {what}"
-    problem = output_dir_problem(path.parent)
-    if problem:
-        return problem
-    if path.exists():
-        try:
-            with open(path, "ab"):
-                pass
-        except OSError as exc:
-            return f"cannot write {path}: {exc.strerror or exc}"
-    return None
-
-
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     """The model-shape flags (shared with ``meshserve calibrate``)."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="shapes to start from (default tiny)")
@@ -431,6 +371,8 @@ def missing_modules() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .console import output_dir_problem
+
     shape = shape_from_args(args)
     try:
         shape.validate()

@@ -34,7 +34,7 @@ from .up import Mesh, MeshConfig, StartupError, ready_workers
 def state_dir(text: str) -> str:
     """``--state-dir``: a folder that is there or can be made (not '', which was the
     current directory: an unset ``$STATE`` filled it with nats/, logs/ and a ledger)."""
-    from .tiny_model import output_dir_problem
+    from .console import output_dir_problem
 
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset variable?); give a folder, e.g. .meshserve")

@@ -47,8 +47,7 @@ def _rate(value: str) -> float:
 def plot_path(given: Path) -> Path:
     """The file ``--plot`` writes: ``given``, or ``given.png`` without a suffix (as
     matplotlib does); ``CliError`` (exit 2) before anything is computed when it cannot."""
-    from ops.console import EXIT_USAGE, CliError
-    from ops.tiny_model import output_file_problem
+    from ops.console import EXIT_USAGE, CliError, output_file_problem
 
     path = given if given.suffix else given.with_name(given.name + ".png")
     formats = plot_formats()
