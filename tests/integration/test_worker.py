@@ -316,6 +316,44 @@ async def test_prometheus_metrics_use_vllm_names(bus: Bus, bus_settings: BusSett
         await service.drain_and_close()
 
 
+async def test_hosted_models_share_one_metrics_port(nats_url: str) -> None:
+    """``serve worker --host-models a,b --metrics-port P`` runs one worker service per
+    model in one process: they serve one page on P, each family once, each model's
+    series labelled with its name (the second service failed to bind and the process
+    exited)."""
+    import aiohttp
+
+    from ops.natsserver import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "serve", "worker", "--host-models", "host-a=1,host-b=1",
+         "--metrics-port", str(port), "--nats-url", nats_url],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        text = ""
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):
+                assert proc.poll() is None, proc.communicate()[1][-2000:]
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/metrics") as response:
+                        text = await response.text()
+                except aiohttp.ClientError:
+                    text = ""
+                if 'model_name="host-a"' in text and 'model_name="host-b"' in text:
+                    break
+                await asyncio.sleep(0.1)
+        for model in ("host-a", "host-b"):
+            assert f'vllm:num_requests_running{{engine="sim",model_name="{model}"}} 0.0' in text, text
+        assert text.count("# TYPE vllm:num_requests_running gauge") == 1, text
+        assert text.count("# TYPE vllm:request_success_total counter") == 1, text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+
+
 async def test_probe_tells_queued_from_running_and_unknown(bus: Bus, bus_settings: BusSettings,
                                                           collector: ChunkCollector) -> None:
     """What the gateway asks before it calls a silent request stalled."""
