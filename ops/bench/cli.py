@@ -145,9 +145,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="FILE",
                    help="JSONL trace to replay (implies --workload trace): timestamp, input_tokens|text, "
                         "output_tokens")
-    g.add_argument("--trace-time-unit", choices=("s", "ms", "us"), default="s",
-                   help="unit of the trace's timestamps (default s)")
-    g.add_argument("--trace-block-size", type=positive_int, default=512, help="tokens per trace hash_id block (default 512)")
+    g.add_argument("--trace-time-unit", choices=("s", "ms", "us"), default=None,
+                   help="with --trace: unit of the trace's timestamps (default s)")
+    g.add_argument("--trace-block-size", type=positive_int, default=None,
+                   help="with --trace: tokens per trace hash_id block (default 512)")
     g.add_argument("--tokenizer", default="byte",
                    help="'byte' (meshserve sim) or a local HF tokenizer directory; prompt lengths are exact in it")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -189,11 +190,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                          "(leave --workload out, or drop --trace)")
     if kind is None:
         kind = "trace" if args.trace else "random"
+    given = [flag for flag, value in (("--trace-time-unit", args.trace_time_unit),
+                                      ("--trace-block-size", args.trace_block_size)) if value is not None]
+    if given and not args.trace:
+        # Without a trace they would change nothing: say so rather than run another benchmark.
+        raise ValueError(f"{' and '.join(given)} describe{'s' if len(given) == 1 else ''} a trace: "
+                         "give the trace with --trace FILE")
     workload = WorkloadConfig(
         kind=kind, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens, turns=args.turns,
         think_time=args.think_time, history=args.history, trace=args.trace,
-        trace_time_unit=args.trace_time_unit, trace_block_size=args.trace_block_size,
+        trace_time_unit=args.trace_time_unit or "s", trace_block_size=args.trace_block_size or 512,
         tokenizer=args.tokenizer)
     try:
         extra = json.loads(args.extra_body) if args.extra_body else {}

@@ -452,6 +452,8 @@ def parse_trace(lines: Iterable[str], time_unit: str = "s") -> list[TraceEntry]:
             if n is not None and n > MAX_LENGTH:
                 raise ValueError(f"trace line {lineno}: {n:,} {name} tokens, more than {MAX_LENGTH:,}, "
                                  "longer than any model's context")
+        if len(entry.hash_ids) > MAX_LENGTH:  # a block is at least a token
+            raise ValueError(f"trace line {lineno}: {len(entry.hash_ids):,} hash_ids, more than {MAX_LENGTH:,}")
         out.append(entry)
     out.sort(key=lambda e: e.timestamp)
     return out
@@ -508,7 +510,8 @@ class TraceWorkload:
             user = e.text
         elif e.hash_ids:
             n = e.input_tokens or 0
-            full = "".join(self._block(h) for h in e.hash_ids)
+            # Only the blocks the prompt reaches: a trace may name more than its length.
+            full = "".join(self._block(h) for h in e.hash_ids[: -(-n // self.block_size)])
             have = self.text.count(full)
             if have >= n:
                 # Cut the last blocks to length (exact for the byte tokenizer).

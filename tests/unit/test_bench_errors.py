@@ -154,6 +154,36 @@ def test_trace_with_another_workload_is_refused(tmp_path: Path, capsys: pytest.C
     assert code == 2 and "--trace" in err and "--workload random" in err
 
 
+def test_trace_options_without_a_trace_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """They changed nothing without ``--trace``: a run that ignored them was another
+    benchmark than the one asked for."""
+    code, err = bench(capsys, "--target", DEAD_HTTP, "--model", "m", "--trace-block-size", "64")
+    assert code == 2 and "--trace-block-size describes a trace: give the trace with --trace FILE" in err
+    code, err = bench(capsys, "--target", DEAD_HTTP, "--model", "m", "--trace-time-unit", "ms",
+                      "--trace-block-size", "64")
+    assert code == 2 and "--trace-time-unit and --trace-block-size describe a trace" in err
+    path = trace_file(tmp_path, '{"timestamp": 5, "input_tokens": 1, "output_tokens": 1}\n')
+    workload = config_from_args(parse("--target", DEAD_HTTP, "--trace", path, "--trace-time-unit", "ms",
+                                      "--trace-block-size", "64")).workload
+    assert (workload.trace_time_unit, workload.trace_block_size) == ("ms", 64)
+    workload = config_from_args(parse("--target", DEAD_HTTP, "--trace", path)).workload
+    assert (workload.trace_time_unit, workload.trace_block_size) == ("s", 512)
+
+
+def test_trace_hash_ids_are_bounded_and_only_the_prompts_blocks_are_built(tmp_path: Path) -> None:
+    """A line naming more blocks than any prompt was refused for its input tokens only;
+    its text was built for every block it named, whatever its length (a million ids of
+    512 tokens: half a billion tokens of text for a 10-token prompt)."""
+    with pytest.raises(ValueError, match="trace line 1: 10,000,001 hash_ids, more than 10,000,000"):
+        parse_trace([json.dumps({"timestamp": 0, "input_tokens": 1, "output_tokens": 1, "hash_ids": [1] * 10_000_001})])
+    path = trace_file(tmp_path, json.dumps({"timestamp": 0, "input_tokens": 10, "output_tokens": 1,
+                                            "hash_ids": list(range(1_000_000))}))
+    workload = WorkloadConfig(kind="trace", trace=path).build(seed=0)
+    turn = workload.session(0).turns[0]
+    assert turn.user_tokens == 10
+    assert len(workload._blocks) == 1  # type: ignore[attr-defined]
+
+
 # ------------------------------------------------------------------ 6: unreachable NATS
 
 
