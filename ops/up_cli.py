@@ -119,8 +119,8 @@ def add_parser(subparsers: Any) -> None:
                         help="sim: the model name (default sim-llama-8b); vllm: the model directory (or hub id)")
     parser.add_argument("--workers", type=count, default=None,
                         help="workers to start (default: 2 sim, 1 vllm); 0 starts none and waits for yours")
-    parser.add_argument("--speed", type=positive_number, default=1.0, help="sim speed factor (1.0 = real time)")
-    parser.add_argument("--profile", default=None, help="sim step-time profile")
+    parser.add_argument("--speed", type=positive_number, default=None, help="sim speed factor (default 1.0: real time)")
+    parser.add_argument("--profile", default=None, help="sim step-time profile (default llama-3.1-8b-h100)")
     parser.add_argument("--host-models", default=None, metavar="NAME[=GIB],...",
                         help="make each worker a hot-swap host of these sim models (memory for two, loaded on"
                              " demand; DESIGN.md, Many models per GPU); a fixed set of --workers hosts")
@@ -139,6 +139,11 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
     if vllm and not args.model:
         raise StartupError("--engine vllm needs --model DIR (weights directory or hub id); "
                            "make one with: meshserve make-tiny-model ./tiny-llama")
+    sim_only = [flag for flag, value in (("--speed", args.speed), ("--profile", args.profile)) if value is not None]
+    if sim_only and args.engine != "sim":
+        # The echo engine and vLLM have no step-time model: the flag would change nothing.
+        raise StartupError(f"{' and '.join(sim_only)} {'are' if len(sim_only) > 1 else 'is'} for the sim engine; "
+                           f"--engine {args.engine} has no simulated step times")
     workers = args.workers if args.workers is not None else (1 if vllm else 2)
     model = args.model or ("echo" if args.engine == "echo" else "sim-llama-8b")
     hosted = getattr(args, "host_models", None)
@@ -149,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
         model = hosted.split(",")[0].split("=")[0].strip()
     config = MeshConfig(
         state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
-        model=model, workers=workers, speed=args.speed, profile=args.profile, nats_url=args.nats_url,
+        model=model, workers=workers, speed=args.speed or 1.0, profile=args.profile, nats_url=args.nats_url,
         engine=args.engine, worker_args=list(args.worker_arg),
     )
     if vllm:

@@ -196,6 +196,10 @@ def _up_args(argv: list[str]) -> Any:
     (["--worker-arg=--max-model-len=abc"], "argument --max-model-len: not a whole number"),
     (["--worker-arg=--max-model-len=100000000"], "exceeds the KV cache"),
     (["--no-autoscaler", "--profile", "nope"], "unknown sim profile 'nope'"),
+    # Without a sim they changed nothing (echo streams at its own rate; vLLM is real).
+    (["--engine", "echo", "--profile", "nope"], "--profile is for the sim engine; --engine echo has no simulated"),
+    (["--engine", "echo", "--speed", "5", "--profile", "tiny-test"], "--speed and --profile are for the sim engine"),
+    (["--engine", "vllm", "--model", "m", "--speed", "2"], "--speed is for the sim engine; --engine vllm"),
 ])
 def test_up_checks_the_workers_options_before_starting_anything(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -216,6 +220,8 @@ def test_up_accepts_good_worker_options(tmp_path: Path) -> None:
     config = config_from_args(_up_args(["--state-dir", str(tmp_path), "--profile", "tiny-test",
                                         "--worker-arg=--max-model-len=512"]))
     assert config.profile == "tiny-test"
+    assert config.speed == 1.0
+    assert config_from_args(_up_args(["--state-dir", str(tmp_path), "--speed", "4"])).speed == 4.0
     assert config_from_args(_up_args(["--state-dir", str(tmp_path), "--engine", "echo"])).engine == "echo"
 
 
