@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import aiohttp
 
 
-async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, str]]:
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncGenerator[tuple[str, str], None]:
     """(id, data) of each SSE event as it arrives (benchmarks/chaos.py reads them so too)."""
     event_id, data = "", ""
     async for raw in response.content:

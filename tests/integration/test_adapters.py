@@ -19,6 +19,7 @@ from ops.cli import main
 from ops.keys import create_key
 from proto import UsageEvent
 from services.gateway.service import GatewayConfig, GatewayService
+from services.worker.engines.sim import SimEngine
 from tests.conftest import eventually, usage_events
 from tests.integration.test_router import MODEL, RouterFactory, WorkerFactory, start_router, start_worker
 
@@ -92,6 +93,7 @@ async def test_an_adapter_is_added_listed_served_from_a_slot_and_removed(
             assert done.model == "sql-writer" and done.usage is not None and done.usage.completion_tokens == 5
         assert router.stats()["placements_by_worker"] == {"w1": 4}  # never the worker that cannot load it
         assert worker.engine.stats().lora_adapters == ["sql-writer"]  # resident in a slot
+        assert isinstance(worker.engine, SimEngine)
         assert worker.engine.core.lora.loads_from_disk == 1  # loaded once, then served from its slot
         assert plain.engine.stats().lora_adapters == []
         # billed as the client named it (vLLM reports the adapter's name), with its base for the price

@@ -24,7 +24,8 @@ def test_the_prompt_comes_back_streamed_in_multi_token_chunks(mesh: Mesh) -> Non
     prompt = "the quick brown fox, "
     stream = client.completions.create(model="echo", prompt=prompt, max_tokens=300, stream=True,
                                        stream_options={"include_usage": True})
-    texts, usage = [], None
+    texts: list[str] = []
+    usage = None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage

@@ -235,8 +235,10 @@ async def test_under_nats_permissions_a_cancel_reaches_the_gateway_relaying_the_
         started.append(ops)
         key, record = await create_key(ops, org="nats-api-perm-org")
         for g in gateways:
-            await eventually(lambda g=g: record.key_id in g.auth.records and bool(g.registry.ready_workers(MODEL)),
-                             what="the key and the worker at both gateways")
+            def ready(g: GatewayService = g) -> bool:
+                return record.key_id in g.auth.records and bool(g.registry.ready_workers(MODEL))
+
+            await eventually(ready, what="the key and the worker at both gateways")
         app = await nats.connect(server.url, user="app", password=PASSWORDS["app"], inbox_prefix=inbox_prefix("app"))
         try:
             stream, _ = await _stream(app, ops.subjects.api_chat, _chat(), key)

@@ -11,14 +11,22 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import jsonschema
 import nats
 import openai
 import pytest
-from pydantic import BaseModel
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolMessageParam,
+)
+from openai.types.responses import FunctionToolParam
+from pydantic import BaseModel, SecretStr
 
 from bus import Bus
 from ops.up import Mesh
@@ -28,7 +36,7 @@ from tests.conftest import running_mesh
 
 MODEL = "sim-llama-8b"
 
-WEATHER = {
+WEATHER: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -41,7 +49,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
+TIME: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
                                                     "required": ["tz"]}},
@@ -94,9 +102,9 @@ def test_guided_choice_regex_and_grammar_extra_fields(client: openai.OpenAI) -> 
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}],
                                                max_tokens=20, extra_body={"guided_choice": ["red", "green", "blue"]})
         assert reply.choices[0].message.content in ("red", "green", "blue")
-    reply = client.completions.create(model=MODEL, prompt="phone:", max_tokens=30,
-                                      extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
-    assert reply.choices[0].text[:3].isdigit() and reply.choices[0].text[3] == "-"
+    completion = client.completions.create(model=MODEL, prompt="phone:", max_tokens=30,
+                                           extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert completion.choices[0].text[:3].isdigit() and completion.choices[0].text[3] == "-"
 
 
 def test_invalid_schema_is_a_400_naming_the_parameter(client: openai.OpenAI) -> None:
@@ -122,14 +130,19 @@ def test_required_tool_call_and_a_tool_result_in_the_history(client: openai.Open
     calls = choice.message.tool_calls or []
     assert calls and all(c.id.startswith("call_") for c in calls)
     for call in calls:
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall), call
         tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     # the next turn: the assistant's calls and the tool's answers in the history
-    follow = client.chat.completions.create(model=MODEL, max_tokens=10, tools=[WEATHER, TIME], tool_choice="none", messages=[
+    history: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
-        *({"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'} for c in calls),
-    ])
+        # the SDK's own tool calls, dumped: the param shape, which model_dump's dict[str, Any] does not say
+        {"role": "assistant", "content": None,
+         "tool_calls": [cast(ChatCompletionMessageFunctionToolCallParam, c.model_dump()) for c in calls]},
+        *(ChatCompletionToolMessageParam(role="tool", tool_call_id=c.id, content='{"temp": 21}') for c in calls),
+    ]
+    follow = client.chat.completions.create(model=MODEL, max_tokens=10, tools=[WEATHER, TIME], tool_choice="none",
+                                            messages=history)
     assert follow.choices[0].message.content is not None and not follow.choices[0].message.tool_calls
 
 
@@ -237,14 +250,15 @@ def test_bad_fields_are_400s_naming_the_parameter(client: openai.OpenAI, field: 
 def test_langchain_tools_structured_output_and_stream(mesh: Mesh) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=f"{mesh.gateway_url}/v1", api_key=mesh.dev_key, max_tokens=200,  # type: ignore[arg-type]
-                     max_retries=0)
+    llm = ChatOpenAI(model=MODEL, base_url=f"{mesh.gateway_url}/v1", api_key=SecretStr(mesh.dev_key),
+                     max_completion_tokens=200, max_retries=0)
     structured = llm.with_structured_output(City).invoke("Describe a city")
     assert isinstance(structured, City)
-    bound = llm.bind_tools([WEATHER], tool_choice="get_weather")
+    # langchain takes any OpenAI tool dict, annotated dict[str, Any], which a TypedDict never is
+    bound = llm.bind_tools([WEATHER], tool_choice="get_weather")  # type: ignore[list-item]
     message = bound.invoke("Weather in Oslo?")
-    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"  # type: ignore[attr-defined]
-    jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])  # type: ignore[attr-defined]
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
     pieces = list(llm.stream("Say something"))
     assert pieces and "".join(str(p.content) for p in pieces)
 
@@ -252,10 +266,10 @@ def test_langchain_tools_structured_output_and_stream(mesh: Mesh) -> None:
 def test_every_front_door_gives_the_same_choices(mesh: Mesh, client: openai.OpenAI) -> None:
     """HTTP, SSE, WebSocket and NATS share one implementation: a seeded request with n,
     logprobs and a forced tool call gives the same choices through each."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "n": 2, "seed": 3,
-            "max_tokens": 200, "logprobs": True, "top_logprobs": 2, "tools": [WEATHER],
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    http = client.chat.completions.create(**body).model_dump()  # type: ignore[arg-type]
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "n": 2, "seed": 3,
+                            "max_tokens": 200, "logprobs": True, "top_logprobs": 2, "tools": [WEATHER],
+                            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    http = client.chat.completions.create(**body).model_dump()
     want = {c["index"]: (c["message"]["tool_calls"][0]["function"]["arguments"], c["finish_reason"],
                          [e["logprob"] for e in c["logprobs"]["content"]]) for c in http["choices"]}
     assert len(want) == 2 and want[0] != want[1]
@@ -267,7 +281,7 @@ def test_every_front_door_gives_the_same_choices(mesh: Mesh, client: openai.Open
             out[index] = (a + arguments, finish or f, lp + logprobs)
         return out
 
-    sse = client.chat.completions.create(**body, stream=True)  # type: ignore[call-overload]
+    sse = client.chat.completions.create(**body, stream=True)
     assert fold([(c.index, "".join(t.function.arguments or "" for t in c.delta.tool_calls or []), c.finish_reason,
                   [e.logprob for e in (c.logprobs.content or [])] if c.logprobs else [])
                  for chunk in sse for c in chunk.choices]) == want
@@ -300,7 +314,7 @@ def test_every_front_door_gives_the_same_choices(mesh: Mesh, client: openai.Open
     assert over_ws == want and over_nats == want
 
 
-HOSTILE = [
+HOSTILE: list[dict[str, Any]] = [
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "items": {"type": "string"}, "minItems": 1_000_000_000}}}},
     {"guided_regex": "a{100000000}"},
@@ -397,8 +411,11 @@ def test_responses_api_streams_and_continues_a_conversation(client: openai.OpenA
     structured = client.responses.create(model=MODEL, input="ok?", max_output_tokens=50,
                                          text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
     jsonschema.validate(json.loads(structured.output_text), schema)
+    # the chat tool's function as it is: no "strict" (the SDK's type requires the key), and
+    # "parameters" optional in the chat type though WEATHER has it
+    weather: FunctionToolParam = {"type": "function", **WEATHER["function"]}  # type: ignore[typeddict-item]
     forced = client.responses.create(model=MODEL, input="Weather?", max_output_tokens=2000, tool_choice="required",
-                                     tools=[{"type": "function", **WEATHER["function"]}])  # type: ignore[list-item]
+                                     tools=[weather])
     calls = [item for item in forced.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
@@ -421,7 +438,7 @@ def test_a_client_gone_cancels_every_choice(mesh: Mesh) -> None:
                     if seen >= 6:
                         break  # leaving the block closes the connection mid-stream
 
-    async def by_status() -> dict[str, tuple[int, int]]:
+    async def by_status() -> dict[str | None, tuple[int, int]]:
         bus = await Bus.open(mesh.settings, "cancel-check", initial_attempts=10)
         try:
             report = await bus.request(bus.subjects.metering_usage, UsageQuery(org="dev", group_by=["status"]),

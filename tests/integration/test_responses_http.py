@@ -14,6 +14,12 @@ import aiohttp
 import openai
 import pydantic
 import pytest
+from openai.types.responses import (
+    ResponseInputMessageItem,
+    ResponseInputText,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
 
 from bus import Bus, BusSettings
 from services.gateway.response_store import ResponseStore, StoredResponse, responses_bucket
@@ -119,7 +125,12 @@ async def test_input_items_list_what_a_response_answered(client: openai.AsyncOpe
     page = await client.responses.input_items.list(second.id)
     items = page.data
     assert [i.type for i in items] == ["message"] * 4  # Briefly, What is my name?, the first answer, My name is Ada.
-    texts = [i.content[0].text for i in items]  # type: ignore[union-attr]
+    texts = []
+    for i in items:
+        assert isinstance(i, ResponseInputMessageItem | ResponseOutputMessage), i
+        part = i.content[0]
+        assert isinstance(part, ResponseInputText | ResponseOutputText), part
+        texts.append(part.text)
     assert texts[0] == "Briefly." and texts[1] == "What is my name?" and texts[3] == "My name is Ada."
     assert items[2].id == first.output[0].id  # the first response's own output item, as it was
     assert len({i.id for i in items}) == 4 and all(i.id for i in items)

@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -338,7 +338,7 @@ async def test_prometheus_metrics(bus: Bus, bus_settings: BusSettings, start_wor
         await router.drain_and_close()
 
 
-Post = Callable[[dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
+Post = Callable[[dict[str, Any]], Coroutine[Any, Any, tuple[int, dict[str, Any]]]]
 
 
 @contextlib.asynccontextmanager

@@ -4,8 +4,6 @@ migration that waited for this worker, paused, to come back), on a real nats-ser
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import pytest
 
@@ -18,6 +16,7 @@ from proto import (
     GenerateRequest,
     RemoteError,
     TokenChunk,
+    UsageEvent,
 )
 from services.worker.service import WorkerService
 from tests.conftest import eventually
@@ -40,9 +39,9 @@ async def test_a_superseded_try_blocks_only_itself_not_a_later_try_of_the_segmen
                 finals.append((request.request_id, request.migrations, request.attempt))
             await publish_chunk(request, chunk, ack=ack)
 
-        def usage(request: GenerateRequest, *args: Any) -> None:
+        def usage(request: GenerateRequest, event: UsageEvent) -> None:
             billed.append((request.request_id, request.migrations, request.attempt))
-            publish_usage(request, *args)
+            publish_usage(request, event)
 
         w._publish_chunk = chunk  # type: ignore[method-assign]
         w._publish_usage = usage  # type: ignore[method-assign]

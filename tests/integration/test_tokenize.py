@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from bus import Bus, BusSettings
 from services.gateway.service import GatewayService
@@ -56,13 +57,15 @@ async def test_round_trip(gateway: GatewayService, key: str) -> None:
 
 
 async def test_chat_form_counts_what_a_chat_completion_bills(gateway: GatewayService, key: str) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How warm is the cache?"}]
-    tools = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "How warm is the cache?"}]
+    tools: list[ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}]
     status, counted = await post(f"{gateway.http_url}/tokenize", key, {"model": MODEL, "messages": messages,
                                                                         "tools": tools})
     assert status == 200, counted
     client = openai.AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key=key, max_retries=0)
-    reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=tools,  # type: ignore[arg-type]
+    reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
                                                  tool_choice="none", max_tokens=1)
     assert reply.usage is not None and reply.usage.prompt_tokens == counted["count"]
     status, plain = await post(f"{gateway.http_url}/tokenize", key, {"model": MODEL, "messages": messages})

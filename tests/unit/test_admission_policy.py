@@ -114,8 +114,8 @@ def test_an_unknown_fleet_is_not_an_empty_one() -> None:
     assert p.on_usage(usage("r1", 1000, 100), 0.0) == 400
     # the quota is checked first, fleet or not
     for i in range(9):
-        p.check(req(f"q{i}", prompt=10, max_tokens=10), None, 0.0)
-    refused = p.check(req("over", prompt=10, max_tokens=10), None, 0.0)
+        p.check_verdict(req(f"q{i}", prompt=10, max_tokens=10), None, 0.0)
+    refused, _ = p.check_verdict(req("over", prompt=10, max_tokens=10), None, 0.0)
     assert (refused.admitted, refused.reason) == (False, "quota_requests")
 
 

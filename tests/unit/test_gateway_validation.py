@@ -24,6 +24,7 @@ from services.gateway.errors import (
 )
 from services.gateway.models import ModelLimits, ModelSpec
 from services.gateway.normalized import NormalizedRequest, parse_ws_message
+from services.gateway.openai_api import RequestKind
 from services.gateway.validation import parse_completion_request, parse_request, parse_ws_request
 
 BYTE = ByteTokenizer()
@@ -521,7 +522,9 @@ def test_priority_is_refused_unless_the_server_schedules_by_it() -> None:
     """vLLM's ``priority`` (lower first): the mesh schedules by the key's tier, so a
     client's priority is a clear 400, as vLLM gives it under first-come-first-served;
     0 (vLLM's default, which some clients always send) passes."""
-    for kind, body in (("chat", chat(priority=3)), ("completion", completion(priority=-1))):
+    cases: tuple[tuple[RequestKind, bytes], ...] = (("chat", chat(priority=3)),
+                                                    ("completion", completion(priority=-1)))
+    for kind, body in cases:
         with pytest.raises(ApiError) as info:
             parse_request(kind, body, MODELS)
         err = info.value
@@ -540,11 +543,11 @@ def test_prompt_logprobs_past_what_one_response_carries_is_a_400() -> None:
     big = {"big": ModelSpec("big", BYTE, ModelLimits(max_model_len=200_000))}
     body = json.dumps({"model": "big", "prompt": "a" * 12_000, "max_tokens": 1, "prompt_logprobs": 20}).encode()
     with pytest.raises(ApiError) as info:
-        parse_request("completions", body, big)
+        parse_request("completion", body, big)
     assert info.value.status == 400 and info.value.param == "prompt_logprobs"
     assert "252,000" in info.value.message
     fits = json.dumps({"model": "big", "prompt": "a" * 9_000, "max_tokens": 1, "prompt_logprobs": 20}).encode()
-    assert parse_request("completions", fits, big).sampling.prompt_logprobs == 20
+    assert parse_request("completion", fits, big).sampling.prompt_logprobs == 20
 
 
 def test_output_options_carry_what_the_answer_is_built_with() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from ops.tiny_model import BOS, build_tokenizer_json, tokenizer_config
 from proto import OutputOptions, TokenChunk, TokenLogprob, Usage
+from proto.messages import FinishReason
 from proto.workers import SamplingDefaults
 from services.common.tokenizer import ByteTokenizer, HFTokenizer
 from services.gateway.chat_request import parse_chat_request
@@ -222,7 +223,8 @@ def test_stop_reason_reaches_every_choice_and_the_finishing_chunk(kind: Any) -> 
 
 
 def test_stop_reason_is_null_for_length_and_eos() -> None:
-    for finish, reason in (("length", None), ("stop", None)):
+    cases: tuple[tuple[FinishReason, None], ...] = (("length", None), ("stop", None))
+    for finish, reason in cases:
         asm = ChoiceAssembler("chat", "r", "m", 0, OutputOptions())
         asm.deltas(TokenChunk(request_id="r", seq=0, token_ids=[40], text="a", finish_reason=finish,
                               stop_reason=reason))

@@ -60,7 +60,7 @@ def strategy_for(info: mi.Type) -> st.SearchStrategy[Any]:
         case mi.StructType(cls=cls, fields=fields):
             required = {f.name: strategy_for(f.type) for f in fields if f.required}
             optional = {f.name: strategy_for(f.type) for f in fields if not f.required and f.name != "v"}
-            return st.fixed_dictionaries(required, optional=optional).map(lambda kw, cls=cls: cls(**kw))
+            return st.fixed_dictionaries(required, optional=optional).map(lambda kw: cls(**kw))
     raise TypeError(f"no strategy for {info!r}")
 
 

@@ -15,6 +15,7 @@ a burst passes.
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import pytest
 
@@ -89,7 +90,7 @@ def test_repeating_a_private_prefix_weighs_more_than_repeating_a_shared_one() ->
     v = make_view(2)
     cache(v, "llama-1", SYSTEM)
     prompt = [*SYSTEM, *range(100)]  # 2148 tokens, 2048 cached on llama-1
-    hashed = {"block_hashes": block_hashes(prompt, 16), "block_size": 16}
+    hashed: dict[str, Any] = {"block_hashes": block_hashes(prompt, 16), "block_size": 16}
     set_load(v, "llama-1", queued=4200)  # wait 4300: 2152 saved > 2048 repeated, < 3 × 2048
     set_load(v, "llama-0", queued=0)
     r = router(v, balance_factor=0)
@@ -121,7 +122,7 @@ def test_a_shared_prompt_spills_to_an_idle_worker_as_soon_as_the_request_gains()
     v = make_view(2)
     cache(v, "llama-1", SYSTEM)
     prompt = [*SYSTEM, *range(100)]  # 2148 tokens, 2048 cached on llama-1
-    hashed = {"block_hashes": block_hashes(prompt, 16), "block_size": 16}
+    hashed: dict[str, Any] = {"block_hashes": block_hashes(prompt, 16), "block_size": 16}
     set_load(v, "llama-1", queued=2500)  # wait 2600: over the idle worker's 2148
     set_load(v, "llama-0", queued=0)
     r = router(v, balance_factor=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -44,7 +45,7 @@ def test_burst_trace_has_the_phases_rates_and_shared_prefixes(tmp_path: Path) ->
     assert wl.session(a).turns[0].user_tokens == lines[a]["input_tokens"]
 
 
-def _points(p90: list[float], hit: list[float | None]) -> list[dict[str, Any]]:
+def _points(p90: Sequence[float], hit: Sequence[float | None]) -> list[dict[str, Any]]:
     return [{"t": 5.0 * i, "n": 100, "ttft_p90_ms": x, "hit_rate": h, "outstanding": {"w0": 1.0}}
             for i, (x, h) in enumerate(zip(p90, hit, strict=True))]
 

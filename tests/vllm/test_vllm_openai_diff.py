@@ -381,7 +381,7 @@ async def test_json_schema(servers: Servers) -> None:
         jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
 
 
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
@@ -440,6 +440,7 @@ async def test_tokenize_detokenize_and_models(servers: Servers) -> None:
     got_models = await servers.mesh.models.list()
     ref_card = next(m for m in ref_models.data if m.id == MODEL)
     got_card = next(m for m in got_models.data if m.id == MODEL)
+    assert ref_card.model_extra is not None and got_card.model_extra is not None
     assert_same({"max_model_len": ref_card.model_extra.get("max_model_len")},
                 {"max_model_len": got_card.model_extra.get("max_model_len")}, "/v1/models")
 

@@ -120,7 +120,9 @@ async def test_stop_reason(servers: Servers) -> None:
     plain = await servers.vllm.completions.create(
         model=MODEL, prompt="The river runs past", max_tokens=12, temperature=1.0, seed=5,
         extra_body={"top_k": 0, "return_token_ids": True})
-    token = plain.choices[0].model_extra["token_ids"][4]
+    extra = plain.choices[0].model_extra
+    assert extra is not None
+    token = extra["token_ids"][4]
     ref, _ = await both_completion(servers, {"prompt": "The river runs past", "max_tokens": 12, "temperature": 1.0,
                                              "seed": 5, "top_k": 0, "stop_token_ids": [token]})
     assert stop_reasons(ref) == [token]
@@ -138,6 +140,7 @@ async def test_echo_keeps_special_tokens(servers: Servers) -> None:
     assert ref.choices[0].text.startswith("<|begin_of_text|>abc")
     ids = (await servers.vllm.completions.create(model=MODEL, prompt="<|begin_of_text|>abc", max_tokens=1,
                                                  extra_body={"return_token_ids": True})).choices[0]
+    assert ids.model_extra is not None
     prompt_ids = ids.model_extra["prompt_token_ids"]
     await both_completion(servers, {"prompt": prompt_ids, "max_tokens": 2, "echo": True, "logprobs": 1, "seed": 1})
 
