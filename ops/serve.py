@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from bus.config import Refusal
 from ops.console import EXIT_USAGE, CliError
 from services.common.cli_types import add_nats_url_argument, subject_root
 
@@ -79,6 +80,12 @@ def _runner(module: Any) -> Any:
             check_log_level_env()
         try:
             return int(module.run(args))
+        except SystemExit as exc:
+            if isinstance(exc, Refusal) or not isinstance(exc.code, str):
+                raise
+            # A service's own "cannot be configured so" (``raise SystemExit(message)``): said as
+            # ``refuse`` says it, one line naming the command, exit 2 (it exited 1, unnamed).
+            raise CliError(exc.code.removeprefix(f"{args.cli_prog}: "), EXIT_USAGE) from None
         except OSError as exc:
             # A listening socket a pre-start check could not foresee (taken meanwhile): one
             # line, as sim-server says it, not a traceback. Any other OSError is a bug's.

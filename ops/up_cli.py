@@ -65,7 +65,7 @@ def worker_problem(config: MeshConfig) -> str | None:
     --worker-arg, limits the KV cache cannot hold), found here before anything starts: a
     worker that fails on start-up was restarted again and again until ``up`` gave up."""
     from ops.serve import add_common_arguments
-    from services.worker.main import add_arguments
+    from services.worker.main import add_arguments, engine_option_problem
 
     if config.workers == 0 and "autoscaler" not in config.services:
         return None
@@ -79,6 +79,8 @@ def worker_problem(config: MeshConfig) -> str | None:
         args = parser.parse_args(argv)
     except ValueError as exc:
         return f"a worker would refuse its arguments ({' '.join(config.worker_args) or 'none from --worker-arg'}): {exc}"
+    if problem := engine_option_problem(args):
+        return f"a worker would refuse its arguments ({' '.join(config.worker_args)}): {problem}"
     if config.engine != "sim":
         return None
     from services.worker.engines.sim_profile import DEFAULT_PROFILE, SimConfig, load_profile

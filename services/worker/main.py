@@ -124,6 +124,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--drain-timeout", type=positive_seconds, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
 
 
+# The options only some engines read (the rest apply to every engine). Given to another
+# engine they would change nothing: the worker refuses them (``engine_option_problem``).
+_ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "profile": ("sim",), "speed": ("sim",), "num_kv_blocks": ("sim",),
+    "seed": ("sim", "vllm"), "max_num_batched_tokens": ("sim", "vllm"), "lora_adapters": ("sim", "vllm"),
+    "max_loras": ("sim", "vllm"), "max_cpu_loras": ("sim", "vllm"), "max_lora_rank": ("sim", "vllm"),
+    "echo_tokens_per_s": ("echo",), "echo_interval_ms": ("echo",),
+    "generation_config": ("vllm", "echo"),
+    **{name: ("vllm",) for name in (
+        "model_dir", "served_model_name", "gpu_memory_utilization", "kv_cache_dtype", "tensor_parallel_size",
+        "enable_prefix_caching", "enforce_eager", "dtype", "scheduling_policy", "enable_lora", "kv_events",
+        "cpu_kvcache_space", "engine_arg", "engine_config")},
+}
+
+
+def engine_option_problem(args: argparse.Namespace) -> str | None:
+    """The first option given that this worker's engine does not read, said as such."""
+    engine = getattr(args, "engine", "sim")
+    for name, engines in _ENGINE_OPTIONS.items():
+        if engine not in engines and getattr(args, name, None) not in (None, "", []):
+            takes = " or ".join(f"--engine {e}" for e in engines)
+            return f"--{name.replace('_', '-')} is for {takes}: --engine {engine} does not read it"
+    return None
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "engine", "sim") == "vllm":
         return vllm_engine_options(args)
@@ -231,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     if args.gauge_min_interval > args.gauge_interval:  # (each finite and in range: the parser's types)
         raise SystemExit("--gauge-min-interval must lie between 0 and --gauge-interval,"
                          f" got {args.gauge_interval} and {args.gauge_min_interval}")
+    if option_problem := engine_option_problem(args):
+        raise SystemExit(option_problem)
     if args.engine == "vllm" and not vllm_importable():
         # Before connecting: it failed only after start-up, with a ModuleNotFoundError traceback.
         raise SystemExit(vllm_missing("serve worker"))

@@ -200,6 +200,8 @@ def _up_args(argv: list[str]) -> Any:
     (["--engine", "echo", "--profile", "nope"], "--profile is for the sim engine; --engine echo has no simulated"),
     (["--engine", "echo", "--speed", "5", "--profile", "tiny-test"], "--speed and --profile are for the sim engine"),
     (["--engine", "vllm", "--model", "m", "--speed", "2"], "--speed is for the sim engine; --engine vllm"),
+    (["--worker-arg=--gpu-memory-utilization=0.5"], "(--gpu-memory-utilization=0.5): --gpu-memory-utilization is for"
+                                                    " --engine vllm: --engine sim does not read it"),
 ])
 def test_up_checks_the_workers_options_before_starting_anything(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -332,3 +332,34 @@ def test_an_in_memory_ledger_needs_no_file(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.chdir(tmp_path)
     assert sqlite_ledger_problem(":memory:") is None
     assert not (tmp_path / ":memory:").exists()
+
+
+# ============================================================================ services' own refusals
+
+
+@pytest.mark.parametrize(("argv", "config", "message"), [
+    (["autoscaler"], None, "the autoscaler needs at least one pool: --pool MODEL or pools in --config"),
+    (["autoscaler", "--config", "{config}"], ["not", "an", "object"], "bad autoscaler configuration: --config "),
+    (["autoscaler", "--config", "{config}"], {"pools": {"m": {"timezone": "Mars/Olympus"}}}, "unknown timezone: "),
+    (["worker", "--engine", "echo", "--host-models", "a"], None, "--engine echo takes no LoRA adapters and hosts no"),
+    (["worker", "--host-models", "a,a"], None, "--host-models: 'a' is empty or named twice"),
+    # Options another engine reads changed nothing: vLLM's for a sim, the sim's for echo.
+    (["worker", "--engine-arg", "nokey"], None, "--engine-arg is for --engine vllm: --engine sim does not read it"),
+    (["worker", "--gpu-memory-utilization", "0.5"], None, "--gpu-memory-utilization is for --engine vllm: --engine sim"),
+    (["worker", "--engine", "echo", "--speed", "2"], None, "--speed is for --engine sim: --engine echo does not read it"),
+    (["worker", "--engine", "echo", "--lora-adapters", "a"], None, "--lora-adapters is for --engine sim or --engine vllm"),
+    (["worker", "--echo-tokens-per-s", "5"], None, "--echo-tokens-per-s is for --engine echo: --engine sim"),
+    (["worker", "--generation-config", "vllm"], None, "--generation-config is for --engine vllm or --engine echo"),
+])
+def test_a_services_own_refusal_is_one_line_naming_the_command_and_exit_2(
+        argv: list[str], config: Any, message: str, tmp_path: Path) -> None:
+    """Configurations only the service itself can judge (a config file's contents, options
+    that contradict each other) ended with the bare message and exit 1, where every other
+    bad input is ``meshserve serve SERVICE: ...`` and exit 2."""
+    path = tmp_path / "config.json"
+    if config is not None:
+        path.write_text(json.dumps(config))
+    result = meshserve("serve", *[a.format(config=path) for a in argv], *NO_NATS)
+    assert result.returncode == 2, result.stderr
+    line = one_line(result.stderr)
+    assert line.startswith(f"meshserve serve {argv[0]}: {message}"), line
