@@ -381,8 +381,11 @@ async def run_bench(config: BenchConfig, *, console: Any = None) -> BenchResult:
                 other = next((m for m in models.values()), None)
                 if other is None:
                     why = f" ({target.discovery_error})" if target.discovery_error else ""
-                    raise ValueError(f"{target.endpoint.label}: no model given and none discovered{why}; "
-                                     f"{target.discovery_hint}")
+                    # A server that does not answer fails at run time (exit 1); one that lists
+                    # no model, or refuses the key, was given the wrong input (exit 2).
+                    failure = ConnectionError if target.discovery_unreachable else ValueError
+                    raise failure(f"{target.endpoint.label}: no model given and none discovered{why}; "
+                                  f"{target.discovery_hint}")
                 model = other
             models[target.endpoint.label] = model
         result.meta["models"] = models

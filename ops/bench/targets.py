@@ -44,6 +44,7 @@ class Target(Protocol):
     endpoint: EndpointConfig
     discovery_error: str | None  # why discover_model found none, for the error the user sees
     discovery_hint: str  # and what to do about it
+    discovery_unreachable: bool  # the server did not answer at all: a failure at run time, not bad input
 
     async def start(self) -> None: ...
 
@@ -83,6 +84,7 @@ class OpenAITarget:
         self._session: aiohttp.ClientSession | None = None
         self.discovery_error: str | None = None
         self.discovery_hint = PASS_MODEL
+        self.discovery_unreachable = False
 
     async def start(self) -> None:
         # limit=0: an open-loop client must never queue requests behind a pool limit.
@@ -122,6 +124,7 @@ class OpenAITarget:
             self.discovery_error = f"GET {self.base}/models failed: {type(exc).__name__}: {exc}"
             if isinstance(exc, aiohttp.ClientConnectionError):
                 self.discovery_hint = f"is a server running at {self.base}? (`make up` prints its address)"
+                self.discovery_unreachable = True
             return None
 
     async def send(self, body: dict[str, Any], acc: StreamAccumulator) -> None:
@@ -175,6 +178,7 @@ class NatsTarget:
         self.subject = subjects.api_chat if endpoint.api == "chat" else subjects.api_completions
         self.discovery_error: str | None = "meshserve's NATS API lists no models"
         self.discovery_hint = PASS_MODEL
+        self.discovery_unreachable = False  # an unreachable NATS fails start() already
         self._nc: Any = None
         self._prefix = ""
         self._seq = itertools.count()

@@ -44,7 +44,7 @@ async def test_discovery_reports_the_servers_answer(refusing_server: str, api_ke
     assert "answered 401: Incorrect API key provided" in target.discovery_error
     # Not "pass --model": every request would be refused too. A key that was sent is
     # called refused, not missing.
-    assert target.discovery_hint == hint
+    assert target.discovery_hint == hint and not target.discovery_unreachable
 
 
 async def test_discovery_says_when_nothing_answers() -> None:
@@ -57,3 +57,15 @@ async def test_discovery_says_when_nothing_answers() -> None:
         await target.close()
     assert target.discovery_error is not None and "failed" in target.discovery_error
     assert target.discovery_hint != PASS_MODEL and url in target.discovery_hint
+    assert target.discovery_unreachable
+
+
+def test_a_server_that_does_not_answer_is_a_failure_not_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 1, as for a NATS target that cannot be reached: the command line was right,
+    the server was not there (it exited 2, the code for bad input)."""
+    from ops.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    assert main(["bench", "--target", url, "-n", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshserve bench: {url}: no model given and none discovered") and "is a server running" in err
