@@ -425,8 +425,15 @@ def run_services(group_factory: Callable[[], list[Service]], options: RunOptions
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop_all)
-        codes = await asyncio.gather(*(s.serve(install_signals=False) for s in group))
-        return max(codes)
+        serving = [asyncio.ensure_future(s.serve(install_signals=False)) for s in group]
+        try:
+            return max(await asyncio.gather(*serving))
+        except BaseException:
+            # One could not start: the others stop too (a started one drains and leaves the
+            # registry), not left running until the loop's shutdown cut them off mid-call.
+            stop_all()
+            await asyncio.gather(*serving, return_exceptions=True)
+            raise
 
     async def main() -> int:
         began = time.monotonic()

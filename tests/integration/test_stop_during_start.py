@@ -44,3 +44,42 @@ def test_a_stop_during_start_up_ends_the_process(tmp_path: Path, service: str, s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+SERVICES_OF_ONE_PROCESS = '''
+import asyncio, sys
+from bus import BusSettings
+from bus.runner import Service, run_services
+
+class Healthy(Service):
+    name = "healthy"
+    async def on_start(self):
+        started.set()
+    async def on_stop(self):
+        print("healthy: on_stop", flush=True)
+
+class Broken(Service):
+    name = "broken"
+    async def on_start(self):
+        await started.wait()  # fails once its sibling is up
+        raise RuntimeError("broken: cannot start")
+
+started = asyncio.Event()
+settings = BusSettings(servers=(sys.argv[1],))
+sys.exit(run_services(lambda: [Healthy(settings, drain_timeout_s=5), Broken(settings, drain_timeout_s=5)]))
+'''
+
+
+def test_a_service_that_cannot_start_stops_its_siblings(nats_url: str, tmp_path: Path) -> None:
+    """A hot-swap host runs one worker service per model in one process. One that failed
+    to start ended the process with its siblings still running: never drained (their
+    registry entries stayed until they expired), cut off by the event loop's shutdown
+    after a 30 s flush timeout, with that traceback."""
+    script = tmp_path / "group.py"
+    script.write_text(SERVICES_OF_ONE_PROCESS)
+    result = subprocess.run([sys.executable, str(script), nats_url], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode != 0
+    assert "RuntimeError: broken: cannot start" in result.stderr
+    assert "healthy: on_stop" in result.stdout, result.stderr[-3000:]  # the sibling drained and closed
+    assert "unhandled exception during asyncio.run() shutdown" not in result.stderr, result.stderr[-3000:]
