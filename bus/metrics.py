@@ -37,14 +37,15 @@ class MetricsServer:
             listener = _Listener(self.host, self.port)
             if self.port:
                 _listeners[key] = listener  # before binding: hosted services start at once
+        # Attached before the bind is awaited, so the last server to stop closes the
+        # listener, a bind that a cancelled start left under way included.
+        listener.servers.append(self)
+        self._listener = listener
         try:
             await listener.started()
         except BaseException:
-            if _listeners.get(key) is listener:
-                del _listeners[key]
+            await self.stop()
             raise
-        listener.servers.append(self)
-        self._listener = listener
         self.port = listener.port
         return self.port
 
@@ -80,7 +81,10 @@ class _Listener:
         async def metrics(_: web.Request) -> web.Response:
             for server in list(self.servers):
                 if server.before_scrape is not None:
-                    server.before_scrape()
+                    try:
+                        server.before_scrape()
+                    except Exception:  # one model's refresh failing leaves the others' page
+                        log.exception("metrics: refreshing computed gauges failed")
             page = _Merged([s.registry for s in self.servers])
             return web.Response(body=generate_latest(page), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -92,16 +96,21 @@ class _Listener:
         try:
             await site.start()
         except BaseException:
-            await self._runner.cleanup()
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
             raise
         addresses = self._runner.addresses  # (host, port, ...) of each listening socket
         self.port = addresses[0][1] if addresses else self.port
         log.info("metrics on http://%s:%s/metrics", self.host, self.port)
 
     async def stop(self) -> None:
+        starting = self._starting
+        if starting is not None and not starting.done():
+            starting.cancel()
+            await asyncio.wait([starting])
         if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
 
 
 class _Merged:

@@ -428,11 +428,15 @@ def run_services(group_factory: Callable[[], list[Service]], options: RunOptions
         serving = [asyncio.ensure_future(s.serve(install_signals=False)) for s in group]
         try:
             return max(await asyncio.gather(*serving))
-        except BaseException:
+        except Exception as exc:
+            if jetstream_unavailable(exc) and not any(s.started_at for s in group):
+                raise  # main builds the group again (and ends what these left running)
             # One could not start: the others stop too (a started one drains and leaves the
             # registry), not left running until the loop's shutdown cut them off mid-call.
             stop_all()
-            await asyncio.gather(*serving, return_exceptions=True)
+            for other in await asyncio.gather(*serving, return_exceptions=True):
+                if isinstance(other, BaseException) and other is not exc:
+                    log.error("%s failed too: %r", group[0].name, other)
             raise
 
     async def main() -> int:

@@ -510,9 +510,15 @@ class TraceWorkload:
             user = e.text
         elif e.hash_ids:
             n = e.input_tokens or 0
-            # Only the blocks the prompt reaches: a trace may name more than its length.
-            full = "".join(self._block(h) for h in e.hash_ids[: -(-n // self.block_size)])
+            # Only the blocks the prompt reaches (a trace may name more than its length), and
+            # one more while a tokenizer merging across blocks leaves it short.
+            used = min(len(e.hash_ids), -(-n // self.block_size))
+            full = "".join(self._block(h) for h in e.hash_ids[:used])
             have = self.text.count(full)
+            while have < n and used < len(e.hash_ids):
+                full += self._block(e.hash_ids[used])
+                used += 1
+                have = self.text.count(full)
             if have >= n:
                 # Cut the last blocks to length (exact for the byte tokenizer).
                 user = full.encode("utf-8")[:n].decode("utf-8", "ignore") if self.text._byte \

@@ -91,14 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " vllm: NAME=DIR. Replaces --model: one worker entry per model")
     host.add_argument("--host-memory-gib", type=positive_number, default=None,
                       help="memory the resident models share (default: room for two of the largest)")
-    host.add_argument("--kv-gib", type=non_negative_number, default=0.0, help="memory each resident model's KV cache takes beside its weights")
-    host.add_argument("--load-from", choices=sorted(LOAD_PRESETS), default="nvme",
-                      help="where weights load from: " + ", ".join(f"{k} {v:g} GB/s" for k, v in LOAD_PRESETS.items()))
+    host.add_argument("--kv-gib", type=non_negative_number, default=None,
+                      help="memory each resident model's KV cache takes beside its weights (default 0)")
+    host.add_argument("--load-from", choices=sorted(LOAD_PRESETS), default=None,
+                      help="where weights load from (default nvme): " + ", ".join(f"{k} {v:g} GB/s" for k, v in LOAD_PRESETS.items()))
     host.add_argument("--load-gb-per-s", type=positive_number, default=None, help="the load bandwidth, overriding --load-from")
-    host.add_argument("--load-overhead-s", type=non_negative_seconds, default=2.0,
-                      help="engine start-up on top of the transfer (sim: simulated seconds)")
-    host.add_argument("--idle-unload-s", type=non_negative_seconds, default=0.0,
-                      help="unload a model idle this long unless pinned (scale to zero per model; 0: only evict)")
+    host.add_argument("--load-overhead-s", type=non_negative_seconds, default=None,
+                      help="engine start-up on top of the transfer (sim: simulated seconds; default 2)")
+    host.add_argument("--idle-unload-s", type=non_negative_seconds, default=None,
+                      help="unload a model idle this long unless pinned (scale to zero per model; default 0: only evict)")
     host.add_argument("--preload", default="", metavar="NAME,...", help="models loaded at start")
     parsers = parser.add_argument_group("output parsers (vLLM's names; the gateway applies them to this model's text)")
     parsers.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
@@ -139,8 +140,19 @@ _ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+_HOST_OPTIONS = ("host_memory_gib", "kv_gib", "load_from", "load_gb_per_s", "load_overhead_s", "idle_unload_s", "preload")
+
+
 def engine_option_problem(args: argparse.Namespace) -> str | None:
-    """The first option given that this worker's engine does not read, said as such."""
+    """The first option given that this worker's engine (or, for the hot-swap options, a
+    worker without ``--host-models``) does not read, said as such."""
+    hosted = bool(getattr(args, "host_models", ""))
+    for name in _HOST_OPTIONS:
+        if not hosted and getattr(args, name, None) not in (None, ""):
+            return f"--{name.replace('_', '-')} is for a hot-swap host: give the models with --host-models"
+    for name in ("model_dir", "served_model_name"):
+        if hosted and getattr(args, name, None) is not None:
+            return f"--{name.replace('_', '-')} names one model: with --host-models, NAME=DIR names each"
     engine = getattr(args, "engine", "sim")
     for name, engines in _ENGINE_OPTIONS.items():
         if engine not in engines and getattr(args, name, None) not in (None, "", []):
@@ -321,8 +333,11 @@ def host_engines(args: argparse.Namespace) -> list[tuple[str, Any]]:
     from .engines.sim_profile import DEFAULT_PROFILE, load_profile
 
     models = parse_host_models(args.host_models)
-    bandwidth = args.load_gb_per_s if args.load_gb_per_s is not None else LOAD_PRESETS[args.load_from]
-    if bandwidth <= 0 or args.load_overhead_s < 0 or args.kv_gib < 0 or args.idle_unload_s < 0:
+    bandwidth = args.load_gb_per_s if args.load_gb_per_s is not None else LOAD_PRESETS[args.load_from or "nvme"]
+    kv_gib = args.kv_gib or 0.0
+    load_overhead_s = args.load_overhead_s if args.load_overhead_s is not None else 2.0
+    idle_unload_s = args.idle_unload_s or 0.0
+    if bandwidth <= 0 or load_overhead_s < 0 or kv_gib < 0 or idle_unload_s < 0:
         raise SystemExit("--load-gb-per-s must be > 0; --load-overhead-s, --kv-gib and --idle-unload-s ≥ 0")
     specs: list[tuple[str, float, dict[str, Any]]] = []  # name, weights GiB, engine options
     for name, value in models:
@@ -338,10 +353,10 @@ def host_engines(args: argparse.Namespace) -> list[tuple[str, Any]]:
             except ValueError:
                 raise SystemExit(f"--host-models: {name}={value}: the weights must be GiB (a number)") from None
         specs.append((name, weights, options))
-    largest = max(w for _, w, _ in specs) + args.kv_gib
+    largest = max(w for _, w, _ in specs) + kv_gib
     memory = args.host_memory_gib if args.host_memory_gib is not None else 2 * largest
     host_id = args.worker_id or f"host-{socket.gethostname()[:16]}-{os.getpid()}"
-    host = ModelHost(host_id, memory, idle_unload_s=args.idle_unload_s)
+    host = ModelHost(host_id, memory, idle_unload_s=idle_unload_s)
     speed = float(args.speed or 1.0) if args.engine == "sim" else 1.0
     preload = {n.strip() for n in args.preload.split(",") if n.strip()}
     unknown = preload - {n for n, _ in models}
@@ -349,10 +364,10 @@ def host_engines(args: argparse.Namespace) -> list[tuple[str, Any]]:
         raise SystemExit(f"--preload names models not in --host-models: {', '.join(sorted(unknown))}")
     out: list[tuple[str, Any]] = []
     for name, weights, options in specs:
-        transfer_s = weights * GIB / (bandwidth * 1e9) + args.load_overhead_s
+        transfer_s = weights * GIB / (bandwidth * 1e9) + load_overhead_s
         sim = args.engine == "sim"
         try:
-            engine = HostedEngine(host, functools.partial(create_engine, args.engine, **options), footprint_gib=weights + args.kv_gib,
+            engine = HostedEngine(host, functools.partial(create_engine, args.engine, **options), footprint_gib=weights + kv_gib,
                                   load_s=transfer_s / speed, extra_load_s=transfer_s / speed if sim else 0.0,
                                   preload=name in preload)
         except ValueError as exc:

@@ -83,3 +83,48 @@ def test_a_service_that_cannot_start_stops_its_siblings(nats_url: str, tmp_path:
     assert "RuntimeError: broken: cannot start" in result.stderr
     assert "healthy: on_stop" in result.stdout, result.stderr[-3000:]  # the sibling drained and closed
     assert "unhandled exception during asyncio.run() shutdown" not in result.stderr, result.stderr[-3000:]
+
+
+NO_JETSTREAM_GROUP = '''
+import asyncio, sys
+import nats.errors
+from bus.runner import Service, run_services
+
+builds = 0
+
+class NoJetStream(Service):
+    name = "group"
+    def __init__(self, delay):
+        super().__init__(None)
+        self.delay = delay
+    async def start(self):  # as a start during a JetStream election fails
+        await asyncio.sleep(self.delay)
+        raise nats.errors.NoRespondersError()
+    async def abandon_start(self):
+        pass
+
+def group():
+    global builds
+    builds += 1
+    return [NoJetStream(0.01), NoJetStream(0.2)]
+
+try:
+    run_services(group, jetstream_wait_s=2.0)
+except nats.errors.NoRespondersError:
+    print("gave up after", builds, "builds")
+    sys.exit(1)
+print("exited 0 after", builds, "builds")
+'''
+
+
+def test_a_group_waiting_for_jetstream_is_built_again_not_stopped(tmp_path: Path) -> None:
+    """Stopping a failed start's siblings must not read as a stop request: the JetStream
+    wait took it for SIGTERM and the host exited 0 after one try (a supervisor restarts
+    nothing that exits 0)."""
+    script = tmp_path / "group.py"
+    script.write_text(NO_JETSTREAM_GROUP)
+    result = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    builds = int(result.stdout.split("after ")[1].split()[0])
+    assert builds >= 2, result.stdout

@@ -11,7 +11,7 @@ from proto.messages import SamplingParams, StructuredOutput
 from services.common.tokenizer import load_tokenizer
 from services.worker.engines import EngineOutput, EngineRequest, create_engine
 from services.worker.engines.echo import EchoEngine
-from services.worker.main import add_arguments, engine_options
+from services.worker.main import add_arguments, engine_option_problem, engine_options
 
 BYTE = load_tokenizer("byte")
 
@@ -118,7 +118,11 @@ def test_worker_flags_build_its_options_and_refuse_bad_values() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--engine", "echo", "--model", "echo", "--echo-tokens-per-s", "2500",
-                              "--echo-interval-ms", "5", "--max-num-seqs", "64", "--speed", "50"])
+                              "--echo-interval-ms", "5", "--max-num-seqs", "64"])
     assert engine_options(args) == {"model": "echo", "tokens_per_s": 2500.0, "interval_s": 0.005, "max_num_seqs": 64}
+    # The sim's options would change nothing here: the worker refuses them.
+    assert engine_option_problem(args) is None
+    assert engine_option_problem(parser.parse_args(["--engine", "echo", "--speed", "50"])) == (
+        "--speed is for --engine sim: --engine echo does not read it")
     with pytest.raises(SystemExit):  # the parser's refusal (exit 2, the flag named)
         parser.parse_args(["--engine", "echo", "--echo-tokens-per-s", "0"])

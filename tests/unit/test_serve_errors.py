@@ -350,6 +350,12 @@ def test_an_in_memory_ledger_needs_no_file(tmp_path: Path, monkeypatch: pytest.M
     (["worker", "--engine", "echo", "--lora-adapters", "a"], None, "--lora-adapters is for --engine sim or --engine vllm"),
     (["worker", "--echo-tokens-per-s", "5"], None, "--echo-tokens-per-s is for --engine echo: --engine sim"),
     (["worker", "--generation-config", "vllm"], None, "--generation-config is for --engine vllm or --engine echo"),
+    # The hot-swap host's options without --host-models; one model's names with it.
+    (["worker", "--kv-gib", "2"], None, "--kv-gib is for a hot-swap host: give the models with --host-models"),
+    (["worker", "--idle-unload-s", "0"], None, "--idle-unload-s is for a hot-swap host"),
+    (["worker", "--preload", "a"], None, "--preload is for a hot-swap host"),
+    (["worker", "--engine", "vllm", "--host-models", "a=/m/a", "--served-model-name", "x"], None,
+     "--served-model-name names one model: with --host-models, NAME=DIR names each"),
 ])
 def test_a_services_own_refusal_is_one_line_naming_the_command_and_exit_2(
         argv: list[str], config: Any, message: str, tmp_path: Path) -> None:

@@ -70,11 +70,12 @@ def vllm_mesh(model_dir: Path, state_dir: Path, extra_worker_args: Sequence[str]
     if reason:
         pytest.skip(reason)
     worker_args = [
-        "--engine", "vllm", "--model-dir", str(model_dir), *engine_flags(), "--cpu-kvcache-space", "1",
-        "--kv-events", "engine", "--gauge-interval", "0.1", *extra_worker_args,
+        *engine_flags(), "--cpu-kvcache-space", "1", "--kv-events", "engine", "--gauge-interval", "0.1",
+        *extra_worker_args,
     ]
     config = MeshConfig(
         state_dir=state_dir, nats_port=0, http_port=free_port(), model=MODEL, workers=1,
+        engine="vllm", model_dir=str(model_dir),
         worker_args=worker_args, services=("worker", "router", "gateway", "metering"),
         gateway_args=["--stall-timeout", "60"],
         # vLLM's own CPU binding: OMP threads leave a core to its scheduler (and, here, to the

@@ -256,7 +256,7 @@ def test_worker_cli_passes_vllm_engine_arguments(tmp_path: Any) -> None:
     config = tmp_path / "engine.toml"
     config.write_text('model = "/models/llama"\nswap_space = 4\nmax_num_seqs = 64\n')
     args = parser.parse_args([
-        "--engine", "vllm", "--model", "llama", "--speed", "20", "--engine-config", str(config),
+        "--engine", "vllm", "--model", "llama", "--engine-config", str(config),
         "--max-num-seqs", "128", "--max-num-batched-tokens", "4096", "--max-model-len", "8192",
         "--gpu-memory-utilization", "0.85", "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "2",
         "--no-enable-prefix-caching", "--block-size", "32", "--enforce-eager", "--max-loras", "2",
