@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,16 @@ from .gbnf import GrammarError, parse_grammar
 
 MAX_SCHEMA_DEPTH = 64  # deeper is hostile, not a real schema (and would exhaust the stack)
 MAX_CHOICES = 1024
+# OpenAI's Structured Outputs limits, per request (a request's tools together): checking a
+# schema is pure Python on the gateway's event loop (~0.2 ms a property), so an unbounded
+# one stalled every other client for as long as it took (a 40,000-property tool: 67 s).
+MAX_SCHEMA_PROPERTIES = 5000
+MAX_SCHEMA_ENUM_VALUES = 1000
+MAX_SCHEMA_STRING_CHARS = 120_000  # property and definition names, enum, const and pattern strings
+# Compiling a pattern, and the engines' automata of it, grow with its length.
+MAX_REGEX_CHARS = 8192
+MAX_GRAMMAR_CHARS = 65536
+_CHECKED_CACHE = 1024  # schemas checked lately (agents send the same tools every call)
 
 
 class StructuredOutputError(ValueError):
@@ -42,9 +53,52 @@ class StructuredOutputError(ValueError):
 # ------------------------------------------------------------------------- JSON Schema
 
 
-def check_json_schema(schema: object, param: str) -> str:
+class SchemaSize:
+    """What a request's schemas add up to, against OpenAI's limits (one per request)."""
+
+    __slots__ = ("chars", "enum_values", "properties")
+
+    def __init__(self) -> None:
+        self.properties = 0
+        self.enum_values = 0
+        self.chars = 0
+
+    def add(self, schema: object, param: str) -> None:
+        """Count ``schema`` in (no recursion: ``_check_depth`` bounds nesting only later)."""
+        stack = [schema]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, list):
+                stack.extend(node)
+                continue
+            if not isinstance(node, dict):
+                continue
+            for key, value in node.items():
+                if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+                    if key == "properties":
+                        self.properties += len(value)
+                    self.chars += sum(len(name) for name in value)
+                    stack.extend(value.values())  # subschemas: their names are not keywords
+                    continue
+                if key == "enum" and isinstance(value, list):
+                    self.enum_values += len(value)
+                    self.chars += sum(len(v) for v in value if isinstance(v, str))
+                elif key in ("const", "pattern") and isinstance(value, str):
+                    self.chars += len(value)
+                stack.append(value)
+        for count, limit, what in ((self.properties, MAX_SCHEMA_PROPERTIES, "object properties"),
+                                   (self.enum_values, MAX_SCHEMA_ENUM_VALUES, "enum values"),
+                                   (self.chars, MAX_SCHEMA_STRING_CHARS, "characters of names, enum, const and"
+                                                                          " pattern values")):
+            if count > limit:
+                raise StructuredOutputError(f"{param}: the request's schemas have {count:,} {what}, more than the"
+                                            f" {limit:,} allowed.", param)
+
+
+def check_json_schema(schema: object, param: str, size: SchemaSize | None = None) -> str:
     """Check ``schema`` (a dict, or JSON text of one) is a valid JSON Schema whose local
-    ``$ref``s resolve; return it as compact JSON text (``StructuredOutput.json``)."""
+    ``$ref``s resolve and within the limits (counted into ``size``, the request's, when
+    several schemas share them); return it as compact JSON text (``StructuredOutput.json``)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -52,7 +106,12 @@ def check_json_schema(schema: object, param: str) -> str:
             raise StructuredOutputError(f"{param} is not valid JSON: {exc}", param) from None
     if not isinstance(schema, dict):
         raise StructuredOutputError(f"{param} must be a JSON Schema object.", param)
+    (size or SchemaSize()).add(schema, param)
     _check_depth(schema, param)
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    if text in _checked:
+        _checked.move_to_end(text)
+        return text
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
@@ -66,7 +125,22 @@ def check_json_schema(schema: object, param: str) -> str:
         raise StructuredOutputError(f"{param} is not a valid JSON Schema: a pattern cannot be compiled: {exc}",
                                     param) from None
     _check_refs(schema, schema, param)
+    _checked[text] = None
+    if len(_checked) > _CHECKED_CACHE:
+        _checked.popitem(last=False)
+    return text
+
+
+def check_combined_schema(schema: dict[str, Any], param: str) -> str:
+    """``check_json_schema`` for a schema the gateway assembled from parts it checked
+    already (the tools' parameters under one wrapper): only what combining can break, the
+    nesting and the ``$ref``s; compact JSON text."""
+    _check_depth(schema, param)
+    _check_refs(schema, schema, param)
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+_checked: OrderedDict[str, None] = OrderedDict()  # valid schemas by their compact text, oldest first
 
 
 def _check_depth(node: object, param: str) -> None:
@@ -149,6 +223,9 @@ def check_regex(pattern: object, param: str) -> str:
     lookaround (which regex-to-automaton backends reject)."""
     if not isinstance(pattern, str) or not pattern:
         raise StructuredOutputError(f"{param} must be a non-empty string.", param)
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise StructuredOutputError(f"{param} is {len(pattern):,} characters long, more than the {MAX_REGEX_CHARS:,}"
+                                    " allowed.", param)
     try:
         re.compile(pattern)
         parsed = parse_regex(pattern)
@@ -201,6 +278,9 @@ def from_choice(choices: object, param: str) -> StructuredOutput:
 def check_grammar(grammar: object, param: str) -> str:
     if not isinstance(grammar, str) or not grammar.strip():
         raise StructuredOutputError(f"{param} must be a non-empty grammar string.", param)
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise StructuredOutputError(f"{param} is {len(grammar):,} characters long, more than the"
+                                    f" {MAX_GRAMMAR_CHARS:,} allowed.", param)
     try:
         parse_grammar(grammar)
     except GrammarError as exc:

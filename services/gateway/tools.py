@@ -29,7 +29,9 @@ from typing import Any, Literal, NoReturn
 from proto.messages import StructuredOutput
 from services.common.structured import (
     MAX_SCHEMA_DEPTH,
+    SchemaSize,
     StructuredOutputError,
+    check_combined_schema,
     check_json_schema,
     nested_deeper_than,
 )
@@ -102,7 +104,7 @@ def _missing(param: str) -> NoReturn:
     raise bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
 
 
-def _function(tool: object, i: int) -> dict[str, Any]:
+def _function(tool: object, i: int, size: SchemaSize) -> dict[str, Any]:
     """``tools[i]`` checked; returns its template dict (vLLM's shape)."""
     where = f"tools[{i}]"
     if not isinstance(tool, dict):
@@ -144,7 +146,7 @@ def _function(tool: object, i: int) -> dict[str, Any]:
         if not isinstance(parameters, dict):
             _wrong_type(param, "a JSON Schema object", parameters)
         try:
-            check_json_schema(parameters, param)
+            check_json_schema(parameters, param, size)
         except StructuredOutputError as exc:
             raise bad_request(f"Invalid schema for function '{name}': {exc.message}", param,
                               "invalid_function_parameters") from None
@@ -202,7 +204,8 @@ def plan_tools(
     if tools is not None and len(tools) > MAX_TOOLS:
         raise bad_request(f"Invalid 'tools': at most {MAX_TOOLS} tools are allowed, got {len(tools)}.", "tools",
                           "array_above_max_length")
-    dicts = [_function(tool, i) for i, tool in enumerate(tools or ())]
+    size = SchemaSize()  # the limits hold for the request's tools together
+    dicts = [_function(tool, i, size) for i, tool in enumerate(tools or ())]
     seen: dict[str, int] = {}
     for i, d in enumerate(dicts):
         name = d["function"]["name"]
@@ -317,7 +320,7 @@ def _forcing_schema(dicts: list[dict[str, Any]], choice: Choice, name: str | Non
     try:
         # Hoisting $defs can leave a tool's own "#/..." references dangling in the
         # combined schema: a 400 here, not an engine failure later.
-        text = check_json_schema(schema, "tools")
+        text = check_combined_schema(schema, "tools")  # each tool's parameters were checked above
     except StructuredOutputError as exc:
         raise bad_request(f"The tools cannot be combined into one schema to force a call: {exc.message}", "tools",
                           "invalid_function_parameters") from None

@@ -77,6 +77,60 @@ def test_a_schema_nested_past_the_limit_is_refused_not_a_crash() -> None:
     raises_param("guided_json", from_guided_fields, {"guided_json": "[" * 100_000})
 
 
+def wide_schema(properties: int, name_chars: int = 1) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"{'p' * name_chars}{i}": {"type": "string"} for i in range(properties)}}
+
+
+@pytest.mark.parametrize(("schema", "why"), [
+    (wide_schema(5001), "5,001 object properties, more than the 5,000 allowed"),
+    ({"type": "string", "enum": [str(i) for i in range(1001)]}, "1,001 enum values, more than the 1,000 allowed"),
+    (wide_schema(200, name_chars=700), "characters of names, enum, const and pattern values, more than the 120,000"),
+    ({"type": "string", "pattern": "a" * 120_001}, "more than the 120,000"),
+])
+def test_a_schema_past_openais_limits_is_refused_before_it_is_checked(schema: dict[str, Any], why: str) -> None:
+    """Checking a schema is pure Python on the gateway's event loop (~0.2 ms a property):
+    a 40,000-property schema held every other client for seconds (a tool's, tens of them)."""
+    err = raises_param("guided_json", from_guided_fields, {"guided_json": schema})
+    assert why in str(err)
+    assert from_guided_fields({"guided_json": wide_schema(5000)}) is not None  # the limit itself is served
+
+
+def test_a_property_named_like_a_keyword_is_a_name_not_a_keyword() -> None:
+    schema = {"type": "object", "properties": {"enum": {"type": "string"}, "pattern": {"type": "string"}}}
+    assert from_guided_fields({"guided_json": schema}) is not None
+
+
+def test_a_valid_schema_is_checked_once_and_a_bad_one_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents send the same tools with every call: their schemas are checked once."""
+    from services.common import structured
+
+    calls: list[object] = []
+    real = jsonschema.Draft202012Validator.check_schema
+
+    def counting(schema: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(schema)
+        real(schema, *args, **kwargs)
+
+    monkeypatch.setattr(jsonschema.Draft202012Validator, "check_schema", counting)
+    schema = wide_schema(3) | {"title": f"once-{random.random()}"}
+    for _ in range(3):
+        assert structured.check_json_schema(schema, "x") == json.dumps(schema, separators=(",", ":"))
+    assert len(calls) == 1
+    bad = {"type": "strin", "title": f"bad-{random.random()}"}
+    for _ in range(2):
+        with pytest.raises(StructuredOutputError):
+            structured.check_json_schema(bad, "x")
+    assert len(calls) == 3
+
+
+def test_long_regexes_and_grammars_are_refused() -> None:
+    err = raises_param("guided_regex", from_guided_fields, {"guided_regex": "(a|aa|a?)*" * 1000})
+    assert "10,000 characters long, more than the 8,192 allowed" in str(err)
+    grammar = "root ::= " + " | ".join(f'"{i}"' for i in range(20_000))
+    err = raises_param("guided_grammar", from_guided_fields, {"guided_grammar": grammar})
+    assert "more than the 65,536 allowed" in str(err)
+
+
 @pytest.mark.parametrize(
     ("rf", "param"),
     [

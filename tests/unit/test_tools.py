@@ -545,3 +545,18 @@ def test_history_arguments_nested_past_the_limit_are_a_400_naming_them() -> None
     assert err.status == 400 and err.param == "messages[3].tool_calls[0].function.arguments"
     ok = '{"a":' + "[" * 60 + "]" * 60 + "}"  # nesting a real tool call might have
     assert history_fields(message(role="assistant", content=None, tool_calls=[call(ok)]), 3)["tool_calls"]
+
+
+def test_the_tools_of_a_request_share_the_schema_limits() -> None:
+    """One tool of 40,000 parameters, or many tools of a few thousand, stalled the gateway
+    for everyone (~0.2 ms a property, checked twice with ``required``): the request's
+    tools together stay within OpenAI's 5,000 properties."""
+    def tool(name: str, n: int) -> dict[str, Any]:
+        params = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    assert plan_tools([tool("a", 2500), tool("b", 2500)], "required").forced
+    with pytest.raises(ApiError) as info:
+        plan_tools([tool("a", 3000), tool("b", 3000)], "required")
+    assert info.value.status == 400 and info.value.param == "tools[1].function.parameters"
+    assert "6,000 object properties, more than the 5,000 allowed" in info.value.message
