@@ -101,9 +101,21 @@ class NatsApi:
             raise missing_nats_api_key()
         return await self.gateway.auth.check(presented)
 
+    def _answerable(self, msg: Msg) -> bool:
+        """Whether the gateway may answer on ``msg.reply``: a requester's inbox, not a subject
+        only the mesh's services may publish to (its KV buckets and streams, ``$JS``, the
+        mesh's own subjects), which a client could otherwise have the gateway write for it."""
+        reply = msg.reply
+        if not reply:
+            return False
+        if reply.startswith("$") or reply.startswith(f"{self.gateway.bus.subjects.root}."):
+            log.warning("NATS API request on %s names %r to answer on: not an inbox, ignored", msg.subject, reply)
+            return False
+        return True
+
     async def _generate(self, msg: Msg, kind: RequestKind) -> None:
         g = self.gateway
-        if not msg.reply:
+        if not self._answerable(msg):
             return
         headers = msg.headers or {}
         stream = False
@@ -214,7 +226,7 @@ class NatsApi:
         ``Meshserve-Request-Id`` header or a ``{"id": ...}`` body. Answers
         ``{"id", "object": "request.cancel", "cancelled": true}`` or an OpenAI error (404 for
         an id not in flight for this key)."""
-        if not msg.reply:
+        if not self._answerable(msg):
             return
         nc = self.gateway.bus.nc
         headers = msg.headers or {}

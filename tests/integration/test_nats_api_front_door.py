@@ -150,6 +150,30 @@ async def test_a_missing_key_is_explained_in_nats_terms(bus: Bus, gateway: Gatew
     assert "header" in error["message"] and "WebSocket" not in error["message"], error
 
 
+@pytest.mark.parametrize("target", ["$KV.mesh_responses.victim.resp_1", "mesh.usage.victim-org", "$JS.API.STREAM.LIST"])
+async def test_the_gateway_answers_only_on_an_inbox(bus: Bus, gateway: GatewayService, key: str, client: Client,
+                                                      target: str) -> None:
+    """A client names the subject a reply goes to: it could have the gateway (which may
+    write the mesh's KV buckets, usage and worker subjects) publish its answer onto another
+    tenant's stored response. Subjects under ``$`` and the mesh's root get no answer."""
+    seen: list[Msg] = []
+
+    async def on_message(msg: Msg) -> None:
+        seen.append(msg)
+
+    watch = await bus.nc.subscribe(target, cb=on_message)
+    body = json.dumps(_chat(2)).encode()
+    for subject in (bus.subjects.api_chat, bus.subjects.api_cancel):
+        await client.publish(subject, body, reply=target, headers={"Authorization": f"Bearer {key}"})
+    # A request after them, answered: the gateway has read theirs by then (one connection, in order).
+    reply = await client.request(bus.subjects.api_chat, body, timeout=30, headers={"Authorization": f"Bearer {key}"})
+    assert json.loads(reply.data)["usage"]["completion_tokens"] == 2
+    await bus.nc.flush()
+    await asyncio.sleep(0.5)  # a relayed answer would follow its request's own round trip
+    await watch.unsubscribe()
+    assert seen == []
+
+
 async def test_a_reply_carries_the_request_id(bus: Bus, gateway: GatewayService, key: str, client: Client) -> None:
     reply = await client.request(bus.subjects.api_chat, json.dumps(_chat(3)).encode(), timeout=30,
                                  headers={"Authorization": f"Bearer {key}"})
