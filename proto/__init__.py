@@ -13,7 +13,7 @@ from .errors import (
     RequestTimeout,
     UnsupportedVersion,
 )
-from .hashing import block_hashes, extend_block_hashes, pack_tokens, root_hash, unpack_tokens
+from .hashing import block_hashes, extend_block_hashes, pack_tokens, prefix_salt, root_hash, unpack_tokens
 from .messages import (
     SCHEMA_VERSION,
     SUPERSEDED,
@@ -141,6 +141,7 @@ __all__ = [
     "extend_block_hashes",
     "pack_tokens",
     "placement_expired",
+    "prefix_salt",
     "root_hash",
     "segment_usage",
     "subject_token",

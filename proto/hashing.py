@@ -35,6 +35,17 @@ def unpack_tokens(data: bytes) -> list[int]:
     return packed.tolist()
 
 
+def prefix_salt(lora: str | None, org: str = "") -> str:
+    """The salt of a request's block hashes: its LoRA adapter (an adapter's KV is its own,
+    as in vLLM) and its org. A prefix one org's requests cached is found by that org's
+    requests only, as OpenAI's prompt caching is per organization: shared across orgs, a
+    request's ``cached_tokens`` (and its TTFT) told whether another tenant had sent the
+    same text. Every hasher of a request (gateway, router, engines) salts with this."""
+    if not org:
+        return lora or ""
+    return f"{lora or ''}\x00org:{org}"
+
+
 def root_hash(salt: str = "") -> int:
     """The parent hash of a sequence's first block."""
     return xxhash.xxh64_intdigest(salt.encode())

@@ -45,6 +45,7 @@ from proto import (
     Usage,
     UsageEvent,
     block_hashes,
+    prefix_salt,
     usage_dedup_id,
     usage_model,
 )
@@ -158,8 +159,8 @@ class ActiveRequest:
                      started: float, span: trace.Span, resumable: bool) -> ActiveRequest:
         block_size = g.models.block_size(request.model)
         phases = PhaseTimer()
-        # An adapter's KV is its own: its blocks hash with its name as salt (as vLLM's).
-        hashes = block_hashes(request.prompt_token_ids, block_size, request.lora or "") if block_size else []
+        # An adapter's KV is its own (as vLLM's), and an org's: both salt its blocks.
+        hashes = block_hashes(request.prompt_token_ids, block_size, prefix_salt(request.lora, key.org)) if block_size else []
         phases.mark("hash")
         # Open before admission: admission may send the request on to the router itself,
         # and its first chunk can come before the decision does.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from proto.hashing import prefix_salt
 from services.common.fleet import FleetWorker, Pool
 
 from .decision import Candidate, RouteDecision, RouteQuery
@@ -39,7 +40,7 @@ class DecisionContext:
         if mask:
             q = self.q
             hashed = (q.block_size, q.block_hashes) if q.block_hashes else None
-            walked = self.pool.cached_prefix_blocks(q.prompt, q.lora or "", mask, hashed)
+            walked = self.pool.cached_prefix_blocks(q.prompt, prefix_salt(q.lora, q.org), mask, hashed)
             if self.done:
                 self.blocks.update(walked)
             else:  # the first walk (every prefix decision's only one): its dict as it is

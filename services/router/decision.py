@@ -24,6 +24,7 @@ class RouteQuery:
     max_tokens: int = 16
     lora: str | None = None
     lora_size_bytes: int = 0  # a runtime adapter's size (GenerateRequest.lora_size_bytes)
+    org: str = ""  # with lora, the salt of the prompt's block hashes (proto.hashing.prefix_salt)
     session_key: str | None = None
     text: str | None = None  # the request text, if the caller has it (cascade keywords)
     # Output tokens to account for on the chosen worker; max_tokens when unknown.
@@ -67,6 +68,7 @@ class RouteQuery:
             max_tokens=req.sampling.max_tokens,
             lora=req.lora,
             lora_size_bytes=req.lora_size_bytes,
+            org=req.org,
             session_key=req.session_key,
             prefer_worker=prefer_worker,
             prefer_slack_tokens=prefer_slack_tokens,

@@ -330,6 +330,7 @@ class WorkerService(Service):
             lora=request.lora,
             lora_size_bytes=request.lora_size_bytes,
             lora_path=request.lora_path,
+            cache_salt=request.org,
             output_offset=choice.prior,
             pinned_models=request.pinned_models,
         )

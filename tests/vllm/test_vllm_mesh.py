@@ -45,10 +45,12 @@ import openai  # noqa: E402
 from bus import Bus  # noqa: E402
 from ops.up import Mesh  # noqa: E402
 from proto import KvEventBatch, TokenChunk, WorkerGauge  # noqa: E402
-from proto.hashing import block_hashes  # noqa: E402
+from proto.hashing import block_hashes, prefix_salt  # noqa: E402
 from proto.workers import BlockStored  # noqa: E402
 from services.common.tokenizer import HFTokenizer  # noqa: E402
 from tests.vllm.meshes import BLOCK, MAX_MODEL_LEN, MODEL, vllm_mesh  # noqa: E402
+
+DEV_SALT = prefix_salt(None, "dev")  # `up`'s development key is of org "dev"
 
 # As long as the context allows after the cancel test's 300-token prompt: ~3 s of decoding
 # on CPU, against the ~0.1 s a cancel takes to reach the engine. (A longer context made
@@ -255,7 +257,7 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
     freed = await watch.gauge(lambda g: g.running == 0 and g.waiting == 0 and g.kv_usage <= baseline, timeout=20)
     assert freed.kv_blocks_used == idle.kv_blocks_used
     # It held KV while it ran: the engine announced the prompt's blocks.
-    await watch.until(lambda: True if block_hashes(prompt, BLOCK)[0] in watch.stored_hashes() else None, 10,
+    await watch.until(lambda: True if block_hashes(prompt, BLOCK, DEV_SALT)[0] in watch.stored_hashes() else None, 10,
                       "KV events for the cancelled request's prompt")
     rid = await _finished(watch, response_id, timeout=20)
     final = watch.finished()[rid]
@@ -274,7 +276,9 @@ async def test_cancel_mid_stream_frees_the_engine(client: openai.AsyncOpenAI, wa
 async def test_repeated_prompt_hits_the_prefix_cache(mesh: Mesh, client: openai.AsyncOpenAI, watch: Watch) -> None:
     rng = random.Random(8)
     prompt = [rng.randrange(5, 2048) for _ in range(600)]
-    expected = block_hashes(prompt, BLOCK)  # 4 full blocks of 128: the router's view of this prompt
+    # 4 full blocks of 128: the router's view of this prompt, of the development key's org
+    # (vLLM got it as the request's cache_salt, and its KV events say so).
+    expected = block_hashes(prompt, BLOCK, DEV_SALT)
     assert len(expected) == 4
 
     first = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from proto.hashing import block_hashes, extend_block_hashes, root_hash
+from proto.hashing import block_hashes, extend_block_hashes, prefix_salt, root_hash
 from proto.workers import AllCleared, BlockRemoved, BlockStored
 from services.worker.engines.vllm_kv import KvEventBridge, KvPredictor
 from services.worker.engines.vllm_stats import VllmStatsTracker, record_step
@@ -149,6 +149,28 @@ def test_bridge_reads_vllms_own_event_structs() -> None:
     out = KvEventBridge(B).translate(decoded.events)
     hashes = block_hashes(tokens, B)
     assert out == [BlockStored(block_hashes=hashes, block_size=B), BlockRemoved(block_hashes=[hashes[1]]), AllCleared()]
+
+
+def test_bridge_salts_a_chain_with_its_requests_cache_salt() -> None:
+    """vLLM lists a request's ``cache_salt`` (the worker passes the org) among the first
+    block's extra keys, after the LoRA name: the chain's meshserve hashes are salted with
+    both (proto.hashing.prefix_salt), as the gateway hashes that org's prompts."""
+    from vllm.distributed.kv_events import BlockStored as VBlockStored
+
+    tokens = list(range(70, 78))
+    plain = VBlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens, block_size=B, lora_id=None,
+                         medium="GPU", lora_name=None, extra_keys=[("org-a",), None])
+    tuned = VBlockStored(block_hashes=[3, 4], parent_block_hash=None, token_ids=tokens, block_size=B, lora_id=1,
+                         medium="GPU", lora_name="sql", extra_keys=[("sql", "org-a"), ("sql",)])
+    unsalted = VBlockStored(block_hashes=[5, 6], parent_block_hash=None, token_ids=tokens, block_size=B, lora_id=1,
+                            medium="GPU", lora_name="sql", extra_keys=[("sql",), ("sql",)])
+    out = KvEventBridge(B).translate([plain, tuned, unsalted])
+    assert [e.block_hashes for e in out if isinstance(e, BlockStored)] == [
+        block_hashes(tokens, B, prefix_salt(None, "org-a")), block_hashes(tokens, B, prefix_salt("sql", "org-a")),
+        block_hashes(tokens, B, "sql")]
+    predictor = KvPredictor(block_size=B, num_blocks=8)
+    assert predictor.observe(tokens, "sql", "org-a")[0] == BlockStored(
+        block_hashes=block_hashes(tokens, B, prefix_salt("sql", "org-a")), parent_hash=None, block_size=B, lora="sql")
 
 
 def test_predictor_stores_prefixes_and_evicts_lru_tail_first() -> None:

@@ -57,6 +57,9 @@ class EngineRequest:
     lora: str | None = None  # adapter name; None is the base model
     lora_size_bytes: int = 0  # a runtime adapter's weights (engines that load adapters on demand)
     lora_path: str = ""  # and where they are (the adapter registry's path)
+    # Requests share cached prefixes only with requests of the same salt (the org: see
+    # proto.hashing.prefix_salt); vLLM's ``cache_salt``.
+    cache_salt: str = ""
     output_offset: int = 0
     # Hot-swap hosts: models that must not be evicted to load this one (the router's pin list).
     pinned_models: list[str] = field(default_factory=list)

@@ -20,7 +20,7 @@ from typing import Literal
 
 import xxhash
 
-from proto.hashing import pack_tokens
+from proto.hashing import pack_tokens, prefix_salt
 from proto.messages import SamplingParams, StructuredOutput
 from services.common.tokenizer import ByteTokenizer
 
@@ -175,7 +175,7 @@ class SimSequence:
         self.sampling: SamplingParams = req.sampling
         self.priority = req.priority
         self.lora = req.lora or None
-        self.salt = req.lora or ""
+        self.salt = prefix_salt(req.lora, req.cache_salt)
         self.arrival = now
         self.order = order
         self.output_offset = req.output_offset

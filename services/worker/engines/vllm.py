@@ -446,7 +446,7 @@ class VllmEngine(Engine):
         self._flights[rid] = flight
         self._stats.add(rid, len(prompt_ids))
         stream = self._llm.generate(
-            token_prompt(prompt_ids, req.arrival_time), params, rid,
+            token_prompt(prompt_ids, req.arrival_time, req.cache_salt), params, rid,
             lora_request=self._lora_request(req.lora, req.lora_path), priority=-req.priority,  # vLLM: lower runs first
         )
         converter = OutputConverter(req, prompt_ids, self._decode)
@@ -458,7 +458,7 @@ class VllmEngine(Engine):
                 first = not converter.first_token
                 new_tokens, output = converter.convert(out, time.time(), flight.aborted)
                 if first and converter.first_token and self._predictor is not None:
-                    self._push_kv(self._predictor.observe(prompt_ids, req.lora))
+                    self._push_kv(self._predictor.observe(prompt_ids, req.lora, req.cache_salt))
                 self._stats.progress(rid, new_tokens)
                 if output is None:
                     continue
@@ -487,7 +487,8 @@ class VllmEngine(Engine):
                     await stream.aclose()
             if self._predictor is not None and converter.output_ids:
                 # The last sampled token was never fed back: its K/V are not in the cache.
-                self._push_kv(self._predictor.observe(prompt_ids + converter.output_ids[:-1], req.lora))
+                self._push_kv(self._predictor.observe(prompt_ids + converter.output_ids[:-1], req.lora,
+                                                      req.cache_salt))
         if not finished:
             yield converter.failed(error or "vLLM ended the request without a finish", rejected, time.time())
 

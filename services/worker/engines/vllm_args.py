@@ -121,16 +121,20 @@ def default_cpu_kvcache_gib(available_bytes: int) -> int:
     return max(1, min(4, int(available_bytes * 0.25) >> 30))
 
 
-def token_prompt(prompt_ids: list[int], arrival: float) -> Any:
+def token_prompt(prompt_ids: list[int], arrival: float, cache_salt: str = "") -> Any:
     """The prompt as token ids: vLLM's rendered ``TokensInput`` where it has one (newer
-    versions warn that raw prompts are deprecated), else a ``TokensPrompt``."""
+    versions warn that raw prompts are deprecated), else a ``TokensPrompt``; with its
+    ``cache_salt`` (the org: prefixes are shared within an org only)."""
     try:
         from vllm.inputs import tokens_input
     except ImportError:
         from vllm.inputs import TokensPrompt
 
-        return TokensPrompt(prompt_token_ids=prompt_ids)
-    prompt = tokens_input(prompt_ids)
+        legacy = TokensPrompt(prompt_token_ids=prompt_ids)
+        if cache_salt:
+            legacy["cache_salt"] = cache_salt
+        return legacy
+    prompt = tokens_input(prompt_ids, cache_salt=cache_salt or None)
     prompt["arrival_time"] = arrival
     return prompt
 

@@ -10,10 +10,10 @@ engine hash, so:
   ``AllBlocksCleared``) into ``proto`` events. It recomputes each stored block's hash
   from its token ids with ``proto.hashing.extend_block_hashes``, chained onto the
   meshserve hash of the parent block (looked up in its map engine hash → meshserve
-  hash), with the LoRA adapter's name as the salt of a sequence's root. Several
-  engine blocks can share one meshserve hash (KV cache groups of hybrid models, the
-  same text under equal keys), so a meshserve hash is removed only when the last
-  engine block carrying it goes.
+  hash), with the LoRA adapter's name and the cache salt (the org) as the salt of a
+  sequence's root (proto.hashing.prefix_salt). Several engine blocks can share one
+  meshserve hash (KV cache groups of hybrid models, the same text under equal keys), so
+  a meshserve hash is removed only when the last engine block carrying it goes.
 - ``KvPredictor`` is the fallback for a vLLM that publishes no events: it models an
   LRU prefix cache of the engine's size from what the worker served (the full blocks
   of each request's prompt and output), so the router still routes by prefix; the
@@ -31,12 +31,26 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from proto.hashing import extend_block_hashes, root_hash
+from proto.hashing import extend_block_hashes, prefix_salt, root_hash
 from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent
 
 log = logging.getLogger(__name__)
 
 EngineKey = tuple[int, Hashable]  # (KV cache group, engine block hash: int or bytes)
+
+
+def _cache_salt(ev: Any, lora: str | None) -> str:
+    """The ``cache_salt`` of the request that stored a chain from its root: vLLM lists it
+    among the first block's extra keys, untagged, after the LoRA name (when the event has
+    one) and the multimodal ``(id, offset)`` pairs; prompt-embedding digests are bytes."""
+    extra = getattr(ev, "extra_keys", None)
+    keys = extra[0] if extra else None
+    if not keys:
+        return ""
+    names = [k for k in keys if isinstance(k, str)]
+    if lora and names:
+        names = names[1:]  # the adapter's name comes first
+    return names[0] if names else ""
 
 
 class KvEventBridge:
@@ -88,7 +102,7 @@ class KvEventBridge:
         block_size = int(getattr(ev, "block_size", 0) or self.block_size)
         parent_engine = getattr(ev, "parent_block_hash", None)
         if parent_engine is None:
-            parent = root_hash(lora or "")
+            parent = root_hash(prefix_salt(lora, _cache_salt(ev, lora)))
             parent_out: int | None = None
         else:
             found = self._mesh_of.get((group, parent_engine))
@@ -158,8 +172,8 @@ class KvPredictor:
     def snapshot(self) -> list[int]:
         return list(self._lru)
 
-    def observe(self, token_ids: Sequence[int], lora: str | None = None) -> list[KvEvent]:
-        hashes = extend_block_hashes(root_hash(lora or ""), list(token_ids), self.block_size)
+    def observe(self, token_ids: Sequence[int], lora: str | None = None, cache_salt: str = "") -> list[KvEvent]:
+        hashes = extend_block_hashes(root_hash(prefix_salt(lora, cache_salt)), list(token_ids), self.block_size)
         if not hashes:
             return []
         hashes = hashes[: self.num_blocks]

@@ -1,0 +1,59 @@
+"""A prefix one org's requests cached is found by that org's requests only (as OpenAI's
+prompt caching is per organization). Shared across orgs, a request's ``cached_tokens``
+(and its TTFT) told one tenant whether another had sent the same text: a guessed secret
+in a prompt read as 224 cached tokens where the wrong guesses read 112-128."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from openai import AsyncOpenAI
+
+from bus import Bus, BusSettings
+from proto import block_hashes, prefix_salt
+from services.gateway.service import GatewayService
+from services.worker.service import WorkerService
+from tests.gateway_mesh import MODEL, gateway_service, known_key, sim_worker
+
+PROMPT = "The meeting is on May 12. " * 40  # ~1,000 tokens of the byte tokenizer: many full blocks
+
+
+@pytest.fixture
+async def worker(bus_settings: BusSettings) -> AsyncIterator[WorkerService]:
+    async with sim_worker(bus_settings, speed=50.0, max_model_len=4096) as service:
+        yield service
+
+
+@pytest.fixture
+async def gateway(bus_settings: BusSettings, worker: WorkerService) -> AsyncIterator[GatewayService]:
+    async with gateway_service(bus_settings) as service:
+        yield service
+
+
+async def cached_tokens(gateway: GatewayService, key: str) -> int:
+    client = AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key=key, max_retries=0)
+    reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=2)
+    await client.close()
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+
+async def test_an_orgs_cached_prefix_is_its_own(bus: Bus, gateway: GatewayService) -> None:
+    first, second = await known_key(bus, gateway, "org-a"), await known_key(bus, gateway, "org-a")
+    other = await known_key(bus, gateway, "org-b")
+    assert await cached_tokens(gateway, first) == 0
+    shared = await cached_tokens(gateway, second)
+    assert shared > 900  # the same org: the whole prompt but its last block
+    assert await cached_tokens(gateway, other) == 0  # another org: nothing, though the blocks are held
+    assert await cached_tokens(gateway, other) == shared  # and its own copy is found next time
+
+
+def test_the_salt_is_the_adapter_and_the_org() -> None:
+    tokens = list(range(64))
+    assert prefix_salt(None) == prefix_salt(None, "") == ""  # no org: the hashes as before
+    assert prefix_salt("sql") == "sql"
+    hashes = {salt: block_hashes(tokens, 16, salt)[0] for salt in
+              (prefix_salt(None, "a"), prefix_salt(None, "b"), prefix_salt("sql", "a"), prefix_salt("sql"), "")}
+    assert len(set(hashes.values())) == 5
