@@ -85,6 +85,9 @@ class WorkerRegistry:
         self._kv: KeyValue | None = None
         self._synced = asyncio.Event()
         self._last_entry_at = time.monotonic()  # any watch update; workers heartbeat every ttl/4
+        # The current watch has replayed the bucket: until then the heartbeats held here may
+        # be as old as the silence that restarted it, and no worker is reaped for them.
+        self._replayed = False
         self._heartbeats_stalled = False  # every heartbeat stale at once: logged once
 
     def on_change(self, listener: Listener) -> None:
@@ -139,15 +142,22 @@ class WorkerRegistry:
             try:
                 synced_at = await sync_point(self._kv)
                 watcher = await self._kv.watchall()
-                async for entry in watcher:
-                    self._last_entry_at = time.monotonic()
-                    if entry is None:  # nothing more to replay: synced if the bucket holds nothing
-                        if not self._synced.is_set() and await synced_at_marker(self._kv, synced_at):
+                try:
+                    async for entry in watcher:
+                        self._last_entry_at = time.monotonic()
+                        if entry is None:  # nothing more to replay: synced if the bucket holds nothing
+                            self._replayed = True
+                            if not self._synced.is_set() and await synced_at_marker(self._kv, synced_at):
+                                self._synced.set()
+                            continue
+                        self._apply(entry)
+                        if entry.revision >= synced_at:
                             self._synced.set()
-                        continue
-                    self._apply(entry)
-                    if entry.revision >= synced_at:
-                        self._synced.set()
+                finally:
+                    # A watch left subscribed (one per restart) kept the connection's drain
+                    # waiting its whole timeout at shutdown: a supervisor's stop then killed it.
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # reconnects, consumer loss: watch again
@@ -208,6 +218,7 @@ class WorkerRegistry:
         """Start a fresh watch (after a reconnect, or when the current one went quiet)."""
         if self._task is not None:
             self._task.cancel()
+        self._replayed = False
         self._last_entry_at = time.monotonic()
         self._task = asyncio.create_task(self._watch(), name="registry-watch")
 
@@ -223,7 +234,10 @@ class WorkerRegistry:
             self.reap()
 
     def reap(self) -> list[str]:
-        """Drop the workers whose heartbeat expired (``expired_heartbeats``); their ids."""
+        """Drop the workers whose heartbeat expired (``expired_heartbeats``); their ids. None
+        while a restarted watch has not replayed the bucket (its entries are newer)."""
+        if not self._replayed:
+            return []
         now = self.clock()
         newest = max((info.heartbeat_at for info in self.workers.values()), default=0.0)
         stalled = bool(newest) and now - newest >= self.ttl_s / 2

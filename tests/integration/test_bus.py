@@ -384,6 +384,44 @@ async def test_a_worker_whose_connection_closes_leaves_the_registry_at_once(bus:
         await registry.stop()
 
 
+async def test_a_restarted_registry_watch_leaves_no_subscription_and_reaps_only_after_its_replay(bus: Bus) -> None:
+    """A watch restarted for silence (a busy machine) stayed subscribed, one more each
+    time: at shutdown the connection's drain waited its 30 s timeout and ``up``'s Ctrl-C
+    killed the service. And the reaper judged the heartbeats the stuck watch had left
+    before the new one replayed the bucket: every worker dropped, the autoscaler scaled
+    up from "0" beside the running ones."""
+    import time
+
+    from bus.provision import workers_bucket
+    from bus.registry import WorkerRegistry
+    from proto import WorkerInfo, encode
+    from tests.conftest import eventually
+
+    now = [time.time()]
+    registry = WorkerRegistry(bus, clock=lambda: now[0])
+    kv = await workers_bucket(bus.js, bus.subjects)
+    await kv.put("w-busy", encode(WorkerInfo(worker_id="w-busy", model="m", engine="sim", state="ready",
+                                             heartbeat_at=now[0])))
+    await registry.start()
+    try:
+        await eventually(lambda: "w-busy" in registry.workers, what="the worker listed")
+        subscriptions = len(bus.nc._subs)
+        for _ in range(3):
+            registry.restart_watch()
+            await eventually(lambda: registry._replayed, what="the new watch replayed the bucket")
+        assert len(bus.nc._subs) == subscriptions
+        # The watch was stuck for two TTLs: what it holds is that old, the bucket is not.
+        now[0] += 2 * registry.ttl_s
+        await kv.put("w-busy", encode(WorkerInfo(worker_id="w-busy", model="m", engine="sim", state="ready",
+                                                 heartbeat_at=now[0])))
+        registry.restart_watch()
+        assert registry.reap() == []  # not before the replay
+        await eventually(lambda: registry.workers["w-busy"].heartbeat_at == now[0], what="the replay applied")
+        assert registry.reap() == [] and "w-busy" in registry.workers
+    finally:
+        await registry.stop()
+
+
 async def test_two_publishers_of_one_message_id_both_succeed(nats_cluster: list[NatsServer]) -> None:
     """Two publishers of one message (a worker and its gateway, the same usage event) race on
     an R3 stream: the one whose copy arrives while the other's is being stored gets a 409

@@ -48,6 +48,7 @@ class Clock:
 
 def registry_with(clock: Clock, **beats: float) -> WorkerRegistry:
     registry = WorkerRegistry(cast(Bus, None), ttl_s=TTL, clock=clock)  # reap() needs no connection
+    registry._replayed = True  # as a watch that has read the bucket
     for worker_id, at in beats.items():
         registry.workers[worker_id] = WorkerInfo(worker_id=worker_id, model="m", engine="sim", state="ready", heartbeat_at=at)
     return registry
