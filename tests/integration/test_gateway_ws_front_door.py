@@ -154,6 +154,18 @@ async def test_a_bad_key_in_the_query_closes_with_policy_violation(gateway: Gate
         assert await _closed(ws) == aiohttp.WSCloseCode.POLICY_VIOLATION
 
 
+async def test_a_bad_key_in_an_auth_frame_closes_with_policy_violation(gateway: GatewayService,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As README says and a bad key anywhere else does: it stayed open, taking guesses
+    until the auth deadline (one frame of 401 each), then closed for want of a key."""
+    monkeypatch.setattr(ws_api, "AUTH_TIMEOUT_S", 30.0, raising=False)
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{gateway.http_url}/v1/ws") as ws:
+        await ws.send_json({"type": "auth", "api_key": "msk-nope"})
+        error = await ws.receive_json(timeout=10)
+        assert error["type"] == "error" and error["status"] == 401, error
+        assert await _closed(ws) == aiohttp.WSCloseCode.POLICY_VIOLATION
+
+
 async def test_done_and_error_frames_name_the_mesh_request_id(gateway: GatewayService, key: str) -> None:
     async with aiohttp.ClientSession() as http, http.ws_connect(f"{gateway.http_url}/v1/ws") as ws:
         await ws.send_json({"type": "auth", "api_key": key})
