@@ -99,11 +99,6 @@ def verify_key(key: str, record: ApiKeyRecord) -> bool:
     return hmac.compare_digest(hash_key(key), record.key_hash)
 
 
-def key_allows_model(record: ApiKeyRecord, model: str) -> bool:
-    """Whether the key may use ``model`` (an empty ``models`` list allows all)."""
-    return not record.models or model in record.models
-
-
 def parse_bearer(header: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, else None.
 

@@ -22,7 +22,6 @@ from proto import ApiKeyRecord, ErrorCode, MeshError, TokenChunk
 from proto.metering import UsageReport
 from services.common.usage import org_usage_query, usage_report_json
 
-from .apikeys import key_allows_model
 from .auth import AUTH_MS, REQUEST_MODEL, REQUEST_STARTED, Authenticator, authenticated
 from .errors import (
     ApiError,
@@ -37,6 +36,7 @@ from .events import EventBuilder, parse_event_id
 from .lifecycle import ActiveRequest, cut_slow_client, on_client_gone
 from .local import is_local_request
 from .models import ModelSpec
+from .normalized import model_allowed
 from .openai_api import ModelCard, ModelList, RequestKind, encode_json, sse_event
 from .responses_http import ResponsesHttp
 from .resume import ResumedStream
@@ -191,7 +191,7 @@ class HttpApi:
     async def models(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
         now = int(time.time())
         cards = [model_card(name, spec, now) for name, spec in sorted(self.gateway.models.specs().items())
-                 if key_allows_model(key, name) or (spec.lora is not None and key_allows_model(key, spec.name))]
+                 if model_allowed(name, spec, key.models)]
         return web.Response(body=encode_json(ModelList(data=cards)), content_type="application/json")
 
     @authenticated
@@ -199,7 +199,7 @@ class HttpApi:
         """``GET /v1/models/{id}``: one model object; unknown or not the key's is OpenAI's 404."""
         name = http.match_info["model_id"]
         spec = self.gateway.models.specs().get(name)
-        if spec is None or not (key_allows_model(key, name) or key_allows_model(key, spec.name)):
+        if spec is None or not model_allowed(name, spec, key.models):
             raise model_not_found(name)
         return web.Response(body=encode_json(model_card(name, spec, int(time.time()))), content_type="application/json")
 

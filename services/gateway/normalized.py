@@ -164,6 +164,13 @@ def parse_ws_message(data: Body) -> WsClientMessage:
 # ------------------------------------------------------------------ field validation
 
 
+def model_allowed(name: str, spec: ModelSpec, allowed: Collection[str] | None) -> bool:
+    """Whether a key whose ``ApiKeyRecord.models`` is ``allowed`` (empty: every model) may
+    use ``name``: named itself, or an alias of a model it names. A LoRA adapter is a model
+    of its own: a team's fine-tune is not every user of its base model's."""
+    return not allowed or name in allowed or (spec.lora is None and spec.name in allowed)
+
+
 def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collection[str] | None, *,
                   needs_replica: bool = True) -> ModelSpec:
     """The spec of model ``name`` if the key may use it (``allowed``), else a 404; a 503
@@ -174,7 +181,7 @@ def resolve_model(name: str, models: Mapping[str, ModelSpec], allowed: Collectio
     spec = models.get(name)
     # ``allowed`` is ApiKeyRecord.models: empty means every model. A forbidden model
     # answers like a missing one (404), as OpenAI does, so keys cannot probe the catalog.
-    if spec is None or (allowed and name not in allowed and spec.name not in allowed):
+    if spec is None or not model_allowed(name, spec, allowed):
         raise model_not_found(name)
     if not spec.serving and needs_replica:
         # Its workers left a moment ago (restarting): admission's "no replica" answer, so

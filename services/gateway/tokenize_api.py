@@ -32,7 +32,7 @@ from .auth import authenticated
 from .chat_request import chat_messages, render_prompt, template_kwargs
 from .errors import bad_request, payload_too_large, tokenizer_failed
 from .models import ModelSpec
-from .normalized import Body, decode_body, resolve_model
+from .normalized import Body, decode_body, model_allowed, resolve_model
 from .openai_api import ChatCompletionRequest, ChatMessage, encode_json
 from .tools import plan_tools
 
@@ -99,8 +99,7 @@ def _model(name: str | None, models: Mapping[str, ModelSpec], allowed: Collectio
     """The named model, or without a name the only one the key can use."""
     if name is not None:
         return resolve_model(name, models, allowed, needs_replica=False)
-    usable = {spec.name: spec for alias, spec in models.items()
-              if not allowed or alias in allowed or spec.name in allowed}
+    usable = {spec.name: spec for alias, spec in models.items() if model_allowed(alias, spec, allowed)}
     if len(usable) == 1:
         return next(iter(usable.values()))
     served = ", ".join(sorted(usable)) or "none right now"

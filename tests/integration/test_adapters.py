@@ -104,6 +104,16 @@ async def test_an_adapter_is_added_listed_served_from_a_slot_and_removed(
                 break
             await asyncio.sleep(0.1)
         assert {(e.model, e.base_model) for e in billed} == {("sql-writer", MODEL)} and len(billed) == 4
+        # A key restricted to the base model is not given its adapters (a team's fine-tune).
+        base_key, base_record = await create_key(bus, org="acme-other", models=[MODEL])
+        await eventually(lambda: base_record.key_id in gateway.keys.records, what="the gateway to see the key")
+        base_client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.bound_port}/v1", api_key=base_key,
+                                         max_retries=0)
+        assert [m.id for m in (await base_client.models.list()).data] == [MODEL]
+        with pytest.raises(openai.NotFoundError):
+            await base_client.completions.create(model="sql-writer", prompt="x", max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            await base_client.models.retrieve("sql-writer")
 
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="sql-reader", prompt="x", max_tokens=2)

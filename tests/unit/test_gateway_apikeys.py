@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from proto import ApiKeyRecord, decode, encode
+from services.common.tokenizer import ByteTokenizer
 from services.gateway import apikeys
 
 
@@ -58,11 +59,21 @@ def test_verify() -> None:
 
 
 def test_model_allow_list() -> None:
+    """A key's models: the names, their aliases; an adapter only by its own name (a
+    team's fine-tune was every user's of its base model)."""
+    from services.gateway.models import ModelSpec
+    from services.gateway.normalized import model_allowed
+
+    tokenizer = ByteTokenizer()
+    base, adapter = ModelSpec("sim", tokenizer), ModelSpec("sim", tokenizer, lora="team-sql")
     _, everything = apikeys.generate_key(org="o")
     _, only_sim = apikeys.generate_key(org="o", models=["sim"])
-    assert apikeys.key_allows_model(everything, "anything")
-    assert apikeys.key_allows_model(only_sim, "sim")
-    assert not apikeys.key_allows_model(only_sim, "big")
+    _, with_adapter = apikeys.generate_key(org="o", models=["sim", "team-sql"])
+    assert model_allowed("anything", base, everything.models) and model_allowed("team-sql", adapter, everything.models)
+    assert model_allowed("sim", base, only_sim.models) and model_allowed("gpt-4o", base, only_sim.models)  # an alias
+    assert not model_allowed("big", ModelSpec("big", tokenizer), only_sim.models)
+    assert not model_allowed("team-sql", adapter, only_sim.models)
+    assert model_allowed("team-sql", adapter, with_adapter.models)
 
 
 @pytest.mark.parametrize(
