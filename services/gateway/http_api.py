@@ -150,7 +150,8 @@ class HttpApi:
         # the key check, then body, validation, template, tokenizer
         parsed = [("auth", http.get(AUTH_MS, 0.0)), ("parse", (time.perf_counter() - started) * 1000)]
         resumable = request.stream and http.headers.get(RESUMABLE_HEADER, "").lower() in ("1", "true", "yes")
-        active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)), resumable=resumable)
+        active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)), resumable=resumable,
+                                           client_address=g.client_address(http))
         http[REQUEST_STARTED] = True
         # Where the gateway's time went before the worker had the request (W3C Server-Timing).
         headers = {"X-Request-Id": active.request_id, "Server-Timing": active.phases.header(parsed)}

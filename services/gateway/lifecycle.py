@@ -129,8 +129,10 @@ class ActiveRequest:
     # ---- start: admission, record, placement ------------------------------------------
     @classmethod
     async def start(cls, gateway: GatewayService, request: NormalizedRequest, key: ApiKeyRecord, *,
-                    parent: Any = None, resumable: bool = False) -> ActiveRequest:
-        """Admit, place and start streaming one request; raises ApiError when it cannot."""
+                    parent: Any = None, resumable: bool = False, client_address: str = "") -> ActiveRequest:
+        """Admit, place and start streaming one request; raises ApiError when it cannot.
+        ``client_address``: who sent it (behind a trusted proxy, its X-Forwarded-For hop),
+        for the request's span (OpenTelemetry's ``client.address``)."""
         # The parsers sized this for meshserve's own bus; on a smaller one, refuse it here
         # rather than after the prefill (the worker's 400 when the chunk does not fit).
         check_prompt_logprobs(request.kind, request.sampling.prompt_logprobs, request.prompt_tokens,
@@ -144,6 +146,7 @@ class ActiveRequest:
             "meshserve.request_id": request_id, "gen_ai.request.model": request.model,
             "gen_ai.operation.name": "chat" if request.kind == "chat" else "text_completion",
             "meshserve.org": key.org, "meshserve.key_id": key.key_id, "gen_ai.usage.input_tokens": request.prompt_tokens,
+            **({"client.address": client_address} if client_address else {}),
         })
         try:
             with trace.use_span(span, end_on_exit=False):

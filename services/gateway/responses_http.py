@@ -118,7 +118,8 @@ class ResponsesHttp:
             raise plan.api_error(exc) from None
         store = await self.store() if parsed.store else None  # before generating: a store that cannot open is a 503 now
         http[REQUEST_MODEL] = request.model
-        active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)))
+        active = await ActiveRequest.start(g, request, key, parent=extract(dict(http.headers)),
+                                           client_address=g.client_address(http))
         http[REQUEST_STARTED] = True
         ctx = ResponseContext(request_id=active.request_id, created_at=active.record.created, model=request.requested_model,
                               plan=plan, request=parsed.request, temperature=request.sampling.temperature,

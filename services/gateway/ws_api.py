@@ -158,7 +158,7 @@ class WsApi:
     async def _request(self, http: web.Request, send: Send, client_id: str, request: NormalizedRequest,
                        key: ApiKeyRecord, job: _WsJob) -> None:
         try:
-            active = await ActiveRequest.start(self.gateway, request, key)
+            active = await ActiveRequest.start(self.gateway, request, key, client_address=self.gateway.client_address(http))
         except ApiError as exc:
             await send(exc.to_ws(client_id))
             return

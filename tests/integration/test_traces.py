@@ -72,6 +72,7 @@ def test_one_request_is_one_trace_tree(traced_mesh: tuple[Mesh, Path]) -> None:
     assert completion.usage is not None and 1 <= completion.usage.completion_tokens <= 6
     assert worker_span["attributes"]["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens
     gateway_span = names["gateway.request"]["attributes"]
+    assert gateway_span["client.address"] == "127.0.0.1"  # who sent it (--trusted-proxy: the forwarded hop)
     assert gateway_span["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens
     assert gateway_span["gen_ai.operation.name"] == "text_completion"
     assert gateway_span["gen_ai.response.finish_reasons"] == [completion.choices[0].finish_reason]
