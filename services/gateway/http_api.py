@@ -7,8 +7,11 @@ Every error leaves as OpenAI's error JSON (``error_middleware``), never a 500 pa
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
+import hashlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -49,6 +52,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
+
+
+def page_security_headers(html: str, host: str) -> dict[str, str]:
+    """The chat page's headers: it runs its own inline script and style (allowed by their
+    hashes) and talks to this gateway only; nothing may frame it (it holds a key)."""
+    def sha256(tag: str) -> str:
+        body = html.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
+        return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+
+    sockets = f" ws://{host} wss://{host}" if re.fullmatch(r"[A-Za-z0-9.\-]+(:\d+)?|\[[0-9A-Fa-f:.]+\](:\d+)?", host) else ""
+    policy = (f"default-src 'none'; script-src {sha256('script')}; style-src {sha256('style')}; img-src 'self';"
+              f" connect-src 'self'{sockets}; base-uri 'none'; form-action 'none';"
+              " frame-ancestors 'none'")
+    return {"Content-Security-Policy": policy, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+            "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 # The routes that generate, and the ``api`` label their requests are counted under.
 GENERATION_APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat"}
 RESUMABLE_HEADER = "X-Meshserve-Resumable"
@@ -237,7 +255,7 @@ class HttpApi:
         index = STATIC_DIR / "index.html"
         if not index.exists():
             raise web.HTTPNotFound()
-        return web.FileResponse(index)
+        return web.FileResponse(index, headers=page_security_headers(index.read_text(), http.host))
 
     async def favicon(self, http: web.Request) -> web.StreamResponse:
         # An SVG icon under the name browsers ask for; they go by the content type.

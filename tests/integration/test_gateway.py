@@ -420,7 +420,7 @@ def test_chat_page_streams_a_reply_in_headless_chromium(mesh: Mesh, tmp_path: Pa
             # served by meshserve up's mesh on loopback, it offers the development key
             page.wait_for_selector("#use-dev-key:not([hidden])", timeout=15_000)
             page.click("#use-dev-key")
-            page.wait_for_function("document.querySelector('#model') && document.querySelector('#model').options.length > 0")
+            page.wait_for_selector("#model option", state="attached")  # no eval: the page's CSP forbids it
             page.fill("#prompt", "Hello from a browser")
             page.click("#send")
             page.wait_for_selector(".reply[data-state=done]", timeout=30_000)

@@ -236,6 +236,23 @@ async def test_favicon(gateway: GatewayService) -> None:
         assert (await r.read()).startswith(b"<svg")
 
 
+async def test_the_chat_page_may_run_its_own_code_only_and_not_be_framed(gateway: GatewayService) -> None:
+    """It holds a key: no other script, no frame around it (a click-jacking page), no
+    connection but to this gateway. Its inline script and style are allowed by their hashes
+    (the headless Chromium test below runs the page under this policy)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{gateway.http_url}/") as r:
+        assert r.status == 200
+        policy = r.headers["Content-Security-Policy"]
+        assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
+        assert policy.count("'sha256-") == 2 and "'unsafe-inline'" not in policy
+        host = f"127.0.0.1:{gateway.bound_port}"
+        assert f"connect-src 'self' ws://{host} wss://{host};" in policy
+        assert r.headers["X-Frame-Options"] == "DENY" and r.headers["X-Content-Type-Options"] == "nosniff"
+    async with aiohttp.ClientSession() as http, http.get(f"{gateway.http_url}/",
+                                                          headers={"Host": "x; script-src *"}) as r:
+        assert "script-src *" not in r.headers["Content-Security-Policy"]  # a Host header is no directive
+
+
 async def test_tokenizer_export_asks_the_mesh_which_tokenizer_a_model_uses(
     nats_url: str, worker: WorkerService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -278,6 +295,8 @@ def _drive_chat_page(url: str, tmp_path: Path) -> None:
             page = context.new_page()
             failed: list[str] = []
             page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            refused: list[str] = []  # what the page's own Content-Security-Policy blocked of it
+            page.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
             page.goto(url + "/")
             page.wait_for_selector("#use-dev-key:not([hidden])")
             assert page.is_visible("#key-panel") and not page.is_visible("#key-message")
@@ -285,16 +304,17 @@ def _drive_chat_page(url: str, tmp_path: Path) -> None:
             assert page.evaluate("fetch('/favicon.ico').then(r => r.status)") == 200
             assert failed == [], failed  # nothing asked of the API before there is a key: no 401 anywhere
             page.click("#use-dev-key")
-            page.wait_for_function("document.querySelector('#model').options.length > 0")
+            page.wait_for_selector("#model option", state="attached")  # no eval: the page's CSP forbids it
             assert not page.is_visible("#key-panel")
             page.fill("#prompt", "Hello from a fresh tab")
             page.click("#send")
             page.wait_for_selector(".reply[data-state=done]", timeout=30_000)
             assert page.inner_text(".reply[data-state=done] .reply-text").strip()
+            assert refused == [], refused
             page.screenshot(path=str(tmp_path / "chat.png"))
             # a reload keeps the key (same tab); a new tab asks again
             page.reload()
-            page.wait_for_function("document.querySelector('#model').options.length > 0")
+            page.wait_for_selector("#model option", state="attached")  # no eval: the page's CSP forbids it
             assert not page.is_visible("#key-panel")
             other = context.new_page()
             other.goto(url + "/")
