@@ -268,6 +268,18 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+    import signal
+
     import uvloop
 
-    uvloop.run(main())
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+
+    def _interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # as Ctrl-C: each fault's mesh is stopped on the way out
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        uvloop.run(main())
+    except KeyboardInterrupt:
+        raise SystemExit("faults.py: interrupted; its meshes are stopped") from None
