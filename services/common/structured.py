@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -109,9 +110,10 @@ def check_json_schema(schema: object, param: str, size: SchemaSize | None = None
     (size or SchemaSize()).add(schema, param)
     _check_depth(schema, param)
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    if text in _checked:
-        _checked.move_to_end(text)
-        return text
+    with _checked_lock:  # large requests are parsed on threads (services/gateway/validation.py)
+        if text in _checked:
+            _checked.move_to_end(text)
+            return text
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
@@ -125,9 +127,10 @@ def check_json_schema(schema: object, param: str, size: SchemaSize | None = None
         raise StructuredOutputError(f"{param} is not a valid JSON Schema: a pattern cannot be compiled: {exc}",
                                     param) from None
     _check_refs(schema, schema, param)
-    _checked[text] = None
-    if len(_checked) > _CHECKED_CACHE:
-        _checked.popitem(last=False)
+    with _checked_lock:
+        _checked[text] = None
+        if len(_checked) > _CHECKED_CACHE:
+            _checked.popitem(last=False)
     return text
 
 
@@ -141,6 +144,7 @@ def check_combined_schema(schema: dict[str, Any], param: str) -> str:
 
 
 _checked: OrderedDict[str, None] = OrderedDict()  # valid schemas by their compact text, oldest first
+_checked_lock = threading.Lock()
 
 
 def _check_depth(node: object, param: str) -> None:

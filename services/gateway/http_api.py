@@ -44,7 +44,7 @@ from .openai_api import ModelCard, ModelList, RequestKind, encode_json, sse_even
 from .responses_http import ResponsesHttp
 from .resume import ResumedStream
 from .tokenize_api import tokenize_routes
-from .validation import parse_request
+from .validation import parse_request_off_loop
 
 if TYPE_CHECKING:
     from .service import GatewayService
@@ -163,7 +163,7 @@ class HttpApi:
             raise payload_too_large(g.config.max_body_bytes, http.content_length)
         started = time.perf_counter()
         body = await http.read()
-        request = parse_request(kind, body, g.models.specs(), allowed_models=key.models or None)
+        request = await parse_request_off_loop(kind, body, g.models.specs(), allowed_models=key.models or None)
         http[REQUEST_MODEL] = request.model
         # the key check, then body, validation, template, tokenizer
         parsed = [("auth", http.get(AUTH_MS, 0.0)), ("parse", (time.perf_counter() - started) * 1000)]

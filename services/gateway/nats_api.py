@@ -41,7 +41,7 @@ from .events import DONE, EventBuilder
 from .lifecycle import ActiveRequest
 from .normalized import NormalizedRequest
 from .openai_api import RequestKind
-from .validation import parse_request
+from .validation import parse_request_off_loop
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class NatsApi:
             timeout_s = client_timeout(headers)
             if len(msg.data) > g.config.max_body_bytes:
                 raise payload_too_large(g.config.max_body_bytes, len(msg.data))
-            request = parse_request(kind, msg.data, g.models.specs(), allowed_models=key.models or None)
+            request = await parse_request_off_loop(kind, msg.data, g.models.specs(), allowed_models=key.models or None)
             stream = request.stream
         except ApiError as exc:
             await self._error(msg.reply, exc, None, stream)

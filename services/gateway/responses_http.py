@@ -39,7 +39,7 @@ from .responses_output import (
     response_from_chat,
     stored_history,
 )
-from .validation import parse_request
+from .validation import parse_request_off_loop
 
 if TYPE_CHECKING:
     from .auth import Authenticator
@@ -113,7 +113,8 @@ class ResponsesHttp:
             history = stored_history(previous.conversation, previous.response)
         plan = plan_chat(parsed, history)
         try:
-            request = parse_request("chat", encode_json(plan.body), g.models.specs(), allowed_models=key.models or None)
+            request = await parse_request_off_loop("chat", encode_json(plan.body), g.models.specs(),
+                                                   allowed_models=key.models or None)
         except ApiError as exc:
             raise plan.api_error(exc) from None
         store = await self.store() if parsed.store else None  # before generating: a store that cannot open is a 503 now

@@ -16,6 +16,8 @@ a broken operator chat template or a failing tokenizer gives ``ApiError`` 500.
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -177,6 +179,37 @@ def parse_request(
         if not _INT32_MIN <= request.priority <= _INT32_MAX:
             invalid("priority", "must fit in a signed 32-bit integer.")
     return request
+
+
+# A body this large can take its checks (a big schema, many tools, a long conversation's
+# template) the better part of a second of pure Python: it is parsed on a thread, so the
+# event loop goes on serving every other client meanwhile (the thread yields the GIL every
+# few ms); one such parse at a time per loop, so several cannot take the GIL from it at once.
+OFF_LOOP_BYTES = 64 * 1024
+_off_loop_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+async def parse_request_off_loop(
+    kind: RequestKind, body: Body, models: Mapping[str, ModelSpec], **options: Any
+) -> NormalizedRequest:
+    """``parse_request``, on a thread for a body of ``OFF_LOOP_BYTES`` or more."""
+    if len(body) < OFF_LOOP_BYTES:
+        return parse_request(kind, body, models, **options)
+    loop = asyncio.get_running_loop()
+    gate = _off_loop_gates.get(loop)
+    if gate is None:
+        gate = _off_loop_gates[loop] = asyncio.Semaphore(1)
+    async with gate:
+        return await asyncio.to_thread(parse_request, kind, body, models, **options)
+
+
+async def parse_ws_request_off_loop(
+    message: WsChatRequest | WsCompletionRequest, models: Mapping[str, ModelSpec], *,
+    allowed_models: Collection[str] | None = None,
+) -> NormalizedRequest:
+    """``parse_ws_request`` off the loop for a large body, as ``parse_request_off_loop``."""
+    kind: RequestKind = "chat" if isinstance(message, WsChatRequest) else "completion"
+    return await parse_request_off_loop(kind, message.body, models, allowed_models=allowed_models, always_streams=True)
 
 
 def parse_ws_request(

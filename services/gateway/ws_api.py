@@ -22,7 +22,7 @@ from .errors import ApiError, from_mesh_error, internal_error, missing_api_key
 from .lifecycle import ActiveRequest, cut_slow_client
 from .normalized import NormalizedRequest, parse_ws_message
 from .openai_api import WsAuth, WsCancel, ws_done, ws_token
-from .validation import parse_ws_request
+from .validation import parse_ws_request_off_loop
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class WsApi:
                                              "invalid_request_error", "id")
                         await send(duplicate.to_ws(None))
                         continue
-                    request = parse_ws_request(parsed, g.models.specs(), allowed_models=key.models or None)
+                    request = await parse_ws_request_off_loop(parsed, g.models.specs(), allowed_models=key.models or None)
                 except ApiError as exc:
                     await send(exc.to_ws(_message_id(message.data)))
                     continue

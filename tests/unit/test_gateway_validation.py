@@ -578,3 +578,31 @@ def test_top_logprobs_zero_needs_no_logprobs() -> None:
 def test_repetition_penalty_is_bounded_below_only_as_in_vllm() -> None:
     req = parse_chat_request(chat(repetition_penalty=3.5), MODELS)
     assert req.sampling.repetition_penalty == 3.5
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large request's checks (a 5,000-property schema: about a second of pure Python)
+    ran on the event loop, and every other client of the gateway waited for them."""
+    import threading
+
+    from services.gateway import validation
+
+    threads: list[int] = []
+    real = validation.parse_request
+
+    def recording(*args: Any, **kwargs: Any) -> NormalizedRequest:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(validation, "parse_request", recording)
+    small = chat(max_tokens=5)
+    padding = {"type": "string", "description": "x" * validation.OFF_LOOP_BYTES}
+    schema = {"type": "object", "properties": {"a": padding}}
+    large = chat(max_tokens=5, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert (await validation.parse_request_off_loop("chat", small, MODELS)).max_tokens == 5
+    assert threads[-1] == threading.get_ident()  # small: inline, no thread hop
+    assert (await validation.parse_request_off_loop("chat", large, MODELS)).max_tokens == 5
+    assert threads[-1] != threading.get_ident()
+    with pytest.raises(ApiError) as info:  # a 4xx still comes back as one, from the thread
+        await validation.parse_request_off_loop("chat", large.replace(b'"sim"', b'"nope"', 1), MODELS)
+    assert info.value.status == 404
