@@ -88,6 +88,7 @@ class WorkerRegistry:
         # The current watch has replayed the bucket: until then the heartbeats held here may
         # be as old as the silence that restarted it, and no worker is reaped for them.
         self._replayed = False
+        self._watch_started_at = clock()
         self._heartbeats_stalled = False  # every heartbeat stale at once: logged once
 
     def on_change(self, listener: Listener) -> None:
@@ -219,6 +220,7 @@ class WorkerRegistry:
         if self._task is not None:
             self._task.cancel()
         self._replayed = False
+        self._watch_started_at = self.clock()
         self._last_entry_at = time.monotonic()
         self._task = asyncio.create_task(self._watch(), name="registry-watch")
 
@@ -235,10 +237,11 @@ class WorkerRegistry:
 
     def reap(self) -> list[str]:
         """Drop the workers whose heartbeat expired (``expired_heartbeats``); their ids. None
-        while a restarted watch has not replayed the bucket (its entries are newer)."""
-        if not self._replayed:
-            return []
+        while a restarted watch has not replayed the bucket (its entries are newer), unless
+        it has not for as long as a bucket outage may last (then it is one)."""
         now = self.clock()
+        if not self._replayed and now - self._watch_started_at < self.ttl_s * OUTAGE_TTLS:
+            return []
         newest = max((info.heartbeat_at for info in self.workers.values()), default=0.0)
         stalled = bool(newest) and now - newest >= self.ttl_s / 2
         if stalled and not self._heartbeats_stalled:

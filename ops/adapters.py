@@ -51,10 +51,10 @@ def read_adapter_dir(path: str) -> tuple[Path, int, int]:
     weights = [where / w for w in WEIGHTS if (where / w).is_file()]
     if not weights:
         raise CliError(f"--path {path}: no weights ({' or '.join(WEIGHTS)})", EXIT_USAGE)
-    size = sum(w.stat().st_size for w in weights)
-    if size == 0:  # registered, every request to it was "unknown LoRA adapter"
-        raise CliError(f"--path {path}: its weights file is empty", EXIT_USAGE)
-    return where, rank, size
+    empty = [w.name for w in weights if w.stat().st_size == 0]
+    if empty:  # registered, every request to it was "unknown LoRA adapter" (vLLM reads safetensors first)
+        raise CliError(f"--path {path}: its weights file {empty[0]} is empty", EXIT_USAGE)
+    return where, rank, sum(w.stat().st_size for w in weights)
 
 
 def check_name(name: str) -> None:

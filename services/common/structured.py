@@ -12,6 +12,7 @@ rejects garbage with it and the sim engine walks the same parse tree to generate
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -29,12 +30,14 @@ from .gbnf import GrammarError, parse_grammar
 
 MAX_SCHEMA_DEPTH = 64  # deeper is hostile, not a real schema (and would exhaust the stack)
 MAX_CHOICES = 1024
-# OpenAI's Structured Outputs limits, per request (a request's tools together): checking a
-# schema is pure Python on the gateway's event loop (~0.2 ms a property), so an unbounded
-# one stalled every other client for as long as it took (a 40,000-property tool: 67 s).
+# OpenAI's Structured Outputs limits, per schema. Checking a schema is pure Python (~0.2 ms
+# a subschema), so the subschemas of a request's schemas together are bounded too (128 real
+# tools of 20 parameters hold ~2,700): unbounded, one tool of 40,000 parameters held the
+# gateway's event loop, and every other client, for over a minute.
 MAX_SCHEMA_PROPERTIES = 5000
 MAX_SCHEMA_ENUM_VALUES = 1000
 MAX_SCHEMA_STRING_CHARS = 120_000  # property and definition names, enum, const and pattern strings
+MAX_REQUEST_SUBSCHEMAS = 20_000
 # Compiling a pattern, and the engines' automata of it, grow with its length.
 MAX_REGEX_CHARS = 8192
 MAX_GRAMMAR_CHARS = 65536
@@ -55,51 +58,56 @@ class StructuredOutputError(ValueError):
 
 
 class SchemaSize:
-    """What a request's schemas add up to, against OpenAI's limits (one per request)."""
+    """The subschemas a request's schemas hold together (``MAX_REQUEST_SUBSCHEMAS``)."""
 
-    __slots__ = ("chars", "enum_values", "properties")
+    __slots__ = ("subschemas",)
 
     def __init__(self) -> None:
-        self.properties = 0
-        self.enum_values = 0
-        self.chars = 0
+        self.subschemas = 0
 
-    def add(self, schema: object, param: str) -> None:
-        """Count ``schema`` in (no recursion: ``_check_depth`` bounds nesting only later)."""
-        stack = [schema]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, list):
-                stack.extend(node)
+
+def _check_size(schema: dict[str, Any], param: str, size: SchemaSize) -> None:
+    """OpenAI's limits on ``schema``, and its subschemas counted into the request's ``size``
+    (every object the walk reaches: properties, items, anyOf branches, $defs alike)."""
+    properties = enum_values = chars = subschemas = 0
+    stack: list[object] = [schema]
+    while stack:  # no recursion: _check_depth bounds nesting only after this
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        subschemas += 1
+        for key, value in node.items():
+            if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
+                    and isinstance(value, dict):
+                if key == "properties":
+                    properties += len(value)
+                chars += sum(len(name) for name in value)
+                stack.extend(value.values())  # subschemas: their names are not keywords
                 continue
-            if not isinstance(node, dict):
-                continue
-            for key, value in node.items():
-                if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
-                    if key == "properties":
-                        self.properties += len(value)
-                    self.chars += sum(len(name) for name in value)
-                    stack.extend(value.values())  # subschemas: their names are not keywords
-                    continue
-                if key == "enum" and isinstance(value, list):
-                    self.enum_values += len(value)
-                    self.chars += sum(len(v) for v in value if isinstance(v, str))
-                elif key in ("const", "pattern") and isinstance(value, str):
-                    self.chars += len(value)
-                stack.append(value)
-        for count, limit, what in ((self.properties, MAX_SCHEMA_PROPERTIES, "object properties"),
-                                   (self.enum_values, MAX_SCHEMA_ENUM_VALUES, "enum values"),
-                                   (self.chars, MAX_SCHEMA_STRING_CHARS, "characters of names, enum, const and"
-                                                                          " pattern values")):
-            if count > limit:
-                raise StructuredOutputError(f"{param}: the request's schemas have {count:,} {what}, more than the"
-                                            f" {limit:,} allowed.", param)
+            if key == "enum" and isinstance(value, list):
+                enum_values += len(value)
+                chars += sum(len(v) for v in value if isinstance(v, str))
+            elif key in ("const", "pattern") and isinstance(value, str):
+                chars += len(value)
+            stack.append(value)
+    for count, limit, what in ((properties, MAX_SCHEMA_PROPERTIES, "object properties"),
+                               (enum_values, MAX_SCHEMA_ENUM_VALUES, "enum values"),
+                               (chars, MAX_SCHEMA_STRING_CHARS, "characters of names, enum, const and pattern values")):
+        if count > limit:
+            raise StructuredOutputError(f"{param} has {count:,} {what}, more than the {limit:,} allowed.", param)
+    size.subschemas += subschemas
+    if size.subschemas > MAX_REQUEST_SUBSCHEMAS:
+        raise StructuredOutputError(f"{param}: the request's schemas hold {size.subschemas:,} subschemas, more than"
+                                    f" the {MAX_REQUEST_SUBSCHEMAS:,} allowed.", param)
 
 
 def check_json_schema(schema: object, param: str, size: SchemaSize | None = None) -> str:
     """Check ``schema`` (a dict, or JSON text of one) is a valid JSON Schema whose local
-    ``$ref``s resolve and within the limits (counted into ``size``, the request's, when
-    several schemas share them); return it as compact JSON text (``StructuredOutput.json``)."""
+    ``$ref``s resolve, within the limits (its subschemas counted into ``size``, the
+    request's, when it has several); return it as compact JSON text (``StructuredOutput.json``)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -107,12 +115,13 @@ def check_json_schema(schema: object, param: str, size: SchemaSize | None = None
             raise StructuredOutputError(f"{param} is not valid JSON: {exc}", param) from None
     if not isinstance(schema, dict):
         raise StructuredOutputError(f"{param} must be a JSON Schema object.", param)
-    (size or SchemaSize()).add(schema, param)
+    _check_size(schema, param, size or SchemaSize())
     _check_depth(schema, param)
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    digest = hashlib.blake2b(text.encode(), digest_size=16).digest()  # the cache holds no schema text
     with _checked_lock:  # large requests are parsed on threads (services/gateway/validation.py)
-        if text in _checked:
-            _checked.move_to_end(text)
+        if digest in _checked:
+            _checked.move_to_end(digest)
             return text
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
@@ -128,7 +137,7 @@ def check_json_schema(schema: object, param: str, size: SchemaSize | None = None
                                     param) from None
     _check_refs(schema, schema, param)
     with _checked_lock:
-        _checked[text] = None
+        _checked[digest] = None
         if len(_checked) > _CHECKED_CACHE:
             _checked.popitem(last=False)
     return text
@@ -143,7 +152,7 @@ def check_combined_schema(schema: dict[str, Any], param: str) -> str:
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
-_checked: OrderedDict[str, None] = OrderedDict()  # valid schemas by their compact text, oldest first
+_checked: OrderedDict[bytes, None] = OrderedDict()  # valid schemas by a digest of their text, oldest first
 _checked_lock = threading.Lock()
 
 

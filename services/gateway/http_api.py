@@ -54,12 +54,13 @@ log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
 
 
-def page_security_headers(html: str, host: str) -> dict[str, str]:
+def page_security_headers(html: bytes, host: str) -> dict[str, str]:
     """The chat page's headers: it runs its own inline script and style (allowed by their
-    hashes) and talks to this gateway only; nothing may frame it (it holds a key)."""
+    hashes, of the bytes served) and talks to this gateway only; nothing may frame it (it
+    holds a key)."""
     def sha256(tag: str) -> str:
-        body = html.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
-        return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+        body = html.split(f"<{tag}>".encode(), 1)[1].split(f"</{tag}>".encode(), 1)[0]
+        return "'sha256-" + base64.b64encode(hashlib.sha256(body).digest()).decode() + "'"
 
     sockets = f" ws://{host} wss://{host}" if re.fullmatch(r"[A-Za-z0-9.\-]+(:\d+)?|\[[0-9A-Fa-f:.]+\](:\d+)?", host) else ""
     policy = (f"default-src 'none'; script-src {sha256('script')}; style-src {sha256('style')}; img-src 'self';"
@@ -255,7 +256,7 @@ class HttpApi:
         index = STATIC_DIR / "index.html"
         if not index.exists():
             raise web.HTTPNotFound()
-        return web.FileResponse(index, headers=page_security_headers(index.read_text(), http.host))
+        return web.FileResponse(index, headers=page_security_headers(index.read_bytes(), http.host))
 
     async def favicon(self, http: web.Request) -> web.StreamResponse:
         # An SVG icon under the name browsers ask for; they go by the content type.

@@ -75,6 +75,7 @@ class NatsApi:
         self.gateway = gateway
         self.relays: dict[str, _Relay] = {}  # request id → the NATS API requests relayed here
         self._probe_prefix = ""
+        self._refused_reply_logged_at = -math.inf
 
     async def add_endpoints(self) -> None:
         g = self.gateway
@@ -109,7 +110,11 @@ class NatsApi:
         if not reply:
             return False
         if reply.startswith("$") or reply.startswith(f"{self.gateway.bus.subjects.root}."):
-            log.warning("NATS API request on %s names %r to answer on: not an inbox, ignored", msg.subject, reply)
+            now = time.monotonic()
+            if now - self._refused_reply_logged_at > 60:  # a client could flood the log with them
+                self._refused_reply_logged_at = now
+                log.warning("NATS API request on %s names %r to answer on: not an inbox, ignored (logged once"
+                            " a minute)", msg.subject, reply)
             return False
         return True
 

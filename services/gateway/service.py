@@ -30,7 +30,7 @@ from proto import SUPERSEDED, Placement, RequestRecord, UsageEvent, usage_dedup_
 
 from .auth import Authenticator
 from .config import GatewayConfig
-from .http_api import STATIC_DIR, HttpApi
+from .http_api import HttpApi
 from .jwks import Oidc
 from .metrics import GatewayMetrics
 from .models import ModelCatalog
@@ -139,8 +139,6 @@ class GatewayService(Service):
         http_api = HttpApi(self)
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[http_api.error_middleware])
         app.add_routes(http_api.routes() + WsApi(self).routes())
-        if STATIC_DIR.exists():
-            app.router.add_static("/static/", STATIC_DIR)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the worker.
         # max_field_size: an OIDC bearer token with many claims (groups) passes aiohttp's 8,190
         # bytes a header, which aiohttp refuses with a plain-text 400 before any handler runs;
@@ -226,7 +224,9 @@ class GatewayService(Service):
     def client_address(self, request: web.Request) -> str:
         """The peer, or the nearest untrusted hop of X-Forwarded-For when the peer is a trusted proxy."""
         peer = request.remote or ""
-        forwarded = request.headers.get("X-Forwarded-For")
+        # Every X-Forwarded-For line, in order: a proxy that adds a line of its own (HAProxy)
+        # leaves the client's made-up one first.
+        forwarded = ",".join(request.headers.getall("X-Forwarded-For", []))
         if not forwarded or not self._is_trusted(peer):
             return peer
         for hop in reversed([h.strip() for h in forwarded.split(",") if h.strip()]):

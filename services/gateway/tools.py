@@ -204,7 +204,7 @@ def plan_tools(
     if tools is not None and len(tools) > MAX_TOOLS:
         raise bad_request(f"Invalid 'tools': at most {MAX_TOOLS} tools are allowed, got {len(tools)}.", "tools",
                           "array_above_max_length")
-    size = SchemaSize()  # the limits hold for the request's tools together
+    size = SchemaSize()  # its tools' subschemas, bounded together
     dicts = [_function(tool, i, size) for i, tool in enumerate(tools or ())]
     seen: dict[str, int] = {}
     for i, d in enumerate(dicts):

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Collection, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
 
 from proto.records import OutputOptions
 
@@ -186,21 +186,37 @@ def parse_request(
 # event loop goes on serving every other client meanwhile (the thread yields the GIL every
 # few ms); one such parse at a time per loop, so several cannot take the GIL from it at once.
 OFF_LOOP_BYTES = 64 * 1024
+_T = TypeVar("_T")
 _off_loop_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+async def off_loop(size: int, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)``: inline for a body under ``OFF_LOOP_BYTES`` (``size``), else on a
+    thread, one at a time per loop. The slot is held until the thread is done, also when the
+    caller is cancelled (its client gone): the parse runs on, and must not run beside another."""
+    if size < OFF_LOOP_BYTES:
+        return fn(*args, **kwargs)
+    loop = asyncio.get_running_loop()
+    gate = _off_loop_gates.get(loop)
+    if gate is None:
+        gate = _off_loop_gates[loop] = asyncio.Semaphore(1)
+    await gate.acquire()
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+
+    def done(finished: asyncio.Future[_T]) -> None:
+        gate.release()
+        if not finished.cancelled():
+            finished.exception()  # retrieved: a cancelled caller's outcome is nobody's
+
+    work.add_done_callback(done)
+    return await asyncio.shield(work)
 
 
 async def parse_request_off_loop(
     kind: RequestKind, body: Body, models: Mapping[str, ModelSpec], **options: Any
 ) -> NormalizedRequest:
     """``parse_request``, on a thread for a body of ``OFF_LOOP_BYTES`` or more."""
-    if len(body) < OFF_LOOP_BYTES:
-        return parse_request(kind, body, models, **options)
-    loop = asyncio.get_running_loop()
-    gate = _off_loop_gates.get(loop)
-    if gate is None:
-        gate = _off_loop_gates[loop] = asyncio.Semaphore(1)
-    async with gate:
-        return await asyncio.to_thread(parse_request, kind, body, models, **options)
+    return await off_loop(len(body), parse_request, kind, body, models, **options)
 
 
 async def parse_ws_request_off_loop(

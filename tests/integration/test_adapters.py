@@ -68,7 +68,7 @@ async def test_an_adapter_is_added_listed_served_from_a_slot_and_removed(
         empty = adapter_dir(tmp_path, "empty")
         (empty / "adapter_model.safetensors").write_bytes(b"")
         assert await adapters_cli(bus_settings, "add", "empty", "--base", MODEL, "--path", str(empty)) == 2
-        assert "its weights file is empty" in capsys.readouterr().err
+        assert "its weights file adapter_model.safetensors is empty" in capsys.readouterr().err
         for bad in ("sql:v2", "sql@1"):  # NATS KV keys refuse them: refused here, not as a NATS error
             assert await adapters_cli(bus_settings, "add", bad, "--base", MODEL, "--path", str(sql)) == 2
             assert "letters, digits and . _ / - only" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -606,3 +607,32 @@ async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch: pytest.Mon
     with pytest.raises(ApiError) as info:  # a 4xx still comes back as one, from the thread
         await validation.parse_request_off_loop("chat", large.replace(b'"sim"', b'"nope"', 1), MODELS)
     assert info.value.status == 404
+
+
+async def test_a_cancelled_parse_keeps_its_slot_until_its_thread_ends() -> None:
+    """A client that hangs up while its large body is parsed cancels the handler, not the
+    thread: the slot was given to the next large body at once, so clients sending large
+    bodies and hanging up ran as many CPU-bound parses at once as the executor has threads."""
+    import threading
+    import time
+
+    from services.gateway import validation
+
+    lock, active, peak = threading.Lock(), [0], [0]
+
+    def slow(x: int) -> int:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.3)
+        with lock:
+            active[0] -= 1
+        return x
+
+    tasks = [asyncio.create_task(validation.off_loop(validation.OFF_LOOP_BYTES, slow, i)) for i in range(4)]
+    for task in tasks:
+        await asyncio.sleep(0.05)
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert await validation.off_loop(validation.OFF_LOOP_BYTES, slow, 9) == 9  # after the first thread's end
+    assert peak[0] == 1

@@ -549,14 +549,23 @@ def test_history_arguments_nested_past_the_limit_are_a_400_naming_them() -> None
 
 def test_the_tools_of_a_request_share_the_schema_limits() -> None:
     """One tool of 40,000 parameters, or many tools of a few thousand, stalled the gateway
-    for everyone (~0.2 ms a property, checked twice with ``required``): the request's
-    tools together stay within OpenAI's 5,000 properties."""
-    def tool(name: str, n: int) -> dict[str, Any]:
-        params = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
-        return {"type": "function", "function": {"name": name, "parameters": params}}
+    for everyone (~0.2 ms a subschema, checked twice with ``required``). OpenAI's limits
+    hold per schema (a 400-value enum in several tools is fine), and the request's tools
+    together hold at most 20,000 subschemas."""
+    def tool(name: str, n: int, enum: int = 0) -> dict[str, Any]:
+        props: dict[str, Any] = {f"p{i}": {"type": "string"} for i in range(n)}
+        if enum:
+            props["tz"] = {"type": "string", "enum": [f"zone-{i}" for i in range(enum)]}
+        return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": props}}}
 
-    assert plan_tools([tool("a", 2500), tool("b", 2500)], "required").forced
+    assert plan_tools([tool("a", 3000), tool("b", 3000)], "required").forced
+    assert plan_tools([tool(f"t{i}", 3, enum=400) for i in range(3)], "auto", tool_parser="hermes")
+    assert plan_tools([tool(f"t{i}", 20) for i in range(128)], "required").forced  # a large real tool set
     with pytest.raises(ApiError) as info:
-        plan_tools([tool("a", 3000), tool("b", 3000)], "required")
-    assert info.value.status == 400 and info.value.param == "tools[1].function.parameters"
-    assert "6,000 object properties, more than the 5,000 allowed" in info.value.message
+        plan_tools([tool("a", 5001)], "required")
+    assert info.value.status == 400 and info.value.param == "tools[0].function.parameters"
+    assert "5,001 object properties, more than the 5,000 allowed" in info.value.message
+    with pytest.raises(ApiError) as info:
+        plan_tools([tool(f"t{i}", 4500) for i in range(5)], "required")
+    assert info.value.param == "tools[4].function.parameters"
+    assert "subschemas, more than the 20,000 allowed" in info.value.message

@@ -47,6 +47,9 @@ def _cache_salt(ev: Any, lora: str | None) -> str:
     keys = extra[0] if extra else None
     if not keys:
         return ""
+    for key in keys:  # the tagged form vLLM's block hash uses, should events move to it
+        if isinstance(key, (tuple, list)) and len(key) == 2 and key[0] == "cache_salt" and isinstance(key[1], str):
+            return key[1]
     names = [k for k in keys if isinstance(k, str)]
     if lora and names:
         names = names[1:]  # the adapter's name comes first
