@@ -38,6 +38,7 @@ class BlockStoredV:
     lora_name: str | None = None
     group_idx: int | None = None
     medium: str | None = "GPU"
+    extra_keys: list[Any] | None = None
 
 
 @dataclass
@@ -151,26 +152,46 @@ def test_bridge_reads_vllms_own_event_structs() -> None:
     assert out == [BlockStored(block_hashes=hashes, block_size=B), BlockRemoved(block_hashes=[hashes[1]]), AllCleared()]
 
 
+def _salted_events(stored: Any) -> list[Any]:
+    tokens = list(range(70, 78))
+    return [
+        stored(block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens, block_size=B, lora_name=None,
+               extra_keys=[("org-a",), None]),
+        stored(block_hashes=[3, 4], parent_block_hash=None, token_ids=tokens, block_size=B, lora_name="sql",
+               extra_keys=[("sql", "org-a"), ("sql",)]),
+        stored(block_hashes=[5, 6], parent_block_hash=None, token_ids=tokens, block_size=B, lora_name="sql",
+               extra_keys=[("sql",), ("sql",)]),
+        stored(block_hashes=[7, 8], parent_block_hash=None, token_ids=tokens, block_size=B, lora_name=None,
+               extra_keys=[(("cache_salt", "org-a"),), None]),  # the tagged form, should events move to it
+    ]
+
+
+def _check_salted(out: list[Any]) -> None:
+    tokens = list(range(70, 78))
+    assert [e.block_hashes for e in out if isinstance(e, BlockStored)] == [
+        block_hashes(tokens, B, prefix_salt(None, "org-a")), block_hashes(tokens, B, prefix_salt("sql", "org-a")),
+        block_hashes(tokens, B, "sql"), block_hashes(tokens, B, prefix_salt(None, "org-a"))]
+
+
 def test_bridge_salts_a_chain_with_its_requests_cache_salt() -> None:
     """vLLM lists a request's ``cache_salt`` (the worker passes the org) among the first
     block's extra keys, after the LoRA name: the chain's meshserve hashes are salted with
     both (proto.hashing.prefix_salt), as the gateway hashes that org's prompts."""
-    from vllm.distributed.kv_events import BlockStored as VBlockStored
-
-    tokens = list(range(70, 78))
-    plain = VBlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens, block_size=B, lora_id=None,
-                         medium="GPU", lora_name=None, extra_keys=[("org-a",), None])
-    tuned = VBlockStored(block_hashes=[3, 4], parent_block_hash=None, token_ids=tokens, block_size=B, lora_id=1,
-                         medium="GPU", lora_name="sql", extra_keys=[("sql", "org-a"), ("sql",)])
-    unsalted = VBlockStored(block_hashes=[5, 6], parent_block_hash=None, token_ids=tokens, block_size=B, lora_id=1,
-                            medium="GPU", lora_name="sql", extra_keys=[("sql",), ("sql",)])
-    out = KvEventBridge(B).translate([plain, tuned, unsalted])
-    assert [e.block_hashes for e in out if isinstance(e, BlockStored)] == [
-        block_hashes(tokens, B, prefix_salt(None, "org-a")), block_hashes(tokens, B, prefix_salt("sql", "org-a")),
-        block_hashes(tokens, B, "sql")]
+    _check_salted(KvEventBridge(B).translate(_salted_events(BlockStoredV)))
     predictor = KvPredictor(block_size=B, num_blocks=8)
+    tokens = list(range(70, 78))
     assert predictor.observe(tokens, "sql", "org-a")[0] == BlockStored(
         block_hashes=block_hashes(tokens, B, prefix_salt("sql", "org-a")), parent_hash=None, block_size=B, lora="sql")
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
+def test_bridge_reads_the_cache_salt_of_vllms_own_event_structs() -> None:
+    from vllm.distributed.kv_events import BlockStored as VBlockStored
+
+    def stored(**fields: Any) -> Any:
+        return VBlockStored(lora_id=1 if fields.get("lora_name") else None, medium="GPU", **fields)
+
+    _check_salted(KvEventBridge(B).translate(_salted_events(stored)))
 
 
 def test_predictor_stores_prefixes_and_evicts_lru_tail_first() -> None:
