@@ -35,7 +35,7 @@ from .models import ModelSpec
 from .normalized import Body, decode_body, model_allowed, resolve_model
 from .openai_api import ChatCompletionRequest, ChatMessage, encode_json
 from .tools import plan_tools
-from .validation import off_loop
+from .validation import off_loop, parse_cost
 
 if TYPE_CHECKING:
     from .auth import Authenticator
@@ -194,13 +194,13 @@ class TokenizeHttp:
     @authenticated
     async def tokenize(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
         body = await self._body(http)
-        answer = await off_loop(len(body), tokenize, body, self.gateway.models.specs(), allowed_models=key.models or None)
+        answer = await off_loop(parse_cost(body), tokenize, body, self.gateway.models.specs(), allowed_models=key.models or None)
         return web.Response(body=encode_json(answer), content_type="application/json")
 
     @authenticated
     async def detokenize(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
         body = await self._body(http)
-        answer = await off_loop(len(body), detokenize, body, self.gateway.models.specs(),
+        answer = await off_loop(parse_cost(body), detokenize, body, self.gateway.models.specs(),
                                 allowed_models=key.models or None)
         return web.Response(body=encode_json(answer), content_type="application/json")
 
