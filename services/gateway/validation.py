@@ -235,13 +235,16 @@ async def parse_request_off_loop(
     return await off_loop(parse_cost(body), parse_request, kind, body, models, **options)
 
 
+def _ws_kind(message: WsChatRequest | WsCompletionRequest) -> RequestKind:
+    return "chat" if isinstance(message, WsChatRequest) else "completion"
+
+
 async def parse_ws_request_off_loop(
     message: WsChatRequest | WsCompletionRequest, models: Mapping[str, ModelSpec], *,
     allowed_models: Collection[str] | None = None,
 ) -> NormalizedRequest:
     """``parse_ws_request`` off the loop for a large body, as ``parse_request_off_loop``."""
-    kind: RequestKind = "chat" if isinstance(message, WsChatRequest) else "completion"
-    return await parse_request_off_loop(kind, message.body, models, allowed_models=allowed_models, always_streams=True)
+    return await parse_request_off_loop(_ws_kind(message), message.body, models, allowed_models=allowed_models, always_streams=True)
 
 
 def parse_ws_request(
@@ -251,5 +254,4 @@ def parse_ws_request(
     allowed_models: Collection[str] | None = None,
 ) -> NormalizedRequest:
     """Validate the body of a WebSocket request; the socket always streams."""
-    kind: RequestKind = "chat" if isinstance(message, WsChatRequest) else "completion"
-    return parse_request(kind, message.body, models, allowed_models=allowed_models, always_streams=True)
+    return parse_request(_ws_kind(message), message.body, models, allowed_models=allowed_models, always_streams=True)
