@@ -30,9 +30,10 @@ from services.gateway.apikeys import generate_key, is_valid_key_id, parse_key, r
 
 async def create_key(
     bus: Bus, *, org: str, tier: str = "standard", name: str = "", rpm: int | None = None, tpm: int | None = None,
-    models: list[str] | None = None,
+    max_concurrent: int | None = None, models: list[str] | None = None,
 ) -> tuple[str, ApiKeyRecord]:
-    key, record = generate_key(org=org, tier=tier, name=name, rpm=rpm, tpm=tpm, models=models or [], created_at=time.time())
+    key, record = generate_key(org=org, tier=tier, name=name, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent,
+                               models=models or [], created_at=time.time())
     await (await KeyStore(bus).open()).put(record)
     return key, record
 
@@ -48,11 +49,12 @@ def admission_tiers(config_path: str | None = None) -> list[str]:
     return [t.name for t in config.slo.tiers]
 
 
-def check_key_options(*, org: str, tier: str, rpm: int | None, tpm: int | None, tiers: Sequence[str]) -> None:
+def check_key_options(*, org: str, tier: str, rpm: int | None, tpm: int | None, tiers: Sequence[str],
+                      max_concurrent: int | None = None) -> None:
     """Refuse options the mesh could not honour (``CliError``, exit 2); nothing is stored yet."""
     if not org.strip():
         raise CliError("--org must not be empty", EXIT_USAGE)
-    for flag, value in (("--rpm", rpm), ("--tpm", tpm)):
+    for flag, value in (("--rpm", rpm), ("--tpm", tpm), ("--max-concurrent", max_concurrent)):
         if value is not None and value < 1:
             raise CliError(f"{flag} must be a whole number ≥ 1, got {value} (leave it out for no limit; "
                            "`meshserve keys revoke` disables a key)", EXIT_USAGE)
@@ -118,7 +120,7 @@ async def read_keys(store: KeyStore) -> tuple[list[ApiKeyRecord], list[str]]:
 
 
 def record_problem(record: ApiKeyRecord) -> str:
-    problem = limits_problem(Limits(rpm=record.rpm, tpm=record.tpm))
+    problem = limits_problem(Limits(rpm=record.rpm, tpm=record.tpm, concurrent=record.max_concurrent))
     return f"invalid limit {problem}: recreate the key" if problem else ""
 
 
@@ -146,6 +148,9 @@ def add_parser(subparsers: Any) -> None:
     create.add_argument("--name", default="", help="a label for people (keys list shows it)")
     create.add_argument("--rpm", type=int, default=None, help="requests per minute, ≥ 1 (none: unlimited)")
     create.add_argument("--tpm", type=int, default=None, help="tokens per minute, ≥ 1 (none: unlimited)")
+    create.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                        help="requests in flight at once, ≥ 1; one more is refused with a 429 until one ends "
+                             "(none: unlimited)")
     create.add_argument("--model", action="append", default=[],
                         help="restrict to this model (repeatable); it must be served by a registered worker "
                              "unless --allow-unknown-model")
@@ -169,7 +174,7 @@ def run_keys(args: argparse.Namespace) -> int:
     apply_common_arguments(args)
     if args.action == "create":  # refuse bad input before connecting
         check_key_options(org=args.org, tier=args.tier, rpm=args.rpm, tpm=args.tpm,
-                          tiers=admission_tiers(args.admission_config))
+                          tiers=admission_tiers(args.admission_config), max_concurrent=args.max_concurrent)
     key_id = key_id_of(args.key_id) if args.action == "revoke" else ""
     return asyncio.run(_run(args, key_id))
 
@@ -184,7 +189,7 @@ async def _run(args: argparse.Namespace, key_id: str) -> int:
             if args.model and not args.allow_unknown_model:
                 check_models(args.model, await served_models(bus))
             key, record = await create_key(bus, org=args.org, tier=args.tier, name=args.name, rpm=args.rpm,
-                                           tpm=args.tpm, models=args.model)
+                                           tpm=args.tpm, max_concurrent=args.max_concurrent, models=args.model)
             print(key, flush=True)  # first: the record is stored, and the secret is shown only now
             Console(stderr=True).print(f"key id [bold]{record.key_id}[/bold] for org {escape(record.org)}"
                                        f" (tier {escape(record.tier)})")
@@ -215,13 +220,18 @@ def keys_table(records: Sequence[ApiKeyRecord], unreadable: Sequence[str] = ()) 
     from rich.table import Table
 
     problems = [record_problem(r) for r in records]
-    table = Table("key id", "org", "tier", "name", "rpm", "tpm", "models", "revoked")
+    table = Table("key id", "org", "tier", "name", "rpm", "tpm", "concurrent", "models", "revoked")
+    columns = len(table.columns)
     if any(problems) or unreadable:
         table.add_column("problem", style="red")
+
+    def limit(value: int | None) -> str:
+        return str(value) if value is not None else "-"
+
     for r, problem in zip(records, problems, strict=True):
-        row = [plain(r.key_id), plain(r.org), plain(r.tier), plain(r.name), str(r.rpm) if r.rpm is not None else "-",
-               str(r.tpm) if r.tpm is not None else "-", plain(",".join(r.models) or "all"), "yes" if r.revoked else ""]
-        table.add_row(*row, *([plain(problem)] if len(table.columns) > 8 else []))
+        row = [plain(r.key_id), plain(r.org), plain(r.tier), plain(r.name), limit(r.rpm), limit(r.tpm),
+               limit(r.max_concurrent), plain(",".join(r.models) or "all"), "yes" if r.revoked else ""]
+        table.add_row(*row, *([plain(problem)] if len(table.columns) > columns else []))
     for key_id in unreadable:
-        table.add_row(plain(key_id), "", "", "", "", "", "", "", "unreadable record: recreate the key")
+        table.add_row(plain(key_id), *([""] * (columns - 1)), "unreadable record: recreate the key")
     return table

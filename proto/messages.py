@@ -229,6 +229,7 @@ class AdmissionRequest(Struct, kw_only=True, omit_defaults=True):
     tpm_limit: int | None = None
     org_rpm_limit: int | None = None
     org_tpm_limit: int | None = None
+    concurrency_limit: int | None = None  # the key's requests in flight at once (ApiKeyRecord.max_concurrent)
     # The prompt's chained block hashes in the pool's block size (proto.hashing, salt = LoRA
     # name or ""): admission matches them against workers' KV events to find cached prefixes.
     block_hashes: list[int] = []

@@ -23,6 +23,7 @@ class ApiKeyRecord(Struct, kw_only=True, omit_defaults=True):
     name: str = ""
     rpm: int | None = None
     tpm: int | None = None
+    max_concurrent: int | None = None  # requests in flight at once (admission counts them)
     models: list[str] = []  # empty: all models
     created_at: float = 0.0
     revoked: bool = False

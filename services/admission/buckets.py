@@ -16,6 +16,10 @@ reservation per lost event (a client can provoke exactly that by dropping connec
 Charging in full costs an honest key at most one request's estimate, once, for one
 refill period. A usage event arriving after expiry is then a no-op, like any repeat.
 
+A key's ``concurrent`` limit counts its open reservations (its requests in flight: admitted
+and not yet settled by their usage event); at the limit a request is refused until one
+ends. An expired reservation frees its slot too.
+
 ``Limiter.snapshot`` / ``restore`` carry the state (buckets that are not full or that an
 open reservation draws on, and the open reservations) from one admission instance to
 its successor; bucket times are the caller's clock, so that clock must be one both
@@ -131,12 +135,14 @@ def reserve_all(demands: Sequence[tuple[str, TokenBucket, float]], now: float) -
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """A key's limits and its org's (per minute); ``None`` is unlimited."""
+    """A key's limits and its org's (per minute; ``concurrent``: the key's requests in
+    flight at once); ``None`` is unlimited."""
 
     rpm: int | None = None
     tpm: int | None = None
     org_rpm: int | None = None
     org_tpm: int | None = None
+    concurrent: int | None = None
 
 
 class InvalidLimits(ValueError):
@@ -147,12 +153,12 @@ class InvalidLimits(ValueError):
 def limits_problem(limits: Limits) -> str | None:
     """What makes ``limits`` unenforceable, e.g. ``"rpm -5"``; None when nothing does.
 
-    A limit is a count per minute: None (unlimited) or ≥ 0 (0 admits nothing, ever).
+    A limit is a count: None (unlimited) or ≥ 0 (0 admits nothing, ever).
     """
     bad = [
         f"{name} {value}"
         for name, value in (("rpm", limits.rpm), ("tpm", limits.tpm), ("org rpm", limits.org_rpm),
-                            ("org tpm", limits.org_tpm))
+                            ("org tpm", limits.org_tpm), ("max concurrent", limits.concurrent))
         if value is not None and value < 0
     ]
     return ", ".join(bad) or None
@@ -174,7 +180,7 @@ class QuotaResult:
     reason: QuotaReason | None = None
     retry_after: float = 0.0
     retryable: bool = True
-    limit: str = ""  # which limit refused: "key_tpm", "key_rpm", "org_tpm", "org_rpm"
+    limit: str = ""  # which limit refused: "key_tpm", "key_rpm", "org_tpm", "org_rpm", "key_concurrent"
     message: str = ""
 
 
@@ -186,6 +192,7 @@ class Reservation:
     # Refunds go to the bucket objects the tokens came from, even if limits changed since.
     token_buckets: tuple[tuple[str, TokenBucket], ...]  # (bucket name, bucket)
     request_buckets: tuple[tuple[str, TokenBucket], ...]
+    key_id: str = ""  # whose request in flight it is (``Limits.concurrent``)
 
     @property
     def bucket_names(self) -> tuple[str, ...]:
@@ -206,6 +213,7 @@ class ReservationState(msgspec.Struct, array_like=True):
     created_at: float
     token_buckets: list[str]
     request_buckets: list[str]
+    key_id: str = ""  # absent in a checkpoint from before per-key concurrency: not counted
 
 
 class LimiterState(msgspec.Struct, kw_only=True):
@@ -236,6 +244,7 @@ class Limiter:
         # Open reservations, oldest first. Only open ones are kept: a settled id is simply
         # absent, so any repeat of its usage (USAGE redelivery) finds nothing to refund.
         self._open: dict[str, Reservation] = {}
+        self._in_flight: dict[str, int] = {}  # key id → its open reservations
 
     # ---- buckets ----
     def bucket(self, name: str) -> TokenBucket | None:
@@ -267,6 +276,8 @@ class Limiter:
         existing = self._open.get(request_id)
         if existing is not None:  # the same request asked twice (a retried call): no double charge
             return QuotaResult(admitted=True, reserved_tokens=existing.tokens)
+        if limits.concurrent is not None and self.in_flight(key_id) >= limits.concurrent:
+            return self._concurrency_refusal(self.in_flight(key_id), limits.concurrent)
         token_b: list[tuple[str, TokenBucket]] = []
         request_b: list[tuple[str, TokenBucket]] = []
         demands: list[tuple[str, TokenBucket, float]] = []
@@ -285,11 +296,30 @@ class Limiter:
         short = reserve_all(demands, now)
         if short:
             return self._refusal(short, tokens)
-        r = Reservation(request_id, tokens, now, tuple(token_b), tuple(request_b))
+        self._add(Reservation(request_id, tokens, now, tuple(token_b), tuple(request_b), key_id))
+        return QuotaResult(admitted=True, reserved_tokens=tokens)
+
+    def _add(self, r: Reservation) -> None:
         for n in r.bucket_names:
             self._holds[n] = self._holds.get(n, 0) + 1
-        self._open[request_id] = r
-        return QuotaResult(admitted=True, reserved_tokens=tokens)
+        if r.key_id:
+            self._in_flight[r.key_id] = self._in_flight.get(r.key_id, 0) + 1
+        self._open[r.request_id] = r
+
+    def in_flight(self, key_id: str) -> int:
+        """The key's requests admitted and not yet settled (``Limits.concurrent`` counts these)."""
+        return self._in_flight.get(key_id, 0)
+
+    @staticmethod
+    def _concurrency_refusal(in_flight: int, limit: int) -> QuotaResult:
+        if limit == 0:
+            return QuotaResult(admitted=False, reason="quota_requests", retryable=False, limit="key_concurrent",
+                               message="the key's max concurrent requests is 0: it admits nothing, retrying cannot"
+                                       " succeed")
+        # When one of the key's requests ends is not known: a second is a client's usual wait.
+        return QuotaResult(admitted=False, reason="quota_requests", retry_after=1.0, limit="key_concurrent",
+                           message=f"concurrency limit reached: the key has {in_flight} requests in flight, its"
+                                   f" limit is {limit}; retry when one of them has finished")
 
     @staticmethod
     def _refusal(short: list[Shortfall], tokens: int) -> QuotaResult:
@@ -369,6 +399,12 @@ class Limiter:
                 self._holds[n] = left
             else:
                 del self._holds[n]
+        if r.key_id:
+            left = self._in_flight[r.key_id] - 1
+            if left:
+                self._in_flight[r.key_id] = left
+            else:
+                del self._in_flight[r.key_id]
         return r
 
     # ---- hand-over ----
@@ -386,7 +422,7 @@ class Limiter:
             reservations=[
                 ReservationState(
                     r.request_id, r.tokens, r.created_at,
-                    [n for n, _ in r.token_buckets], [n for n, _ in r.request_buckets],
+                    [n for n, _ in r.token_buckets], [n for n, _ in r.request_buckets], r.key_id,
                 )
                 for r in self._open.values()
             ],
@@ -398,6 +434,7 @@ class Limiter:
         self._last_used = {}
         self._holds = {}
         self._open = {}
+        self._in_flight = {}
         for bs in state.buckets:
             b = TokenBucket(bs.rate, bs.capacity, bs.updated, bs.tokens)
             b.tokens = bs.tokens  # may be negative (a debt from usage beyond a reservation)
@@ -406,10 +443,7 @@ class Limiter:
         for rs in sorted(state.reservations, key=lambda r: r.created_at):
             token_b = tuple((n, self._buckets[n]) for n in rs.token_buckets if n in self._buckets)
             request_b = tuple((n, self._buckets[n]) for n in rs.request_buckets if n in self._buckets)
-            r = Reservation(rs.request_id, rs.tokens, rs.created_at, token_b, request_b)
-            for n in r.bucket_names:
-                self._holds[n] = self._holds.get(n, 0) + 1
-            self._open[rs.request_id] = r
+            self._add(Reservation(rs.request_id, rs.tokens, rs.created_at, token_b, request_b, rs.key_id))
 
     def is_open(self, request_id: str) -> bool:
         return request_id in self._open

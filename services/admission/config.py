@@ -31,6 +31,11 @@ class AdmissionConfig:
     # ``demand_interval_s`` over the last ``demand_window_s`` (``PoolDemand``).
     demand_window_s: float = 5.0
     demand_interval_s: float = 1.0
+    # A key at its limit of requests in flight: how long a check waits for one of them to
+    # end before it is refused. A request that just ended is settled by its usage event,
+    # which travels the USAGE stream while the client's next request races it here; well
+    # under the gateway's wait for admission (1 s), and before its forward_by (0.5 s).
+    slot_wait_s: float = 0.4
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_renew_s < self.lease_ttl_s / 2:

@@ -21,7 +21,8 @@ from .slo import ReplicaLoad, SloAdmitter, SloVerdict
 
 
 def limits_of(req: AdmissionRequest) -> Limits:
-    return Limits(rpm=req.rpm_limit, tpm=req.tpm_limit, org_rpm=req.org_rpm_limit, org_tpm=req.org_tpm_limit)
+    return Limits(rpm=req.rpm_limit, tpm=req.tpm_limit, org_rpm=req.org_rpm_limit, org_tpm=req.org_tpm_limit,
+                  concurrent=req.concurrency_limit)
 
 
 class AdmissionPolicy:

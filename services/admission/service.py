@@ -145,6 +145,8 @@ class AdmissionService(Service):
         self._warming: dict[str, float] = {}  # worker id → until when a load it was asked for counts
         self._background: set[asyncio.Task[None]] = set()
         self.warm_requests = 0
+        self._slot_freed = asyncio.Event()  # set (and replaced) whenever a reservation closes
+        self.slot_waits = 0  # checks that waited for a slot of their key's concurrency limit
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
         self.admitted = 0
@@ -210,6 +212,7 @@ class AdmissionService(Service):
             "registry_synced": self.feed.registry_synced,
             "slo_skipped": self.policy.slo_skipped,  # admitted on quota alone, before the registry was read
             "warm_requests": self.warm_requests,  # hot-swap loads asked for after a refusal for a load's time
+            "slot_waits": self.slot_waits,  # checks that waited for a slot of their key's concurrency limit
             "ttft_calibration": {t.name: self.policy.slo.calibration.factor(t.name) for t in self.policy.slo.config.tiers},
             "ttft_overhead_s": self.policy.slo.overhead(),
             "prediction_error": self.policy.prediction_errors(),  # predicted / actual TTFT per tier
@@ -457,6 +460,7 @@ class AdmissionService(Service):
                         last_expire = self.monotonic()
                         expired = self.policy.expire(self.clock())
                         if expired:
+                            self._slots_freed()
                             self.metrics.expired.inc(len(expired))
                             log.info("%d reservations expired without a usage event (charged in full)", len(expired))
                 self.metrics.open.set(len(self.policy.limiter))
@@ -486,6 +490,8 @@ class AdmissionService(Service):
             log.warning("ignoring a bad usage event at USAGE %d: %s", seq, exc)
             return
         delta = self.policy.on_usage(event, self.clock())
+        if delta is not None:
+            self._slots_freed()
         self._export_calibration(event.tier)  # a usage event may stand in for a lost TTFT report
         if delta is None:
             outcome = "no_reservation"  # repeat, expired, or reserved by a failed predecessor
@@ -503,25 +509,66 @@ class AdmissionService(Service):
             attributes={"meshserve.request_id": req.request_id, "gen_ai.request.model": req.model,
                         "meshserve.tier": req.tier},
         ) as span:
-            # Synchronous from here to the reply: no other check can interleave with this one.
-            decision = self.decide(req)
-            span.set_attribute("meshserve.admitted", decision.admitted)
-            if decision.reason:
-                span.set_attribute("meshserve.admission_reason", decision.reason)
-            if decision.predicted_ttft is not None:
-                span.set_attribute("meshserve.predicted_ttft_s", decision.predicted_ttft)
-            route = forwarded_route(req, decision, self.clock())
-            if route is not None:
-                # The request goes on to the router from here (one hop fewer before its
-                # worker); the router answers the gateway, in this span's trace.
-                try:
-                    await self.bus.publish(self.bus.subjects.router_route, route, reply=req.placement_reply)
-                except Exception:  # not forwarded: the gateway places it itself, as without a route
-                    log.exception("forwarding %s to the router failed", req.request_id)
-                else:
-                    decision.forwarded = True
-                    self.forwarded += 1
-            await self.bus.respond(msg, decision)
+            if self._at_concurrency_limit(req):
+                span.set_attribute("meshserve.slot_wait", True)
+                task = asyncio.create_task(self._check_when_a_slot_frees(req, msg), name=f"slot-{req.request_id}")
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+                return
+            await self._answer(req, msg, span)
+
+    def _at_concurrency_limit(self, req: AdmissionRequest) -> bool:
+        limit = req.concurrency_limit
+        return (limit is not None and limit > 0 and self.leading and not self.policy.limiter.is_open(req.request_id)
+                and self.policy.limiter.in_flight(req.key_id) >= limit)
+
+    def _slots_freed(self) -> None:
+        self._slot_freed.set()
+        self._slot_freed = asyncio.Event()
+
+    async def _check_when_a_slot_frees(self, req: AdmissionRequest, msg: Msg) -> None:
+        """Decide ``req`` once its key has a request in flight fewer than its limit, or after
+        ``slot_wait_s`` (then refused as at its limit). Other checks go on meanwhile: this
+        one's answer is sent from here."""
+        self.slot_waits += 1
+        deadline = self.monotonic() + self.config.slot_wait_s
+        while self._at_concurrency_limit(req):
+            left = deadline - self.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), left)
+        with tracer.start_as_current_span(
+            "admission.check", context=self.bus.remote_context(msg), kind=trace.SpanKind.SERVER,
+            attributes={"meshserve.request_id": req.request_id, "gen_ai.request.model": req.model,
+                        "meshserve.tier": req.tier, "meshserve.slot_wait": True},
+        ) as span:
+            try:
+                await self._answer(req, msg, span)
+            except MeshError as exc:
+                await self.bus.respond_error(msg, exc)
+
+    async def _answer(self, req: AdmissionRequest, msg: Msg, span: trace.Span) -> None:
+        """Decide ``req`` and reply (forwarding it to the router when admitted)."""
+        # Synchronous from here to the reply: no other check can interleave with this one.
+        decision = self.decide(req)
+        span.set_attribute("meshserve.admitted", decision.admitted)
+        if decision.reason:
+            span.set_attribute("meshserve.admission_reason", decision.reason)
+        if decision.predicted_ttft is not None:
+            span.set_attribute("meshserve.predicted_ttft_s", decision.predicted_ttft)
+        route = forwarded_route(req, decision, self.clock())
+        if route is not None:
+            # The request goes on to the router from here (one hop fewer before its
+            # worker); the router answers the gateway, in this span's trace.
+            try:
+                await self.bus.publish(self.bus.subjects.router_route, route, reply=req.placement_reply)
+            except Exception:  # not forwarded: the gateway places it itself, as without a route
+                log.exception("forwarding %s to the router failed", req.request_id)
+            else:
+                decision.forwarded = True
+                self.forwarded += 1
+        await self.bus.respond(msg, decision)
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         mono = self.monotonic()

@@ -40,6 +40,7 @@ def generate_key(
     name: str = "",
     rpm: int | None = None,
     tpm: int | None = None,
+    max_concurrent: int | None = None,
     models: Iterable[str] = (),
     created_at: float = 0.0,
     token_hex: Callable[[int], str] = secrets.token_hex,
@@ -62,6 +63,7 @@ def generate_key(
         name=name,
         rpm=rpm,
         tpm=tpm,
+        max_concurrent=max_concurrent,
         models=list(models),
         created_at=created_at,
     )

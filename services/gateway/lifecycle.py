@@ -181,7 +181,7 @@ class ActiveRequest:
                 decision = await g.upstream.admit(AdmissionRequest(
                     request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
                     prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm,
-                    tpm_limit=key.tpm, block_hashes=hashes, block_size=block_size, lora=request.lora,
+                    tpm_limit=key.tpm, concurrency_limit=key.max_concurrent, block_hashes=hashes, block_size=block_size, lora=request.lora,
                 ), route=None if resumable else RouteRequest(request=generate, block_size=block_size))
                 phases.mark("admission")
                 admission_span.set_attribute("meshserve.admitted", decision.admitted)

@@ -9,6 +9,7 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 from nats.aio.msg import Msg
@@ -132,6 +133,54 @@ async def test_quota_429_with_retry_after_through_the_gateway(bus: Bus, mesh: di
     assert 1.0 < retry_after <= 60.0
     assert admission.stats()["rejected"] == {"quota_tokens": 1}  # type: ignore[attr-defined]
     await client.close()
+
+
+async def test_a_keys_requests_in_flight_are_capped_through_the_gateway(bus: Bus, mesh: dict[str, Factory]) -> None:
+    await mesh["worker"]("w1", speed=1.0)  # a 200-token stream takes seconds
+    admission = await mesh["admission"]()
+    gateway = await mesh["gateway"]()
+    key, record = await create_key(bus, org="acme", max_concurrent=1)
+    await wait_for_key(gateway, record.key_id)  # type: ignore[arg-type]
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1"  # type: ignore[attr-defined]
+    async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
+        long = await client.completions.create(model=MODEL, prompt="hello", max_tokens=200, stream=True,
+                                               extra_body={"ignore_eos": True})
+        first = await long.__anext__()  # running
+        assert first.choices
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.completions.create(model=MODEL, prompt="hello", max_tokens=5)
+        assert "concurrency limit reached: the key has 1 requests in flight, its limit is 1" in info.value.message
+        assert info.value.response.headers["retry-after"] == "1"
+        async for _ in long:  # the stream ends: its slot is the next request's
+            pass
+        for _ in range(5):  # back to back: each finds the slot its predecessor freed
+            done = await client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+            assert done.usage is not None and done.usage.completion_tokens == 3
+    assert admission.stats()["rejected"] == {"quota_requests": 1}  # type: ignore[attr-defined]
+
+
+async def test_a_check_at_the_concurrency_limit_waits_for_a_slot_then_is_refused(
+    bus: Bus, mesh: dict[str, Factory]
+) -> None:
+    # A request that has just ended is settled by its usage event on USAGE, which can come
+    # after the client's next request: that request waits for the slot, not a false 429.
+    await mesh["worker"]("w1")
+    admission: AdmissionService = await mesh["admission"](AdmissionConfig(slot_wait_s=3.0))  # type: ignore[assignment]
+
+    def capped(i: int) -> AdmissionRequest:
+        return msgspec.structs.replace(check(i), tpm_limit=None, concurrency_limit=1)
+
+    assert (await ask(bus, capped(1))).admitted
+    waiting = asyncio.create_task(ask(bus, capped(2), timeout=10))
+    await eventually(lambda: admission.slot_waits == 1, what="the check to wait for a slot")
+    assert not waiting.done()
+    ev = UsageEvent(request_id="r1", org="org", key_id="k1", model=MODEL, prompt_tokens=10, completion_tokens=10)
+    await bus.js_publish(bus.subjects.usage("org"), ev, msg_id=usage_dedup_id("r1"))
+    assert (await waiting).admitted
+    refused = await ask(bus, capped(3), timeout=10)  # r2 never ends: refused once the wait is over
+    assert not refused.admitted and refused.reason == "quota_requests" and refused.retry_after == 1.0
+    assert "its limit is 1" in refused.message
+    assert (await ask(bus, capped(2))).admitted  # r2 asked again (a retried call) is the one in flight
 
 
 async def test_a_key_stored_with_a_negative_limit_gets_403_and_the_others_are_served(
@@ -390,8 +439,8 @@ def check(i: int, tokens: int = 100, key: str = "k1") -> AdmissionRequest:
                             prompt_tokens=tokens // 2, max_tokens=tokens - tokens // 2, tpm_limit=1000)
 
 
-async def ask(bus: Bus, request: AdmissionRequest) -> AdmissionDecision:
-    return await bus.request(bus.subjects.admission_check, request, AdmissionDecision, timeout=2)
+async def ask(bus: Bus, request: AdmissionRequest, timeout: float = 2) -> AdmissionDecision:
+    return await bus.request(bus.subjects.admission_check, request, AdmissionDecision, timeout=timeout)
 
 
 async def test_two_instances_share_one_budget_and_the_standby_takes_over(bus: Bus, mesh: dict[str, Factory]) -> None:

@@ -68,6 +68,7 @@ def register_worker(nats_url: str, model: str) -> None:
 @pytest.mark.parametrize(("argv", "says"), [
     (["--rpm", "-5"], "--rpm must be a whole number ≥ 1, got -5"),
     (["--tpm", "0"], "--tpm must be a whole number ≥ 1, got 0"),
+    (["--max-concurrent", "0"], "--max-concurrent must be a whole number ≥ 1, got 0"),
     (["--rpm", "100000000000000000000"], "--rpm must be at most 9,223,372,036,854,775,807"),  # msgpack's OverflowError
     (["--tier", "gold"], "unknown tier 'gold': admission's tiers are premium, standard, batch"),
     (["--model", "does-not-exist"], "no worker serves model 'does-not-exist' (served now: none"),
@@ -103,8 +104,9 @@ def test_revoke_takes_a_whole_key_and_list_shows_broken_records(
     assert "no API keys in this mesh" in capsys.readouterr().out
     assert meshserve(nats_url, "list", "--json") == 0
     assert json.loads(capsys.readouterr().out) == []
-    assert meshserve(nats_url, "create", "--org", "acme", "--rpm", "60") == 0
+    assert meshserve(nats_url, "create", "--org", "acme", "--rpm", "60", "--max-concurrent", "4") == 0
     key = capsys.readouterr().out.strip()
+    assert [r.max_concurrent for r in stored(nats_url)] == [4]
     assert key.startswith("msk-")
     assert meshserve(nats_url, "revoke", key) == 0
     assert [r.revoked for r in stored(nats_url)] == [True]

@@ -372,3 +372,35 @@ def test_balance_is_capacity_minus_open_reservations_minus_settled_usage(
     r = lim.bucket("key:k:rpm")
     if r is not None:
         assert r.available(0.0) == 20 - requests
+
+
+# ---- requests in flight ----
+
+
+def test_a_keys_requests_in_flight_are_capped_until_one_is_settled() -> None:
+    lim = Limiter(LimiterConfig(reservation_ttl_s=300.0))
+    limits = Limits(concurrent=2)
+    assert lim.reserve("a", "k", "o", 10, limits, 0.0).admitted
+    assert lim.reserve("b", "k", "o", 10, limits, 0.0).admitted
+    refused = lim.reserve("c", "k", "o", 10, limits, 0.0)
+    assert not refused.admitted and refused.reason == "quota_requests" and refused.limit == "key_concurrent"
+    assert refused.retryable and refused.retry_after > 0
+    assert "2 requests in flight, its limit is 2" in refused.message
+    assert not lim.is_open("c")  # a refusal holds nothing
+    assert lim.reserve("a", "k", "o", 10, limits, 0.0).admitted  # the same request asked again: not a third
+    assert lim.reserve("x", "other", "o", 10, limits, 0.0).admitted  # per key: another key is not held back
+    lim.reconcile("a", 5, 1.0)  # finished
+    assert lim.reserve("c", "k", "o", 10, limits, 1.0).admitted
+    lim.release("b", 1.0)  # refused downstream
+    assert lim.in_flight("k") == 1
+    assert lim.expire(400.0) == ["x", "c"]
+    assert lim.in_flight("k") == 0 and lim.in_flight("other") == 0  # expired reservations free their slots
+
+
+def test_a_concurrency_limit_of_zero_admits_nothing_and_a_negative_one_is_invalid() -> None:
+    lim = Limiter()
+    refused = lim.reserve("a", "k", "o", 10, Limits(concurrent=0), 0.0)
+    assert not refused.admitted and not refused.retryable
+    assert limits_problem(Limits(concurrent=-1)) == "max concurrent -1"
+    with pytest.raises(InvalidLimits):
+        lim.reserve("a", "k", "o", 10, Limits(concurrent=-1), 0.0)

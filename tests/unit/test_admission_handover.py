@@ -98,3 +98,15 @@ def test_cli_arguments() -> None:
     defaults = AdmissionConfig()
     assert (cfg.limiter, cfg.lease_ttl_s, cfg.lease_renew_s, cfg.metrics_host) == (
         defaults.limiter, defaults.lease_ttl_s, defaults.lease_renew_s, defaults.metrics_host)
+
+
+def test_a_keys_requests_in_flight_are_counted_after_the_hand_over() -> None:
+    old = Limiter()
+    limits = Limits(concurrent=1)
+    assert old.reserve("r1", "k", "o", 10, limits, 0.0).admitted
+    wire = msgspec.msgpack.encode(Checkpoint(instance_id="a", usage_seq=1, limiter=old.snapshot(1.0)))
+    new = Limiter()
+    new.restore(msgspec.msgpack.decode(wire, type=Checkpoint).limiter, 1.0)
+    assert not new.reserve("r2", "k", "o", 10, limits, 1.0).admitted  # r1 still holds the key's one slot
+    new.reconcile("r1", 10, 2.0)
+    assert new.reserve("r2", "k", "o", 10, limits, 2.0).admitted

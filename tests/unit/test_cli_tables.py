@@ -150,7 +150,8 @@ def test_usage_keeps_every_number(width: int, tty: bool) -> None:
 @pytest.mark.parametrize(("width", "tty"), CONSOLES)
 def test_keys_list_keeps_every_number(width: int, tty: bool) -> None:
     records = [ApiKeyRecord(key_id=f"{i:012x}", key_hash="h", org="acme-corporation", tier="standard",
-                            name="a long descriptive key name", rpm=600 + i, tpm=200_000 + i, models=["m1", "m2"])
+                            name="a long descriptive key name", rpm=600 + i, tpm=200_000 + i, max_concurrent=40 + i,
+                            models=["m1", "m2"])
                for i in range(3)]
     records.append(ApiKeyRecord(key_id="00000000000b", key_hash="h", org="acme", rpm=-5))
     table = keys_table(records, ["00000000000c"])
