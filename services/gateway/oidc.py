@@ -43,6 +43,7 @@ class TierLimits:
 
     rpm: int | None = None
     tpm: int | None = None
+    max_concurrent: int | None = None
 
 
 def _default_tiers() -> dict[str, TierLimits]:
@@ -63,6 +64,7 @@ class OidcConfig:
     tier_claim: str = "tier"
     rpm_claim: str = "rpm"
     tpm_claim: str = "tpm"
+    max_concurrent_claim: str = "max_concurrent"
     key_id_claim: str = ""  # empty: the key id is a hash of iss and sub
     default_org: str = ""  # empty: a token without the org claim is refused
     default_tier: str = "standard"
@@ -99,7 +101,7 @@ def config_problem(config: OidcConfig) -> str | None:
     if config.default_tier not in config.tiers:
         return f"default_tier {config.default_tier!r} is not one of the tiers {sorted(config.tiers)}"
     for name, limits in config.tiers.items():
-        for what, value in (("rpm", limits.rpm), ("tpm", limits.tpm)):
+        for what, value in (("rpm", limits.rpm), ("tpm", limits.tpm), ("max_concurrent", limits.max_concurrent)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 return f"tier {name!r}: {what} must be a whole number ≥ 1 (leave it out for no limit), not {value!r}"
     return None
@@ -107,7 +109,7 @@ def config_problem(config: OidcConfig) -> str | None:
 
 def oidc_config(section: Mapping[str, Any], **overrides: Any) -> OidcConfig:
     """An ``OidcConfig`` from a config file's ``oidc`` table (``tiers`` a table of
-    ``{rpm, tpm}`` tables) with ``overrides`` over it; ValueError names what is wrong."""
+    ``{rpm, tpm, max_concurrent}`` tables) with ``overrides`` over it; ValueError names what is wrong."""
     spec = {**section, **overrides}
     unknown = set(spec) - set(OidcConfig.__dataclass_fields__)
     if unknown:
@@ -280,6 +282,7 @@ def _record(claims: Mapping[str, Any], config: OidcConfig) -> ApiKeyRecord:
         name=(sub or "")[:128],
         rpm=_limit_claim(claims, config.rpm_claim, limits.rpm),
         tpm=_limit_claim(claims, config.tpm_claim, limits.tpm),
+        max_concurrent=_limit_claim(claims, config.max_concurrent_claim, limits.max_concurrent),
     )
 
 

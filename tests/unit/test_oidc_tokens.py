@@ -99,6 +99,14 @@ def test_limits_default_to_the_tiers_and_the_tier_to_the_default_tier() -> None:
     assert (record.tier, record.rpm, record.tpm) == ("standard", 60, None)
 
 
+def test_a_callers_requests_in_flight_come_from_its_claim_or_its_tier() -> None:
+    config = OidcConfig(issuer=ISSUER, audience=(AUDIENCE,), jwks_file="x",
+                        tiers={"standard": TierLimits(max_concurrent=8)})
+    assert verify_token(token(), JWKS, config, NOW).max_concurrent == 8
+    assert verify_token(token(max_concurrent=2), JWKS, config, NOW).max_concurrent == 2
+    assert "'max_concurrent' claim must be a whole number ≥ 1" in rejected(token(max_concurrent=0), config)
+
+
 @pytest.mark.parametrize(("key", "alg", "kid"), [(EC_KEY, "ES256", "ec-1"), (ED_KEY, "EdDSA", "ed-1")])
 def test_ec_and_eddsa_tokens_verify(key: Any, alg: str, kid: str) -> None:
     assert verify_token(token(key, alg, kid), JWKS, CONFIG, NOW).org == "acme"
@@ -345,6 +353,8 @@ def test_parse_jwks_keeps_signing_keys_only() -> None:
     ({"issuer": ISSUER, "audience": "a", "jwks_uri": "https://x/jwks", "jwks_file": "k.json"}, "not both"),
     ({"issuer": ISSUER, "audience": "a", "default_tier": "gold"}, "default_tier 'gold'"),
     ({"issuer": ISSUER, "audience": "a", "tiers": {"standard": {"rpm": 0}}}, "rpm must be a whole number"),
+    ({"issuer": ISSUER, "audience": "a", "tiers": {"standard": {"max_concurrent": 0}}},
+     "max_concurrent must be a whole number"),
     ({"issuer": ISSUER, "audience": "a", "tiers": {"standard": {"rpms": 1}}}, "rpms"),
     ({"issuer": ISSUER, "audience": "a", "claims": {}}, "unknown settings"),
 ])
@@ -381,4 +391,4 @@ def test_the_readme_example_is_a_valid_config() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     example = readme.split("```toml\n[oidc]", 1)[1].split("```", 1)[0]
     config = oidc_config(tomllib.loads("[oidc]" + example)["oidc"])
-    assert config.enabled and config.key_id_claim == "client_id" and config.tiers["standard"] == TierLimits(600, 200000)
+    assert config.enabled and config.key_id_claim == "client_id" and config.tiers["standard"] == TierLimits(600, 200000, 16)
