@@ -25,7 +25,13 @@ from typing import Any
 from msgspec import UNSET, UnsetType
 
 from proto import OutputOptions, TokenChunk, TokenLogprob, Usage
-from services.common.parsers import ContentDelta, ReasoningDelta, reasoning_parser, tool_parser
+from services.common.parsers import (
+    ContentDelta,
+    ReasoningDelta,
+    merge_by_index,
+    reasoning_parser,
+    tool_parser,
+)
 
 from .openai_api import (
     AssistantMessage,
@@ -352,6 +358,7 @@ class ChoiceAssembler:
             choice.forced_text.append(content)
             delta.tool_calls.extend(choice.forced.feed(content))
             content = ""
+        delta.tool_calls = merge_by_index(delta.tool_calls)
         delta.content = content
         delta.parsed = choice.reasoning_stream is not None or choice.tool_stream is not None or choice.forced is not None
         if logprobs is not None and self.options.logprobs:

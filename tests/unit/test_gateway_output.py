@@ -318,3 +318,25 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
         assert streamed[-1]["choices"] == [] and streamed[-1]["usage"]["completion_tokens"] == 4
     _, plain = run("chat", OutputOptions(), chunks)
     assert all(c["usage"] is None for c in plain if c["choices"])  # include_usage alone: null until the end
+
+
+@pytest.mark.parametrize("split", [1, 3, 7, 30, 1000])
+def test_a_streamed_chunk_carries_one_entry_per_tool_call(split: int) -> None:
+    """A chunk whose text opened a call and carried its first arguments went out as two
+    entries of index 0 (the name, then a fragment), where OpenAI and vLLM send one per
+    index: a client reading ``tool_calls[0]`` of a chunk lost the fragment."""
+    text = ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    pieces = [text[i:i + split] for i in range(0, len(text), split)]
+    chunks = [TokenChunk(request_id="r1", seq=i, token_ids=[i], text=p) for i, p in enumerate(pieces)]
+    chunks.append(TokenChunk(request_id="r1", seq=len(pieces), finish_reason="stop", usage=USAGE))
+    whole, streamed = run("chat", OutputOptions(tool_choice="auto", tool_parser="hermes"), chunks)
+    for raw in streamed:
+        for c in raw["choices"]:
+            indices = [call["index"] for call in c["delta"].get("tool_calls") or []]
+            assert len(indices) == len(set(indices)), c["delta"]
+    calls = merged_chat(streamed)[0]["calls"]
+    message = whole["choices"][0]["message"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (call["function"]["name"], json.loads(call["function"]["arguments"])) for call in message["tool_calls"]]
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]

@@ -19,6 +19,7 @@ from services.common.parsers.events import (
     ToolCall,
     ToolCallDelta,
     ToolEvent,
+    merge_by_index,
 )
 from services.common.parsers.reasoning import ThinkReasoningParser
 from services.common.parsers.tool_calls import (
@@ -94,6 +95,7 @@ __all__ = [
     "ToolCallParser",
     "ToolEvent",
     "assemble",
+    "merge_by_index",
     "mistral_call_id",
     "openai_call_id",
     "reasoning_parser",

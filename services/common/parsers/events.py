@@ -40,6 +40,31 @@ class ToolCallDelta(Struct, kw_only=True, frozen=True, omit_defaults=True):
     function: FunctionCallDelta
 
 
+def merge_by_index(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """``calls`` with one entry per call index, as OpenAI streams them: a chunk whose text
+    opened a call and carried its first arguments gave two entries of the same index, and a
+    client reading ``tool_calls[0]`` lost the fragment. Fragments join in order; the id,
+    type and name come from the entry that has them."""
+    if len({call.index for call in calls}) == len(calls):
+        return calls
+    merged: dict[int, ToolCallDelta] = {}
+    for call in calls:
+        earlier = merged.get(call.index)
+        if earlier is None:
+            merged[call.index] = call
+            continue
+        merged[call.index] = ToolCallDelta(
+            index=call.index,
+            id=earlier.id if isinstance(earlier.id, str) else call.id,
+            type=earlier.type if isinstance(earlier.type, str) else call.type,
+            function=FunctionCallDelta(
+                name=earlier.function.name if isinstance(earlier.function.name, str) else call.function.name,
+                arguments=earlier.function.arguments + call.function.arguments,
+            ),
+        )
+    return list(merged.values())
+
+
 class ContentDelta(Struct, frozen=True):
     """Text that goes to ``content``."""
 
