@@ -23,7 +23,7 @@ from .normalized import (
     resolve_model,
 )
 from .openai_api import REASONING_EFFORTS, ChatCompletionRequest, chat_request_decoder
-from .sampling_fields import check_common, check_count, invalid, unsupported
+from .sampling_fields import check_common, check_count, check_vllm_unserved, invalid, unsupported
 from .tools import ToolPlan, history_fields, plan_tools
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -181,6 +181,7 @@ def parse_chat_request(
         req.stream = True
     spec = resolve_model(req.model, models, allowed_models)
     _check_chat_unsupported(req)
+    check_vllm_unserved(req, add_special_tokens=False)
     common = check_common(req, spec.limits, spec.tokenizer.vocab_size)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = check_max_tokens(

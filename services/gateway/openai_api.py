@@ -111,6 +111,28 @@ class SamplingFields(Struct, kw_only=True):
     store: bool | None = None
     # meshserve extension: session affinity key (falls back to prompt_cache_key, then ``user``)
     session_id: str | None = None
+    # vLLM's fields that change what comes back and that meshserve does not serve: declared
+    # so that one set to anything but vLLM's default is refused by name (``sampling_fields.
+    # VLLM_UNSERVED``), not dropped (use_beam_search was: greedy copies came back as "beams").
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    add_special_tokens: Any = None
+    cache_salt: Any = None
+    logprob_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    return_token_offsets: Any = None
+    truncation_side: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
+    watermarking: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    return_mm_kwargs: Any = None
+    routed_experts_prompt_start: Any = None
 
 
 # OpenAI's reasoning efforts, for chat's reasoning_effort and the Responses API's
@@ -131,6 +153,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's, refused when set as the fields of SamplingFields above
+    chat_template: Any = None
+    documents: Any = None
+    include_reasoning: Any = None
+    return_prompt_text: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
     # Declared to be refused when set (see validation): they change what the model must produce.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -152,6 +181,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None
     best_of: int | None = None
     logprobs: int | None = None
+    prompt_embeds: Any = None  # vLLM's, refused when set (SamplingFields' vLLM fields)
 
 
 chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)

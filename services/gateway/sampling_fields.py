@@ -124,6 +124,60 @@ def _model_defaults(out: dict[str, Any], limits: ModelLimits, vocab_size: int) -
         out["repetition_penalty"] = limits.default_repetition_penalty
 
 
+# vLLM's request fields meshserve does not serve → (the values that ask for nothing, what to
+# say). Any other value is refused by name: each changes the answer vLLM would give.
+_NOTHING: tuple[Any, ...] = (None,)
+VLLM_UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((None, False), "Beam search is not supported: use n for several sampled choices."),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported."),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported: use logit_bias, structured_outputs or"
+                                   " response_format to constrain the output."),
+    "bad_words": ((None, []), "bad_words is not supported: use logit_bias or stop."),
+    "cache_salt": (_NOTHING, "cache_salt is not supported: cached prefixes are already kept per organization"
+                             " (each API key's org)."),
+    "logprob_token_ids": (_NOTHING, "logprob_token_ids is not supported: use logprobs with top_logprobs."),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported."),
+    "return_token_ids": ((None, False), "return_token_ids is not supported over HTTP: the WebSocket API's events"
+                                        " carry each chunk's token_ids."),
+    "return_token_offsets": ((None, False), "return_token_offsets is not supported."),
+    "truncation_side": ((None, "left"), "Only truncation_side 'left' (the prompt's start is cut) is supported."),
+    "thinking_token_budget": (_NOTHING, "thinking_token_budget is not supported: use max_tokens."),
+    "repetition_detection": (_NOTHING, "repetition_detection is not supported: use repetition_penalty."),
+    "watermarking": ((None, False), "Watermarking is not supported."),
+    "vllm_xargs": ((None, {}), "vllm_xargs (arguments for a vLLM server's custom logits processors) is not"
+                               " supported."),
+    "kv_transfer_params": (_NOTHING, "kv_transfer_params is not supported: the mesh places prefill and decode"
+                                     " itself."),
+    "ec_transfer_params": (_NOTHING, "ec_transfer_params is not supported."),
+    "return_mm_kwargs": ((None, False), "Multimodal inputs are not supported."),
+    "routed_experts_prompt_start": ((None, 0), "routed_experts_prompt_start is not supported."),
+    # chat only
+    "chat_template": (_NOTHING, "A request's own chat_template is not accepted (vLLM refuses it too unless"
+                                " started with --trust-request-chat-template): the model's template renders."),
+    "documents": ((None, []), "documents is not supported: put the documents in the messages."),
+    "include_reasoning": ((None, True), "include_reasoning false is not supported: the reasoning comes back in"
+                                        " its own field, which a client may ignore."),
+    "return_prompt_text": ((None, False), "return_prompt_text is not supported."),
+    "mm_processor_kwargs": ((None, {}), "Multimodal inputs are not supported."),
+    "media_io_kwargs": ((None, {}), "Multimodal inputs are not supported."),
+    # completions only
+    "prompt_embeds": ((None, []), "prompt_embeds is not supported: send the prompt as text or token ids."),
+}
+
+
+def check_vllm_unserved(req: SamplingFields, *, add_special_tokens: bool) -> None:
+    """Refuse any of vLLM's fields meshserve does not serve (``VLLM_UNSERVED``) set to ask
+    for something; ``add_special_tokens``: vLLM's default for this kind (chat False: the
+    template adds them; completions True)."""
+    for name, (nothing, message) in VLLM_UNSERVED.items():
+        value = getattr(req, name, None)
+        if not any(value is v or (type(value) is type(v) and value == v) for v in nothing):
+            unsupported(name, message)
+    if req.add_special_tokens not in (None, add_special_tokens):
+        unsupported("add_special_tokens", f"Only add_special_tokens {str(add_special_tokens).lower()} (vLLM's"
+                                          " default for this endpoint) is supported.")
+
+
 def check_common(req: SamplingFields, limits: ModelLimits, vocab_size: int) -> dict[str, Any]:
     """Sampling fields shared by chat and completions → SamplingParams kwargs (no max_tokens)."""
     out: dict[str, Any] = {}

@@ -43,7 +43,7 @@ from .openai_api import (
     WsCompletionRequest,
     completion_request_decoder,
 )
-from .sampling_fields import check_common, check_count, invalid, unsupported
+from .sampling_fields import check_common, check_count, check_vllm_unserved, invalid, unsupported
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -154,6 +154,7 @@ def parse_completion_request(
         req.stream = True
     spec = resolve_model(req.model, models, allowed_models)
     _check_completion_unsupported(req)
+    check_vllm_unserved(req, add_special_tokens=True)
     common = check_common(req, spec.limits, spec.tokenizer.vocab_size)
     # max_tokens 0 with echo: the prompt alone (scoring it), as vLLM answers it.
     requested = check_max_tokens("max_tokens", req.max_tokens, spec.limits, allow_zero=bool(req.echo))

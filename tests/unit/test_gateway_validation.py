@@ -648,3 +648,40 @@ async def test_a_cancelled_parse_keeps_its_slot_until_its_thread_ends() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     assert await validation.off_loop(validation.OFF_LOOP_BYTES, slow, 9) == 9  # after the first thread's end
     assert peak[0] == 1
+
+
+@pytest.mark.parametrize(("field", "value", "kinds"), [
+    ("use_beam_search", True, "both"), ("length_penalty", 0.5, "both"), ("allowed_token_ids", [1, 2], "both"),
+    ("bad_words", ["x"], "both"), ("cache_salt", "tenant-7", "both"), ("logprob_token_ids", [3], "both"),
+    ("return_tokens_as_token_ids", True, "both"), ("return_token_ids", True, "both"),
+    ("return_token_offsets", True, "both"), ("truncation_side", "right", "both"),
+    ("thinking_token_budget", 10, "both"), ("repetition_detection", {"max_pattern_size": 3}, "both"),
+    ("watermarking", True, "both"), ("vllm_xargs", {"a": 1}, "both"), ("kv_transfer_params", {}, "both"),
+    ("ec_transfer_params", {}, "both"), ("return_mm_kwargs", True, "both"), ("routed_experts_prompt_start", 2, "both"),
+    ("use_beam_search", 1, "both"),  # not a bool: not the default either
+    ("chat_template", "{{ messages }}", "chat"), ("documents", [{"text": "d"}], "chat"),
+    ("include_reasoning", False, "chat"), ("return_prompt_text", True, "chat"), ("mm_processor_kwargs", {"a": 1}, "chat"),
+    ("media_io_kwargs", {"image": {}}, "chat"), ("add_special_tokens", True, "chat"),
+    ("prompt_embeds", "AAAA", "completion"), ("add_special_tokens", False, "completion"),
+])
+def test_vllms_fields_that_would_change_the_answer_are_refused_by_name(field: str, value: Any, kinds: str) -> None:
+    """vLLM's fields meshserve does not serve were dropped: ``use_beam_search`` answered
+    n greedy copies as if they were beams (a differential run against vLLM's server)."""
+    for kind, make in (("chat", chat), ("completion", completion)):
+        if kinds not in ("both", kind):
+            continue
+        parse = parse_chat_request if kind == "chat" else parse_completion_request
+        error = error_of(parse, make(**{field: value}))
+        assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter"), (kind, error.message)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("use_beam_search", False), ("length_penalty", 1.0), ("allowed_token_ids", None), ("bad_words", []),
+    ("return_token_ids", False), ("truncation_side", "left"), ("vllm_xargs", {}), ("routed_experts_prompt_start", 0),
+    ("watermarking", None), ("request_id", "abc"), ("stream_interval", 4),
+])
+def test_vllms_fields_at_their_defaults_are_accepted(field: str, value: Any) -> None:
+    assert parse_chat_request(chat(**{field: value}), MODELS).max_tokens > 0
+    assert parse_completion_request(completion(**{field: value}), MODELS).max_tokens > 0
+    assert parse_chat_request(chat(add_special_tokens=False, include_reasoning=True), MODELS)
+    assert parse_completion_request(completion(add_special_tokens=True), MODELS)
