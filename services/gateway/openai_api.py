@@ -267,7 +267,11 @@ class AssistantMessage(Struct, kw_only=True):
     # omitted when None would break clients that read ``message.tool_calls`` as a list:
     # OpenAI sends it only when there are calls; UNSET keeps the key out.
     tool_calls: list[ToolCall] | UnsetType = UNSET
-    reasoning_content: str | UnsetType | None = UNSET  # set when the model has a reasoning parser
+    # Set when the model has a reasoning parser, under both names clients read: vLLM's own
+    # since 0.1x (``reasoning``, as OpenRouter's) and its earlier one (``reasoning_content``,
+    # DeepSeek's API and the clients written for it).
+    reasoning_content: str | UnsetType | None = UNSET
+    reasoning: str | UnsetType | None = UNSET
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -296,6 +300,7 @@ class ChatDelta(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text: both names, as AssistantMessage's
     tool_calls: list[ToolCallDelta] | None = None
 
 

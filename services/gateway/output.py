@@ -465,7 +465,8 @@ class ChoiceAssembler:
             # unless they carry logprobs (vLLM loses them; we do not).
             out.append(self._chat_chunk(ChatDelta(
                 content=delta.content if delta.content or not (delta.reasoning or delta.tool_calls) else None,
-                reasoning_content=delta.reasoning or None, tool_calls=delta.tool_calls or None,
+                reasoning_content=delta.reasoning or None, reasoning=delta.reasoning or None,
+                tool_calls=delta.tool_calls or None,
             ), delta.index, logprobs, None, usage))
             logprobs = None
         if delta.finish_reason is not None:
@@ -551,7 +552,7 @@ class ChoiceAssembler:
                 content = None
             message = AssistantMessage(content=content, tool_calls=calls or UNSET)
             if self.options.reasoning_parser:
-                message.reasoning_content = "".join(c.reasoning) or None
+                message.reasoning_content = message.reasoning = "".join(c.reasoning) or None
             choices.append(ChatChoice(
                 index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                 logprobs=ChoiceLogprobs(content=c.chat_logprobs) if self.options.logprobs else None,

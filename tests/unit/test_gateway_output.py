@@ -207,6 +207,11 @@ def test_auto_tool_calls_and_reasoning_through_the_parsers(split: int) -> None:
     assert merged["reasoning"] == "the user wants weather" and merged["content"] == "Let me check."
     assert json.loads(merged["calls"][0]["arguments"]) == {"city": "Oslo"} and merged["calls"][0]["id"] == call.id
     assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    # under both names clients read: vLLM's own (``reasoning``) and its earlier one
+    assert whole["choices"][0]["message"]["reasoning"] == "the user wants weather"
+    deltas = [c["delta"] for raw in streamed for c in raw["choices"]]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "the user wants weather"
 
 
 def test_replayed_chunks_give_the_same_events() -> None:
