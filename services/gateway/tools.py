@@ -39,7 +39,10 @@ from services.common.structured import (
 from .errors import bad_request, clip
 from .openai_api import ChatMessage, FunctionCall, ToolCall
 
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+# OpenAI's pattern (letters, digits, _ and -, up to 64) widened by the dots, colons and
+# slashes of MCP tools' names ("github.create_issue", "fs:read", up to 128 as MCP allows),
+# which vLLM serves: a client moving from vLLM keeps its tools.
+NAME_PATTERN = r"^[a-zA-Z0-9_.:/-]{1,128}$"
 _NAME = re.compile(NAME_PATTERN)
 MAX_TOOLS = 128  # OpenAI's limit on functions per request
 
@@ -130,7 +133,7 @@ def _function(tool: object, i: int, size: SchemaSize) -> dict[str, Any]:
     if not _NAME.fullmatch(name):  # fullmatch: '$' alone would let a trailing newline through
         raise bad_request(
             f"Invalid '{where}.function.name': {clip(name, 80)!r} does not match the pattern '{NAME_PATTERN}'"
-            " (1 to 64 letters, digits, underscores or dashes).",
+            " (1 to 128 letters, digits, and _ - . : /).",
             f"{where}.function.name",
             "invalid_value",
         )

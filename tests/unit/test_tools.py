@@ -171,7 +171,7 @@ BAD: list[tuple[str, list[Any] | None, Any, Any, str]] = [
      "tools[0].function.name"),
     ("name with a trailing newline", [{"type": "function", "function": {"name": "add\n"}}], None, None,
      "tools[0].function.name"),
-    ("name too long", [{"type": "function", "function": {"name": "x" * 65}}], None, None, "tools[0].function.name"),
+    ("name too long", [{"type": "function", "function": {"name": "x" * 129}}], None, None, "tools[0].function.name"),
     ("empty name", [{"type": "function", "function": {"name": ""}}], None, None, "tools[0].function.name"),
     ("duplicate name", [ADD, NOW, ADD], None, None, "tools[2].function.name"),
     ("description not a string", [{"type": "function", "function": {"name": "x", "description": 1}}], None, None,
@@ -569,3 +569,13 @@ def test_the_tools_of_a_request_share_the_schema_limits() -> None:
         plan_tools([tool(f"t{i}", 4500) for i in range(5)], "required")
     assert info.value.param == "tools[4].function.parameters"
     assert "subschemas, more than the 20,000 allowed" in info.value.message
+
+
+@pytest.mark.parametrize("name", ["github.create_issue", "fs:read_file", "server/tool", "mcp__srv__t", "a" * 128])
+def test_mcp_style_tool_names_are_served(name: str) -> None:
+    """Names with the dots, colons and slashes of MCP tools were 400s (OpenAI's narrower
+    pattern), where vLLM serves them: a client moving from vLLM lost its tools."""
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": name}}):
+        plan = plan_tools([tool], choice, tool_parser="hermes")
+        assert plan.choice in ("auto", "required", "named")
