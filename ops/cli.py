@@ -39,7 +39,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     Running a command imports just its module: a service process started with
     ``meshserve serve worker`` does not pay for the bench's plotting stack.
     """
+    from proto import __version__
+
     parser = argparse.ArgumentParser(prog="meshserve", description="meshserve: an LLM serving mesh over NATS")
+    parser.add_argument("--version", action="version", version=f"meshserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = [COMMANDS[only]] if only in COMMANDS else COMMAND_MODULES
     for name in modules:

@@ -1,5 +1,7 @@
 """meshserve's wire contract: messages, subjects, errors and the shared block hash."""
 
+import importlib.metadata
+
 from msgspec import Struct
 
 from .codec import decode, encode
@@ -86,6 +88,11 @@ WIRE_TYPES: tuple[type[Struct], ...] = (
 # Every versioned top-level type: what travels over NATS and what is stored in KV buckets.
 MESSAGE_TYPES = (*WIRE_TYPES, *RECORD_TYPES)
 
+try:
+    __version__ = importlib.metadata.version("meshserve")  # the release every service of a process runs
+except importlib.metadata.PackageNotFoundError:  # a checkout run without `make install`
+    __version__ = "unknown"
+
 __all__ = [
     "MESSAGE_TYPES",
     "SCHEMA_VERSION",
@@ -135,6 +142,7 @@ __all__ = [
     "UsageEvent",
     "WorkerGauge",
     "WorkerInfo",
+    "__version__",
     "block_hashes",
     "decode",
     "encode",

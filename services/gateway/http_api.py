@@ -21,7 +21,7 @@ from aiohttp import web
 from opentelemetry.propagate import extract
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proto import ApiKeyRecord, ErrorCode, MeshError, TokenChunk
+from proto import ApiKeyRecord, ErrorCode, MeshError, TokenChunk, __version__
 from proto.metering import UsageReport
 from services.common.usage import org_usage_query, usage_report_json
 
@@ -107,6 +107,9 @@ class HttpApi:
             web.get("/v1/usage", self.usage),
             web.get("/healthz", self.health),
             web.get("/health", self.health),  # vLLM's name: benchmark clients and routers probe it
+            web.get("/ping", self.ping),  # vLLM's (SageMaker's health check), GET and POST
+            web.post("/ping", self.ping),
+            web.get("/version", self.version),  # vLLM's: {"version": ...}
             web.get("/readyz", self.ready),
             web.get("/metrics", self.metrics),
             web.get("/", self.index),
@@ -241,6 +244,12 @@ class HttpApi:
     # ---- operations and the chat page ---------------------------------------------------
     async def health(self, http: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def ping(self, http: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, http: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     async def ready(self, http: web.Request) -> web.Response:
         g = self.gateway

@@ -72,6 +72,7 @@ class ResponsesHttp:
             web.get("/v1/responses/{response_id}", self.retrieve),
             web.get("/v1/responses/{response_id}/input_items", self.input_items),
             web.delete("/v1/responses/{response_id}", self.delete),
+            web.post("/v1/responses/{response_id}/cancel", self.cancel),
         ]
 
     async def store(self) -> ResponseStore:
@@ -210,6 +211,15 @@ class ResponsesHttp:
         if not deleted:
             raise response_not_found(response_id)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+    @authenticated
+    async def cancel(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
+        """OpenAI cancels background responses only; this server answers every response
+        in the foreground, so a stored one is finished: OpenAI's 400 for it, 404 unknown."""
+        await self._load(key, http.match_info["response_id"])
+        raise bad_request("Cannot cancel a synchronous response: only responses created with background true can"
+                          " be cancelled, and this server runs none in the background.", None, "invalid_request")
 
 
 def store_unavailable(exc: BaseException) -> ApiError:

@@ -6,6 +6,7 @@ request. A sim worker and the gateway run as tasks in this process, on a real na
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -53,6 +54,10 @@ async def _get(url: str, method: str = "GET", **kwargs: object) -> tuple[int, st
 async def test_health_answers_under_vllms_name(gateway: GatewayService) -> None:
     status, _, body, _ = await _get(f"{gateway.http_url}/health")
     assert status == 200 and body == {"status": "ok"}
+    for method in ("GET", "POST"):  # vLLM's /ping (SageMaker's health check)
+        assert (await _get(f"{gateway.http_url}/ping", method))[0] == 200
+    status, _, body, _ = await _get(f"{gateway.http_url}/version")
+    assert status == 200 and body["version"] == importlib.metadata.version("meshserve")
 
 
 @pytest.mark.parametrize(("method", "path"), [

@@ -98,6 +98,11 @@ async def test_previous_response_id_continues_the_conversation_and_delete_ends_i
 
     retrieved = await client.responses.retrieve(first.id)
     assert retrieved.model_dump() == first.model_dump()
+    with pytest.raises(openai.BadRequestError) as cancelled:  # finished: only background ones can be
+        await client.responses.cancel(first.id)
+    assert "Cannot cancel a synchronous response" in cancelled.value.message
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.cancel("resp_" + "0" * 32)
     await client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(first.id)

@@ -311,3 +311,12 @@ def test_a_shape_the_heads_do_not_divide_is_one_line_before_anything_is_written(
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert "hidden_size must be a multiple of num_attention_heads" in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_version_says_the_installed_release(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"meshserve {importlib.metadata.version('meshserve')}\n"
