@@ -559,3 +559,34 @@ class ChoiceAssembler:
             ))
         return encode_json(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=u,
                                           prompt_logprobs=prompt_logprobs))
+
+
+def merge_batch(responses: list[bytes], n: int) -> bytes:
+    """One ``text_completion`` from the whole responses to a batch's prompts, in prompt
+    order, as OpenAI answers a batch: prompt i's choice j at index ``i * n + j``, the usage
+    summed; the id, created and model are the first response's."""
+    merged: dict[str, Any] | None = None
+    for i, body in enumerate(responses):
+        response = json.loads(body)
+        for choice in response["choices"]:
+            choice["index"] += i * n
+        if merged is None:
+            merged = response
+            continue
+        merged["choices"].extend(response["choices"])
+        _add_usage(merged, response.get("usage"))
+    assert merged is not None, "a batch has prompts"
+    merged["choices"].sort(key=lambda choice: choice["index"])
+    return encode_json(merged)
+
+
+def _add_usage(into: dict[str, Any], usage: dict[str, Any] | None) -> None:
+    if not usage:
+        return
+    total = into.setdefault("usage", {})
+    for name, value in usage.items():
+        if isinstance(value, dict):
+            details = total.setdefault(name, {}) or {}
+            total[name] = {k: details.get(k, 0) + v for k, v in value.items() if isinstance(v, int)}
+        elif isinstance(value, int):
+            total[name] = total.get(name, 0) + value

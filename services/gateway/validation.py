@@ -21,6 +21,8 @@ import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
+import msgspec
+
 from proto.records import OutputOptions
 
 from .chat_request import parse_chat_request
@@ -68,9 +70,10 @@ def _completion_prompt(spec: ModelSpec, prompt: str | list[str | int | list[int]
         if not ids:
             raise bad_request("'prompt' must not be empty.", "prompt", "invalid_value")
     elif all(isinstance(p, (str, list)) for p in prompt):
+        # ``batch_prompts`` splits a batch before this, on the paths that serve one (HTTP).
         raise bad_request(
-            f"Batched prompts ({len(prompt)} prompts in one request) are not supported; send one request per"
-            " prompt.",
+            f"Batched prompts ({len(prompt)} prompts in one request) are served over HTTP only; send one request"
+            " per prompt.",
             "prompt",
             "unsupported_value",
         )
@@ -89,6 +92,45 @@ def _completion_prompt(spec: ModelSpec, prompt: str | list[str | int | list[int]
                 "invalid_value",
             )
     return list(ids)
+
+
+# OpenAI takes up to 2,048 prompts in one completions request; each runs as a request of
+# its own here (admitted, placed and billed alone), so a batch is held to what one key
+# would reasonably send at once.
+MAX_BATCH_PROMPTS = 256
+
+
+class _PromptOnly(msgspec.Struct):
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+
+
+_prompt_only = msgspec.json.Decoder(_PromptOnly)
+
+
+def batch_prompts(body: Body) -> list[bytes] | None:
+    """A completions body whose ``prompt`` is a batch (several strings, or several lists of
+    token ids) as one body per prompt, in order; None for a single prompt (a string, token
+    ids, or a batch of one), which ``parse_completion_request`` takes as it is. Only the
+    batch's shape is checked here: each body is then parsed (and refused) on its own."""
+    try:
+        # The prompt alone, undecoded: a single prompt (the usual case, possibly a long
+        # list of token ids) costs a scan, not a second decode.
+        raw = bytes(_prompt_only.decode(body).prompt).lstrip()
+        if not raw.startswith(b"[") or raw[1:].lstrip()[:1] not in (b'"', b"["):
+            return None
+        fields = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None  # the parser says what is wrong with it
+    prompt = fields.get("prompt") if isinstance(fields, dict) else None
+    if not isinstance(prompt, list) or len(prompt) < 2 or not all(isinstance(p, (str, list)) for p in prompt):
+        return None
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"Invalid 'prompt': a batch of {len(prompt):,} prompts; at most {MAX_BATCH_PROMPTS} in one"
+                          " request.", "prompt", "invalid_value")
+    if fields.get("stream"):
+        unsupported("stream", "Batched prompts are answered whole: send them without 'stream', or stream one"
+                              " request per prompt.")
+    return [msgspec.json.encode({**fields, "prompt": p}) for p in prompt]
 
 
 def _check_completion_unsupported(req: CompletionRequest) -> None:

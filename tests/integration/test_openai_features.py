@@ -217,6 +217,39 @@ def test_completions_echo_with_logprobs(client: openai.OpenAI) -> None:
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_a_batch_of_prompts_answers_as_each_prompt_alone(client: openai.OpenAI) -> None:
+    """OpenAI's batched completions (several prompts, strings or token ids): prompt i's
+    choice j at index i * n + j, each as the prompt sent alone (same seed), usage summed.
+    Evaluation harnesses send these; they were a 400."""
+    prompts = ["The sky is", "Once upon a time", "1, 2, 3,"]
+    reply = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, seed=3, temperature=1.0,
+                                      logprobs=1, echo=True)
+    assert [c.index for c in reply.choices] == list(range(6))
+    prompt_total = completion_total = 0
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=6, seed=3, temperature=1.0,
+                                          logprobs=1, echo=True)
+        for j in range(2):
+            got, want = reply.choices[i * 2 + j], alone.choices[j]
+            assert got.text == want.text and got.text.startswith(prompt)
+            assert got.logprobs is not None and want.logprobs is not None
+            assert got.logprobs.tokens == want.logprobs.tokens and got.finish_reason == want.finish_reason
+        assert alone.usage is not None
+        prompt_total += alone.usage.prompt_tokens
+        completion_total += alone.usage.completion_tokens
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_total, completion_total)
+    assert reply.usage.total_tokens == prompt_total + completion_total
+    ids = client.completions.create(model=MODEL, prompt=[[72, 105], [79, 107, 33]], max_tokens=2)
+    assert [c.index for c in ids.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError) as bad:  # one bad prompt: the batch is refused, nothing runs
+        client.completions.create(model=MODEL, prompt=["fine", ""], max_tokens=2)
+    assert bad.value.body["param"] == "prompt"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True)
+    assert streamed.value.body["param"] == "stream"  # type: ignore[index]
+
+
 def test_sampling_fields_pass_through(client: openai.OpenAI) -> None:
     # The byte tokenizer: id 3 + ord(c). A +100 bias forces "x"; the rest are vLLM's fields.
     x = 3 + ord("x")

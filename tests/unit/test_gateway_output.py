@@ -345,3 +345,21 @@ def test_a_streamed_chunk_carries_one_entry_per_tool_call(split: int) -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (call["function"]["name"], json.loads(call["function"]["arguments"])) for call in message["tool_calls"]]
     assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+
+
+def test_a_batchs_answers_merge_in_prompt_order_with_their_usage_summed() -> None:
+    from services.gateway.output import merge_batch
+
+    def answer(texts: list[str], prompt_tokens: int, cached: int) -> bytes:
+        return json.dumps({
+            "id": "cmpl-x", "object": "text_completion", "created": 7, "model": "m",
+            "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": "length"} for i, t in enumerate(texts)],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 2 * len(texts),
+                      "total_tokens": prompt_tokens + 2 * len(texts), "prompt_tokens_details": {"cached_tokens": cached}},
+        }).encode()
+
+    merged = Completion.model_validate_json(merge_batch([answer(["a", "b"], 3, 1), answer(["c", "d"], 5, 0)], 2))
+    assert [(c.index, c.text) for c in merged.choices] == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+    assert merged.usage is not None
+    assert (merged.usage.prompt_tokens, merged.usage.completion_tokens, merged.usage.total_tokens) == (8, 8, 16)
+    assert merged.usage.prompt_tokens_details is not None and merged.usage.prompt_tokens_details.cached_tokens == 1

@@ -685,3 +685,18 @@ def test_vllms_fields_at_their_defaults_are_accepted(field: str, value: Any) -> 
     assert parse_completion_request(completion(**{field: value}), MODELS).max_tokens > 0
     assert parse_chat_request(chat(add_special_tokens=False, include_reasoning=True), MODELS)
     assert parse_completion_request(completion(add_special_tokens=True), MODELS)
+
+
+def test_a_batch_of_prompts_splits_into_one_body_each() -> None:
+    from services.gateway.validation import MAX_BATCH_PROMPTS, batch_prompts
+
+    for single in (completion(prompt="a"), completion(prompt=[1, 2]), completion(prompt=["a"]),
+                   completion(prompt=[[1, 2]]), b"{not json", chat(), completion(prompt=[1, "a"])):
+        assert batch_prompts(single) is None  # the parser takes (or refuses) it as it is
+    bodies = batch_prompts(completion(prompt=["a", [5, 6]], max_tokens=3, n=2))
+    assert bodies is not None and [json.loads(b)["prompt"] for b in bodies] == ["a", [5, 6]]
+    assert all(json.loads(b)["max_tokens"] == 3 and json.loads(b)["n"] == 2 for b in bodies)
+    error = error_of(lambda body, _models: batch_prompts(body), completion(prompt=["a"] * (MAX_BATCH_PROMPTS + 1)))
+    assert (error.status, error.param) == (400, "prompt")
+    error = error_of(lambda body, _models: batch_prompts(body), completion(prompt=["a", "b"], stream=True))
+    assert (error.status, error.param, error.code) == (400, "stream", "unsupported_parameter")
