@@ -159,6 +159,25 @@ async def test_a_keys_requests_in_flight_are_capped_through_the_gateway(bus: Bus
     assert admission.stats()["rejected"] == {"quota_requests": 1}  # type: ignore[attr-defined]
 
 
+async def test_a_batch_refused_midway_cancels_the_prompts_already_running(bus: Bus, mesh: dict[str, Factory]) -> None:
+    worker: WorkerService = await mesh["worker"]("w1", speed=1.0)  # type: ignore[assignment]
+    await mesh["admission"]()
+    gateway = await mesh["gateway"]()
+    key, record = await create_key(bus, org="acme", max_concurrent=1)
+    await wait_for_key(gateway, record.key_id)  # type: ignore[arg-type]
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1"  # type: ignore[attr-defined]
+    async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
+        with pytest.raises(openai.RateLimitError):  # the second prompt finds the key's one slot taken
+            await client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4000,
+                                            extra_body={"ignore_eos": True})
+        # The first prompt's request was cancelled, not left generating for nobody.
+        stats = worker.engine.stats
+        await eventually(lambda: stats().running + stats().waiting == 0 and stats().kv_blocks_used == 0,
+                         what="the first prompt's request to be cancelled, its KV blocks freed")
+        done = await client.completions.create(model=MODEL, prompt="three", max_tokens=3)
+        assert done.usage is not None and done.usage.completion_tokens == 3
+
+
 async def test_a_check_at_the_concurrency_limit_waits_for_a_slot_then_is_refused(
     bus: Bus, mesh: dict[str, Factory]
 ) -> None:
