@@ -15,7 +15,15 @@ from .errors import (
     RequestTimeout,
     UnsupportedVersion,
 )
-from .hashing import block_hashes, extend_block_hashes, pack_tokens, prefix_salt, root_hash, unpack_tokens
+from .hashing import (
+    block_hashes,
+    cache_scope,
+    extend_block_hashes,
+    pack_tokens,
+    prefix_salt,
+    root_hash,
+    unpack_tokens,
+)
 from .messages import (
     SCHEMA_VERSION,
     SUPERSEDED,
@@ -144,6 +152,7 @@ __all__ = [
     "WorkerInfo",
     "__version__",
     "block_hashes",
+    "cache_scope",
     "decode",
     "encode",
     "extend_block_hashes",

@@ -46,6 +46,14 @@ def prefix_salt(lora: str | None, org: str = "") -> str:
     return f"{lora or ''}\x00org:{org}"
 
 
+def cache_scope(org: str, cache_salt: str = "") -> str:
+    """Whose requests share cached prefixes: an org's, or with a client's ``cache_salt``
+    (vLLM's request field) only its requests that give the same salt, so a service holding
+    one key for many end users can keep each user's prefixes to that user. What
+    ``prefix_salt`` takes as its ``org``, and what engines get as their cache salt."""
+    return f"{org}\x00salt:{cache_salt}" if cache_salt else org
+
+
 def root_hash(salt: str = "") -> int:
     """The parent hash of a sequence's first block."""
     return xxhash.xxh64_intdigest(salt.encode())

@@ -98,6 +98,9 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     token_subject: str  # where chunks go; captured by the TOKENS stream
     gateway_id: str = ""
     org: str = ""
+    # The client's (vLLM's ``cache_salt``): its prefixes are shared only with requests of
+    # the same org and salt; every hasher salts with ``proto.hashing.cache_scope``.
+    cache_salt: str = ""
     key_id: str = ""
     tier: str = "standard"
     priority: int = 0  # higher runs first within a worker's waiting queue

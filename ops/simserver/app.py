@@ -240,10 +240,11 @@ class SimServer:
         sampling = request.sampling
         n = max(sampling.n, 1)
         priority = -request.priority  # the engine runs higher first; vLLM's API, lower first
+        # vLLM's cache_salt: prefixes shared only between requests of the same salt.
         engine_requests = [EngineRequest(request_id=request_id, prompt_token_ids=request.prompt_token_ids,
-                                         sampling=sampling, priority=priority)] if n == 1 else [
+                                         sampling=sampling, priority=priority, cache_salt=request.cache_salt)] if n == 1 else [
             EngineRequest(request_id=f"{request_id}/{i}", prompt_token_ids=request.prompt_token_ids,
-                          priority=priority, sampling=msgspec.structs.replace(
+                          priority=priority, cache_salt=request.cache_salt, sampling=msgspec.structs.replace(
                               sampling, n=1, seed=None if sampling.seed is None else sampling.seed + i))
             for i in range(n)]
         queue: asyncio.Queue[tuple[int, EngineOutput | None, str]] = asyncio.Queue()

@@ -45,6 +45,7 @@ from proto import (
     Usage,
     UsageEvent,
     block_hashes,
+    cache_scope,
     prefix_salt,
     usage_dedup_id,
     usage_model,
@@ -162,8 +163,10 @@ class ActiveRequest:
                      started: float, span: trace.Span, resumable: bool) -> ActiveRequest:
         block_size = g.models.block_size(request.model)
         phases = PhaseTimer()
-        # An adapter's KV is its own (as vLLM's), and an org's: both salt its blocks.
-        hashes = block_hashes(request.prompt_token_ids, block_size, prefix_salt(request.lora, key.org)) if block_size else []
+        # An adapter's KV is its own (as vLLM's), and an org's (or a client's cache_salt's):
+        # each salts its blocks.
+        salt = prefix_salt(request.lora, cache_scope(key.org, request.cache_salt))
+        hashes = block_hashes(request.prompt_token_ids, block_size, salt) if block_size else []
         phases.mark("hash")
         # Open before admission: admission may send the request on to the router itself,
         # and its first chunk can come before the decision does.

@@ -27,7 +27,7 @@ from proto.records import OutputOptions
 from .errors import ApiError, bad_request, clip, invalid_json, model_not_found, overloaded, tokenizer_failed
 from .models import ModelLimits, ModelSpec
 from .openai_api import RequestKind, SamplingFields, WsClientMessage, ws_client_decoder
-from .sampling_fields import check_metadata, invalid
+from .sampling_fields import check_cache_salt, check_metadata, invalid
 
 Body = bytes | bytearray | memoryview | str | msgspec.Raw
 
@@ -60,6 +60,7 @@ class NormalizedRequest(Struct, kw_only=True):
     lora_path: str = ""
     lora_size_bytes: int = 0
     priority: int = 0  # vLLM's sense: lower runs first (see parse_request)
+    cache_salt: str = ""  # vLLM's: prefixes shared only with the same org and salt
 
     @property
     def prompt_tokens(self) -> int:
@@ -98,6 +99,7 @@ class NormalizedRequest(Struct, kw_only=True):
             token_subject=token_subject,
             gateway_id=gateway_id,
             org=org,
+            cache_salt=self.cache_salt,
             key_id=key_id,
             tier=tier,
             priority=priority,
@@ -307,6 +309,7 @@ def finish_request(
         lora_path=spec.lora_path,
         lora_size_bytes=spec.lora_size_bytes,
         priority=req.priority or 0,
+        cache_salt=check_cache_salt(req.cache_salt),
     )
 
 

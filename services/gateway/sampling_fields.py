@@ -46,6 +46,20 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(value: Any) -> str:
+    """vLLM's ``cache_salt``: a non-empty string (as vLLM requires), or absent."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value:
+        invalid("cache_salt", "must be a non-empty string.")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        invalid("cache_salt", f"must be at most {MAX_CACHE_SALT_CHARS} characters.")
+    return value
+
+
 def check_metadata(metadata: dict[str, Any] | None) -> dict[str, str]:
     if not metadata:
         return {}
@@ -133,8 +147,6 @@ VLLM_UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported: use logit_bias, structured_outputs or"
                                    " response_format to constrain the output."),
     "bad_words": ((None, []), "bad_words is not supported: use logit_bias or stop."),
-    "cache_salt": (_NOTHING, "cache_salt is not supported: cached prefixes are already kept per organization"
-                             " (each API key's org)."),
     "logprob_token_ids": (_NOTHING, "logprob_token_ids is not supported: use logprobs with top_logprobs."),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported."),
     "return_token_ids": ((None, False), "return_token_ids is not supported over HTTP: the WebSocket API's events"

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from proto.hashing import cache_scope
 from proto.messages import GenerateRequest, Placement
 from services.common.fleet import pack_prompt
 
@@ -24,7 +25,7 @@ class RouteQuery:
     max_tokens: int = 16
     lora: str | None = None
     lora_size_bytes: int = 0  # a runtime adapter's size (GenerateRequest.lora_size_bytes)
-    org: str = ""  # with lora, the salt of the prompt's block hashes (proto.hashing.prefix_salt)
+    org: str = ""  # with lora, the salt of the prompt's block hashes: its cache_scope (proto.hashing.prefix_salt)
     session_key: str | None = None
     text: str | None = None  # the request text, if the caller has it (cascade keywords)
     # Output tokens to account for on the chosen worker; max_tokens when unknown.
@@ -68,7 +69,7 @@ class RouteQuery:
             max_tokens=req.sampling.max_tokens,
             lora=req.lora,
             lora_size_bytes=req.lora_size_bytes,
-            org=req.org,
+            org=cache_scope(req.org, req.cache_salt),
             session_key=req.session_key,
             prefer_worker=prefer_worker,
             prefer_slack_tokens=prefer_slack_tokens,

@@ -53,6 +53,7 @@ from proto import (
     Usage,
     UsageEvent,
     WorkerGauge,
+    cache_scope,
     placement_expired,
     unpack_tokens,
     usage_dedup_id,
@@ -330,7 +331,7 @@ class WorkerService(Service):
             lora=request.lora,
             lora_size_bytes=request.lora_size_bytes,
             lora_path=request.lora_path,
-            cache_salt=request.org,
+            cache_salt=cache_scope(request.org, request.cache_salt),
             output_offset=choice.prior,
             pinned_models=request.pinned_models,
         )

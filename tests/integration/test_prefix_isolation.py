@@ -31,10 +31,11 @@ async def gateway(bus_settings: BusSettings, worker: WorkerService) -> AsyncIter
         yield service
 
 
-async def cached_tokens(gateway: GatewayService, key: str) -> int:
+async def cached_tokens(gateway: GatewayService, key: str, cache_salt: str | None = None) -> int:
     client = AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key=key, max_retries=0)
+    extra = {"cache_salt": cache_salt} if cache_salt is not None else None
     reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                                                 max_tokens=2)
+                                                 max_tokens=2, extra_body=extra)
     await client.close()
     assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
     return reply.usage.prompt_tokens_details.cached_tokens or 0
@@ -57,3 +58,13 @@ def test_the_salt_is_the_adapter_and_the_org() -> None:
     hashes = {salt: block_hashes(tokens, 16, salt)[0] for salt in
               (prefix_salt(None, "a"), prefix_salt(None, "b"), prefix_salt("sql", "a"), prefix_salt("sql"), "")}
     assert len(set(hashes.values())) == 5
+
+
+async def test_a_cache_salt_keeps_prefixes_to_the_requests_that_give_it(bus: Bus, gateway: GatewayService) -> None:
+    """vLLM's ``cache_salt``: a service holding one key for many end users keeps each
+    user's prefixes to that user (it was refused; before that, dropped)."""
+    key = await known_key(bus, gateway, "org-s")
+    assert await cached_tokens(gateway, key, "user-1") == 0
+    assert await cached_tokens(gateway, key, "user-2") == 0  # another salt: nothing, though the blocks are held
+    assert await cached_tokens(gateway, key) == 0  # no salt: the org's own, apart from every salt
+    assert await cached_tokens(gateway, key, "user-1") > 900  # the same salt: found

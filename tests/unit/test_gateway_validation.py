@@ -652,7 +652,7 @@ async def test_a_cancelled_parse_keeps_its_slot_until_its_thread_ends() -> None:
 
 @pytest.mark.parametrize(("field", "value", "kinds"), [
     ("use_beam_search", True, "both"), ("length_penalty", 0.5, "both"), ("allowed_token_ids", [1, 2], "both"),
-    ("bad_words", ["x"], "both"), ("cache_salt", "tenant-7", "both"), ("logprob_token_ids", [3], "both"),
+    ("bad_words", ["x"], "both"), ("logprob_token_ids", [3], "both"),
     ("return_tokens_as_token_ids", True, "both"), ("return_token_ids", True, "both"),
     ("return_token_offsets", True, "both"), ("truncation_side", "right", "both"),
     ("thinking_token_budget", 10, "both"), ("repetition_detection", {"max_pattern_size": 3}, "both"),
@@ -700,3 +700,13 @@ def test_a_batch_of_prompts_splits_into_one_body_each() -> None:
     assert (error.status, error.param) == (400, "prompt")
     error = error_of(lambda body, _models: batch_prompts(body), completion(prompt=["a", "b"], stream=True))
     assert (error.status, error.param, error.code) == (400, "stream", "unsupported_parameter")
+
+
+def test_cache_salt_is_a_non_empty_string_carried_to_the_generation() -> None:
+    request = parse_chat_request(chat(cache_salt="user-7"), MODELS)
+    assert request.cache_salt == "user-7"
+    assert request.generate_request(request_id="r", token_subject="t", org="acme").cache_salt == "user-7"
+    assert parse_completion_request(completion(), MODELS).cache_salt == ""
+    for bad in ("", 7, "x" * 257):
+        error = error_of(parse_chat_request, chat(cache_salt=bad))
+        assert (error.status, error.param) == (400, "cache_salt"), bad
