@@ -30,6 +30,7 @@ import msgspec
 from opentelemetry import trace
 
 from proto import (
+    AdmissionDecision,
     AdmissionRequest,
     ApiKeyRecord,
     ErrorCode,
@@ -181,11 +182,20 @@ class ActiveRequest:
             with tracer.start_as_current_span("gateway.admission") as admission_span:
                 # A resumable request's record must exist before any worker has it: it is
                 # placed from here, after the record is saved.
-                decision = await g.upstream.admit(AdmissionRequest(
+                admit = asyncio.ensure_future(g.upstream.admit(AdmissionRequest(
                     request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
                     prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm,
-                    tpm_limit=key.tpm, concurrency_limit=key.max_concurrent, block_hashes=hashes, block_size=block_size, lora=request.lora,
-                ), route=None if resumable else RouteRequest(request=generate, block_size=block_size))
+                    tpm_limit=key.tpm, concurrency_limit=key.max_concurrent, block_hashes=hashes, block_size=block_size,
+                    lora=request.lora,
+                ), route=None if resumable else RouteRequest(request=generate, block_size=block_size)))
+                try:
+                    decision = await asyncio.shield(admit)
+                except asyncio.CancelledError:
+                    # The client left while admission decided (a check waiting for a slot of
+                    # its key waits up to 0.4 s): an admission made anyway is undone, or its
+                    # reservation, and its key's slot, would be held until they expire.
+                    g.spawn(_undo_admission(g, admit, generate), name=f"undo-{request_id}")
+                    raise
                 phases.mark("admission")
                 admission_span.set_attribute("meshserve.admitted", decision.admitted)
                 if decision.reason:
@@ -531,6 +541,22 @@ def cut_slow_client(transport: asyncio.Transport | None, active: ActiveRequest) 
         g.spawn(g.records.save(active.record), name=f"unresumable-{active.request_id}")
     if transport is not None:
         transport.abort()
+
+
+async def _undo_admission(g: GatewayService, admit: asyncio.Future[AdmissionDecision],
+                          generate: GenerateRequest) -> None:
+    """Release what admission granted a request whose client left before the decision came:
+    its forwarded placement's copy is stopped, and a ``rejected`` usage event gives its
+    reservation back in full (nothing ran)."""
+    try:
+        decision = await admit
+    except Exception:  # refused, or admission unreachable: nothing was granted
+        return
+    if not decision.admitted:
+        return
+    if decision.forwarded:
+        g.upstream.abandon(generate.request_id)
+    await g.publish_usage(rejected_usage(generate, "client gone during admission"), usage_dedup_id(generate.request_id))
 
 
 def rejected_usage(generate: GenerateRequest, error: str) -> UsageEvent:

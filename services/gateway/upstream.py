@@ -154,6 +154,16 @@ class UpstreamClient:
         if waiting is not None and not waiting[0].done():
             waiting[0].set_result(msg)
             return
+        self._late(request_id, msg)
+
+    def abandon(self, request_id: str) -> None:
+        """Nobody will wait for this forwarded request's placement (its client left during
+        admission): one that comes, or came already unread, is a late one (its copy stopped)."""
+        waiting = self._placements.pop(request_id, None)
+        if waiting is not None and waiting[0].done() and not waiting[0].cancelled():
+            self._late(request_id, waiting[0].result())
+
+    def _late(self, request_id: str, msg: Msg) -> None:
         self.late_placements += 1
         try:
             placement = self.bus.decode_reply(msg, Placement)

@@ -178,6 +178,33 @@ async def test_a_batch_refused_midway_cancels_the_prompts_already_running(bus: B
         assert done.usage is not None and done.usage.completion_tokens == 3
 
 
+async def test_a_client_gone_during_admission_frees_its_keys_slot(bus: Bus, mesh: dict[str, Factory]) -> None:
+    """A check waiting for a slot whose client gave up was admitted once the slot freed, and
+    nothing ever settled it: the key's one slot stayed taken for the reservation's 15 minutes."""
+    await mesh["worker"]("w1", speed=1.0)
+    admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
+    gateway = await mesh["gateway"]()
+    await mesh["router"]()
+    key, record = await create_key(bus, org="acme", max_concurrent=1)
+    await wait_for_key(gateway, record.key_id)  # type: ignore[arg-type]
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1"  # type: ignore[attr-defined]
+    in_flight = admission.policy.limiter.in_flight
+    async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)  # the gateway has seen the router
+        await eventually(lambda: in_flight(record.key_id) == 0, what="the warm-up's slot to be freed")
+        long = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2000, stream=True,
+                                               extra_body={"ignore_eos": True})
+        await long.__anext__()
+        waiting = asyncio.create_task(client.completions.create(model=MODEL, prompt="b", max_tokens=3))
+        await eventually(lambda: admission.slot_waits == 1, what="the second request to wait for a slot")
+        waiting.cancel()  # its client gives up while it waits
+        await asyncio.sleep(0.02)
+        await long.close()  # the first request's client goes too: the slot frees, the waiter takes it
+        await eventually(lambda: in_flight(record.key_id) == 0, what="every slot of the key to be free again")
+        done = await client.completions.create(model=MODEL, prompt="c", max_tokens=3)
+        assert done.usage is not None and done.usage.completion_tokens == 3
+
+
 async def test_a_check_at_the_concurrency_limit_waits_for_a_slot_then_is_refused(
     bus: Bus, mesh: dict[str, Factory]
 ) -> None:
