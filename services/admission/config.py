@@ -36,6 +36,9 @@ class AdmissionConfig:
     # which travels the USAGE stream while the client's next request races it here; well
     # under the gateway's wait for admission (1 s), and before its forward_by (0.5 s).
     slot_wait_s: float = 0.4
+    # Beyond this many of one key's checks waiting at once, the next is refused at once: a
+    # client flooding a key at its limit gets 429s, not a pile of waiting checks.
+    slot_waiters_per_key: int = 64
 
     def __post_init__(self) -> None:
         if not 0 < self.lease_renew_s < self.lease_ttl_s / 2:

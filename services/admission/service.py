@@ -145,7 +145,11 @@ class AdmissionService(Service):
         self._warming: dict[str, float] = {}  # worker id → until when a load it was asked for counts
         self._background: set[asyncio.Task[None]] = set()
         self.warm_requests = 0
-        self._slot_freed = asyncio.Event()  # set (and replaced) whenever a reservation closes
+        # Checks waiting for a slot of their key's concurrency limit, per key, first come
+        # first served: each freed slot of the key wakes one (``_slots_freed``).
+        self._slot_waiters: dict[str, list[asyncio.Event]] = {}
+        self._slot_tasks: set[asyncio.Task[None]] = set()
+        self._waiters_decide_now = False  # draining: each waiter is answered at once
         self.slot_waits = 0  # checks that waited for a slot of their key's concurrency limit
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
@@ -178,6 +182,12 @@ class AdmissionService(Service):
             self.metrics_port = await self._metrics_server.start()
 
     async def on_drain(self) -> None:
+        # Checks waiting for a slot are answered while this instance still leads (a refusal,
+        # unless a slot is free): unanswered, their gateways would time out and fail open.
+        self._waiters_decide_now = True
+        self._wake_all_waiters()
+        if self._slot_tasks:
+            await asyncio.wait(set(self._slot_tasks))
         # Hand over at once: final checkpoint, then delete the lease so a standby's next
         # create succeeds without waiting for the TTL.
         await cancel_and_wait(self._loops)
@@ -414,6 +424,7 @@ class AdmissionService(Service):
         self.metrics.leader.set(0)
         log.warning("%s stops serving admission: %s", self.instance_id, reason)
         await self.remove_endpoint("check")
+        self._wake_all_waiters()  # they hand their checks to the next leader
         if self._usage_sub is not None:
             with contextlib.suppress(Exception):
                 await self._usage_sub.unsubscribe()
@@ -460,7 +471,7 @@ class AdmissionService(Service):
                         last_expire = self.monotonic()
                         expired = self.policy.expire(self.clock())
                         if expired:
-                            self._slots_freed()
+                            self._slots_freed(None)
                             self.metrics.expired.inc(len(expired))
                             log.info("%d reservations expired without a usage event (charged in full)", len(expired))
                 self.metrics.open.set(len(self.policy.limiter))
@@ -491,7 +502,7 @@ class AdmissionService(Service):
             return
         delta = self.policy.on_usage(event, self.clock())
         if delta is not None:
-            self._slots_freed()
+            self._slots_freed(event.key_id)
         self._export_calibration(event.tier)  # a usage event may stand in for a lost TTFT report
         if delta is None:
             outcome = "no_reservation"  # repeat, expired, or reserved by a failed predecessor
@@ -509,35 +520,65 @@ class AdmissionService(Service):
             attributes={"meshserve.request_id": req.request_id, "gen_ai.request.model": req.model,
                         "meshserve.tier": req.tier},
         ) as span:
-            if self._at_concurrency_limit(req):
-                span.set_attribute("meshserve.slot_wait", True)
-                task = asyncio.create_task(self._check_when_a_slot_frees(req, msg), name=f"slot-{req.request_id}")
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-                return
+            if self.leading and self._at_concurrency_limit(req):
+                waiters = self._slot_waiters.setdefault(req.key_id, [])
+                if len(waiters) < self.config.slot_waiters_per_key:
+                    span.set_attribute("meshserve.slot_wait", True)
+                    waiter = asyncio.Event()
+                    waiters.append(waiter)
+                    task = self.spawn(self._check_when_a_slot_frees(req, msg, waiter), name=f"slot-{req.request_id}")
+                    self._slot_tasks.add(task)
+                    task.add_done_callback(self._slot_tasks.discard)
+                    return
+                # Too many of the key's checks wait already: refused now, as at its limit.
             await self._answer(req, msg, span)
 
     def _at_concurrency_limit(self, req: AdmissionRequest) -> bool:
         limit = req.concurrency_limit
-        return (limit is not None and limit > 0 and self.leading and not self.policy.limiter.is_open(req.request_id)
+        return (limit is not None and limit > 0 and not self.policy.limiter.is_open(req.request_id)
                 and self.policy.limiter.in_flight(req.key_id) >= limit)
 
-    def _slots_freed(self) -> None:
-        self._slot_freed.set()
-        self._slot_freed = asyncio.Event()
+    def _slots_freed(self, key_id: str | None) -> None:
+        """A reservation of ``key_id`` closed (None: some, of keys unknown): wake that key's
+        first waiter not woken yet (of every key for None). One per slot, in arrival order:
+        waking every waiter on every usage event cost ~7 µs a waiter, so one key's pile of
+        waiting checks could saturate the leader (review)."""
+        for key in (key_id,) if key_id is not None else list(self._slot_waiters):
+            waiter = next((w for w in self._slot_waiters.get(key, ()) if not w.is_set()), None)
+            if waiter is not None:
+                waiter.set()
 
-    async def _check_when_a_slot_frees(self, req: AdmissionRequest, msg: Msg) -> None:
-        """Decide ``req`` once its key has a request in flight fewer than its limit, or after
+    def _wake_all_waiters(self) -> None:
+        for waiters in self._slot_waiters.values():
+            for waiter in waiters:
+                waiter.set()
+
+    async def _check_when_a_slot_frees(self, req: AdmissionRequest, msg: Msg, waiter: asyncio.Event) -> None:
+        """Decide ``req`` once its key has fewer requests in flight than its limit, or after
         ``slot_wait_s`` (then refused as at its limit). Other checks go on meanwhile: this
-        one's answer is sent from here."""
+        one's answer is sent from here. An instance that stops leading meanwhile hands the
+        check to the next leader (it may not decide: another may lead already)."""
         self.slot_waits += 1
         deadline = self.monotonic() + self.config.slot_wait_s
-        while self._at_concurrency_limit(req):
-            left = deadline - self.monotonic()
-            if left <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), left)
+        try:
+            while self.leading and not self._waiters_decide_now and self._at_concurrency_limit(req):
+                left = deadline - self.monotonic()
+                if left <= 0:
+                    break
+                waiter.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.wait(), left)
+        finally:
+            waiters = self._slot_waiters.get(req.key_id, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._slot_waiters.pop(req.key_id, None)
+        if not self.leading:
+            with contextlib.suppress(Exception):  # as a check that found no leader: the gateway's timeout decides
+                await self.bus.nc.publish(self.bus.subjects.admission_check, msg.data, reply=msg.reply,
+                                          headers=msg.headers)
+            return
         with tracer.start_as_current_span(
             "admission.check", context=self.bus.remote_context(msg), kind=trace.SpanKind.SERVER,
             attributes={"meshserve.request_id": req.request_id, "gen_ai.request.model": req.model,
@@ -547,6 +588,12 @@ class AdmissionService(Service):
                 await self._answer(req, msg, span)
             except MeshError as exc:
                 await self.bus.respond_error(msg, exc)
+            except Exception as exc:  # as the endpoint's own handler answers: never left unanswered
+                log.exception("admission check %s failed", req.request_id)
+                await self.bus.respond_error(msg, MeshError(f"internal error: {exc!r}"))
+        limit = req.concurrency_limit
+        if limit is not None and self.policy.limiter.in_flight(req.key_id) < limit:
+            self._slots_freed(req.key_id)  # several slots freed at once (expiry): the next waiter's turn
 
     async def _answer(self, req: AdmissionRequest, msg: Msg, span: trace.Span) -> None:
         """Decide ``req`` and reply (forwarding it to the router when admitted)."""

@@ -452,6 +452,39 @@ async def test_a_placement_nobody_waits_for_has_its_copy_stopped(bus: Bus, mesh:
 # ---- admission unreachable ----------------------------------------------------------------
 
 
+async def test_waiting_checks_are_served_first_come_first_served_capped_and_answered_on_drain(
+    bus: Bus, mesh: dict[str, Factory]
+) -> None:
+    await mesh["worker"]("w1")
+    config = AdmissionConfig(slot_wait_s=5.0, slot_waiters_per_key=2)
+    admission: AdmissionService = await mesh["admission"](config)  # type: ignore[assignment]
+
+    def capped(i: int) -> AdmissionRequest:
+        return msgspec.structs.replace(check(i), tpm_limit=None, concurrency_limit=1)
+
+    async def finish(rid: str) -> None:
+        ev = UsageEvent(request_id=rid, org="org", key_id="k1", model=MODEL, prompt_tokens=1, completion_tokens=1)
+        await bus.js_publish(bus.subjects.usage("org"), ev, msg_id=usage_dedup_id(rid))
+
+    assert (await ask(bus, capped(1))).admitted
+    first = asyncio.create_task(ask(bus, capped(2), timeout=10))
+    await eventually(lambda: admission.slot_waits == 1, what="the first waiter")
+    second = asyncio.create_task(ask(bus, capped(3), timeout=10))
+    await eventually(lambda: admission.slot_waits == 2, what="the second waiter")
+    # A third is past the key's cap on waiting checks: refused at once, not queued.
+    third = await ask(bus, capped(4), timeout=2)
+    assert not third.admitted and admission.slot_waits == 2
+    await finish("r1")  # one slot: the first to wait takes it, the second waits on
+    assert (await first).admitted
+    await asyncio.sleep(0.2)
+    assert not second.done()
+    # Draining, the leader answers the check still waiting (refused: r2 holds the slot)
+    # rather than leave its gateway to time out and fail open.
+    await admission.drain_and_close()  # type: ignore[attr-defined]
+    answered = await second
+    assert not answered.admitted and answered.reason == "quota_requests"
+
+
 async def test_gateway_fails_open_within_its_grace_then_closed(bus: Bus, mesh: dict[str, Factory]) -> None:
     await mesh["worker"]("w1")
     admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
