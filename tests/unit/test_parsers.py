@@ -193,6 +193,12 @@ RECORDED: list[tuple[str, str, str | None, list[tuple[str, str]]]] = [
         None,
         [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "CET"}')],
     ),
+    (  # MCP-style names (colons, slashes, dots) are tools' names too
+        "mistral",
+        '[TOOL_CALLS]fs:read[ARGS]{"path": "/a"}[TOOL_CALLS]gh/issues.create[ARGS]{}',
+        None,
+        [("fs:read", '{"path": "/a"}'), ("gh/issues.create", "{}")],
+    ),
     # Not JSON after the marker; an empty list of calls.
     ("mistral", "[TOOL_CALLS] I cannot call tools.", "[TOOL_CALLS] I cannot call tools.", []),
     ("mistral", "[TOOL_CALLS][]", "[TOOL_CALLS][]", []),

@@ -439,7 +439,8 @@ _MARKER, _ARRAY_FIRST, _ARRAY_ELEM, _ARRAY_NEXT, _V11_NAME, _V11_NEXT = (
     "v11_name",
     "v11_next",
 )
-_V11_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]*")
+# The characters of a tool's name (services/gateway/tools.py's NAME_PATTERN: MCP's too).
+_V11_NAME_RE = re.compile(r"[A-Za-z0-9_.:/\-]*")
 
 
 class MistralToolParser(ToolCallParser):
