@@ -18,7 +18,11 @@ refill period. A usage event arriving after expiry is then a no-op, like any rep
 
 A key's ``concurrent`` limit counts its open reservations (its requests in flight: admitted
 and not yet settled by their usage event); at the limit a request is refused until one
-ends. An expired reservation frees its slot too.
+ends. So a usage event that never comes holds a slot until its reservation expires
+(``reservation_ttl_s``, 15 min): every request ends in one (the worker's, or the gateway's
+``rejected`` for a request it gives up on, also during admission). A migrated request's
+first segment settles the reservation while the request goes on elsewhere: its slot is
+free again a segment early.
 
 ``Limiter.snapshot`` / ``restore`` carry the state (buckets that are not full or that an
 open reservation draws on, and the open reservations) from one admission instance to

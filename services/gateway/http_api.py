@@ -40,13 +40,13 @@ from .events import EventBuilder, parse_event_id
 from .lifecycle import ActiveRequest, cut_slow_client, on_client_gone
 from .local import is_local_request
 from .models import ModelSpec
-from .normalized import model_allowed
+from .normalized import NormalizedRequest, model_allowed
 from .openai_api import ModelCard, ModelList, RequestKind, encode_json, sse_event
 from .output import merge_batch
 from .responses_http import ResponsesHttp
 from .resume import ResumedStream
 from .tokenize_api import tokenize_routes
-from .validation import batch_prompts, parse_request_off_loop
+from .validation import looks_batched, parse_batch_off_loop, parse_request_off_loop
 
 if TYPE_CHECKING:
     from .service import GatewayService
@@ -169,9 +169,10 @@ class HttpApi:
             raise payload_too_large(g.config.max_body_bytes, http.content_length)
         started = time.perf_counter()
         body = await http.read()
-        batch = batch_prompts(body) if kind == "completion" else None
-        if batch is not None:
-            return await self._generate_batch(http, key, batch)
+        if kind == "completion" and looks_batched(body):
+            batch = await parse_batch_off_loop(body, g.models.specs(), allowed_models=key.models or None)
+            if batch is not None:
+                return await self._generate_batch(http, key, batch)
         request = await parse_request_off_loop(kind, body, g.models.specs(), allowed_models=key.models or None)
         http[REQUEST_MODEL] = request.model
         # the key check, then body, validation, template, tokenizer
@@ -193,37 +194,45 @@ class HttpApi:
             await relay_sse(response, active.chunks(), builder, after=None)
             return response
 
-    async def _generate_batch(self, http: web.Request, key: ApiKeyRecord, bodies: list[bytes]) -> web.Response:
-        """A completions request of several prompts (``batch_prompts``): each runs as a request
+    async def _generate_batch(self, http: web.Request, key: ApiKeyRecord,
+                              requests: list[NormalizedRequest]) -> web.Response:
+        """A completions request of several prompts (``parse_batch``): each runs as a request
         of its own (admitted, placed and billed alone), their answers merged in prompt order
         (``merge_batch``). Any one refused or failed fails the batch, and the rest are
-        cancelled: a client retries the whole batch."""
+        cancelled: a client retries the whole batch. A key with a concurrency limit runs at
+        most that many of its prompts at once (more would be refused by its own limit)."""
         g = self.gateway
-        requests = [await parse_request_off_loop("completion", body, g.models.specs(), allowed_models=key.models or None)
-                    for body in bodies]
         http[REQUEST_MODEL] = requests[0].model
         parent, address = extract(dict(http.headers)), g.client_address(http)
+        slots = asyncio.Semaphore(key.max_concurrent or len(requests))
         actives: list[ActiveRequest] = []
         answers: list[asyncio.Future[bytes]] = []
         async with contextlib.AsyncExitStack() as serving:
             try:
                 for request in requests:
-                    active = await ActiveRequest.start(g, request, key, parent=parent, client_address=address)
+                    await slots.acquire()
+                    try:
+                        active = await ActiveRequest.start(g, request, key, parent=parent, client_address=address)
+                    except BaseException:
+                        slots.release()
+                        raise
                     actives.append(active)
                     await serving.enter_async_context(active.serving())
-                    http[REQUEST_STARTED] = True
-                    answers.append(asyncio.ensure_future(active.collect()))  # read as it runs: nothing piles up
+                    answer = asyncio.ensure_future(active.collect())  # read as it runs: nothing piles up
+                    answer.add_done_callback(lambda _: slots.release())
+                    answers.append(answer)
+                http[REQUEST_STARTED] = True  # a refusal midway is counted as the batch's, by its status
                 responses = await asyncio.gather(*answers)
             except Exception:
-                for answer in answers:
-                    answer.cancel()
+                for pending in answers:
+                    pending.cancel()
                 await asyncio.gather(*answers, return_exceptions=True)
                 for active in actives:
                     await active.cancel("batch_failed")
                 raise
             finally:  # the client gone (cancelled): serving() cancels each request, these stop reading
-                for answer in answers:
-                    answer.cancel()
+                for pending in answers:
+                    pending.cancel()
         log.debug("batch of %d prompts: requests %s", len(actives), ", ".join(a.request_id for a in actives))
         # The response's id is the first prompt's request: its id is the one in X-Request-Id.
         return web.Response(body=merge_batch(list(responses), requests[0].output.n), content_type="application/json",

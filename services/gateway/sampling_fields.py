@@ -183,7 +183,8 @@ def check_vllm_unserved(req: SamplingFields, *, add_special_tokens: bool) -> Non
     template adds them; completions True)."""
     for name, (nothing, message) in VLLM_UNSERVED.items():
         value = getattr(req, name, None)
-        if not any(value is v or (type(value) is type(v) and value == v) for v in nothing):
+        # ``==`` as vLLM's pydantic reads them: 0 is False, 1.0 is 1 (a string is not).
+        if not any(value is v or (isinstance(value, str) == isinstance(v, str) and value == v) for v in nothing):
             unsupported(name, message)
     if req.add_special_tokens not in (None, add_special_tokens):
         unsupported("add_special_tokens", f"Only add_special_tokens {str(add_special_tokens).lower()} (vLLM's"

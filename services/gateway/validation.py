@@ -94,45 +94,6 @@ def _completion_prompt(spec: ModelSpec, prompt: str | list[str | int | list[int]
     return list(ids)
 
 
-# OpenAI takes up to 2,048 prompts in one completions request; each runs as a request of
-# its own here (admitted, placed and billed alone), so a batch is held to what one key
-# would reasonably send at once.
-MAX_BATCH_PROMPTS = 256
-
-
-class _PromptOnly(msgspec.Struct):
-    prompt: msgspec.Raw = msgspec.Raw(b"")
-
-
-_prompt_only = msgspec.json.Decoder(_PromptOnly)
-
-
-def batch_prompts(body: Body) -> list[bytes] | None:
-    """A completions body whose ``prompt`` is a batch (several strings, or several lists of
-    token ids) as one body per prompt, in order; None for a single prompt (a string, token
-    ids, or a batch of one), which ``parse_completion_request`` takes as it is. Only the
-    batch's shape is checked here: each body is then parsed (and refused) on its own."""
-    try:
-        # The prompt alone, undecoded: a single prompt (the usual case, possibly a long
-        # list of token ids) costs a scan, not a second decode.
-        raw = bytes(_prompt_only.decode(body).prompt).lstrip()
-        if not raw.startswith(b"[") or raw[1:].lstrip()[:1] not in (b'"', b"["):
-            return None
-        fields = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return None  # the parser says what is wrong with it
-    prompt = fields.get("prompt") if isinstance(fields, dict) else None
-    if not isinstance(prompt, list) or len(prompt) < 2 or not all(isinstance(p, (str, list)) for p in prompt):
-        return None
-    if len(prompt) > MAX_BATCH_PROMPTS:
-        raise bad_request(f"Invalid 'prompt': a batch of {len(prompt):,} prompts; at most {MAX_BATCH_PROMPTS} in one"
-                          " request.", "prompt", "invalid_value")
-    if fields.get("stream"):
-        unsupported("stream", "Batched prompts are answered whole: send them without 'stream', or stream one"
-                              " request per prompt.")
-    return [msgspec.json.encode({**fields, "prompt": p}) for p in prompt]
-
-
 def _check_completion_unsupported(req: CompletionRequest) -> None:
     # vLLM 0.1x dropped best_of from its V1 engine too; n is the way to ask for choices.
     if req.best_of is not None and req.best_of != (req.n or 1):
@@ -298,3 +259,65 @@ def parse_ws_request(
 ) -> NormalizedRequest:
     """Validate the body of a WebSocket request; the socket always streams."""
     return parse_request(_ws_kind(message), message.body, models, allowed_models=allowed_models, always_streams=True)
+
+
+# OpenAI takes up to 2,048 prompts in one completions request; each runs as a request of
+# its own here (admitted, placed and billed alone), so a batch is held to what one key
+# would reasonably send at once.
+MAX_BATCH_PROMPTS = 256
+
+
+class _PromptOnly(msgspec.Struct):
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+
+
+_prompt_only = msgspec.json.Decoder(_PromptOnly)
+
+
+def looks_batched(body: Body) -> bool:
+    """Whether a completions body's ``prompt`` opens as a batch (a list of strings or lists),
+    from the prompt's raw bytes alone: a scan, not a decode, for the usual single prompt."""
+    try:
+        raw = bytes(_prompt_only.decode(body).prompt).lstrip()
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return raw.startswith(b"[") and raw[1:].lstrip()[:1] in (b'"', b"[")
+
+
+def parse_batch(body: Body, models: Mapping[str, ModelSpec], *,
+                allowed_models: Collection[str] | None = None) -> list[NormalizedRequest] | None:
+    """A batched completions body as one request per prompt (``batch_prompts``), each
+    parsed as if sent alone; None when it holds a single prompt."""
+    bodies = batch_prompts(body)
+    if bodies is None:
+        return None
+    return [parse_request("completion", b, models, allowed_models=allowed_models) for b in bodies]
+
+
+async def parse_batch_off_loop(body: Body, models: Mapping[str, ModelSpec], **options: Any) -> list[NormalizedRequest] | None:
+    """``parse_batch``, the split and every prompt's parse on one thread when the whole body
+    weighs ``OFF_LOOP_BYTES`` (each prompt's share would stay under it, back to back inline)."""
+    return await off_loop(parse_cost(body), parse_batch, body, models, **options)
+
+
+def batch_prompts(body: Body) -> list[bytes] | None:
+    """A completions body whose ``prompt`` is a batch (several strings, or several lists of
+    token ids) as one body per prompt, in order; None for a single prompt (a string, token
+    ids, or a batch of one), which ``parse_completion_request`` takes as it is. Only the
+    batch's shape is checked here: each body is then parsed (and refused) on its own."""
+    if not looks_batched(body):
+        return None
+    try:
+        fields = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None  # the parser says what is wrong with it
+    prompt = fields.get("prompt") if isinstance(fields, dict) else None
+    if not isinstance(prompt, list) or len(prompt) < 2 or not all(isinstance(p, (str, list)) for p in prompt):
+        return None
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"Invalid 'prompt': a batch of {len(prompt):,} prompts; at most {MAX_BATCH_PROMPTS} in one"
+                          " request.", "prompt", "invalid_value")
+    if fields.get("stream"):
+        unsupported("stream", "Batched prompts are answered whole: send them without 'stream', or stream one"
+                              " request per prompt.")
+    return [msgspec.json.encode({**fields, "prompt": p}) for p in prompt]

@@ -163,19 +163,34 @@ async def test_a_batch_refused_midway_cancels_the_prompts_already_running(bus: B
     worker: WorkerService = await mesh["worker"]("w1", speed=1.0)  # type: ignore[assignment]
     await mesh["admission"]()
     gateway = await mesh["gateway"]()
-    key, record = await create_key(bus, org="acme", max_concurrent=1)
+    key, record = await create_key(bus, org="acme", rpm=1)
     await wait_for_key(gateway, record.key_id)  # type: ignore[arg-type]
     url = f"http://127.0.0.1:{gateway.bound_port}/v1"  # type: ignore[attr-defined]
     async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
-        with pytest.raises(openai.RateLimitError):  # the second prompt finds the key's one slot taken
+        with pytest.raises(openai.RateLimitError):  # the second prompt is past the key's one request a minute
             await client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4000,
                                             extra_body={"ignore_eos": True})
-        # The first prompt's request was cancelled, not left generating for nobody.
-        stats = worker.engine.stats
-        await eventually(lambda: stats().running + stats().waiting == 0 and stats().kv_blocks_used == 0,
-                         what="the first prompt's request to be cancelled, its KV blocks freed")
-        done = await client.completions.create(model=MODEL, prompt="three", max_tokens=3)
-        assert done.usage is not None and done.usage.completion_tokens == 3
+    # The first prompt's request was cancelled, not left generating for nobody.
+    stats = worker.engine.stats
+    await eventually(lambda: stats().running + stats().waiting == 0 and stats().kv_blocks_used == 0,
+                     what="the first prompt's request to be cancelled, its KV blocks freed")
+
+
+async def test_a_batch_larger_than_its_keys_concurrency_runs_a_slot_at_a_time(
+    bus: Bus, mesh: dict[str, Factory]
+) -> None:
+    """A batch of more prompts than the key may run at once was refused by the key's own
+    limit on every try (and each try billed the prompts it had started)."""
+    await mesh["worker"]("w1")
+    admission: AdmissionService = await mesh["admission"]()  # type: ignore[assignment]
+    gateway = await mesh["gateway"]()
+    key, record = await create_key(bus, org="acme", max_concurrent=2)
+    await wait_for_key(gateway, record.key_id)  # type: ignore[arg-type]
+    url = f"http://127.0.0.1:{gateway.bound_port}/v1"  # type: ignore[attr-defined]
+    async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0) as client:
+        reply = await client.completions.create(model=MODEL, prompt=[f"prompt {i}" for i in range(7)], max_tokens=4)
+    assert [c.index for c in reply.choices] == list(range(7))
+    assert admission.stats()["rejected"] == {}  # type: ignore[attr-defined]
 
 
 async def test_a_client_gone_during_admission_frees_its_keys_slot(bus: Bus, mesh: dict[str, Factory]) -> None:

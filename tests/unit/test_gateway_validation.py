@@ -658,7 +658,7 @@ async def test_a_cancelled_parse_keeps_its_slot_until_its_thread_ends() -> None:
     ("thinking_token_budget", 10, "both"), ("repetition_detection", {"max_pattern_size": 3}, "both"),
     ("watermarking", True, "both"), ("vllm_xargs", {"a": 1}, "both"), ("kv_transfer_params", {}, "both"),
     ("ec_transfer_params", {}, "both"), ("return_mm_kwargs", True, "both"), ("routed_experts_prompt_start", 2, "both"),
-    ("use_beam_search", 1, "both"),  # not a bool: not the default either
+    ("use_beam_search", 1, "both"),  # true, as vLLM reads 1
     ("chat_template", "{{ messages }}", "chat"), ("documents", [{"text": "d"}], "chat"),
     ("include_reasoning", False, "chat"), ("return_prompt_text", True, "chat"), ("mm_processor_kwargs", {"a": 1}, "chat"),
     ("media_io_kwargs", {"image": {}}, "chat"), ("add_special_tokens", True, "chat"),
@@ -679,6 +679,7 @@ def test_vllms_fields_that_would_change_the_answer_are_refused_by_name(field: st
     ("use_beam_search", False), ("length_penalty", 1.0), ("allowed_token_ids", None), ("bad_words", []),
     ("return_token_ids", False), ("truncation_side", "left"), ("vllm_xargs", {}), ("routed_experts_prompt_start", 0),
     ("watermarking", None), ("request_id", "abc"), ("stream_interval", 4),
+    ("use_beam_search", 0), ("routed_experts_prompt_start", 0.0), ("length_penalty", 1),  # as vLLM reads them
 ])
 def test_vllms_fields_at_their_defaults_are_accepted(field: str, value: Any) -> None:
     assert parse_chat_request(chat(**{field: value}), MODELS).max_tokens > 0
@@ -710,3 +711,29 @@ def test_cache_salt_is_a_non_empty_string_carried_to_the_generation() -> None:
     for bad in ("", 7, "x" * 257):
         error = error_of(parse_chat_request, chat(cache_salt=bad))
         assert (error.status, error.param) == (400, "cache_salt"), bad
+
+
+async def test_a_large_batch_is_split_and_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each prompt's share of a large batch weighed under the threshold, so all of them were
+    parsed inline back to back: 256 prompts of 15 KB held the loop 168 ms (review)."""
+    import threading
+
+    from services.gateway import validation
+
+    threads: list[int] = []
+    real = validation.parse_batch
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(validation, "parse_batch", recording)
+    small = completion(prompt=["a", "b"], max_tokens=2)
+    large = completion(prompt=[[65] * 100] * 250, max_tokens=2)  # 84 KB
+    assert validation.looks_batched(small) and validation.looks_batched(large)
+    assert not validation.looks_batched(completion(prompt=[1, 2])) and not validation.looks_batched(b"[")
+    assert [r.prompt_tokens for r in await validation.parse_batch_off_loop(small, MODELS) or []] == [1, 1]
+    assert threads[-1] == threading.get_ident()
+    parsed = await validation.parse_batch_off_loop(large, MODELS)
+    assert parsed is not None and len(parsed) == 250 and threads[-1] != threading.get_ident()
+    assert await validation.parse_batch_off_loop(completion(prompt=["one"]), MODELS) is None
