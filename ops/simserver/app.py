@@ -311,7 +311,7 @@ class SimServer:
         ``(index, None, error)``."""
         track = self.publisher is not None  # the ledger only serves the KV events
         if track:
-            self.ledger.start(req.request_id, req.prompt_token_ids, req.lora)
+            self.ledger.start(req.request_id, req.prompt_token_ids, req.lora, req.cache_salt)
         error = ""
         try:
             async with contextlib.aclosing(self.engine.generate(req)) as outputs:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from proto.hashing import extend_block_hashes, root_hash
+from proto.hashing import extend_block_hashes, prefix_salt, root_hash
 from proto.workers import AllCleared, BlockRemoved, BlockStored, KvEvent
 
 MEDIUM_GPU = "GPU"
@@ -98,9 +98,10 @@ class BlockLedger:
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def start(self, seq_id: str, prompt: list[int], lora: str | None = None) -> None:
-        """A sequence enters the engine with ``prompt`` (a LoRA's blocks hash with its name)."""
-        self._seqs[seq_id] = (root_hash(lora or ""), [])
+    def start(self, seq_id: str, prompt: list[int], lora: str | None = None, cache_salt: str = "") -> None:
+        """A sequence enters the engine with ``prompt``; its blocks hash as the engine's do,
+        salted with its LoRA's name and its ``cache_salt`` (``proto.hashing.prefix_salt``)."""
+        self._seqs[seq_id] = (root_hash(prefix_salt(lora, cache_salt)), [])
         self.extend(seq_id, prompt)
 
     def extend(self, seq_id: str, token_ids: list[int]) -> None:

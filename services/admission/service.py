@@ -424,7 +424,7 @@ class AdmissionService(Service):
         self.metrics.leader.set(0)
         log.warning("%s stops serving admission: %s", self.instance_id, reason)
         await self.remove_endpoint("check")
-        self._wake_all_waiters()  # they hand their checks to the next leader
+        self._wake_all_waiters()  # they refuse their checks: only a leader may admit
         if self._usage_sub is not None:
             with contextlib.suppress(Exception):
                 await self._usage_sub.unsubscribe()
@@ -520,7 +520,9 @@ class AdmissionService(Service):
             attributes={"meshserve.request_id": req.request_id, "gen_ai.request.model": req.model,
                         "meshserve.tier": req.tier},
         ) as span:
-            if self.leading and self._at_concurrency_limit(req):
+            # At the limit, or behind checks of the key that wait already (a slot a waiter was
+            # woken for must not go to a check that came after it).
+            if self.leading and (self._at_concurrency_limit(req) or self._queued_behind(req)):
                 waiters = self._slot_waiters.setdefault(req.key_id, [])
                 if len(waiters) < self.config.slot_waiters_per_key:
                     span.set_attribute("meshserve.slot_wait", True)
@@ -537,6 +539,13 @@ class AdmissionService(Service):
         limit = req.concurrency_limit
         return (limit is not None and limit > 0 and not self.policy.limiter.is_open(req.request_id)
                 and self.policy.limiter.in_flight(req.key_id) >= limit)
+
+    def _queued_behind(self, req: AdmissionRequest, waiter: asyncio.Event | None = None) -> bool:
+        """Whether checks of ``req``'s key wait ahead of it (of ``waiter``: it is not the first)."""
+        if req.concurrency_limit is None or self.policy.limiter.is_open(req.request_id):
+            return False
+        waiters = self._slot_waiters.get(req.key_id)
+        return waiters is not None and len(waiters) > 0 and waiters[0] is not waiter
 
     def _slots_freed(self, key_id: str | None) -> None:
         """A reservation of ``key_id`` closed (None: some, of keys unknown): wake that key's
@@ -557,11 +566,12 @@ class AdmissionService(Service):
         """Decide ``req`` once its key has fewer requests in flight than its limit, or after
         ``slot_wait_s`` (then refused as at its limit). Other checks go on meanwhile: this
         one's answer is sent from here. An instance that stops leading meanwhile hands the
-        check to the next leader (it may not decide: another may lead already)."""
+        check back refused (it may not admit: another may lead already)."""
         self.slot_waits += 1
         deadline = self.monotonic() + self.config.slot_wait_s
         try:
-            while self.leading and not self._waiters_decide_now and self._at_concurrency_limit(req):
+            while (self.leading and not self._waiters_decide_now
+                   and (self._at_concurrency_limit(req) or self._queued_behind(req, waiter))):
                 left = deadline - self.monotonic()
                 if left <= 0:
                     break
@@ -575,9 +585,13 @@ class AdmissionService(Service):
             if not waiters:
                 self._slot_waiters.pop(req.key_id, None)
         if not self.leading:
-            with contextlib.suppress(Exception):  # as a check that found no leader: the gateway's timeout decides
-                await self.bus.nc.publish(self.bus.subjects.admission_check, msg.data, reply=msg.reply,
-                                          headers=msg.headers)
+            # It may not admit (another instance may lead already) and handing the check on
+            # finds nobody until the next leader takes the lease: the gateway would fail open,
+            # past the key's limit. A refusal grants nothing: the client retries.
+            with contextlib.suppress(Exception):
+                await self.bus.respond(msg, AdmissionDecision(
+                    request_id=req.request_id, admitted=False, reason="quota_requests", retry_after=1.0,
+                    message="concurrency limit reached while admission changes leader; retry"))
             return
         with tracer.start_as_current_span(
             "admission.check", context=self.bus.remote_context(msg), kind=trace.SpanKind.SERVER,

@@ -211,6 +211,10 @@ class HttpApi:
             try:
                 for request in requests:
                     await slots.acquire()
+                    failed = next((a for a in answers if a.done() and a.exception() is not None), None)
+                    if failed is not None:  # a prompt failed already: start no more, the batch fails now
+                        slots.release()
+                        failed.result()
                     try:
                         active = await ActiveRequest.start(g, request, key, parent=parent, client_address=address)
                     except BaseException:

@@ -77,6 +77,7 @@ class ResponsesRequest(Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: Any = None  # vLLM's, as on chat: checked there (the body below carries it)
     stream: bool | None = None
     truncation: str | None = None
     # Caps calls to built-in tools (web search, file search...); meshserve offers none, so
@@ -464,7 +465,7 @@ def plan_chat(parsed: ParsedRequest, history: list[dict[str, Any]] | None = None
     effort = (req.reasoning or {}).get("effort")
     if effort is not None:
         body["reasoning_effort"] = effort
-    for name in ("temperature", "top_p", "user", "metadata"):
+    for name in ("temperature", "top_p", "user", "metadata", "cache_salt"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:

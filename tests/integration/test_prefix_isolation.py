@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import openai
 import pytest
 from openai import AsyncOpenAI
 
@@ -68,3 +69,23 @@ async def test_a_cache_salt_keeps_prefixes_to_the_requests_that_give_it(bus: Bus
     assert await cached_tokens(gateway, key, "user-2") == 0  # another salt: nothing, though the blocks are held
     assert await cached_tokens(gateway, key) == 0  # no salt: the org's own, apart from every salt
     assert await cached_tokens(gateway, key, "user-1") > 900  # the same salt: found
+
+
+async def test_the_responses_api_carries_the_cache_salt(bus: Bus, gateway: GatewayService) -> None:
+    """``/v1/responses`` dropped ``cache_salt`` (review): the isolation asked for did not apply."""
+    key = await known_key(bus, gateway, "org-r")
+    client = AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key=key, max_retries=0)
+
+    async def cached(salt: str) -> int:
+        reply = await client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=2, store=False,
+                                              extra_body={"cache_salt": salt})
+        assert reply.usage is not None
+        return reply.usage.input_tokens_details.cached_tokens
+
+    assert await cached("user-1") == 0
+    assert await cached("user-2") == 0  # another salt: nothing
+    assert await cached("user-1") > 900
+    with pytest.raises(openai.BadRequestError) as bad:
+        await cached("")
+    assert bad.value.body["param"] == "cache_salt"  # type: ignore[index]
+    await client.close()

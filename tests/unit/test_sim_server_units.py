@@ -38,7 +38,7 @@ def _drive(core: SimCore, ledger: BlockLedger, requests: list[EngineRequest]) ->
     """Run ``requests`` to the end, feeding the ledger as the server does; the KV events."""
     now = 0.0
     for r in requests:
-        ledger.start(r.request_id, r.prompt_token_ids, r.lora)
+        ledger.start(r.request_id, r.prompt_token_ids, r.lora, r.cache_salt)
         assert core.add_request(r, now) is None
     events: list[KvEvent] = []
     while core.has_work():
@@ -76,6 +76,20 @@ def test_a_lora_sequence_hashes_with_its_adapter_as_salt() -> None:
     ledger.start("x", [1, 2, 3, 4], lora="ad")
     assert ledger.tokens(block_hashes([1, 2, 3, 4], 2, salt="ad")[1]) == [3, 4]
     assert ledger.tokens(block_hashes([1, 2, 3, 4], 2)[0]) is None
+
+
+def test_a_salted_sequence_hashes_as_the_engine_stores_it() -> None:
+    """A request with vLLM's cache_salt: the engine salts its blocks with it, and the ledger
+    did not, so none of its blocks was known (its events dropped after a 5 s wait each)."""
+    bs = 4
+    core = SimCore(SimConfig.build("tiny-test", block_size=bs, num_kv_blocks=64))
+    ledger = BlockLedger(bs, 1024)
+    req = EngineRequest(request_id="s", prompt_token_ids=[40 + i for i in range(12)], cache_salt="user-1",
+                        sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    events = _drive(core, ledger, [req])
+    assert ledger.missing(events) == 0
+    translated, dropped = ledger.translate(events)
+    assert dropped == 0 and any(isinstance(e, VllmBlockStored) for e in translated)
 
 
 def test_unknown_blocks_are_left_out_with_the_rest_of_their_run() -> None:
