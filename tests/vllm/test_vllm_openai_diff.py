@@ -252,8 +252,11 @@ async def compare_completion(servers: Servers, body: dict[str, Any], token_ids: 
 
 
 async def stream_view(stream: Any) -> dict[str, Any]:
-    """A streamed chat completion, put together: content, finish reason, logprobs, usage."""
+    """A streamed chat completion, put together: content, finish reason, logprobs, usage,
+    and how many chunks carried one tool call's index twice (OpenAI sends one entry per
+    index per chunk: a client reading ``tool_calls[0]`` would lose the second)."""
     content: dict[int, str] = defaultdict(str)
+    split_calls = 0
     finish: dict[int, str | None] = {}
     logprobs: dict[int, list[tuple[str, float]]] = defaultdict(list)
     calls: dict[int, dict[int, dict[str, str]]] = defaultdict(dict)  # choice → tool call index → name, arguments
@@ -266,6 +269,8 @@ async def stream_view(stream: Any) -> dict[str, Any]:
                 finish[c.index] = c.finish_reason
             if c.logprobs is not None:
                 logprobs[c.index] += [(e.token, e.logprob) for e in c.logprobs.content or []]
+            indices = [t.index for t in c.delta.tool_calls or []]
+            split_calls += len(indices) != len(set(indices))
             for t in c.delta.tool_calls or []:
                 call = calls[c.index].setdefault(t.index, {"name": "", "arguments": ""})
                 if t.function is not None:
@@ -274,7 +279,7 @@ async def stream_view(stream: Any) -> dict[str, Any]:
     tool_calls = {i: [{"name": call["name"], "arguments": _arguments(call["arguments"])}
                       for _, call in sorted(by_index.items())] for i, by_index in calls.items()}
     return {"content": dict(content), "finish_reason": finish, "logprobs": dict(logprobs), "tool_calls": tool_calls,
-            "usage": usage_view(usage)}
+            "usage": usage_view(usage), "split_calls": split_calls}
 
 
 async def compare_chat_stream(servers: Servers, body: dict[str, Any]) -> dict[str, Any]:
@@ -403,6 +408,19 @@ async def test_forced_tool_call(servers: Servers) -> None:
     streamed = await compare_chat_stream(servers, {**body, "tool_choice": {"type": "function",
                                                                            "function": {"name": "get_weather"}}})
     assert streamed["tool_calls"][0][0]["name"] == "get_weather"
+
+
+async def test_auto_tool_calls_streamed(servers: Servers) -> None:
+    """The model's own <tool_call> text (forced by a choice constraint), found by the hermes
+    parser on both: the same calls, finish reason and one entry per call index per chunk
+    (meshserve sent a call's name and first arguments as two entries of one index)."""
+    text = ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>')
+    body = {"messages": [{"role": "user", "content": "Weather in Paris and Oslo?"}], "max_tokens": 200,
+            "temperature": 1.0, "seed": 9, "tools": [WEATHER], "structured_outputs": {"choice": [text]}}
+    streamed = await compare_chat_stream(servers, body)
+    assert [c["name"] for c in streamed["tool_calls"][0]] == ["get_weather", "get_weather"]
+    assert streamed["finish_reason"][0] == "tool_calls" and streamed["split_calls"] == 0
 
 
 async def test_completions_echo_with_logprobs(servers: Servers) -> None:
