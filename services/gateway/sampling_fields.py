@@ -183,8 +183,10 @@ def check_vllm_unserved(req: SamplingFields, *, add_special_tokens: bool) -> Non
     template adds them; completions True)."""
     for name, (nothing, message) in VLLM_UNSERVED.items():
         value = getattr(req, name, None)
+        if value is None:  # the usual case, on every request: nothing more to look at
+            continue
         # ``==`` as vLLM's pydantic reads them: 0 is False, 1.0 is 1 (a string is not).
-        if not any(value is v or (isinstance(value, str) == isinstance(v, str) and value == v) for v in nothing):
+        if not any(isinstance(value, str) == isinstance(v, str) and value == v for v in nothing if v is not None):
             unsupported(name, message)
     if req.add_special_tokens not in (None, add_special_tokens):
         unsupported("add_special_tokens", f"Only add_special_tokens {str(add_special_tokens).lower()} (vLLM's"
