@@ -191,8 +191,9 @@ async def test_errors_are_openai_4xx_naming_the_responses_field(client: openai.A
     assert zero.value.body["param"] == "max_output_tokens"  # type: ignore[index]
     assert "max_completion_tokens" not in zero.value.body["message"]  # type: ignore[index]
     # An effort the Responses API takes is one chat takes too (it was a 400 naming reasoning_effort).
+    # Served, cut at 3 tokens or ended sooner: the sim's output may stop at once (CI saw one).
     assert (await client.responses.create(model=MODEL, input="x", max_output_tokens=3,
-                                          reasoning={"effort": "xhigh"})).status == "incomplete"
+                                          reasoning={"effort": "xhigh"})).status in ("incomplete", "completed")
     with pytest.raises(openai.BadRequestError) as too_long:
         await client.responses.create(model=MODEL, input="x", max_output_tokens=10**6)
     assert too_long.value.code == "context_length_exceeded" and too_long.value.body["param"] == "input"  # type: ignore[index]
