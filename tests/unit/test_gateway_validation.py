@@ -581,6 +581,23 @@ def test_repetition_penalty_is_bounded_below_only_as_in_vllm() -> None:
     assert req.sampling.repetition_penalty == 3.5
 
 
+def record_threads(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """The threads ``validation.<name>`` runs on, call by call, from now on."""
+    import threading
+
+    from services.gateway import validation
+
+    threads: list[int] = []
+    real = getattr(validation, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(validation, name, recording)
+    return threads
+
+
 async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """A large request's checks (a 5,000-property schema: about a second of pure Python)
     ran on the event loop, and every other client of the gateway waited for them."""
@@ -588,14 +605,7 @@ async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch: pytest.Mon
 
     from services.gateway import validation
 
-    threads: list[int] = []
-    real = validation.parse_request
-
-    def recording(*args: Any, **kwargs: Any) -> NormalizedRequest:
-        threads.append(threading.get_ident())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(validation, "parse_request", recording)
+    threads = record_threads(monkeypatch, "parse_request")
     small = chat(max_tokens=5)
     padding = {"type": "string", "description": "x" * validation.OFF_LOOP_BYTES}
     schema = {"type": "object", "properties": {"a": padding}}
@@ -721,14 +731,7 @@ async def test_a_large_batch_is_split_and_parsed_off_the_event_loop(monkeypatch:
 
     from services.gateway import validation
 
-    threads: list[int] = []
-    real = validation.parse_batch
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.get_ident())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(validation, "parse_batch", recording)
+    threads = record_threads(monkeypatch, "parse_batch")
     small = completion(prompt=["a", "b"], max_tokens=2)
     large = completion(prompt=[[65] * 100] * 250, max_tokens=2)  # 84 KB
     assert validation.looks_batched(small) and validation.looks_batched(large)
