@@ -98,6 +98,7 @@ from .metrics import AdmissionMetrics
 from .policy import AdmissionPolicy, forwarded_route
 from .replicas import ReplicaBook
 from .slo import ReplicaLoad, SloAdmitter
+from .slots import SlotWaiters
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.admission")
@@ -145,9 +146,7 @@ class AdmissionService(Service):
         self._warming: dict[str, float] = {}  # worker id → until when a load it was asked for counts
         self._background: set[asyncio.Task[None]] = set()
         self.warm_requests = 0
-        # Checks waiting for a slot of their key's concurrency limit, per key, first come
-        # first served: each freed slot of the key wakes one (``_slots_freed``).
-        self._slot_waiters: dict[str, list[asyncio.Event]] = {}
+        self._slot_waiters = SlotWaiters(self.config.slot_waiters_per_key)
         self._slot_tasks: set[asyncio.Task[None]] = set()
         self._waiters_decide_now = False  # draining: each waiter is answered at once
         self.slot_waits = 0  # checks that waited for a slot of their key's concurrency limit
@@ -185,7 +184,7 @@ class AdmissionService(Service):
         # Checks waiting for a slot are answered while this instance still leads (a refusal,
         # unless a slot is free): unanswered, their gateways would time out and fail open.
         self._waiters_decide_now = True
-        self._wake_all_waiters()
+        self._slot_waiters.wake_all()
         if self._slot_tasks:
             await asyncio.wait(set(self._slot_tasks))
         # Hand over at once: final checkpoint, then delete the lease so a standby's next
@@ -424,7 +423,7 @@ class AdmissionService(Service):
         self.metrics.leader.set(0)
         log.warning("%s stops serving admission: %s", self.instance_id, reason)
         await self.remove_endpoint("check")
-        self._wake_all_waiters()  # they refuse their checks: only a leader may admit
+        self._slot_waiters.wake_all()  # they refuse their checks: only a leader may admit
         if self._usage_sub is not None:
             with contextlib.suppress(Exception):
                 await self._usage_sub.unsubscribe()
@@ -471,7 +470,7 @@ class AdmissionService(Service):
                         last_expire = self.monotonic()
                         expired = self.policy.expire(self.clock())
                         if expired:
-                            self._slots_freed(None)
+                            self._slot_waiters.wake_one(None)
                             self.metrics.expired.inc(len(expired))
                             log.info("%d reservations expired without a usage event (charged in full)", len(expired))
                 self.metrics.open.set(len(self.policy.limiter))
@@ -502,7 +501,7 @@ class AdmissionService(Service):
             return
         delta = self.policy.on_usage(event, self.clock())
         if delta is not None:
-            self._slots_freed(event.key_id)
+            self._slot_waiters.wake_one(event.key_id)
         self._export_calibration(event.tier)  # a usage event may stand in for a lost TTFT report
         if delta is None:
             outcome = "no_reservation"  # repeat, expired, or reserved by a failed predecessor
@@ -523,11 +522,9 @@ class AdmissionService(Service):
             # At the limit, or behind checks of the key that wait already (a slot a waiter was
             # woken for must not go to a check that came after it).
             if self.leading and (self._at_concurrency_limit(req) or self._queued_behind(req)):
-                waiters = self._slot_waiters.setdefault(req.key_id, [])
-                if len(waiters) < self.config.slot_waiters_per_key:
+                waiter = self._slot_waiters.join(req.key_id)
+                if waiter is not None:
                     span.set_attribute("meshserve.slot_wait", True)
-                    waiter = asyncio.Event()
-                    waiters.append(waiter)
                     task = self.spawn(self._check_when_a_slot_frees(req, msg, waiter), name=f"slot-{req.request_id}")
                     self._slot_tasks.add(task)
                     task.add_done_callback(self._slot_tasks.discard)
@@ -544,23 +541,7 @@ class AdmissionService(Service):
         """Whether checks of ``req``'s key wait ahead of it (of ``waiter``: it is not the first)."""
         if req.concurrency_limit is None or self.policy.limiter.is_open(req.request_id):
             return False
-        waiters = self._slot_waiters.get(req.key_id)
-        return waiters is not None and len(waiters) > 0 and waiters[0] is not waiter
-
-    def _slots_freed(self, key_id: str | None) -> None:
-        """A reservation of ``key_id`` closed (None: some, of keys unknown): wake that key's
-        first waiter not woken yet (of every key for None). One per slot, in arrival order:
-        waking every waiter on every usage event cost ~7 µs a waiter, so one key's pile of
-        waiting checks could saturate the leader (review)."""
-        for key in (key_id,) if key_id is not None else list(self._slot_waiters):
-            waiter = next((w for w in self._slot_waiters.get(key, ()) if not w.is_set()), None)
-            if waiter is not None:
-                waiter.set()
-
-    def _wake_all_waiters(self) -> None:
-        for waiters in self._slot_waiters.values():
-            for waiter in waiters:
-                waiter.set()
+        return self._slot_waiters.ahead_of(req.key_id, waiter)
 
     async def _check_when_a_slot_frees(self, req: AdmissionRequest, msg: Msg, waiter: asyncio.Event) -> None:
         """Decide ``req`` once its key has fewer requests in flight than its limit, or after
@@ -579,11 +560,7 @@ class AdmissionService(Service):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.wait(), left)
         finally:
-            waiters = self._slot_waiters.get(req.key_id, [])
-            if waiter in waiters:
-                waiters.remove(waiter)
-            if not waiters:
-                self._slot_waiters.pop(req.key_id, None)
+            self._slot_waiters.leave(req.key_id, waiter)
         if not self.leading:
             # It may not admit (another instance may lead already) and handing the check on
             # finds nobody until the next leader takes the lease: the gateway would fail open,
@@ -607,7 +584,7 @@ class AdmissionService(Service):
                 await self.bus.respond_error(msg, MeshError(f"internal error: {exc!r}"))
         limit = req.concurrency_limit
         if limit is not None and self.policy.limiter.in_flight(req.key_id) < limit:
-            self._slots_freed(req.key_id)  # several slots freed at once (expiry): the next waiter's turn
+            self._slot_waiters.wake_one(req.key_id)  # several slots freed at once (expiry): the next waiter's turn
 
     async def _answer(self, req: AdmissionRequest, msg: Msg, span: trace.Span) -> None:
         """Decide ``req`` and reply (forwarding it to the router when admitted)."""
