@@ -116,7 +116,7 @@ def model_not_found(model: str) -> ApiError:
 
 # What the client should have called instead; shown in every unknown-URL error.
 SERVED_ENDPOINTS = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET|DELETE /v1/responses/{id}, "
-                    "GET /v1/responses/{id}/input_items, GET /v1/models")
+                    "GET /v1/responses/{id}/input_items, POST /v1/messages, GET /v1/models")
 
 
 def unknown_url(method: str, path: str, served: str = SERVED_ENDPOINTS) -> ApiError:

@@ -1,7 +1,8 @@
 """The HTTP front door: OpenAI's routes (SSE streaming included), resume, models, usage,
 health, metrics and the chat page. Thin: authenticate (``auth.authenticated``), parse
 (``validation``), start the request (``lifecycle.ActiveRequest``), write what it relays.
-Every error leaves as OpenAI's error JSON (``error_middleware``), never a 500 page.
+Every error leaves as OpenAI's error JSON (``error_middleware``), never a 500 page; on
+Anthropic's Messages routes, as Anthropic's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from proto import ApiKeyRecord, ErrorCode, MeshError, TokenChunk, __version__
 from proto.metering import UsageReport
 from services.common.usage import org_usage_query, usage_report_json
 
+from .anthropic_api import ANTHROPIC_PATH
+from .anthropic_http import AnthropicHttp
+from .anthropic_output import anthropic_error_body
 from .auth import AUTH_MS, REQUEST_MODEL, REQUEST_STARTED, Authenticator, authenticated
 from .errors import (
     ApiError,
@@ -71,7 +75,8 @@ def page_security_headers(html: bytes, host: str) -> dict[str, str]:
     return {"Content-Security-Policy": policy, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
             "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 # The routes that generate, and the ``api`` label their requests are counted under.
-GENERATION_APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat"}
+GENERATION_APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat",
+                   "/v1/messages": "chat"}
 RESUMABLE_HEADER = "X-Meshserve-Resumable"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -85,8 +90,10 @@ def model_card(name: str, spec: ModelSpec, created: int) -> ModelCard:
                      root=spec.name)
 
 
-def error_response(exc: ApiError) -> web.Response:
-    return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json", headers=exc.headers())
+def error_response(exc: ApiError, anthropic: bool = False) -> web.Response:
+    """The error's JSON: OpenAI's shape, or Anthropic's on its Messages routes."""
+    body = anthropic_error_body(exc) if anthropic else exc.to_json()
+    return web.Response(status=exc.status, body=body, content_type="application/json", headers=exc.headers())
 
 
 class HttpApi:
@@ -102,6 +109,7 @@ class HttpApi:
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
             *ResponsesHttp(self).routes(),
+            *AnthropicHttp(self).routes(),
             *tokenize_routes(self.gateway),
             web.get("/v1/requests/{request_id}/stream", self.resume),
             web.get("/v1/models", self.models),
@@ -133,26 +141,32 @@ class HttpApi:
     async def _answer(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             return await handler(request)
-        except ApiError as exc:
-            return error_response(exc)
-        except web.HTTPRequestEntityTooLarge as exc:
-            return error_response(payload_too_large(self.gateway.config.max_body_bytes, getattr(exc, "actual_size", None)))
-        except web.HTTPMethodNotAllowed as exc:
-            response = error_response(method_not_allowed(request.method, request.path, exc.allowed_methods))
-            response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        except Exception as exc:
+            anthropic = request.path.startswith(ANTHROPIC_PATH)
+            response = error_response(self._api_error(request, exc), anthropic)
+            if isinstance(exc, web.HTTPMethodNotAllowed):
+                response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
             return response
-        except web.HTTPNotFound:
+
+    def _api_error(self, request: web.Request, exc: Exception) -> ApiError:
+        """What a handler raised, as the client's error (re-raises a non-error HTTP answer)."""
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
+            return payload_too_large(self.gateway.config.max_body_bytes, getattr(exc, "actual_size", None))
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            return method_not_allowed(request.method, request.path, exc.allowed_methods)
+        if isinstance(exc, web.HTTPNotFound):
             # Unknown paths (/v1/embeddings, typos) answer like OpenAI, not with text/plain.
-            return error_response(unknown_url(request.method, request.path))
-        except web.HTTPException as exc:
+            return unknown_url(request.method, request.path)
+        if isinstance(exc, web.HTTPException):
             if exc.status < 400:
-                raise
+                raise exc
             # aiohttp's own text says what was wrong (e.g. a plain GET on /v1/ws); its default is "400: Bad Request".
             detail = " ".join((exc.text or exc.reason).split())
-            return error_response(ApiError(exc.status, detail, "invalid_request_error" if exc.status < 500 else "server_error"))
-        except Exception:
-            log.exception("unhandled error on %s", request.path)
-            return error_response(internal_error())
+            return ApiError(exc.status, detail, "invalid_request_error" if exc.status < 500 else "server_error")
+        log.exception("unhandled error on %s", request.path, exc_info=exc)
+        return internal_error()
 
     # ---- generation ---------------------------------------------------------------------
     @authenticated
