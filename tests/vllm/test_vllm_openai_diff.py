@@ -499,6 +499,103 @@ async def test_stop_token_ids_and_min_tokens(servers: Servers) -> None:
     assert len(at_least.choices[0].model_extra["token_ids"]) >= 8
 
 
+# ------------------------------------------------------- Anthropic's Messages API
+
+
+def message_view(m: Any) -> dict[str, Any]:
+    """What both must agree on in an Anthropic Message (not ids; the total input either
+    way: vLLM counts cached tokens in ``input_tokens`` unless started with prompt details)."""
+    blocks: list[dict[str, Any]] = []
+    for b in m.content:
+        if b.type == "text":
+            blocks.append({"type": "text", "text": b.text})
+        elif b.type == "tool_use":
+            blocks.append({"type": "tool_use", "name": b.name, "input": b.input})
+        elif b.type == "thinking":
+            blocks.append({"type": "thinking", "thinking": b.thinking})
+        else:
+            blocks.append({"type": b.type})
+    u = m.usage
+    return {"type": m.type, "role": m.role, "model": m.model, "content": blocks, "stop_reason": m.stop_reason,
+            "stop_sequence": m.stop_sequence,
+            "usage": {"input_tokens": u.input_tokens + (u.cache_read_input_tokens or 0),
+                      "output_tokens": u.output_tokens}}
+
+
+async def compare_messages(servers: Servers, body: dict[str, Any]) -> Any:
+    """The same Messages body to both with the stock ``anthropic`` client, whole and streamed
+    (the SDK's accumulator rebuilds the streamed one; the events' kinds must match too,
+    less meshserve's ``ping``, which Anthropic sends and vLLM does not)."""
+    import anthropic
+
+    answers: dict[str, list[Any]] = {}
+    for name, base, key in (("vLLM", servers.urls.vllm, "unused"), ("meshserve", servers.urls.mesh, servers.key)):
+        async with anthropic.AsyncAnthropic(base_url=base, api_key=key, max_retries=0, timeout=120) as client:
+            # (this SDK takes temperature in extra_body: its newest models dropped the parameter)
+            whole = await client.messages.create(model=MODEL, **_split(client.messages.create, body))
+            kinds = []
+            async with client.messages.stream(model=MODEL, **_split(client.messages.stream, body)) as stream:
+                async for event in stream:
+                    if event.type in ("message_start", "content_block_start", "content_block_stop", "message_delta",
+                                      "message_stop"):
+                        kinds.append(event.type)
+                streamed = await stream.get_final_message()
+            answers[name] = [whole, streamed, kinds]
+    ref, got = answers["vLLM"], answers["meshserve"]
+    assert_same(message_view(ref[0]), message_view(got[0]), "message")
+    assert_same(message_view(ref[1]), message_view(got[1]), "streamed message")
+    assert_same(ref[2], got[2], "streamed event kinds")
+    return ref[0]
+
+
+async def test_anthropic_messages(servers: Servers) -> None:
+    """``/v1/messages`` (vLLM serves it beside its OpenAI routes): the same prompt rendered
+    from the same system, turns and blocks; the same text, stop reason and usage."""
+    turns = [{"role": "user", "content": "Tell me about the city"},
+             {"role": "assistant", "content": [{"type": "text", "text": "It is old."}]},
+             {"role": "user", "content": [{"type": "text", "text": "And the river?"},
+                                          {"type": "text", "text": "Briefly."}]}]
+    free = await compare_messages(servers, {"max_tokens": 16, "temperature": 0.0, "messages": turns,
+                                            "system": [{"type": "text", "text": "You are a guide."}]})
+    assert free.stop_reason == "max_tokens" and free.content[0].text
+    # A stop sequence from the greedy answer's own text: both stop there and name it.
+    words = free.content[0].text.split()
+    stop = next((w for w in words[2:] if len(w) > 2), None)
+    if stop is not None:
+        stopped = await compare_messages(servers, {"max_tokens": 16, "temperature": 0.0, "messages": turns,
+                                                   "system": "You are a guide.", "stop_sequences": [stop]})
+        assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    # count_tokens: the prompt's tokens as each counts them.
+    async with aiohttp.ClientSession() as http:
+        counts = []
+        for base in (servers.urls.vllm, servers.urls.mesh):
+            async with http.post(base + "/v1/messages/count_tokens", json={"model": MODEL, "messages": turns},
+                                 headers={"x-api-key": servers.key}) as r:
+                assert r.status == 200, await r.text()
+                counts.append((await r.json())["input_tokens"])
+    assert counts[0] == counts[1], f"count_tokens: vLLM {counts[0]} != meshserve {counts[1]}"
+
+
+async def test_anthropic_tool_use_and_result(servers: Servers) -> None:
+    """A forced ``tool_use`` and the ``tool_result`` sent back: the same call and input, and
+    the same next answer from the same rendered conversation."""
+    tool = {"name": "get_weather", "description": "The weather in a city",
+            "input_schema": WEATHER["function"]["parameters"]}
+    ask = [{"role": "user", "content": "What is the weather like?"}]
+    called = await compare_messages(servers, {"max_tokens": 64, "temperature": 0.0, "messages": ask, "tools": [tool],
+                                              "tool_choice": {"type": "tool", "name": "get_weather"}})
+    call = called.content[-1]
+    assert call.type == "tool_use" and called.stop_reason == "tool_use"
+    jsonschema.validate(call.input, tool["input_schema"])
+    await compare_messages(servers, {"max_tokens": 12, "temperature": 0.0, "tools": [tool],
+                                     "tool_choice": {"type": "none"}, "messages": [
+        *ask, {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                                {"type": "tool_use", "id": "toolu_1", "name": call.name,
+                                                 "input": call.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                                     {"type": "text", "text": "Thanks."}]}]})
+
+
 async def test_calibrate_fits_vllms_own_phase_times(urls: Urls, tmp_path: Path) -> None:
     """Issue 18: ``meshserve calibrate --engine-url`` on vLLM's own server gives a sane
     profile (its timings are vLLM's; only their shape is checked, never a speed)."""
