@@ -24,6 +24,14 @@ MCP servers, containers, context management. ``thinking`` ``adaptive`` is the mo
 thinking; ``disabled`` turns it off where the chat template can (``enable_thinking``).
 ``cache_control`` is accepted anywhere and changes nothing: every prefix is cached, and
 ``usage.cache_read_input_tokens`` says how much of the prompt was.
+
+Where it departs from vLLM's ``/v1/messages`` on purpose: ``output_config.effort`` ``max``
+is ``xhigh`` (the chat path's highest effort; vLLM passes ``max`` on); ``thinking``
+``disabled`` sets the template's ``enable_thinking`` false (the chat path's way; vLLM
+probes the template for a ``reasoning_effort`` that turns thinking off); an inline system
+message stays where it is (vLLM moves it into the leading system prompt when the
+template insists on one first, which here is that template's 400); deferred tools,
+``tool_reference`` blocks and ``context_management`` are 400s.
 """
 
 from __future__ import annotations
@@ -38,11 +46,11 @@ from typing import Any, NoReturn
 import msgspec
 from msgspec import Struct
 
+from .chat_request import BILLING_HEADER
 from .errors import ApiError, bad_request, clip, invalid_json
 from .responses_api import PASSTHROUGH as SAMPLING_PASSTHROUGH
 
 ANTHROPIC_PATH = "/v1/messages"  # and what follows it: the routes answering Anthropic's errors
-_BILLING_HEADER = "x-anthropic-billing-header"
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 _SERVICE_TIERS = ("auto", "standard_only")
 # vLLM's extensions of its Messages request, and the sampling extensions the Responses API
@@ -164,10 +172,12 @@ def _not_text(kind: Any, param: str) -> NoReturn:
     _invalid(f"{param}.type", f"Content block type {clip(str(kind))!r} is not supported here.")
 
 
-def _system_text(content: Any, param: str) -> str:
-    """A system prompt's text (blocks joined as vLLM joins them), billing headers dropped."""
+def _system_text(content: Any, param: str, *, inline: bool = False) -> str:
+    """A system prompt's text (blocks joined as vLLM joins them), less Claude Code's
+    attribution header: a block holding it is dropped, and so is an inline system message
+    that opens with it (vLLM's /v1/messages); the chat path drops the line from the rest."""
     if isinstance(content, str):
-        return "" if content.startswith(_BILLING_HEADER) else content
+        return "" if inline and content.startswith(BILLING_HEADER) else content
     if not isinstance(content, list):
         _invalid(param, "Input should be a string or a list of text blocks.", "invalid_type")
     parts = []
@@ -176,7 +186,7 @@ def _system_text(content: Any, param: str) -> str:
         if block.get("type") != "text":
             _not_text(block.get("type"), f"{param}[{j}]")
         text = _string(block, "text", f"{param}[{j}]")
-        if text and not text.startswith(_BILLING_HEADER):
+        if text and not text.startswith(BILLING_HEADER):
             parts.append(text)
     return "".join(parts)
 
@@ -211,7 +221,7 @@ def _convert_messages(messages: list[Any], out: list[dict[str, Any]], params: li
             _missing(f"{param}.content")
         content = value["content"]
         if role == "system":  # not Anthropic's, but vLLM takes them in place (Claude Code's reminders)
-            text = _system_text(content, f"{param}.content")
+            text = _system_text(content, f"{param}.content", inline=True)
             if text:
                 out.append({"role": "system", "content": text})
                 params.append(param)
@@ -240,7 +250,7 @@ def _convert_messages(messages: list[Any], out: list[dict[str, Any]], params: li
             elif kind == "tool_use":
                 if role != "assistant":
                     _invalid(f"{bparam}.type", "tool_use blocks belong in assistant messages.")
-                arguments = block.get("input", {})
+                arguments = block.get("input") or {}
                 if not isinstance(arguments, dict):
                     _invalid(f"{bparam}.input", "Input should be a valid dictionary.", "invalid_type")
                 calls.append({"id": _string(block, "id", bparam), "type": "function",
@@ -258,7 +268,7 @@ def _convert_messages(messages: list[Any], out: list[dict[str, Any]], params: li
         if texts:
             message["content"] = "\n".join(texts)  # the chat path joins text parts so (vLLM's)
         if reasoning:
-            message["reasoning_content"] = "".join(reasoning)
+            message["reasoning"] = "".join(reasoning)  # rendered for templates that show it (vLLM's field)
         if calls:
             message["tool_calls"] = calls
         if role == "user" and "content" not in message:
@@ -282,7 +292,11 @@ def _chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
             _missing(f"{param}.input_schema")
         if not isinstance(schema, dict):
             _invalid(f"{param}.input_schema", "Input should be a valid dictionary.", "invalid_type")
-        function: dict[str, Any] = {"name": name, "parameters": {"type": "object", **schema}}
+        if tool.get("defer_loading"):
+            _unsupported(f"{param}.defer_loading", "Deferred tools (tool search) are not supported: every tool is"
+                                                   " rendered into the prompt.")
+        # The client's key order kept (the template renders it as given); type last when missing, as vLLM.
+        function: dict[str, Any] = {"name": name, "parameters": {**schema, "type": schema.get("type", "object")}}
         if tool.get("description") is not None:
             function["description"] = _string(tool, "description", param)
         if tool.get("strict") is not None:
@@ -301,8 +315,10 @@ def _chat_tool_choice(choice: Mapping[str, Any]) -> Any:
         return "none"
     if kind == "tool":
         name = choice.get("name")
-        if not isinstance(name, str) or not name:
+        if name is None:
             _missing("tool_choice.name")
+        if not isinstance(name, str) or not name:
+            _invalid("tool_choice.name", "Input should be a non-empty string.", "invalid_type")
         return {"type": "function", "function": {"name": name}}
     _invalid("tool_choice.type", f"Input should be 'auto', 'any', 'tool' or 'none', got {clip(str(kind))!r}.")
 
@@ -311,6 +327,25 @@ def _chat_tool_choice(choice: Mapping[str, Any]) -> Any:
 _CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "user": "metadata.user_id",
                 "reasoning_effort": "output_config.effort", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 _INDEXED = re.compile(r"^(?P<name>messages|tools)\[(?P<i>\d+)\](?P<rest>.*)$")
+# The chat path's context-length errors (normalized._resolve_max_tokens), and Anthropic's
+# words for them: Claude Code reads these to compact a conversation or lower max_tokens.
+_OVER_WITH_OUTPUT = re.compile(r"maximum context length is (?P<n>\d+) tokens\. However, you requested \d+ tokens"
+                               r" \((?P<prompt>\d+) in the messages, (?P<out>\d+) in the completion\)")
+_OVER_PROMPT = re.compile(r"maximum context length is (?P<n>\d+) tokens\. However, your messages resulted in"
+                          r" (?P<prompt>\d+) tokens")
+
+
+def _context_error(exc: ApiError) -> ApiError | None:
+    over = _OVER_WITH_OUTPUT.search(exc.message)
+    if over:
+        message = (f"input length and `max_tokens` exceed context limit: {over['prompt']} + {over['out']} >"
+                   f" {over['n']}, decrease input length or `max_tokens` and try again")
+        return ApiError(exc.status, message, exc.type, None, exc.code)
+    over = _OVER_PROMPT.search(exc.message)
+    if over:
+        return ApiError(exc.status, f"prompt is too long: {over['prompt']} tokens > {over['n']} maximum", exc.type,
+                        None, exc.code)
+    return None
 
 
 @dataclass(slots=True)
@@ -325,6 +360,10 @@ class MessagesPlan:
 
     def api_error(self, exc: ApiError) -> ApiError:
         """A chat validation error, its ``param`` renamed to the Messages field."""
+        if exc.code == "context_length_exceeded":
+            said = _context_error(exc)
+            if said is not None:
+                return said
         param = exc.param
         if param is None:
             return exc
@@ -373,8 +412,11 @@ def plan_messages(req: MessagesRequest, passthrough: Mapping[str, Any]) -> Messa
         choice = _chat_tool_choice(req.tool_choice)
         if req.tools or choice not in ("auto", "none"):  # chat refuses a choice without tools
             body["tool_choice"] = choice
-        if req.tool_choice.get("disable_parallel_tool_use") is not None:
-            body["parallel_tool_calls"] = not req.tool_choice["disable_parallel_tool_use"]
+        disable = req.tool_choice.get("disable_parallel_tool_use")
+        if disable is not None:
+            if not isinstance(disable, bool):
+                _invalid("tool_choice.disable_parallel_tool_use", "Input should be a valid boolean.", "invalid_type")
+            body["parallel_tool_calls"] = not disable
     _thinking(req, body)
     format_param = _output_format(req, body)
     if req.stream:
@@ -397,7 +439,10 @@ def _thinking(req: MessagesRequest, body: dict[str, Any]) -> None:
                                       " end a model's thinking at a budget. Send {\"type\": \"adaptive\"} (the model"
                                       " thinks as it does, within max_tokens) or {\"type\": \"disabled\"}.")
     if kind == "disabled":
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        given = body.get("chat_template_kwargs") or {}
+        if not isinstance(given, dict):
+            _invalid("chat_template_kwargs", "Input should be a valid dictionary.", "invalid_type")
+        kwargs = dict(given)
         kwargs.setdefault("enable_thinking", False)  # Qwen-style templates; the parser then reads no thinking
         body["chat_template_kwargs"] = kwargs
     elif kind != "adaptive":
@@ -410,7 +455,7 @@ def _output_format(req: MessagesRequest, body: dict[str, Any]) -> str:
     config = req.output_config or {}
     effort = config.get("effort")
     if effort is not None:
-        if effort not in _EFFORTS:
+        if not isinstance(effort, str) or effort not in _EFFORTS:
             _invalid("output_config.effort", f"Input should be one of {', '.join(map(repr, _EFFORTS))}.")
         body["reasoning_effort"] = _EFFORTS[effort]
     fmt, param = config.get("format"), "output_config.format"
@@ -436,4 +481,9 @@ def count_tokens_body(req: MessagesRequest, passthrough: Mapping[str, Any]) -> t
     plan = plan_messages(req, passthrough)
     body: dict[str, Any] = {k: plan.body[k] for k in ("model", "messages", "tools", "chat_template_kwargs")
                             if k in plan.body}
+    given = body.get("chat_template_kwargs")
+    if "reasoning_effort" in plan.body and (given is None or isinstance(given, dict)):
+        # A template variable on chat, so the same prompt; a given that is no object is /tokenize's 400.
+        kwargs = body["chat_template_kwargs"] = dict(given or {})
+        kwargs.setdefault("reasoning_effort", plan.body["reasoning_effort"])
     return body, plan

@@ -18,10 +18,10 @@ from opentelemetry.propagate import extract
 
 from proto import ApiKeyRecord
 
-from .anthropic_api import count_tokens_body, parse_messages_request, plan_messages
+from .anthropic_api import MessagesPlan, count_tokens_body, parse_messages_request, plan_messages
 from .anthropic_output import MessageContext, MessageStream, message_from_chat
 from .auth import REQUEST_MODEL, REQUEST_STARTED, authenticated
-from .errors import ApiError, payload_too_large
+from .errors import ApiError, invalid_json, payload_too_large
 from .events import DONE, EventBuilder
 from .lifecycle import ActiveRequest, cut_slow_client
 from .normalized import NormalizedRequest
@@ -59,9 +59,9 @@ class AnthropicHttp:
     @authenticated
     async def create(self, http: web.Request, key: ApiKeyRecord) -> web.StreamResponse:
         g = self.gateway
-        plan = plan_messages(*parse_messages_request(await self._body(http)))
+        plan, chat_body = chat_form(await self._body(http))
         try:
-            request = await parse_request_off_loop("chat", encode_json(plan.body), g.models.specs(),
+            request = await parse_request_off_loop("chat", chat_body, g.models.specs(),
                                                    allowed_models=key.models or None)
         except ApiError as exc:
             raise plan.api_error(exc) from None
@@ -107,11 +107,24 @@ class AnthropicHttp:
         """The prompt tokens the same body would take on ``/v1/messages`` (the gateway's
         tokenizer and chat template, as ``/tokenize`` counts them)."""
         body = await self._body(http)
-        chat, plan = count_tokens_body(*parse_messages_request(body, count_only=True))
-        chat_body = encode_json(chat)
+        plan, chat_body = chat_form(body, count_only=True)
         try:
             answer = await off_loop(parse_cost(chat_body), tokenize, chat_body, self.gateway.models.specs(),
                                     allowed_models=key.models or None)
         except ApiError as exc:
             raise plan.api_error(exc) from None
         return web.json_response({"input_tokens": answer.count})
+
+
+def chat_form(body: bytes, *, count_only: bool = False) -> tuple[MessagesPlan, bytes]:
+    """The plan and the encoded chat body of a Messages body (``count_only``: the chat
+    form of ``/tokenize`` for ``count_tokens``). A tool's input or schema nested past what
+    the encoder can recurse is the body's fault, as deep JSON is elsewhere."""
+    try:
+        if count_only:
+            chat, plan = count_tokens_body(*parse_messages_request(body, count_only=True))
+            return plan, encode_json(chat)
+        plan = plan_messages(*parse_messages_request(body))
+        return plan, encode_json(plan.body)
+    except RecursionError:
+        raise invalid_json("JSON nested too deeply") from None

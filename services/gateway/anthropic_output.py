@@ -169,6 +169,9 @@ class MessageStream:
         self.stop: int | str | None = None
         self.tool_used = False
         self.last_arguments: list[str] = []
+        # Text that came while a tool_use block was open: sent as a text block of its own
+        # once that block closes (a call's arguments may go on after it, as in vLLM's).
+        self.held_text: list[str] = []
         self.done = False
 
     @staticmethod
@@ -191,6 +194,12 @@ class MessageStream:
             frames.append(self._event("content_block_delta", {"index": block.index, "delta": {
                 "type": "signature_delta", "signature": thinking_signature("".join(block.text))}}))
         frames.append(self._event("content_block_stop", {"index": block.index}))
+        if block.kind == "tool_use" and self.held_text:
+            text = "".join(self.held_text)
+            self.held_text = []
+            frames += self._switch("text", {"type": "text", "text": ""})
+            frames.append(self._delta({"type": "text_delta", "text": text}, text))
+            frames += self._close()
         return frames
 
     def _switch(self, kind: str, start: dict[str, Any], call_index: int = -1) -> list[bytes]:
@@ -224,7 +233,9 @@ class MessageStream:
                 frames += self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
                 frames.append(self._delta({"type": "thinking_delta", "thinking": reasoning}, reasoning))
             content = delta.get("content")
-            if content:
+            if content and self.open is not None and self.open.kind == "tool_use":
+                self.held_text.append(content)
+            elif content:
                 frames += self._switch("text", {"type": "text", "text": ""})
                 frames.append(self._delta({"type": "text_delta", "text": content}, content))
             for call in delta.get("tool_calls") or []:
@@ -237,6 +248,10 @@ class MessageStream:
                     self.last_arguments = []
                     frames += opened
                 arguments = function.get("arguments")
+                if arguments and not self.last_arguments:
+                    # Leading whitespace of a forced call's raw text: insignificant in JSON, and
+                    # a fragment of only that fails a client's partial-JSON parse.
+                    arguments = arguments.lstrip()
                 if arguments:
                     self.last_arguments.append(arguments)
                     frames.append(self._delta({"type": "input_json_delta", "partial_json": arguments}, arguments))

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import msgspec
+
 from proto.records import OutputOptions
 
 from .chat_template import ChatTemplateError
@@ -22,11 +24,30 @@ from .normalized import (
     finish_request,
     resolve_model,
 )
-from .openai_api import REASONING_EFFORTS, ChatCompletionRequest, chat_request_decoder
+from .openai_api import REASONING_EFFORTS, ChatCompletionRequest, ContentPart, chat_request_decoder
 from .sampling_fields import check_common, check_count, check_vllm_unserved, invalid, unsupported
 from .tools import ToolPlan, history_fields, plan_tools
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+# Claude Code's attribution line: its value changes on every request, so a system prompt
+# that keeps it misses the prefix cache from there on (vLLM drops it too).
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_header(content: str | list[ContentPart]) -> str | list[ContentPart]:
+    """A system message's content less Claude Code's attribution line (a text part that
+    held nothing else is dropped)."""
+    if isinstance(content, str):
+        return content.partition("\n")[2] if content.startswith(BILLING_HEADER) else content
+    kept = []
+    for part in content:
+        if part.type == "text" and part.text is not None and part.text.startswith(BILLING_HEADER):
+            rest = part.text.partition("\n")[2]
+            if not rest:
+                continue
+            part = msgspec.structs.replace(part, text=rest)
+        kept.append(part)
+    return kept
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -44,6 +65,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 "unsupported_value",
             )
         content = m.content
+        if m.role == "system" and content is not None:
+            content = _without_billing_header(content)
         if content is None:
             if m.role != "assistant":
                 raise bad_request(
@@ -75,6 +98,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.name is not None:
             message["name"] = m.name
+        if m.role == "assistant" and m.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = m.reasoning
         message.update(history_fields(m, i))
         out.append(message)
     return out

@@ -55,7 +55,10 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
-    reasoning_content: str | None = None  # assistant, echoed back by some clients: not rendered
+    reasoning_content: str | None = None  # assistant, echoed back by some clients: not rendered (as vLLM)
+    # assistant: its reasoning, handed back for interleaved thinking; the template gets it
+    # as ``reasoning`` and ``reasoning_content`` (as vLLM passes it)
+    reasoning: str | None = None
 
 
 class StreamOptions(Struct, kw_only=True):

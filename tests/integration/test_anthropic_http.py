@@ -189,7 +189,9 @@ async def test_errors_are_anthropic_shaped_and_name_the_field(client: anthropic.
                                                               gateway: GatewayService) -> None:
     hi: list[Any] = [{"role": "user", "content": "Hi"}]
     error = await _error(client.messages.create(model=MODEL, max_tokens=5000, messages=hi), anthropic.BadRequestError)
-    assert error["type"] == "invalid_request_error" and "maximum context length is 4096" in str(error["message"])
+    # Anthropic's words, which Claude Code reads to lower max_tokens or compact the conversation.
+    assert error["type"] == "invalid_request_error" and str(error["message"]).startswith(
+        "input length and `max_tokens` exceed context limit: ") and "> 4096" in str(error["message"])
     error = await _error(client.messages.create(model="no-such-model", max_tokens=4, messages=hi),
                          anthropic.NotFoundError)
     assert error["type"] == "not_found_error"

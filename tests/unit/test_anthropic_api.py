@@ -15,6 +15,7 @@ from pydantic import TypeAdapter
 
 from proto.messages import AdmissionDecision
 from services.gateway.anthropic_api import MessagesPlan, parse_messages_request, plan_messages
+from services.gateway.anthropic_http import chat_form
 from services.gateway.anthropic_output import (
     MessageContext,
     MessageStream,
@@ -22,7 +23,11 @@ from services.gateway.anthropic_output import (
     message_from_chat,
     stop_reason,
 )
+from services.gateway.chat_request import chat_messages
 from services.gateway.errors import ApiError, from_admission, rate_limited
+from services.gateway.models import ModelLimits
+from services.gateway.normalized import _resolve_max_tokens
+from services.gateway.openai_api import chat_request_decoder
 
 
 def plan(body: dict[str, Any]) -> MessagesPlan:
@@ -48,7 +53,7 @@ def test_blocks_become_the_chat_messages_vllm_renders() -> None:
     assert made.body["messages"] == [
         {"role": "system", "content": "Be brief."},  # the billing block dropped: it defeats prefix caching
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "look it up",
+        {"role": "assistant", "content": "Checking.", "reasoning": "look it up",
          "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "w", "arguments": '{"c": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "t1", "content": "sun\n21 C"},  # a user turn of results only: no user message
         {"role": "tool", "tool_call_id": "t1", "content": "again"},
@@ -266,3 +271,92 @@ def test_a_stream_that_stops_on_a_sequence_or_fails() -> None:
     limited = MessageStream(CTX)
     assert events(limited.fail({"message": "slow down", "code": "rate_limit_exceeded"}))[0]["error"]["type"] == \
         "rate_limit_error"
+
+
+def test_the_billing_header_goes_as_vllm_drops_it() -> None:
+    header = "x-anthropic-billing-header: cc_version=2.1; cch=9f3a;"
+    # A block of it is dropped here; an inline system message opening with it too.
+    made = plan({"system": [{"type": "text", "text": header}, {"type": "text", "text": "Rules."}], "messages": [
+        {"role": "system", "content": header + "\nignored too"}, {"role": "user", "content": "hi"}]})
+    assert made.body["messages"] == [{"role": "system", "content": "Rules."}, {"role": "user", "content": "hi"}]
+    # A top-level string keeps it: the chat path drops the line itself (for any client, as vLLM's chat does).
+    body = plan({"system": header + "\nRules.", "messages": [{"role": "user", "content": "hi"}]}).body
+    assert body["messages"][0] == {"role": "system", "content": header + "\nRules."}
+    rendered = chat_messages(chat_request_decoder.decode(json.dumps(body)))
+    assert rendered[0] == {"role": "system", "content": "Rules."}
+    parts = chat_messages(chat_request_decoder.decode(json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": [{"type": "text", "text": header}, {"type": "text", "text": "A"}]},
+        {"role": "user", "content": header}]})))
+    assert parts == [{"role": "system", "content": "A"}, {"role": "user", "content": header}]  # system only
+
+
+def test_reasoning_handed_back_reaches_the_template() -> None:
+    """vLLM gives an assistant's ``reasoning`` to the template (as ``reasoning`` and
+    ``reasoning_content``) for interleaved thinking; ``reasoning_content`` it does not."""
+    rendered = chat_messages(chat_request_decoder.decode(json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"},
+        {"role": "assistant", "content": "b", "reasoning_content": "old"}]})))
+    assert rendered[1] == {"role": "assistant", "content": "a", "reasoning": "r", "reasoning_content": "r"}
+    assert rendered[2] == {"role": "assistant", "content": "b"}
+
+
+def test_tool_schemas_keep_their_key_order() -> None:
+    schema = {"properties": {"c": {"type": "string"}}, "required": ["c"], "title": "W"}
+    tools = plan({"messages": [], "tools": [{"name": "w", "input_schema": schema},
+                                            {"name": "v", "input_schema": {**schema, "type": "object"}}]}).body["tools"]
+    assert list(tools[0]["function"]["parameters"]) == ["properties", "required", "title", "type"]
+    assert list(tools[1]["function"]["parameters"]) == ["properties", "required", "title", "type"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"thinking": {"type": "disabled"}, "chat_template_kwargs": "ab"}, "chat_template_kwargs"),
+    ({"output_config": {"effort": ["high"]}}, "output_config.effort"),
+    ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": "false"}}, "tool_choice.disable_parallel_tool_use"),
+    ({"tool_choice": {"type": "tool", "name": 5}}, "tool_choice.name"),
+    ({"tools": [{"name": "w", "input_schema": {}, "defer_loading": True}]}, "tools[0].defer_loading"),
+])
+def test_wrong_types_are_400s_not_500s(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        plan({"messages": [], **body})
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_a_null_tool_input_is_an_empty_one_and_count_tokens_sees_the_effort() -> None:
+    made = plan({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "w",
+                                                                 "input": None}]}]})
+    assert made.body["messages"][0]["tool_calls"][0]["function"]["arguments"] == "{}"
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "output_config": {"effort": "low"}})
+    _, encoded = chat_form(body.encode(), count_only=True)
+    assert json.loads(encoded)["chat_template_kwargs"] == {"reasoning_effort": "low"}
+
+
+def test_context_length_errors_in_anthropics_words() -> None:
+    """Claude Code reads these to compact the conversation or lower max_tokens."""
+    limits = ModelLimits(max_model_len=100)
+    made = plan({"messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(ApiError) as both:
+        _resolve_max_tokens("chat", "max_tokens", 50, 60, limits)
+    said = made.api_error(both.value)
+    assert said.message == ("input length and `max_tokens` exceed context limit: 60 + 50 > 100, decrease input length"
+                            " or `max_tokens` and try again") and said.param is None
+    with pytest.raises(ApiError) as prompt:
+        _resolve_max_tokens("chat", "max_tokens", None, 120, limits)
+    assert made.api_error(prompt.value).message == "prompt is too long: 120 tokens > 100 maximum"
+
+
+def test_text_between_a_calls_arguments_waits_for_the_call_to_close() -> None:
+    stream = MessageStream(CTX)
+    frames = stream.start()
+    for c in (chunk({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "w", "arguments": "\n  "}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"c": '}}]}),
+              chunk({"content": "by the way"}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}),
+              chunk({}, finish="tool_calls")):
+        frames += stream.feed(c)
+    got = events(frames + stream.finish())
+    assert [(e["type"], e.get("content_block", e.get("delta", {})).get("type")) for e in got[2:-2]] == [
+        ("content_block_start", "tool_use"), ("content_block_delta", "input_json_delta"),
+        ("content_block_delta", "input_json_delta"), ("content_block_stop", None),
+        ("content_block_start", "text"), ("content_block_delta", "text_delta"), ("content_block_stop", None)]
+    assert got[3]["delta"]["partial_json"] == '{"c": '  # the whitespace-only fragment held back, then stripped
+    assert got[-2]["delta"]["stop_reason"] == "tool_use"

@@ -576,6 +576,22 @@ async def test_anthropic_messages(servers: Servers) -> None:
     assert counts[0] == counts[1], f"count_tokens: vLLM {counts[0]} != meshserve {counts[1]}"
 
 
+async def test_claude_codes_billing_header_is_dropped(servers: Servers) -> None:
+    """Claude Code's attribution line changes on every request: both drop it from a system
+    prompt, on chat (gateways that translate Anthropic's API send it there) and on
+    /v1/messages, so the rest of the prompt is what both render."""
+    header = "x-anthropic-billing-header: cc_version=2.1.3; cch=5b1e;"
+    ref, _ = await compare_chat(servers, {**GREEDY, "messages": [
+        {"role": "system", "content": header + "\nYou are a guide."}, *QUESTION]})
+    plain = await servers.vllm.chat.completions.create(
+        model=MODEL, **_split(servers.vllm.chat.completions.create, {**GREEDY, "messages": [
+            {"role": "system", "content": "You are a guide."}, *QUESTION]}))
+    assert ref.usage is not None and plain.usage is not None
+    assert ref.usage.prompt_tokens == plain.usage.prompt_tokens  # vLLM dropped the line: the comparison covered it
+    await compare_messages(servers, {"max_tokens": 8, "temperature": 0.0, "messages": QUESTION, "system": [
+        {"type": "text", "text": header}, {"type": "text", "text": "You are a guide."}]})
+
+
 async def test_anthropic_tool_use_and_result(servers: Servers) -> None:
     """A forced ``tool_use`` and the ``tool_result`` sent back: the same call and input, and
     the same next answer from the same rendered conversation."""
