@@ -340,13 +340,16 @@ def _print_banner(console: Any, mesh: Mesh) -> None:
                       f"  meshserve serve worker --nats-url {mesh.nats_url} --engine sim --model {config.model}",
                       markup=False)
     if "gateway" in config.services:
-        console.print(f"OpenAI-compatible API: {mesh.gateway_url}/v1   chat page: {mesh.gateway_url}/", markup=False)
+        console.print(f"OpenAI-compatible API: {mesh.gateway_url}/v1   Anthropic's Messages API: {mesh.gateway_url}"
+                      f"/v1/messages   chat page: {mesh.gateway_url}/", markup=False)
     if mesh.dev_key:
         key_file = mesh.state_dir / "dev-key"
         reused = " (reused from an earlier run)" if mesh.dev_key_reused else ""
         console.print(f"development API key{reused}, also in {key_file}:", markup=False)
         console.print(f"  {mesh.dev_key}", markup=False)
         console.print(f"  export OPENAI_BASE_URL={mesh.gateway_url}/v1 OPENAI_API_KEY=$(cat {key_file})", markup=False)
+        console.print(f"  export ANTHROPIC_BASE_URL={mesh.gateway_url} ANTHROPIC_API_KEY=$(cat {key_file})",
+                      markup=False)
         body = json.dumps({"model": config.model, "messages": [{"role": "user", "content": "hi"}]})
         console.print(f"  curl {mesh.gateway_url}/v1/chat/completions -H \"Authorization: Bearer $(cat {key_file})\" "
                       f"-H 'Content-Type: application/json' -d '{body}'", markup=False)
