@@ -43,11 +43,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import msgspec
 from msgspec import Struct
 
 from .chat_request import BILLING_HEADER
-from .errors import ApiError, bad_request, clip, invalid_json
+from .errors import ApiError, bad_request, clip
+from .normalized import decode_object
 from .responses_api import PASSTHROUGH as SAMPLING_PASSTHROUGH
 
 ANTHROPIC_PATH = "/v1/messages"  # and what follows it: the routes answering Anthropic's errors
@@ -87,9 +87,6 @@ class MessagesRequest(Struct, kw_only=True):
     context_management: Any = None
 
 
-_AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
-
-
 def _unsupported(param: str, message: str) -> NoReturn:
     raise bad_request(message, param, "unsupported_parameter")
 
@@ -106,22 +103,7 @@ def parse_messages_request(body: bytes | str, *, count_only: bool = False) -> tu
     """Decode and check a ``/v1/messages`` body (``count_only``: a ``count_tokens`` body,
     which has no ``max_tokens``). Returns the request and its PASSTHROUGH fields present;
     ``ApiError`` 400 naming the field."""
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise invalid_json(str(exc)) from None
-    except RecursionError:
-        raise invalid_json("JSON nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise invalid_json("the body is not a JSON object")
-    try:
-        req = msgspec.convert(raw, MessagesRequest)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        at = _AT_PATH.search(text)
-        param = at.group("path").lstrip(".") if at else None
-        detail = text[: at.start()] if at else text
-        raise bad_request(f"{clip(detail)}.", param, "invalid_type") from None
+    raw, req = decode_object(body, MessagesRequest)
     if not isinstance(req.model, str) or not req.model:
         _missing("model") if req.model is None else _invalid("model", "Input should be a non-empty string.", "invalid_type")
     if not isinstance(req.messages, list):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import Struct
@@ -148,6 +148,22 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: Body) -> Any:
         raise invalid_json("JSON nested too deeply") from None
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. a body that is not bytes-like
         raise invalid_json(str(exc)) from None
+
+
+_any_json = msgspec.json.Decoder()
+_S = TypeVar("_S", bound=Struct)
+
+
+def decode_object(body: Body, struct: type[_S]) -> tuple[dict[str, Any], _S]:
+    """A JSON object body both raw (the fields a translation passes on as they are) and as
+    ``struct``; ``ApiError`` 400 as ``decode_body`` raises them, naming the field."""
+    raw = decode_body(_any_json, body)
+    if not isinstance(raw, dict):
+        raise invalid_json("the body is not a JSON object")
+    try:
+        return raw, msgspec.convert(raw, struct)
+    except msgspec.ValidationError as exc:
+        raise _from_validation_error(exc) from None
 
 
 def parse_ws_message(data: Body) -> WsClientMessage:

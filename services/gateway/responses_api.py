@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import msgspec
 from msgspec import Struct
 
-from .errors import ApiError, bad_request, clip, invalid_json
+from .errors import ApiError, bad_request, clip
+from .normalized import decode_object
 from .openai_api import REASONING_EFFORTS
 
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
@@ -105,7 +105,6 @@ class ParsedRequest:
         return bool(self.request.stream)
 
 
-_AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 # Chat completions fields clients send to /v1/responses by mistake: each would change the
 # output, so each is a 400 naming the Responses field to use.
 _CHAT_ONLY = {"messages": "'input'", "response_format": "'text.format'", "max_tokens": "'max_output_tokens'",
@@ -123,23 +122,7 @@ def _invalid(param: str, message: str, code: str = "invalid_value") -> NoReturn:
 
 def parse_responses_request(body: bytes | str) -> ParsedRequest:
     """Decode and check a ``/v1/responses`` body; ``ApiError`` 400 naming the field."""
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise invalid_json(str(exc)) from None
-    except RecursionError:
-        raise invalid_json("JSON nested too deeply") from None
-    if not isinstance(raw, dict):
-        raise invalid_json("the body is not a JSON object")
-    try:
-        req = msgspec.convert(raw, ResponsesRequest)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        at = _AT_PATH.search(text)
-        param = at.group("path").lstrip(".") if at else None
-        detail = text[: at.start()] if at else text
-        raise bad_request(f"Invalid value for '{param}': {clip(detail)}." if param else f"Invalid request body: {clip(detail)}.",
-                          param, "invalid_type") from None
+    raw, req = decode_object(body, ResponsesRequest)
     for name, instead in _CHAT_ONLY.items():
         if raw.get(name) is not None:  # a chat field would be ignored here: say what the Responses API calls it
             _unsupported(name, f"'{name}' is a chat completions field; the Responses API takes {instead}.")
