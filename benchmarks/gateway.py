@@ -14,6 +14,8 @@
    one gateway delivered over SSE, ITL p50/p99, and each process's CPU (the gateway's per
    1k tokens); and at 64 streams with ``top_logprobs=5`` (each token then carries six
    candidates). ``--relay-only`` runs that part alone.
+3. ``--apis-only``: the same streamed request through chat completions, the Responses API
+   and Anthropic's Messages API, interleaved: what each translation adds.
 
 Everything shares this machine's cores (client, gateway, workers, nats-server), so the
 relay figure is a floor for a gateway on its own host.
@@ -125,11 +127,13 @@ HOPS = (
 
 async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object], headers: dict[str, str],
                  not_first: bytes, observer: Observer,
-                 phases: dict[str, list[float]] | None = None) -> tuple[float, float, list[float] | None] | None:
+                 phases: dict[str, list[float]] | None = None,
+                 first_with: bytes | None = None) -> tuple[float, float, list[float] | None] | None:
     """(client TTFT, worker TTFT, ms per hop of ``HOPS`` or None) of one streamed request:
     the client's first event is the first ``data:`` line without ``not_first`` (an empty
-    text, the role delta). ``phases`` collects the gateway's ``Server-Timing`` (ms per
-    phase before the worker had it)."""
+    text, the role delta), or with ``first_with`` when given (the Responses and Messages
+    APIs open with events that carry no text). ``phases`` collects the gateway's
+    ``Server-Timing`` (ms per phase before the worker had it)."""
     sent_wall, start = time.time(), time.perf_counter()
     first = first_wall = None
     async with http.post(path, json=body, headers=headers) as r:
@@ -140,7 +144,8 @@ async def _ttfts(http: aiohttp.ClientSession, path: str, body: dict[str, object]
                 if ms:
                     phases.setdefault(name, []).append(float(ms))
         async for line in r.content:
-            if first is None and line.startswith(b"data: {") and not_first not in line:
+            if first is None and line.startswith(b"data: {") and (
+                    first_with in line if first_with is not None else not_first not in line):
                 first, first_wall = time.perf_counter() - start, time.time()
     for _ in range(100):
         if request_id in observer.finals:
@@ -295,6 +300,44 @@ async def feature_latency(mesh: Mesh, requests: int) -> dict[str, tuple[np.ndarr
                     seen[name][1].append(ttfts[1])
     await observer.bus.close()
     return {name: (np.array(c), np.array(w)) for name, (c, w) in seen.items()}
+
+
+# The same plain streamed request through each HTTP API, and what marks its first text event.
+APIS: dict[str, tuple[str, dict[str, object], bytes | None]] = {
+    # (chat: the first event after the role delta, as in the other tables)
+    "chat completions": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, None),
+    "Responses API": ("/v1/responses", {"input": "x" * 200, "store": False}, b'"response.output_text.delta"'),
+    "Anthropic's Messages API": ("/v1/messages", {"messages": [{"role": "user", "content": "x" * 200}]},
+                                 b'"text_delta"'),
+}
+
+
+async def api_latency(mesh: Mesh, requests: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Client and worker TTFT per HTTP API, the same request through each, interleaved:
+    what the Responses and Messages translations add over chat completions."""
+    observer = await Observer.open(mesh)
+    seen: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in APIS}
+    headers = {"Authorization": f"Bearer {mesh.dev_key}"}
+    async with aiohttp.ClientSession(mesh.gateway_url) as http:
+        for i in range(requests + 10):
+            for name, (path, body, marker) in APIS.items():
+                limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+                full = {"model": MODEL, **body, limit: 16, "stream": True, "seed": i}
+                ttfts = await _ttfts(http, path, full, headers, b'"role":"assistant"', observer, first_with=marker)
+                if i >= 10 and ttfts is not None:
+                    seen[name][0].append(ttfts[0])
+                    seen[name][1].append(ttfts[1])
+    await observer.bus.close()
+    return {name: (np.array(c), np.array(w)) for name, (c, w) in seen.items()}
+
+
+def print_api_latency(apis: dict[str, tuple[np.ndarray, np.ndarray]], requests: int) -> None:
+    print(f"\n### Added latency per HTTP API ({requests} sequential streamed requests each, interleaved)\n")
+    print("| API | added p50 ms | p90 ms | p99 ms | worker TTFT p50 ms |\n|---|---:|---:|---:|---:|")
+    for name, (client_s, worker_s) in apis.items():
+        a = (client_s - worker_s) * 1000
+        print(f"| {name} | {np.percentile(a, 50):.2f} | {np.percentile(a, 90):.2f} | {np.percentile(a, 99):.2f} "
+              f"| {np.percentile(worker_s * 1000, 50):.2f} |")
 
 
 async def relay(mesh: Mesh, concurrency: int, duration: float,
@@ -453,13 +496,24 @@ def tracing_env(tracing: str, sink: OtlpSink | None) -> dict[str, str]:
 
 async def main(requests: int, duration: float, latency_only: bool = False, tracing: str = "default",
                gateway_args: tuple[str, ...] = (), gap_s: float = 0.0, relay_only: bool = False,
-               relay_engine: str = "echo", max_messages_per_s: float | None = None, concurrency: int = 1) -> None:
+               relay_engine: str = "echo", max_messages_per_s: float | None = None, concurrency: int = 1,
+               apis_only: bool = False) -> None:
     sink = OtlpSink()
     if tracing == "otlp":
         await sink.start()
     try:
         env = tracing_env(tracing, sink)
-        if relay_only:
+        if apis_only:
+            with tempfile.TemporaryDirectory() as tmp:
+                mesh = Mesh(MeshConfig(state_dir=Path(tmp), nats_port=0, http_port=free_port(), model=MODEL, workers=1,
+                                       speed=1.0, extra_env=env, gateway_args=list(gateway_args)))
+                await mesh.start()
+                try:
+                    apis = await api_latency(mesh, requests)
+                finally:
+                    mesh.stop()
+            print_api_latency(apis, requests)
+        elif relay_only:
             with tempfile.TemporaryDirectory() as tmp:
                 await relay_table(Path(tmp), duration, relay_engine, env, list(gateway_args), max_messages_per_s)
         else:
@@ -537,6 +591,9 @@ if __name__ == "__main__":
                         help="the added latency from this many concurrent streams, each sending its next request as"
                              " its previous one ends (default 1: sequential requests)")
     parser.add_argument("--relay-only", action="store_true", help="the relay throughput alone")
+    parser.add_argument("--apis-only", action="store_true",
+                        help="the added latency of the same request through chat completions, the Responses API and"
+                             " Anthropic's Messages API, interleaved, alone")
     parser.add_argument("--relay-engine", choices=("echo", "sim"), default="echo",
                         help="the relay's token source: echo workers (a few µs of CPU a token, so the gateway is"
                              " what is measured) or sim workers at speed 50 (~13 µs a token, half this machine)")
@@ -553,4 +610,5 @@ if __name__ == "__main__":
     else:
         uvloop.run(main(args.requests, args.duration, args.latency_only, args.tracing,
                         ("--placement-path", args.placement_path) if args.placement_path else (), args.gap_ms / 1000,
-                        args.relay_only, args.relay_engine, args.worker_max_messages_per_s, args.concurrency))
+                        args.relay_only, args.relay_engine, args.worker_max_messages_per_s, args.concurrency,
+                        args.apis_only))
