@@ -9,7 +9,6 @@ translated back. Errors, the key check's 401 included, leave in Anthropic's shap
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import TYPE_CHECKING
 
@@ -22,8 +21,7 @@ from .anthropic_api import MessagesPlan, count_tokens_body, parse_messages_reque
 from .anthropic_output import MessageContext, MessageStream, message_from_chat
 from .auth import REQUEST_MODEL, REQUEST_STARTED, authenticated
 from .errors import ApiError, invalid_json, payload_too_large
-from .events import DONE, EventBuilder
-from .lifecycle import ActiveRequest, cut_slow_client
+from .lifecycle import ActiveRequest, chat_event_dicts, is_error_event
 from .normalized import NormalizedRequest
 from .openai_api import encode_json
 from .tokenize_api import tokenize
@@ -84,18 +82,9 @@ class AnthropicHttp:
         await response.prepare(http)
         stream = MessageStream(ctx)
         await response.write(stream.start())
-        builder = EventBuilder(request.kind, active.request_id, request.requested_model, active.record.created,
-                               request.include_usage, request.output)
-        active.stream.on_overflow = functools.partial(cut_slow_client, http.transport, active)
-        async for chunk in active.chunks():
-            frames: list[bytes] = []
-            for event in builder.events(chunk, first=chunk.seq == 0):
-                if event.data == DONE:
-                    frames.append(stream.finish())
-                    continue
-                data = json.loads(event.data)
-                is_error = "error" in data and "choices" not in data
-                frames.append(stream.fail(data["error"]) if is_error else stream.feed(data))
+        async for events in chat_event_dicts(active, request, http.transport):
+            frames = [stream.finish() if data is None else stream.fail(data["error"]) if is_error_event(data)
+                      else stream.feed(data) for data in events]
             if any(frames):
                 await response.write(b"".join(frames))
             if stream.done:

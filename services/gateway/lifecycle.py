@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -53,6 +55,7 @@ from proto import (
 )
 
 from .errors import from_admission, from_mesh_error, overloaded
+from .events import DONE, EventBuilder
 from .migration import GiveUp, Migrate, MigrationLimits, Segment, Stay, plan_migration, replica_wait
 from .normalized import NormalizedRequest, check_prompt_logprobs
 from .openai_api import new_request_id
@@ -541,6 +544,22 @@ def cut_slow_client(transport: asyncio.Transport | None, active: ActiveRequest) 
         g.spawn(g.records.save(active.record), name=f"unresumable-{active.request_id}")
     if transport is not None:
         transport.abort()
+
+
+async def chat_event_dicts(active: ActiveRequest, request: NormalizedRequest,
+                           transport: asyncio.Transport | None) -> AsyncIterator[list[dict[str, Any] | None]]:
+    """A streamed chat request's events chunk by chunk, as the dicts a translation over
+    chat reads (the Responses and Messages APIs): None marks the stream's end, an error
+    event is ``{"error": {...}}`` (``is_error_event``). A client that cannot keep up is cut."""
+    builder = EventBuilder(request.kind, active.request_id, request.requested_model, active.record.created,
+                           request.include_usage, request.output)
+    active.stream.on_overflow = functools.partial(cut_slow_client, transport, active)
+    async for chunk in active.chunks():
+        yield [None if e.data == DONE else json.loads(e.data) for e in builder.events(chunk, first=chunk.seq == 0)]
+
+
+def is_error_event(data: Mapping[str, Any]) -> bool:
+    return "error" in data and "choices" not in data
 
 
 async def _undo_admission(g: GatewayService, admit: asyncio.Future[AdmissionDecision],

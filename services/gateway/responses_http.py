@@ -10,7 +10,6 @@ KV bucket, under the caller's org: another org's id is a 404 like an unknown one
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +20,7 @@ from proto import ApiKeyRecord
 
 from .auth import REQUEST_MODEL, REQUEST_STARTED, authenticated
 from .errors import ApiError, bad_request, overloaded, payload_too_large
-from .events import DONE, EventBuilder
-from .lifecycle import ActiveRequest, cut_slow_client
+from .lifecycle import ActiveRequest, chat_event_dicts, is_error_event
 from .normalized import NormalizedRequest
 from .openai_api import encode_json
 from .response_store import ResponseStore, StoredResponse, responses_bucket
@@ -141,18 +139,13 @@ class ResponsesHttp:
         await response.prepare(http)
         stream = ResponseStream(ctx)
         await response.write(stream.start())
-        builder = EventBuilder(request.kind, active.request_id, request.requested_model, ctx.created_at,
-                               request.include_usage, request.output)
-        active.stream.on_overflow = functools.partial(cut_slow_client, http.transport, active)
-        async for chunk in active.chunks():
+        async for events in chat_event_dicts(active, request, http.transport):
             frames: list[bytes] = []
-            for event in builder.events(chunk, first=chunk.seq == 0):
-                if event.data == DONE:
+            for data in events:
+                if data is None:
                     frames.append(stream.finish())
                 else:
-                    data = json.loads(event.data)
-                    is_error = "error" in data and "choices" not in data
-                    frames.append(stream.fail(data["error"]) if is_error else stream.feed(data))
+                    frames.append(stream.fail(data["error"]) if is_error_event(data) else stream.feed(data))
                 if stream.response is not None:
                     # Stored before its last event goes out: a client that continues from
                     # response.completed at once finds it.
