@@ -20,7 +20,8 @@ from proto import ApiKeyRecord
 from .anthropic_api import MessagesPlan, count_tokens_body, parse_messages_request, plan_messages
 from .anthropic_output import MessageContext, MessageStream, message_from_chat
 from .auth import REQUEST_MODEL, REQUEST_STARTED, authenticated
-from .errors import ApiError, invalid_json, payload_too_large
+from .errors import ApiError, invalid_json
+from .http_body import read_body
 from .lifecycle import ActiveRequest, chat_event_dicts, is_error_event
 from .normalized import NormalizedRequest
 from .openai_api import encode_json
@@ -48,16 +49,10 @@ class AnthropicHttp:
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/messages", self.create), web.post("/v1/messages/count_tokens", self.count_tokens)]
 
-    async def _body(self, http: web.Request) -> bytes:
-        limit = self.gateway.config.max_body_bytes
-        if http.content_length is not None and http.content_length > limit:
-            raise payload_too_large(limit, http.content_length)
-        return await http.read()
-
     @authenticated
     async def create(self, http: web.Request, key: ApiKeyRecord) -> web.StreamResponse:
         g = self.gateway
-        plan, chat_body = chat_form(await self._body(http))
+        plan, chat_body = chat_form(await read_body(http, g.config.max_body_bytes))
         try:
             request = await parse_request_off_loop("chat", chat_body, g.models.specs(),
                                                    allowed_models=key.models or None)
@@ -95,7 +90,7 @@ class AnthropicHttp:
     async def count_tokens(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
         """The prompt tokens the same body would take on ``/v1/messages`` (the gateway's
         tokenizer and chat template, as ``/tokenize`` counts them)."""
-        body = await self._body(http)
+        body = await read_body(http, self.gateway.config.max_body_bytes)
         plan, chat_body = chat_form(body, count_only=True)
         try:
             answer = await off_loop(parse_cost(chat_body), tokenize, chat_body, self.gateway.models.specs(),

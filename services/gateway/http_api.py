@@ -41,6 +41,7 @@ from .errors import (
     unknown_url,
 )
 from .events import EventBuilder, parse_event_id
+from .http_body import read_body
 from .lifecycle import ActiveRequest, cut_slow_client, on_client_gone
 from .local import is_local_request
 from .models import ModelSpec
@@ -179,10 +180,8 @@ class HttpApi:
 
     async def _generate(self, http: web.Request, key: ApiKeyRecord, kind: RequestKind) -> web.StreamResponse:
         g = self.gateway
-        if http.content_length is not None and http.content_length > g.config.max_body_bytes:
-            raise payload_too_large(g.config.max_body_bytes, http.content_length)
         started = time.perf_counter()
-        body = await http.read()
+        body = await read_body(http, g.config.max_body_bytes)
         if kind == "completion" and looks_batched(body):
             batch = await parse_batch_off_loop(body, g.models.specs(), allowed_models=key.models or None)
             if batch is not None:

@@ -19,7 +19,8 @@ from opentelemetry.propagate import extract
 from proto import ApiKeyRecord
 
 from .auth import REQUEST_MODEL, REQUEST_STARTED, authenticated
-from .errors import ApiError, bad_request, overloaded, payload_too_large
+from .errors import ApiError, bad_request, overloaded
+from .http_body import read_body
 from .lifecycle import ActiveRequest, chat_event_dicts, is_error_event
 from .normalized import NormalizedRequest
 from .openai_api import encode_json
@@ -102,9 +103,7 @@ class ResponsesHttp:
     @authenticated
     async def create(self, http: web.Request, key: ApiKeyRecord) -> web.StreamResponse:
         g = self.gateway
-        if http.content_length is not None and http.content_length > g.config.max_body_bytes:
-            raise payload_too_large(g.config.max_body_bytes, http.content_length)
-        parsed = parse_responses_request(await http.read())
+        parsed = parse_responses_request(await read_body(http, g.config.max_body_bytes))
         history = None
         previous_id = parsed.request.previous_response_id
         if previous_id is not None:

@@ -30,7 +30,8 @@ from proto import ApiKeyRecord
 
 from .auth import authenticated
 from .chat_request import chat_messages, render_prompt, template_kwargs
-from .errors import bad_request, payload_too_large, tokenizer_failed
+from .errors import bad_request, tokenizer_failed
+from .http_body import read_body
 from .models import ModelSpec
 from .normalized import Body, decode_body, model_allowed, resolve_model
 from .openai_api import ChatCompletionRequest, ChatMessage, encode_json
@@ -185,21 +186,15 @@ class TokenizeHttp:
     def auth(self) -> Authenticator:
         return self.gateway.auth
 
-    async def _body(self, http: web.Request) -> bytes:
-        limit = self.gateway.config.max_body_bytes
-        if http.content_length is not None and http.content_length > limit:
-            raise payload_too_large(limit, http.content_length)
-        return await http.read()
-
     @authenticated
     async def tokenize(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
-        body = await self._body(http)
+        body = await read_body(http, self.gateway.config.max_body_bytes)
         answer = await off_loop(parse_cost(body), tokenize, body, self.gateway.models.specs(), allowed_models=key.models or None)
         return web.Response(body=encode_json(answer), content_type="application/json")
 
     @authenticated
     async def detokenize(self, http: web.Request, key: ApiKeyRecord) -> web.Response:
-        body = await self._body(http)
+        body = await read_body(http, self.gateway.config.max_body_bytes)
         answer = await off_loop(parse_cost(body), detokenize, body, self.gateway.models.specs(),
                                 allowed_models=key.models or None)
         return web.Response(body=encode_json(answer), content_type="application/json")
