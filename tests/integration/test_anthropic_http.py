@@ -19,6 +19,7 @@ from bus import Bus, BusSettings
 from services.gateway.service import GatewayService
 from services.worker.engines.sim import SimEngine
 from services.worker.service import WorkerConfig, WorkerService
+from tests.conftest import final_chunks
 from tests.gateway_mesh import MODEL, gateway_service, known_key, sim_worker
 
 WEATHER: Any = {"name": "get_weather", "description": "Weather of a city",
@@ -231,3 +232,37 @@ async def test_errors_are_anthropic_shaped_and_name_the_field(client: anthropic.
         # The OpenAI routes still answer OpenAI's shape.
         async with http.post(f"{gateway.http_url}/v1/chat/completions", json={"model": MODEL}, headers=headers) as r:
             assert r.status == 400 and "param" in (await r.json())["error"]
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_its_request(bus: Bus, bus_settings: BusSettings,
+                                                                    client: anthropic.AsyncAnthropic,
+                                                                    gateway: GatewayService) -> None:
+    """No hung stream and no generation for nobody: the worker's request ends as aborted,
+    long before its max_tokens (a real-time sim worker: 3000 tokens would take ~20 s)."""
+    worker = WorkerService(SimEngine(model="sim-slow", speed=1.0, max_model_len=4096), WorkerConfig(worker_id="w3"),
+                           bus_settings)
+    await worker.start()
+    try:
+        for _ in range(100):
+            if "sim-slow" in [m.id async for m in client.models.list()]:
+                break
+            await asyncio.sleep(0.1)
+        finals = await final_chunks(bus, bus.subjects.tokens_all)
+        body = {"model": "sim-slow", "max_tokens": 3000, "stream": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Go on and on."}]}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{gateway.http_url}/v1/messages", json=body,
+                                 headers={"x-api-key": client.api_key or ""}) as r:
+                request_id = r.headers["X-Request-Id"]
+                async for line in r.content:
+                    if b"content_block_delta" in line:
+                        break  # tokens are flowing: leave
+        for _ in range(300):
+            if request_id in finals:
+                break
+            await asyncio.sleep(0.05)
+        final = finals.get(request_id)
+        assert final is not None and final.finish_reason == "abort"
+        assert final.usage is not None and final.usage.completion_tokens < 3000
+    finally:
+        await worker.drain_and_close()
