@@ -14,7 +14,8 @@ the request side; :mod:`.anthropic_output` the answer's.
 Conversation blocks map as vLLM's ``/v1/messages`` maps them, so the two render the
 same prompt: ``system`` text blocks are joined (Claude Code's per-request
 ``x-anthropic-billing-header`` block is dropped: it would defeat prefix caching),
-``thinking`` blocks become the assistant's ``reasoning_content``, ``tool_use`` blocks its
+``thinking`` blocks become the assistant's ``reasoning`` (which the template gets),
+``tool_use`` blocks its
 ``tool_calls``, and each ``tool_result`` a ``tool`` message ahead of the rest of its user
 message. What meshserve does not do is a 400 naming the field, never a silent drop:
 images and documents (text models), server tools (web search, code execution, ...),

@@ -9,6 +9,7 @@ translated back. Errors, the key check's 401 included, leave in Anthropic's shap
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import TYPE_CHECKING
 
@@ -77,13 +78,14 @@ class AnthropicHttp:
         await response.prepare(http)
         stream = MessageStream(ctx)
         await response.write(stream.start())
-        async for events in chat_event_dicts(active, request, http.transport):
-            frames = [stream.finish() if data is None else stream.fail(data["error"]) if is_error_event(data)
-                      else stream.feed(data) for data in events]
-            if any(frames):
-                await response.write(b"".join(frames))
-            if stream.done:
-                break
+        async with contextlib.aclosing(chat_event_dicts(active, request, http.transport)) as chunks:
+            async for events in chunks:
+                frames = [stream.finish() if data is None else stream.fail(data["error"]) if is_error_event(data)
+                          else stream.feed(data) for data in events]
+                if any(frames):
+                    await response.write(b"".join(frames))
+                if stream.done:
+                    break
         return response
 
     @authenticated

@@ -143,14 +143,17 @@ class HttpApi:
         try:
             return await handler(request)
         except Exception as exc:
-            anthropic = request.path.startswith(ANTHROPIC_PATH)
+            if isinstance(exc, web.HTTPException) and exc.status < 400:
+                raise  # a redirect or another answer that is not an error
+            path = request.path
+            anthropic = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
             response = error_response(self._api_error(request, exc), anthropic)
             if isinstance(exc, web.HTTPMethodNotAllowed):
                 response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
             return response
 
     def _api_error(self, request: web.Request, exc: Exception) -> ApiError:
-        """What a handler raised, as the client's error (re-raises a non-error HTTP answer)."""
+        """What a handler raised, as the client's error."""
         if isinstance(exc, ApiError):
             return exc
         if isinstance(exc, web.HTTPRequestEntityTooLarge):
@@ -161,8 +164,6 @@ class HttpApi:
             # Unknown paths (/v1/embeddings, typos) answer like OpenAI, not with text/plain.
             return unknown_url(request.method, request.path)
         if isinstance(exc, web.HTTPException):
-            if exc.status < 400:
-                raise exc
             # aiohttp's own text says what was wrong (e.g. a plain GET on /v1/ws); its default is "400: Bad Request".
             detail = " ".join((exc.text or exc.reason).split())
             return ApiError(exc.status, detail, "invalid_request_error" if exc.status < 500 else "server_error")

@@ -25,7 +25,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -547,7 +547,7 @@ def cut_slow_client(transport: asyncio.Transport | None, active: ActiveRequest) 
 
 
 async def chat_event_dicts(active: ActiveRequest, request: NormalizedRequest,
-                           transport: asyncio.Transport | None) -> AsyncIterator[list[dict[str, Any] | None]]:
+                           transport: asyncio.Transport | None) -> AsyncGenerator[list[dict[str, Any] | None]]:
     """A streamed chat request's events chunk by chunk, as the dicts a translation over
     chat reads (the Responses and Messages APIs): None marks the stream's end, an error
     event is ``{"error": {...}}`` (``is_error_event``). A client that cannot keep up is cut."""

@@ -220,7 +220,8 @@ def _messages_from_items(items: list[Any], params: list[str], messages: list[dic
     """Append the chat messages of Responses input items (``params[i]`` names item i).
 
     As vLLM does, a reasoning item, an assistant message and function calls in a row
-    make one assistant message (content, ``reasoning_content``, ``tool_calls``).
+    make one assistant message (content, ``reasoning``, ``tool_calls``); the reasoning
+    reaches the chat template as vLLM gives it (``chat_request.chat_messages``).
     """
     for item, param in zip(items, params, strict=True):
         if not isinstance(item, dict):
@@ -265,10 +266,10 @@ def _messages_from_items(items: list[Any], params: list[str], messages: list[dic
                 reasoning = reasoning_from_token(item["encrypted_content"], f"{param}.encrypted_content")
             elif item.get("summary"):  # as vLLM: the summary when there is no content
                 reasoning = _text_of(item["summary"], f"{param}.summary", ("summary_text",))
-            if assistant is not None and assistant.get("reasoning_content") is None:
-                assistant["reasoning_content"] = reasoning
+            if assistant is not None and assistant.get("reasoning") is None:
+                assistant["reasoning"] = reasoning
                 continue
-            messages.append({"role": "assistant", "content": None, "reasoning_content": reasoning})
+            messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
         else:
             raise bad_request(f"Input item type {clip(str(kind))!r} is not supported; use message, function_call,"
                               " function_call_output or reasoning.", f"{param}.type", "unsupported_value")

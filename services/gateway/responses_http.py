@@ -10,6 +10,7 @@ KV bucket, under the caller's org: another org's id is a 404 like an unknown one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -138,23 +139,24 @@ class ResponsesHttp:
         await response.prepare(http)
         stream = ResponseStream(ctx)
         await response.write(stream.start())
-        async for events in chat_event_dicts(active, request, http.transport):
-            frames: list[bytes] = []
-            for data in events:
-                if data is None:
-                    frames.append(stream.finish())
-                else:
-                    frames.append(stream.fail(data["error"]) if is_error_event(data) else stream.feed(data))
+        async with contextlib.aclosing(chat_event_dicts(active, request, http.transport)) as chunks:
+            async for events in chunks:
+                frames: list[bytes] = []
+                for data in events:
+                    if data is None:
+                        frames.append(stream.finish())
+                    else:
+                        frames.append(stream.fail(data["error"]) if is_error_event(data) else stream.feed(data))
+                    if stream.response is not None:
+                        # Stored before its last event goes out: a client that continues from
+                        # response.completed at once finds it.
+                        await self._save(store, key, plan, stream.response)
+                        frames.append(stream.final())
+                        break
+                if any(frames):
+                    await response.write(b"".join(frames))
                 if stream.response is not None:
-                    # Stored before its last event goes out: a client that continues from
-                    # response.completed at once finds it.
-                    await self._save(store, key, plan, stream.response)
-                    frames.append(stream.final())
                     break
-            if any(frames):
-                await response.write(b"".join(frames))
-            if stream.response is not None:
-                break
         return response
 
     async def _save(self, store: ResponseStore | None, key: ApiKeyRecord, plan: ChatPlan, response: dict[str, Any]) -> None:

@@ -229,6 +229,10 @@ async def test_errors_are_anthropic_shaped_and_name_the_field(client: anthropic.
             assert r.status == 413 and (await r.json())["error"]["type"] == "request_too_large"
         async with http.get(url, headers=headers) as r:
             assert r.status == 405 and (await r.json())["type"] == "error"
+        async with http.post(f"{gateway.http_url}/v1/messages/nope", headers=headers) as r:
+            assert r.status == 404 and (await r.json())["type"] == "error"  # under /v1/messages: Anthropic's
+        async with http.post(f"{gateway.http_url}/v1/messagesx", headers=headers) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_url"  # not: OpenAI's
         # The OpenAI routes still answer OpenAI's shape.
         async with http.post(f"{gateway.http_url}/v1/chat/completions", json={"model": MODEL}, headers=headers) as r:
             assert r.status == 400 and "param" in (await r.json())["error"]

@@ -92,7 +92,7 @@ def test_input_items_become_chat_messages() -> None:
     assert p.body["messages"] == [
         {"role": "developer", "content": "rules"},
         {"role": "user", "content": "a\nb"},
-        {"role": "assistant", "content": "calling", "reasoning_content": "hmm", "tool_calls": [
+        {"role": "assistant", "content": "calling", "reasoning": "hmm", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}},
             {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "1"},
@@ -538,7 +538,7 @@ def test_encrypted_reasoning_goes_out_and_comes_back() -> None:
                                           "encrypted_content": reasoning["encrypted_content"]},
                                          {"role": "assistant", "content": "ok"},
                                          {"role": "user", "content": "and?"}]})
-    assert back.body["messages"][1] == {"role": "assistant", "content": "ok", "reasoning_content": "think ✓"}
+    assert back.body["messages"][1] == {"role": "assistant", "content": "ok", "reasoning": "think ✓"}
     plain = response_from_chat(completion({"content": "ok", "reasoning_content": "t"}),
                                context({"model": "m", "input": "hi"}))
     assert "encrypted_content" not in plain["output"][0]
