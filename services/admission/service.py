@@ -18,7 +18,8 @@ dict operations and one SLO pass (tens of µs), so one instance serves far more 
 than a fleet of gateways sends, and what a fleet needs from several instances is
 availability, which standbys give. So:
 
-- The lease is the key ``leader`` in the JetStream KV bucket ``<root>_admission``, whose
+- The lease (its mechanics: ``leadership.LeaderLease``; what leading means stays here) is
+  the key ``leader`` in the JetStream KV bucket ``<root>_admission``, whose
   entries live ``lease_ttl_s``. An instance takes it with an atomic ``create`` (only one
   can succeed), renews it every ``lease_renew_s`` with ``update(last=revision)`` (fails
   if anyone else wrote it), and stops serving if it could not renew for 0.8 of the TTL,
@@ -59,12 +60,10 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
-from nats.js.kv import KeyValue
 from opentelemetry import trace
 
 from bus import BusSettings, Service, cancel_and_wait
 from bus.metrics import MetricsServer
-from bus.provision import workers_bucket
 from proto import (
     AdmissionDecision,
     AdmissionRequest,
@@ -84,16 +83,8 @@ from services.common.residency import residency, swap_costs
 from .buckets import InvalidLimits, Limiter
 from .config import AdmissionConfig
 from .demand import CAPACITY_REASONS, RefusedDemand
-from .lease import (
-    LEASE_KEY,
-    STATE_KEY,
-    Checkpoint,
-    admission_buckets,
-    lease_bucket_name,
-    lease_bucket_young,
-    missing_buckets,
-    state_bucket_name,
-)
+from .leadership import LeaderLease
+from .lease import STATE_KEY, Checkpoint, admission_buckets
 from .metrics import AdmissionMetrics
 from .policy import AdmissionPolicy, forwarded_route
 from .replicas import ReplicaBook
@@ -130,19 +121,9 @@ class AdmissionService(Service):
         self.metrics = AdmissionMetrics()
         self.leading = False
         self.usage_seq = 0
-        self._lease: KeyValue | None = None
-        self._state: KeyValue | None = None
-        self._lease_rev = 0
-        self._renewed_at = float("-inf")
-        # When a leader (this instance, or the holder of the lease) was last known to hold
-        # the lease: no leader for longer than its TTL is logged as a warning.
-        self._leader_seen_at = monotonic()
-        self._no_leader_warned_at = float("-inf")
-        # No standby takes the lease in a bucket younger than one TTL (``_try_to_lead``).
-        self._hold_off_until = float("-inf")
+        self.lease: LeaderLease | None = None  # made at start, with its buckets
         self._usage_sub: Subscription | None = None
         self._loops: list[asyncio.Task[None]] = []
-        self._role_lock = asyncio.Lock()
         self._warming: dict[str, float] = {}  # worker id → until when a load it was asked for counts
         self._background: set[asyncio.Task[None]] = set()
         self.warm_requests = 0
@@ -165,12 +146,14 @@ class AdmissionService(Service):
         s = self.bus.subjects
         await self.feed.start()
         await self.subscribe(s.admission_ttft, TtftObservation, self._on_ttft)
-        self._lease, self._state = await admission_buckets(
+        lease, state = await admission_buckets(
             self.bus.js, s, lease_ttl_s=self.config.lease_ttl_s, replicas=self.settings.js_replicas
         )
-        await self._lease_step()  # lead at once when nobody does
+        self.lease = LeaderLease(self, self.bus, self.config, self.instance_id, self.monotonic,
+                                 self.settings.js_replicas, lease, state)
+        await self.lease.step()  # lead at once when nobody does
         self._loops = [
-            asyncio.create_task(self._lease_loop(), name="admission-lease"),
+            asyncio.create_task(self.lease.run(), name="admission-lease"),
             asyncio.create_task(self._maintenance_loop(), name="admission-maintenance"),
             asyncio.create_task(self._demand_loop(), name="admission-demand"),
         ]
@@ -191,13 +174,12 @@ class AdmissionService(Service):
         # create succeeds without waiting for the TTL.
         await cancel_and_wait(self._loops)
         self._loops = []
-        async with self._role_lock:
-            if self.leading:
-                await self._checkpoint()
-                await self._step_down("draining")
-                if self._lease is not None:
-                    with contextlib.suppress(Exception):
-                        await self._lease.delete(LEASE_KEY, last=self._lease_rev)
+        if self.lease is not None:
+            async with self.lease.lock:
+                if self.leading:
+                    await self._checkpoint()
+                    await self.step_down("draining")
+                    await self.lease.release()
         await self.stop_endpoints()
 
     async def on_stop(self) -> None:
@@ -228,154 +210,13 @@ class AdmissionService(Service):
             "prediction_worst": self.policy.worst_predictions(),
         }
 
-    # ---- leadership -------------------------------------------------------------------
-    async def _lease_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.lease_renew_s)
-            try:
-                await self._lease_step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("admission lease step failed")
-
-    async def _lease_step(self) -> None:
-        assert self._lease is not None
-        async with self._role_lock:
-            if self.leading:
-                await self._renew()
-            else:
-                await self._try_to_lead()
-            if self.leading:
-                self._leader_seen_at = self.monotonic()
-
-    async def _renew(self) -> None:
-        assert self._lease is not None
-        value = self.instance_id.encode()
-        try:
-            self._lease_rev = await self._lease.update(LEASE_KEY, value, last=self._lease_rev)
-            self._renewed_at = self.monotonic()
-            return
-        except nats.js.errors.KeyWrongLastSequenceError:
-            # Someone else wrote the lease, or it is gone with its bucket (NATS restarted
-            # without its memory storage, and another instance provisioned it again).
-            # ``create`` tells them apart atomically: it succeeds only where nobody holds it.
-            if await self._keep_lease("the lease was gone"):
-                return
-            await self._step_down("another instance holds the lease")
-            return
-        except (nats.errors.Error, TimeoutError) as exc:
-            failure: BaseException = exc
-        stale = self.monotonic() - self._renewed_at > 0.8 * self.config.lease_ttl_s
-        if isinstance(failure, nats.js.errors.NoStreamResponseError):
-            # Nothing stores the lease's subject: its bucket is gone (a restarted single
-            # NATS loses memory storage). Provision it again, else nobody can ever lead
-            # again; while our last renewal is recent, take the lease there at once.
-            try:
-                await self._restore_buckets()
-                if not stale:
-                    if not await self._keep_lease("the lease bucket was gone"):
-                        await self._step_down("another instance took the lease in its new bucket")
-                    return
-            except (nats.errors.Error, TimeoutError) as exc:
-                failure = exc
-        # Stop before the lease can expire and a standby take over: two leaders must
-        # never serve at once.
-        if stale:
-            await self._step_down(f"lease not renewed: {failure!r}")
-
-    async def _keep_lease(self, why: str) -> bool:
-        """As the leader, take the lease again where nobody holds it (its bucket provisioned
-        again); False when somebody does, or when it could not be written."""
-        assert self._lease is not None
-        try:
-            self._lease_rev = await self._lease.create(LEASE_KEY, self.instance_id.encode())
-        except (nats.errors.Error, TimeoutError):
-            return False
-        self._renewed_at = self.monotonic()
-        # The USAGE consumer may have gone with the server's state: follow it again from
-        # what this leader has applied (a leader that cannot reconcile must not lead).
-        try:
-            await self._follow_usage()
-        except Exception as exc:
-            log.warning("%s: following USAGE again failed: %r", self.instance_id, exc)
-            await self._step_down("it cannot follow USAGE")  # before the lease is free for another
-            with contextlib.suppress(Exception):
-                await self._lease.delete(LEASE_KEY, last=self._lease_rev)
-            return False
-        log.warning("%s: %s; it holds the lease again", self.instance_id, why)
-        return True
-
-    async def _try_to_lead(self) -> None:
-        assert self._lease is not None
-        now = self.monotonic()
-        if now < self._hold_off_until:
-            return
-        young = await lease_bucket_young(self.bus.js, self.bus.subjects, self.config.lease_ttl_s)
-        if young > 0:
-            # A lease bucket made less than a TTL ago (NATS lost it, someone provisioned it
-            # again): a leader may still serve on its last renewal in the old one, until
-            # 0.8 TTL after it. Whoever made it, nobody takes the lease before that.
-            self._hold_off_until = now + young
-            return
-        try:
-            self._lease_rev = await self._lease.create(LEASE_KEY, self.instance_id.encode())
-        except nats.js.errors.KeyWrongLastSequenceError:
-            self._leader_seen_at = now  # somebody leads: the lease is held
-            return
-        except (nats.errors.Error, TimeoutError) as exc:
-            if isinstance(exc, nats.js.errors.NoStreamResponseError):
-                # The lease bucket is gone: provision it again (else nobody could ever lead
-                # again); being new, it is taken only once a TTL old (``lease_bucket_young``).
-                try:
-                    await self._restore_buckets()
-                except (nats.errors.Error, TimeoutError) as restore_exc:
-                    exc = restore_exc
-            self._warn_without_leader(exc)
-            return
-        self._renewed_at = self.monotonic()
-        try:
-            await self._take_over()
-        except Exception:
-            log.exception("taking over failed; giving the lease back")
-            await self._step_down("take-over failed")
-            with contextlib.suppress(Exception):
-                await self._lease.delete(LEASE_KEY, last=self._lease_rev)
-
-    def _warn_without_leader(self, exc: BaseException) -> None:
-        now = self.monotonic()
-        without = now - self._leader_seen_at
-        if without <= self.config.lease_ttl_s:
-            log.debug("lease create failed: %r", exc)
-            return
-        if now - self._no_leader_warned_at >= 10.0:  # every 10 s while it lasts, not every attempt
-            self._no_leader_warned_at = now
-            log.warning("no admission leader for %.0fs (taking the lease failed: %r); gateways admit without "
-                        "admission for their grace, then refuse with 503", without, exc)
-
-    async def _restore_buckets(self) -> bool:
-        """Provision admission's buckets again where they are gone (a single nats-server
-        restarted: memory storage, the lease's, does not survive it). The worker registry's
-        bucket is in memory too and admission predicts nothing without it, so it is
-        provisioned again as well. True when something was missing."""
-        s = self.bus.subjects
-        missing = await missing_buckets(self.bus.js, (lease_bucket_name(s), state_bucket_name(s), s.workers_bucket))
-        if not missing:
-            return False
-        self._lease, self._state = await admission_buckets(
-            self.bus.js, s, lease_ttl_s=self.config.lease_ttl_s, replicas=self.settings.js_replicas
-        )
-        await workers_bucket(self.bus.js, s, replicas=self.settings.js_replicas)
-        log.warning("JetStream had lost the buckets %s (a NATS restart loses memory storage): provisioned again",
-                    ", ".join(missing))
-        return True
-
-    async def _take_over(self) -> None:
-        assert self._state is not None
+    # ---- leading (the lease itself: leadership.LeaderLease) ----------------------------
+    async def take_over(self) -> None:
+        assert self.lease is not None
         s = self.bus.subjects
         checkpoint: Checkpoint | None = None
         try:
-            entry = await self._state.get(STATE_KEY)
+            entry = await self.lease.state.get(STATE_KEY)
             if entry.value:
                 checkpoint = msgspec.msgpack.decode(entry.value, type=Checkpoint)
         except nats.js.errors.KeyNotFoundError:
@@ -391,7 +232,7 @@ class AdmissionService(Service):
         else:
             # Nothing to carry over: every reservation is ours from here on.
             self.usage_seq = (await self.bus.js.stream_info(s.usage_stream)).state.last_seq
-        await self._follow_usage()
+        await self.follow_usage()
         await self.add_endpoint("check", s.admission_check, AdmissionRequest, self.handle_check,
                                 queue_group="admission", concurrent=False)
         # Ready means the server routes to our subscriptions (no "no responders").
@@ -402,7 +243,7 @@ class AdmissionService(Service):
         self.metrics.takeovers.inc()
         log.info("%s is the admission leader", self.instance_id)
 
-    async def _follow_usage(self) -> None:
+    async def follow_usage(self) -> None:
         """(Re)subscribe to USAGE from the first event not yet applied."""
         s = self.bus.subjects
         if self._usage_sub is not None:
@@ -416,7 +257,7 @@ class AdmissionService(Service):
             s.usage_all, stream=s.usage_stream, cb=self._on_usage, ordered_consumer=True, config=config
         )
 
-    async def _step_down(self, reason: str) -> None:
+    async def step_down(self, reason: str) -> None:
         if not self.leading:
             return
         self.leading = False
@@ -430,7 +271,7 @@ class AdmissionService(Service):
             self._usage_sub = None
 
     async def _checkpoint(self) -> None:
-        if not self.leading or self._state is None:
+        if not self.leading or self.lease is None:
             return
         record = Checkpoint(
             instance_id=self.instance_id, usage_seq=self.usage_seq, limiter=self.policy.limiter.snapshot(self.clock())
@@ -440,7 +281,7 @@ class AdmissionService(Service):
             log.error("admission checkpoint of %d bytes exceeds max_payload: not written", len(data))
             return
         try:
-            await self._state.put(STATE_KEY, data)
+            await self.lease.state.put(STATE_KEY, data)
             self.checkpoints += 1
         except (nats.errors.Error, TimeoutError) as exc:
             # A bucket gone with a NATS restart is provisioned again by the lease loop (under
