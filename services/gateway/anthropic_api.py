@@ -41,7 +41,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from msgspec import Struct
@@ -339,7 +339,6 @@ class MessagesPlan:
     message_params: list[str]  # per chat message: the Messages field it came from
     stream: bool
     format_param: str = "output_config.format"
-    tool_params: list[str] = field(default_factory=list)
 
     def api_error(self, exc: ApiError) -> ApiError:
         """A chat validation error, its ``param`` renamed to the Messages field."""
@@ -405,8 +404,7 @@ def plan_messages(req: MessagesRequest, passthrough: Mapping[str, Any]) -> Messa
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}  # message_delta carries the usage
-    return MessagesPlan(body=body, message_params=params, stream=bool(req.stream), format_param=format_param,
-                        tool_params=[f"tools[{i}]" for i in range(len(req.tools or []))])
+    return MessagesPlan(body=body, message_params=params, stream=bool(req.stream), format_param=format_param)
 
 
 def _thinking(req: MessagesRequest, body: dict[str, Any]) -> None:
