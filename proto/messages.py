@@ -358,6 +358,32 @@ class UsageEvent(Struct, kw_only=True, omit_defaults=True):
     metadata: dict[str, str] = {}
 
 
+class CapacityEvent(Struct, kw_only=True, omit_defaults=True):
+    """worker → USAGE (``mesh.usage.fleet.<worker>``): one period of a worker's time on its
+    accelerators, for what the fleet costs (metering's fleet report). A worker sends one
+    every ``--capacity-interval-s`` and a last, shorter one when it stops; USAGE dedups by
+    ``event_id``. A worker that dies loses at most its current period.
+
+    ``held_s`` splits the period among models, in seconds of the whole of the worker's
+    ``accelerators``: a dedicated worker holds all of them for its model the whole period;
+    a hot-swap host's model holds its memory's share of them while resident, and the
+    host's unallocated share is held by ``""``. ``busy_s`` is the time the worker had at
+    least one request in flight (never more than the period)."""
+
+    v: int = SCHEMA_VERSION
+    event_id: str  # "<worker_id>:<start in ms>": unique per period
+    worker_id: str
+    model: str  # the worker's own model (the pool it is registered in)
+    host_id: str = ""  # a hot-swap host's id
+    engine: str = ""
+    accelerator: str = ""  # e.g. "H100-80GB" or vLLM's device name: the price table's key
+    accelerators: int = 0  # how many (tensor x pipeline parallel); 0: none to pay for
+    start: float
+    end: float
+    busy_s: float = 0.0
+    held_s: dict[str, float] = {}
+
+
 class UsageModel(TypedDict):
     model: str
     base_model: str

@@ -1,4 +1,5 @@
-"""The metering service's query contract: ``mesh.metering.usage`` (request-reply).
+"""The metering service's query contracts: ``mesh.metering.usage`` and ``mesh.metering.fleet``
+(request-reply).
 
 A ``UsageQuery`` filters the ledger (org, key, model, a time range) and names the
 dimensions to group by; the ``UsageReport`` answers one ``UsageRow`` per group with
@@ -16,7 +17,7 @@ they live in ``services.common.usage``.
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import msgspec
 from msgspec import Struct
@@ -103,15 +104,104 @@ def check_query(query: UsageQuery) -> None:
     bad = [g for g in query.group_by if g not in GROUP_BY_VALUES]
     if bad:
         raise ValueError(f"unknown group_by {bad}; allowed: {', '.join(GROUP_BY_VALUES)}")
-    if len(set(query.group_by)) != len(query.group_by):
+    _check_common(query.group_by, query.since, query.until, query.limit)
+
+
+def _check_common(group_by: list[Any], since: float | None, until: float | None, limit: int) -> None:
+    if len(set(group_by)) != len(group_by):
         raise ValueError("group_by names a dimension twice")
-    if "hour" in query.group_by and "day" in query.group_by:
+    if "hour" in group_by and "day" in group_by:
         raise ValueError("group by hour or by day, not both")
-    for name in ("since", "until"):
-        value = getattr(query, name)
+    for name, value in (("since", since), ("until", until)):
         if value is not None and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite epoch time")
-    if query.since is not None and query.until is not None and query.until < query.since:
+    if since is not None and until is not None and until < since:
         raise ValueError("until is before since")
-    if not 1 <= query.limit <= MAX_ROWS:
+    if not 1 <= limit <= MAX_ROWS:
         raise ValueError(f"limit must be between 1 and {MAX_ROWS}")
+
+
+# ---- the fleet report: what the fleet cost beside what it served (mesh.metering.fleet) -----
+FleetGroupBy = Literal["model", "accelerator", "worker", "hour", "day"]
+FLEET_GROUP_BY_VALUES: tuple[str, ...] = get_args(FleetGroupBy)
+DEFAULT_FLEET_GROUP_BY: tuple[str, ...] = ("model", "accelerator")
+
+
+class FleetQuery(Struct, kw_only=True, omit_defaults=True):
+    """operator (``meshserve usage --fleet``) → metering: accelerator time, its cost, and the
+    usage served on it, over a time range. A capacity period counts at its end."""
+
+    v: int = SCHEMA_VERSION
+    model: str | None = None
+    since: float | None = None
+    until: float | None = None
+    group_by: list[FleetGroupBy] = msgspec.field(default_factory=lambda: ["model", "accelerator"])
+    limit: int = 1000
+
+
+class FleetRow(Struct, kw_only=True, omit_defaults=True):
+    """One group's cost and what it served. ``model`` "" is a hot-swap host's unallocated
+    memory: paid for, holding no model. Usage is matched to accelerators by the worker that
+    served it; usage served by no worker (refused, failed before placement) is in the rows
+    without an accelerator (``accelerator`` "")."""
+
+    model: str | None = None
+    accelerator: str | None = None
+    worker_id: str | None = None
+    bucket: float | None = None
+    replica_s: float = 0.0  # worker seconds (each worker's periods, whole)
+    accelerator_s: float = 0.0  # accelerator seconds held (replica seconds x accelerators x share)
+    busy_s: float = 0.0  # worker seconds with a request in flight
+    cost_nano: int = 0  # the accelerator seconds at the price table's hourly prices
+    unpriced_accelerator_s: float = 0.0  # held on accelerators the price table has no price for
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    spend_nano: int = 0  # what the usage was charged (the same price table's token prices)
+
+    @property
+    def cost(self) -> float:
+        return self.cost_nano / NANO
+
+    @property
+    def spend(self) -> float:
+        return self.spend_nano / NANO
+
+    @property
+    def utilisation(self) -> float | None:
+        """The share of replica time with work in flight (None without replica time)."""
+        return self.busy_s / self.replica_s if self.replica_s > 0 else None
+
+    def cost_per_million(self, tokens: int) -> float | None:
+        """Cost per million of ``tokens`` (None when none were served)."""
+        return self.cost_nano / NANO / tokens * 1e6 if tokens > 0 else None
+
+
+class FleetReport(Struct, kw_only=True, omit_defaults=True):
+    """metering → operator: the answer to a ``FleetQuery``."""
+
+    v: int = SCHEMA_VERSION
+    rows: list[FleetRow] = []
+    group_by: list[str] = []
+    since: float | None = None
+    until: float | None = None
+    currency: str = "USD"
+    truncated: bool = False
+    generated_at: float = 0.0
+
+    def total(self) -> FleetRow:
+        total = FleetRow()
+        for row in self.rows:
+            for name in ("replica_s", "accelerator_s", "busy_s", "cost_nano", "unpriced_accelerator_s", "requests",
+                         "prompt_tokens", "cached_tokens", "completion_tokens", "spend_nano"):
+                setattr(total, name, getattr(total, name) + getattr(row, name))
+        return total
+
+
+def check_fleet_query(query: FleetQuery) -> None:
+    """Raise ``ValueError`` for a fleet query the ledger must not run."""
+    bad = [g for g in query.group_by if g not in FLEET_GROUP_BY_VALUES]
+    if bad:
+        raise ValueError(f"unknown group_by {bad}; allowed: {', '.join(FLEET_GROUP_BY_VALUES)}")
+    _check_common(query.group_by, query.since, query.until, query.limit)

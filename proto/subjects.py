@@ -89,6 +89,10 @@ class Subjects:
         return f"{self.root}.metering.usage"
 
     @property
+    def metering_fleet(self) -> str:
+        return f"{self.root}.metering.fleet"
+
+    @property
     def autoscaler_status(self) -> str:
         return f"{self.root}.autoscaler.status"
 
@@ -157,7 +161,21 @@ class Subjects:
 
     @property
     def usage_all(self) -> str:
+        """Everything USAGE captures: usage events and capacity events."""
         return f"{self.root}.usage.>"
+
+    @property
+    def usage_events(self) -> str:
+        """Usage events only (one token after ``usage``: the org)."""
+        return f"{self.root}.usage.*"
+
+    def capacity(self, worker_id: str) -> str:
+        """A worker's capacity events (``CapacityEvent``): two tokens, never an org's subject."""
+        return f"{self.root}.usage.fleet.{subject_token(worker_id)}"
+
+    @property
+    def capacity_all(self) -> str:
+        return f"{self.root}.usage.fleet.*"
 
     # The NATS server's own client connect / disconnect advisories, imported from the
     # system account into the mesh's (ops/nats): a worker's connection closing is its

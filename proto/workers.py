@@ -51,6 +51,8 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     # process may hold, sharing ``host_memory_gib`` with its other entries; ``footprint_gib``
     # is what this model takes there while resident, ``load_s`` the seconds a load takes.
     # "" host_id: a dedicated worker, always resident.
+    accelerator: str = ""  # what it runs on (CapacityEvent.accelerator) and how many
+    accelerators: int = 0
     host_id: str = ""
     host_memory_gib: float = 0.0
     footprint_gib: float = 0.0

@@ -277,7 +277,8 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 *_read(s.usage_stream, "durable pull consumer on USAGE"),
                 Rule(f"$JS.ACK.{s.usage_stream}.>", "ack usage events after the ledger commit"),
             ],
-            [Rule(s.metering_usage, "usage and spend queries")],
+            [Rule(s.metering_usage, "usage and spend queries"),
+             Rule(s.metering_fleet, "fleet cost queries (meshserve usage --fleet)")],
             {},
         ),
         "autoscaler": (
@@ -299,6 +300,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(gauges, "load gauges"),
                 Rule(kv_events, "KV cache events"),
                 Rule(usage, "one usage event per request into USAGE"),
+                Rule(s.capacity_all, "capacity events (accelerator and busy time) into USAGE"),
                 *_kv_write(s.workers_bucket, "heartbeat in the worker registry"),
                 *_tokenizers_write(s),
             ],

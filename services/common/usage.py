@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from proto.metering import UsageQuery, UsageReport, check_query
+from proto.metering import NANO, FleetReport, UsageQuery, UsageReport, check_query
 
 _RELATIVE = re.compile(r"^-\s*(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -120,6 +120,44 @@ def usage_report_json(report: UsageReport) -> dict[str, Any]:
         rows.append(item)
     return {
         "object": "usage.report",
+        "currency": report.currency,
+        "since": report.since,
+        "until": report.until,
+        "group_by": list(report.group_by),
+        "truncated": report.truncated,
+        "generated_at": report.generated_at,
+        "data": rows,
+    }
+
+
+def fleet_report_json(report: FleetReport) -> dict[str, Any]:
+    """A fleet report as JSON: the sums, with cost, spend and the derived figures as decimals."""
+    rows = []
+    for row in report.rows:
+        item: dict[str, Any] = {name: getattr(row, name) for name in ("model", "accelerator", "worker_id", "bucket")
+                                if getattr(row, name) is not None}
+        tokens = row.prompt_tokens + row.completion_tokens
+        item.update(
+            replica_s=row.replica_s,
+            accelerator_s=row.accelerator_s,
+            busy_s=row.busy_s,
+            utilisation=row.utilisation,
+            cost=round(row.cost, 9),
+            cost_nano=row.cost_nano,
+            unpriced_accelerator_s=row.unpriced_accelerator_s,
+            requests=row.requests,
+            prompt_tokens=row.prompt_tokens,
+            cached_tokens=row.cached_tokens,
+            completion_tokens=row.completion_tokens,
+            cost_per_million_tokens=row.cost_per_million(tokens),
+            cost_per_million_output_tokens=row.cost_per_million(row.completion_tokens),
+            spend=round(row.spend, 9),
+            spend_nano=row.spend_nano,
+            margin=round((row.spend_nano - row.cost_nano) / NANO, 9),
+        )
+        rows.append(item)
+    return {
+        "object": "fleet.report",
         "currency": report.currency,
         "since": report.since,
         "until": report.until,

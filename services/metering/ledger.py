@@ -20,7 +20,12 @@ were new (the rest were duplicates).
 Schema. ``ledger_meta`` holds the schema version. ``open()`` creates a new ledger at
 ``SCHEMA_VERSION`` and upgrades an older one in place, in one transaction (version 2 added
 ``end_user`` and ``metadata``, with defaults, so rows of version 1 read back as ``''`` and
-``{}``; version 3 ``base_model``, an adapter's base, ``''`` before); it refuses a ledger of a newer version rather than write rows it cannot describe.
+``{}``; version 3 ``base_model``, an adapter's base, ``''`` before; version 4 the table
+``capacity_periods``, the workers' accelerator time for the fleet report: see
+:mod:`.fleet`); it refuses a ledger of a newer version rather than write rows it cannot describe.
+
+Capacity rows (``record``'s ``capacity``) are written in the same transaction as the
+usage rows of their batch, keyed by ``entry_id`` the same idempotent way.
 
 Errors: ``LedgerUnavailable`` means "try again later" (connection refused or lost,
 locked, disk full, I/O error, anything unclassified: stalling is safer than dropping
@@ -39,8 +44,20 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from proto.metering import DEFAULT_GROUP_BY, UsageRow
+from proto.metering import DEFAULT_FLEET_GROUP_BY, DEFAULT_GROUP_BY, FleetRow, UsageRow
 
+from .fleet import (
+    CAPACITY_COLUMNS,
+    CAPACITY_FLOAT_COLUMNS,
+    CAPACITY_INDEXES,
+    CAPACITY_INT_COLUMNS,
+    CAPACITY_TABLE,
+    CapacityEntry,
+    capacity_row,
+    capacity_sql,
+    fold_fleet,
+    usage_sql,
+)
 from .ledger_rows import (
     ADDED_COLUMNS,
     COLUMN_DEFAULTS,
@@ -112,8 +129,9 @@ class Ledger(ABC):
         """Connect and create the schema if missing. Raises ``LedgerUnavailable``."""
 
     @abstractmethod
-    async def record(self, entries: Sequence[LedgerEntry]) -> int:
-        """Write ``entries`` in one transaction; the number that were new (not duplicates)."""
+    async def record(self, entries: Sequence[LedgerEntry], capacity: Sequence[CapacityEntry] = ()) -> int:
+        """Write ``entries`` and ``capacity`` in one transaction; the number of rows that were
+        new (not duplicates)."""
 
     @abstractmethod
     async def _select(self, query: TotalsSql) -> list[Sequence[Any]]: ...
@@ -141,6 +159,20 @@ class Ledger(ABC):
                            placeholder=self._placeholder, bucket_expr=self._bucket_expr)
         return fold_totals(await self._select(query), group_by)
 
+    async def fleet(
+        self,
+        model: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        group_by: Sequence[str] = DEFAULT_FLEET_GROUP_BY,
+    ) -> list[FleetRow]:
+        """Accelerator time, its cost and the usage served on it, per group (``.fleet``)."""
+        capacity = await self._select(capacity_sql(model=model, since=since, until=until, group_by=group_by,
+                                                   placeholder=self._placeholder, bucket_expr=self._bucket_expr))
+        usage = await self._select(usage_sql(model=model, since=since, until=until, group_by=group_by,
+                                             placeholder=self._placeholder, bucket_expr=self._bucket_expr))
+        return fold_fleet(capacity, usage, group_by)
+
 
 # ---- SQLite ------------------------------------------------------------------------------
 def _sqlite_column(name: str) -> str:
@@ -156,12 +188,19 @@ _INDEXES = (
 )
 
 
+def _sqlite_capacity_column(name: str) -> str:
+    kind = "INTEGER" if name in CAPACITY_INT_COLUMNS else "REAL" if name in CAPACITY_FLOAT_COLUMNS else "TEXT"
+    return f"{name} {kind}" + (" PRIMARY KEY" if name == "entry_id" else "") + " NOT NULL"
+
+
 def sqlite_schema(version: int = SCHEMA_VERSION) -> tuple[str, ...]:
     """The statements that create a SQLite ledger of schema ``version`` (an older one: the
     upgrade tests)."""
     table = ",\n    ".join(_sqlite_column(name) for name in columns_at(version))
+    capacity = ", ".join(_sqlite_capacity_column(name) for name in CAPACITY_COLUMNS)
     return (f"CREATE TABLE IF NOT EXISTS usage_events (\n    {table}\n)", *_INDEXES,
-            "CREATE TABLE IF NOT EXISTS ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)")
+            "CREATE TABLE IF NOT EXISTS ledger_meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)",
+            *((f"CREATE TABLE IF NOT EXISTS {CAPACITY_TABLE} ({capacity})", *CAPACITY_INDEXES) if version >= 4 else ()))
 
 
 # What upgrades a ledger of version v - 1 to version v; new tables are created at the latest.
@@ -190,6 +229,8 @@ class SqliteLedger(Ledger):
         # a row breaking NOT NULL, and an acked event would vanish as a "duplicate".
         self._insert = (f"INSERT INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
                         "ON CONFLICT (usage_id) DO NOTHING")
+        self._insert_capacity = (f"INSERT INTO {CAPACITY_TABLE} ({', '.join(CAPACITY_COLUMNS)}) "
+                                 f"VALUES ({', '.join('?' * len(CAPACITY_COLUMNS))}) ON CONFLICT (entry_id) DO NOTHING")
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per batch.
@@ -239,15 +280,17 @@ class SqliteLedger(Ledger):
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(f"cannot open SQLite ledger {self.path}: {exc!r}") from exc
 
-    def _record_sync(self, rows: list[tuple[Any, ...]]) -> int:
+    def _record_sync(self, rows: list[tuple[Any, ...]], capacity: list[tuple[Any, ...]]) -> int:
         conn = self._writer
         if conn is None:
             raise LedgerUnavailable("SQLite ledger is not open")
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                cursor = conn.executemany(self._insert, rows)
-                inserted = cursor.rowcount  # ignored (duplicate) rows change nothing
+                inserted = 0
+                for statement, batch in ((self._insert, rows), (self._insert_capacity, capacity)):
+                    if batch:
+                        inserted += conn.executemany(statement, batch).rowcount  # duplicates change nothing
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -257,12 +300,13 @@ class SqliteLedger(Ledger):
             raise _sqlite_error(exc) from exc
         return inserted
 
-    async def record(self, entries: Sequence[LedgerEntry]) -> int:
-        if not entries:
+    async def record(self, entries: Sequence[LedgerEntry], capacity: Sequence[CapacityEntry] = ()) -> int:
+        if not entries and not capacity:
             return 0
         rows = [entry_row(e) for e in entries]
+        capacity_rows = [capacity_row(c) for c in capacity]
         async with self._write_lock:
-            return await asyncio.to_thread(self._record_sync, rows)
+            return await asyncio.to_thread(self._record_sync, rows, capacity_rows)
 
     def _select_sync(self, query: TotalsSql) -> list[Sequence[Any]]:
         if self._reader is None:
@@ -301,11 +345,18 @@ def _pg_column(name: str) -> str:
             + (f" DEFAULT {COLUMN_DEFAULTS[name]}" if name in COLUMN_DEFAULTS else ""))
 
 
+_PG_CAPACITY_TYPES = {name: ("bigint" if name in CAPACITY_INT_COLUMNS else "double precision"
+                              if name in CAPACITY_FLOAT_COLUMNS else "text") for name in CAPACITY_COLUMNS}
+
+
 def postgres_schema(version: int = SCHEMA_VERSION) -> tuple[str, ...]:
     """As ``sqlite_schema``, for PostgreSQL."""
     table = ", ".join(_pg_column(name) for name in columns_at(version))
+    capacity = ", ".join(f"{name} {_PG_CAPACITY_TYPES[name]} NOT NULL" + (" PRIMARY KEY" if name == "entry_id" else "")
+                         for name in CAPACITY_COLUMNS)
     return (f"CREATE TABLE IF NOT EXISTS usage_events ({table})", *_INDEXES,
-            "CREATE TABLE IF NOT EXISTS ledger_meta (name text PRIMARY KEY, value text NOT NULL)")
+            "CREATE TABLE IF NOT EXISTS ledger_meta (name text PRIMARY KEY, value text NOT NULL)",
+            *((f"CREATE TABLE IF NOT EXISTS {CAPACITY_TABLE} ({capacity})", *CAPACITY_INDEXES) if version >= 4 else ()))
 
 
 # One statement per batch: arrays of every column, unnested into rows (atomic on its own).
@@ -313,6 +364,11 @@ _PG_INSERT = (
     f"INSERT INTO usage_events ({', '.join(COLUMNS)}) SELECT * FROM unnest("
     + ", ".join(f"${i + 1}::{_PG_TYPES[name]}[]" for i, name in enumerate(COLUMNS))
     + ") ON CONFLICT (usage_id) DO NOTHING"
+)
+_PG_INSERT_CAPACITY = (
+    f"INSERT INTO {CAPACITY_TABLE} ({', '.join(CAPACITY_COLUMNS)}) SELECT * FROM unnest("
+    + ", ".join(f"${i + 1}::{_PG_CAPACITY_TYPES[name]}[]" for i, name in enumerate(CAPACITY_COLUMNS))
+    + ") ON CONFLICT (entry_id) DO NOTHING"
 )
 _PG_MIGRATIONS = {version: tuple(f"ALTER TABLE usage_events ADD COLUMN {_pg_column(name)}" for name in added)
                   for version, added in ADDED_COLUMNS.items()}  # as _SQLITE_MIGRATIONS
@@ -379,18 +435,23 @@ class PostgresLedger(Ledger):
             raise LedgerRejected(f"{self.url} has ledger schema {found}; this build knows {SCHEMA_VERSION}")
         self._pool = pool
 
-    async def record(self, entries: Sequence[LedgerEntry]) -> int:
-        if not entries:
+    async def record(self, entries: Sequence[LedgerEntry], capacity: Sequence[CapacityEntry] = ()) -> int:
+        if not entries and not capacity:
             return 0
         if self._pool is None:
             raise LedgerUnavailable("PostgreSQL ledger is not open")
-        columns = [list(column) for column in zip(*(entry_row(e) for e in entries), strict=True)]
+        statements = [(statement, [list(column) for column in zip(*rows, strict=True)])
+                      for statement, rows in ((_PG_INSERT, [entry_row(e) for e in entries]),
+                                              (_PG_INSERT_CAPACITY, [capacity_row(c) for c in capacity])) if rows]
+        inserted = 0
         try:
-            async with self._pool.acquire(timeout=self.timeout_s) as conn:
-                status = await conn.execute(_PG_INSERT, *columns)
+            async with self._pool.acquire(timeout=self.timeout_s) as conn, conn.transaction():
+                for statement, columns in statements:
+                    status = await conn.execute(statement, *columns)
+                    inserted += int(status.rsplit(" ", 1)[-1])  # "INSERT 0 <rows>"
         except Exception as exc:
             raise _pg_error(exc) from exc
-        return int(status.rsplit(" ", 1)[-1])  # "INSERT 0 <rows>"
+        return inserted
 
     async def _select(self, query: TotalsSql) -> list[Sequence[Any]]:
         if self._pool is None:

@@ -18,7 +18,7 @@ from proto.metering import UsageRow
 
 from .prices import PriceTable
 
-SCHEMA_VERSION = 3  # 2: end_user, metadata; 3: base_model
+SCHEMA_VERSION = 4  # 2: end_user, metadata; 3: base_model; 4: the capacity_periods table (fleet cost)
 MAX_TOKENS = 1 << 32  # per event; beyond any context window, and keeps SUM() far from int64 overflow
 MAX_ID_CHARS = 1024
 MAX_ERROR_CHARS = 4096
@@ -81,7 +81,7 @@ FLOAT_COLUMNS = frozenset(("arrival_time", "first_token_time", "finish_time", "t
 
 # The columns each schema version added. ALTER TABLE appends them, so they come last, in
 # this order, in LedgerEntry too: a migrated table and a new one agree.
-ADDED_COLUMNS: dict[int, tuple[str, ...]] = {2: ("end_user", "metadata"), 3: ("base_model",)}
+ADDED_COLUMNS: dict[int, tuple[str, ...]] = {2: ("end_user", "metadata"), 3: ("base_model",), 4: ()}
 COLUMN_DEFAULTS = {"end_user": "''", "metadata": "'{}'", "base_model": "''"}  # what the rows of an older version get
 
 

@@ -23,7 +23,16 @@ The file (``--prices FILE``, JSON, or TOML when it ends in ``.toml``)::
     input = 0.0
     output = 0.0
 
-Without a file every model costs zero (``DEFAULT_PRICES``): tokens are metered, spend is 0.
+    [accelerators."H100-80GB"]   # what the fleet pays, per accelerator-hour (the fleet report)
+    per_hour = 2.99
+    [accelerators."*"]           # any other accelerator (absent: unknown ones are unpriced)
+    per_hour = 0.0
+
+An accelerator's name matches a key exactly (any case), else the longest key found inside
+it with case, spaces and punctuation ignored: "H100" prices vLLM's "NVIDIA H100 80GB HBM3".
+
+Without a file every model costs zero (``DEFAULT_PRICES``): tokens are metered, spend is 0,
+and accelerator time is counted but unpriced.
 ``prices.example.toml`` beside this module is a complete example.
 Spend is fixed when an event is written: changing prices never rewrites history, and the
 ledger keeps the three prices each event was charged at.
@@ -96,11 +105,34 @@ def spend_nano(price: ModelPrice, prompt_tokens: int, cached_tokens: int, comple
     return whole + (1 if 2 * rest >= PER else 0)
 
 
+def hourly_cost_nano(per_hour_nano: int, accelerator_s: float) -> int:
+    """What ``accelerator_s`` accelerator-seconds cost at ``per_hour_nano`` an hour, rounded
+    half up to a nano unit."""
+    return int(Decimal(per_hour_nano) * Decimal(repr(max(accelerator_s, 0.0))) / 3600 + Decimal("0.5"))
+
+
+def _squeezed(name: str) -> str:
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
 @dataclass(frozen=True, slots=True)
 class PriceTable:
     models: Mapping[str, ModelPrice] = field(default_factory=dict)
     currency: str = "USD"
     free_statuses: frozenset[str] = DEFAULT_FREE_STATUSES
+    accelerators: Mapping[str, int] = field(default_factory=dict)  # nano currency units per accelerator-hour
+
+    def accelerator_price(self, accelerator: str) -> int | None:
+        """Nano units per hour of one ``accelerator``; None when the table has no price for it."""
+        wanted = accelerator.strip().lower()
+        for key, price in self.accelerators.items():
+            if key != WILDCARD and key.lower() == wanted:
+                return price
+        squeezed = _squeezed(accelerator)
+        inside = [key for key in self.accelerators if key != WILDCARD and _squeezed(key) and _squeezed(key) in squeezed]
+        if inside:
+            return self.accelerators[max(inside, key=lambda k: len(_squeezed(k)))]
+        return self.accelerators.get(WILDCARD)
 
     def price_for(self, model: str, base_model: str = "") -> ModelPrice | None:
         """The model's own price; for an adapter without one, its base model's; else "*"."""
@@ -120,7 +152,7 @@ class PriceTable:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> PriceTable:
-        unknown = set(raw) - {"currency", "free_statuses", "models"}
+        unknown = set(raw) - {"currency", "free_statuses", "models", "accelerators"}
         if unknown:
             raise ValueError(f"unknown price table keys: {sorted(unknown)}")
         models_raw = raw.get("models", {})
@@ -136,13 +168,22 @@ class PriceTable:
             models[str(name)] = ModelPrice.of(
                 entry.get("input", 0), entry.get("output", 0), entry.get("cached_input"), what=f"models.{name}"
             )
+        accelerators_raw = raw.get("accelerators", {})
+        if not isinstance(accelerators_raw, Mapping):
+            raise ValueError("accelerators must be a table of accelerator name → per_hour")
+        accelerators: dict[str, int] = {}
+        for name, entry in accelerators_raw.items():
+            if not isinstance(entry, Mapping) or set(entry) != {"per_hour"}:
+                raise ValueError(f"accelerators.{name}: expected a table with per_hour (and nothing else)")
+            accelerators[str(name)] = to_nano(entry["per_hour"], f"accelerators.{name}.per_hour")
         currency = raw.get("currency", "USD")
         if not isinstance(currency, str) or not currency:
             raise ValueError("currency must be a non-empty string")
         free = raw.get("free_statuses", sorted(DEFAULT_FREE_STATUSES))
         if not isinstance(free, Iterable) or isinstance(free, str | bytes):
             raise ValueError("free_statuses must be a list of statuses")
-        return cls(models=models, currency=currency, free_statuses=frozenset(str(s) for s in free))
+        return cls(models=models, currency=currency, free_statuses=frozenset(str(s) for s in free),
+                   accelerators=accelerators)
 
 
 DEFAULT_PRICES = PriceTable(models={WILDCARD: FREE})

@@ -28,8 +28,14 @@ Drain (SIGTERM). Stop answering queries and fetching, finish the batch in progre
 (commit and acks), close the ledger. A batch that cannot be committed during the drain
 is handed back (``nak``) for another instance or the next start.
 
+Capacity. Workers' capacity events (``mesh.usage.fleet.<worker>``, ``proto.CapacityEvent``)
+come through the same stream and consumer, and are written with the usage events of their
+batch, priced at the price table's accelerator-hour prices (``.fleet``).
+
 Queries. ``mesh.metering.usage`` (``proto.metering.UsageQuery`` → ``UsageReport``):
 totals per org/key/model/tier/worker/status/hour/day over a time range.
+``mesh.metering.fleet`` (``FleetQuery`` → ``FleetReport``): accelerator time, its cost,
+and the usage served on it, per model/accelerator/worker/hour/day.
 """
 
 from __future__ import annotations
@@ -52,9 +58,10 @@ from bus import BusSettings, Service
 from bus.metrics import MetricsServer
 from proto.codec import decode
 from proto.errors import DecodeError, ErrorCode, MeshError, UnsupportedVersion
-from proto.messages import UsageEvent
-from proto.metering import UsageQuery, UsageReport, check_query
+from proto.messages import CapacityEvent, UsageEvent
+from proto.metering import FleetQuery, FleetReport, UsageQuery, UsageReport, check_fleet_query, check_query
 
+from .fleet import CapacityEntry, capacity_entries
 from .ledger import (
     InvalidEvent,
     Ledger,
@@ -68,6 +75,16 @@ from .metrics import metering_registry
 from .prices import DEFAULT_PRICES, PriceTable
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Written:
+    """One stream message and the ledger rows it becomes (a usage event: one; a capacity
+    event: one per model that held the worker's accelerators)."""
+
+    msg: Msg
+    usage: list[LedgerEntry] = field(default_factory=list)
+    capacity: list[CapacityEntry] = field(default_factory=list)
 
 
 def _worth_logging(count: int) -> bool:
@@ -123,6 +140,8 @@ class MeteringService(Service):
         self.ledger_errors = 0
         self.redelivered = 0
         self.unpriced_events = 0
+        self.capacity_events = 0
+        self._unpriced_accelerators: set[str] = set()
         self.batches = 0
         self.lag = 0  # events in the stream not yet delivered to this consumer
         self.last_commit_at = 0.0
@@ -136,6 +155,7 @@ class MeteringService(Service):
         await self._ensure_consumer()
         self._sub = await self.bus.js.pull_subscribe_bind(durable=self.config.durable, stream=s.usage_stream)
         await self.add_endpoint("usage", s.metering_usage, UsageQuery, self.handle_usage)
+        await self.add_endpoint("fleet", s.metering_fleet, FleetQuery, self.handle_fleet)
         # Ready means the server routes to our subscriptions (no "no responders").
         await self.bus.confirm_subscriptions()
         # Spawned: the drain waits for the batch in progress to commit and ack.
@@ -172,6 +192,7 @@ class MeteringService(Service):
             "ledger_errors": self.ledger_errors,
             "redelivered": self.redelivered,
             "unpriced_events": self.unpriced_events,
+            "capacity_events": self.capacity_events,
             "batches": self.batches,
             "lag": self.lag,
             "last_commit_at": self.last_commit_at,
@@ -269,14 +290,29 @@ class MeteringService(Service):
                 log.exception("processing a batch of %d usage events failed", len(msgs))
                 await self._pause(self.config.backoff_max_s)
 
+    def _capacity_rows(self, msg: Msg, now: float, seq: int) -> list[CapacityEntry]:
+        event = decode(msg.data, CapacityEvent)
+        rows = capacity_entries(event, self.config.prices, recorded_at=now, stream_seq=seq)
+        if rows and not rows[0].priced and event.accelerators > 0 and len(self._unpriced_accelerators) < 1000 \
+                and event.accelerator not in self._unpriced_accelerators:
+            self._unpriced_accelerators.add(event.accelerator)
+            log.warning("no price for accelerator %r (and no \"*\" entry): its time is counted, not costed",
+                        event.accelerator)
+        return rows
+
     async def _process(self, msgs: Sequence[Msg]) -> None:
         now = self.clock()
-        entries: list[LedgerEntry] = []
-        kept: list[Msg] = []
+        batch: list[Written] = []
+        capacity_prefix = self.bus.subjects.capacity_all.removesuffix("*")  # "mesh.usage.fleet."
         for msg in msgs:
             meta = msg.metadata
             seq = meta.sequence.stream
             try:
+                if msg.subject.startswith(capacity_prefix):
+                    batch.append(Written(msg, capacity=self._capacity_rows(msg, now, seq)))
+                    if meta.num_delivered > 1:
+                        self.redelivered += 1
+                    continue
                 event = decode(msg.data, UsageEvent)
                 entry = entry_from_event(event, self.config.prices, recorded_at=now, stream_seq=seq)
             except UnsupportedVersion as exc:
@@ -306,30 +342,32 @@ class MeteringService(Service):
                     log.warning("no price for model %r (and no \"*\" entry): its usage is charged zero", event.model)
             if meta.num_delivered > 1:
                 self.redelivered += 1
-            entries.append(entry)
-            kept.append(msg)
+            batch.append(Written(msg, usage=[entry]))
         self.lag = msgs[-1].metadata.num_pending
-        await self._write(entries, kept)
+        await self._write(batch)
 
-    async def _write(self, entries: list[LedgerEntry], msgs: list[Msg]) -> None:
-        """Commit ``entries`` then ack ``msgs``; retry while the ledger is unavailable."""
-        if not entries:
+    async def _write(self, batch: list[Written]) -> None:
+        """Commit the rows of ``batch`` then ack its messages; retry while the ledger is unavailable."""
+        if not batch:
             return
+        entries = [entry for item in batch for entry in item.usage]
+        capacity = [row for item in batch for row in item.capacity]
+        msgs = [item.msg for item in batch]
         backoff = self.config.backoff_initial_s
         last_touch = time.monotonic()
         while True:
             try:
-                inserted = await self.ledger.record(entries)
+                inserted = await self.ledger.record(entries, capacity)
             except LedgerRejected as exc:
-                if len(entries) > 1:
-                    # One bad row must not block the rest: write them one by one.
-                    log.warning("ledger refused a batch of %d (%s); isolating the bad event", len(entries), exc)
-                    for entry, msg in zip(entries, msgs, strict=True):
-                        await self._write([entry], [msg])
+                if len(batch) > 1:
+                    # One bad event must not block the rest: write them one by one.
+                    log.warning("ledger refused a batch of %d (%s); isolating the bad event", len(batch), exc)
+                    for item in batch:
+                        await self._write([item])
                     return
                 self.rejected_events += 1
-                log.error("ledger refused usage %s (stream seq %d), terminated: %s",
-                          entries[0].usage_id, entries[0].stream_seq, exc)
+                log.error("ledger refused the event at stream seq %d, terminated: %s",
+                          batch[0].msg.metadata.sequence.stream, exc)
                 await self._settle(msgs[0], "term")
                 return
             except LedgerError as exc:
@@ -356,7 +394,8 @@ class MeteringService(Service):
         self.ledger_ok = True
         self.batches += 1
         self.events_written += inserted
-        self.duplicates += len(entries) - inserted
+        self.duplicates += len(entries) + len(capacity) - inserted
+        self.capacity_events += sum(1 for item in batch if item.capacity)
         self.last_commit_at = self.clock()
         for msg in msgs:
             await self._settle(msg, "ack")
@@ -376,6 +415,22 @@ class MeteringService(Service):
             log.debug("%s of a usage event failed: %r", how, exc)
 
     # ---- queries ----------------------------------------------------------------------
+    async def handle_fleet(self, query: FleetQuery, msg: Msg) -> None:
+        try:
+            check_fleet_query(query)
+        except ValueError as exc:
+            raise MeshError(str(exc), code=ErrorCode.BAD_REQUEST) from exc
+        if not self._ledger_open:
+            raise MeshError(f"usage ledger {self.ledger.url} is unavailable", code=ErrorCode.INTERNAL)
+        try:
+            rows = await self.ledger.fleet(model=query.model, since=query.since, until=query.until,
+                                           group_by=query.group_by)
+        except LedgerError as exc:
+            raise MeshError(f"usage ledger unavailable: {exc}", code=ErrorCode.INTERNAL) from exc
+        await self.bus.respond(msg, FleetReport(
+            rows=rows[: query.limit], group_by=list(query.group_by), since=query.since, until=query.until,
+            currency=self.config.prices.currency, truncated=len(rows) > query.limit, generated_at=self.clock()))
+
     async def handle_usage(self, query: UsageQuery, msg: Msg) -> None:
         try:
             check_query(query)

@@ -32,6 +32,13 @@ class WorkerConfig:
     # A usage event is published in the background until USAGE stores it, for this long
     # (the gateway publishes the copy on the final chunk too).
     usage_retry_s: float = 600.0
+    # What the fleet costs: the accelerator this worker runs on (the price table's key) and
+    # how many; "" / None: the engine's own (the sim profile's, vLLM's device and parallelism).
+    accelerator: str = ""
+    accelerators: int | None = None
+    # A capacity event (its accelerator time, busy time) every this many seconds, and a
+    # last one at stop: a crash loses at most one period of the fleet report.
+    capacity_interval_s: float = 60.0
 
 
 def default_worker_id(model: str) -> str:

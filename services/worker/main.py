@@ -123,6 +123,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics with vLLM's names on this port (0: any free port)")
     stream.add_argument("--metrics-host", default="127.0.0.1")
     stream.add_argument("--drain-timeout", type=positive_seconds, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
+    fleet = parser.add_argument_group("fleet cost (metering's `meshserve usage --fleet`)")
+    fleet.add_argument("--accelerator", default="",
+                       help="what this worker runs on, as the price table names it (e.g. H100-80GB); default: the sim"
+                            " profile's, vLLM's device name (cpu on its CPU build), none for echo")
+    fleet.add_argument("--accelerators", type=count, default=None,
+                       help="how many it holds; default: 1 for the sim, tensor x pipeline parallel for vLLM, 0 for echo")
+    fleet.add_argument("--capacity-interval", type=positive_seconds, default=60.0,
+                       help="seconds between the worker's capacity reports (accelerator and busy time); a crash loses"
+                            " at most one")
 
 
 # The options only some engines read (the rest apply to every engine). Given to another
@@ -288,6 +297,9 @@ def run(args: argparse.Namespace) -> int:
         tool_parser=args.tool_call_parser if args.tool_call_parser is not None else (
             "hermes" if args.engine == "sim" else ""),
         reasoning_parser=args.reasoning_parser or "",
+        accelerator=args.accelerator.strip(),
+        accelerators=args.accelerators,
+        capacity_interval_s=args.capacity_interval,
     )
     if args.metrics_port is not None and (problem := listen_problem(args.metrics_host, args.metrics_port)):
         refuse("worker", *problem)

@@ -28,9 +28,18 @@ from .engines.base import Engine
 log = logging.getLogger(__name__)
 
 
+def accelerator_of(engine: Engine, config: WorkerConfig) -> tuple[str, int]:
+    """What the worker runs on: its ``--accelerator``/``--accelerators``, else the engine's own."""
+    name, count = engine.accelerator
+    return (config.accelerator or name, count if config.accelerators is None else config.accelerators)
+
+
 def worker_info(engine: Engine, config: WorkerConfig, worker_id: str, model_dir: str, tokenizer_digest: str) -> WorkerInfo:
     """The registry record of a ready worker serving ``engine``."""
+    accelerator, accelerators = accelerator_of(engine, config)
     return WorkerInfo(
+        accelerator=accelerator,
+        accelerators=accelerators,
         worker_id=worker_id,
         model=engine.model,
         engine=engine.engine_name,

@@ -60,6 +60,7 @@ from proto import (
 )
 
 from .bookkeeping import Choice, RequestBook, SentChunks, request_choices, usage_event
+from .capacity import CapacityMeter
 from .chunks import ChunkPublisher, too_large, too_large_text
 from .coalesce import Coalescer
 from .config import WorkerConfig, default_worker_id
@@ -67,7 +68,7 @@ from .engines.base import Engine, EngineRequest
 from .metrics import WorkerMetrics
 from .orphans import OrphanWatch
 from .outcome import combine_outcomes, request_outcome
-from .registration import Registration, worker_info
+from .registration import Registration, accelerator_of, worker_info
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("meshserve.worker")
@@ -97,6 +98,8 @@ class WorkerService(Service):
         self.tokens_published = 0
         self.metrics = WorkerMetrics(engine.model, engine.engine_name)
         self._metrics_server: MetricsServer | None = None
+        self.capacity: CapacityMeter | None = None  # from start: the accelerator time it reports
+        self.capacity_events = 0
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -123,10 +126,16 @@ class WorkerService(Service):
             self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host, port=self.config.metrics_port,
                                                  before_scrape=lambda: self.metrics.observe_stats(self.engine.stats()))
             await self._metrics_server.start()
+        accelerator, accelerators = accelerator_of(self.engine, self.config)
+        self.capacity = CapacityMeter(worker_id=self.worker_id, model=self.engine.model, accelerator=accelerator,
+                                      accelerators=accelerators, start=time.time(), engine=self.engine.engine_name,
+                                      host_id=str(self.engine.hosting.get("host_id", "")))
+        self.capacity.observe(time.time(), shares=self.engine.capacity_shares())
         self.state = "ready"
         await self._heartbeat()
         # Background loops are not in-flight work: they run until on_stop.
         self._loops = [
+            asyncio.create_task(self._capacity_loop(), name="capacity"),
             asyncio.create_task(self._gauge_loop(), name="gauges"),
             asyncio.create_task(self.registration.beat_every(self.config.heartbeat_interval_s), name="heartbeat"),
             asyncio.create_task(self._kv_event_loop(), name="kv-events"),
@@ -152,6 +161,9 @@ class WorkerService(Service):
         await self.stop_endpoints()
         await cancel_and_wait(getattr(self, "_loops", []))
         await self._publish_gauge()
+        if self.capacity is not None:
+            # The last period, up to now; bounded: a stop must not wait out a NATS outage.
+            await self._publish_capacity(give_up_after_s=min(self.config.usage_retry_s, 10.0))
         if self.registration is not None:
             await self.registration.remove()
         await self.engine.shutdown()
@@ -166,6 +178,7 @@ class WorkerService(Service):
             "chunks_published": self.chunks_published,
             "tokens_published": self.tokens_published,
             "chunks_resent": self.chunks_resent,
+            "capacity_events": self.capacity_events,
         }
 
     # ---- endpoints --------------------------------------------------------------------
@@ -220,6 +233,8 @@ class WorkerService(Service):
         task = asyncio.current_task()
         assert task is not None
         self._requests[request.request_id] = task
+        if len(self._requests) == 1 and self.capacity is not None:
+            self.capacity.observe(time.time(), busy=True)
         self._state_changed.set()
         self.book.hold(request.request_id, request.migrations, request.attempt)
         self.orphans.track(request.request_id, request.gateway_id, request.resumable)
@@ -236,6 +251,8 @@ class WorkerService(Service):
                 await self._stream(request, prompt, span)
         finally:
             self._requests.pop(request.request_id, None)
+            if not self._requests and self.capacity is not None:
+                self.capacity.observe(time.time(), busy=False)
             self.book.release(request.request_id)
             self.orphans.release(request.request_id)
             if self.superseded(request):
@@ -532,6 +549,19 @@ class WorkerService(Service):
         return max(self.config.coalesce_interval_s, len(self._requests) / self.config.max_messages_per_s)
 
     # ---- telemetry loops --------------------------------------------------------------
+    async def _publish_capacity(self, *, give_up_after_s: float) -> None:
+        assert self.capacity is not None
+        event = self.capacity.close(time.time())
+        self.capacity_events += 1
+        await self.bus.js_publish_until_stored(self.bus.subjects.capacity(self.worker_id), event,
+                                               msg_id=event.event_id, give_up_after_s=give_up_after_s)
+
+    async def _capacity_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.capacity_interval_s)
+            # Spawned: publishing waits for USAGE to store it, and the next period must not wait.
+            self.spawn(self._publish_capacity(give_up_after_s=self.config.usage_retry_s), name="capacity")
+
     def gauge(self) -> WorkerGauge:
         return WorkerGauge(
             worker_id=self.worker_id, model=self.engine.model, ts=time.time(), draining=self.state != "ready",
@@ -545,6 +575,8 @@ class WorkerService(Service):
     async def _gauge_loop(self) -> None:
         while True:
             self._state_changed.clear()  # before the gauge is built: a later change is not lost
+            if self.capacity is not None:
+                self.capacity.observe(time.time(), shares=self.engine.capacity_shares())
             await self._publish_gauge()
             due = time.monotonic() + self.config.gauge_min_interval_s
             # Not wait_for: on Python 3.11 it swallows a cancel that arrives as the event is

@@ -25,6 +25,7 @@ from nats.js import api
 from bus import Bus, BusSettings, provision
 from proto import ErrorCode, RemoteError, UsageEvent, usage_dedup_id
 from proto.metering import UsageQuery, UsageReport
+from services.metering.fleet import CapacityEntry
 from services.metering.ledger import COLUMNS, LedgerEntry, SqliteLedger, entry_from_row
 from services.metering.prices import ModelPrice, PriceTable
 from services.metering.service import MeteringConfig, MeteringService
@@ -283,8 +284,8 @@ class GatedLedger(SqliteLedger):
         self.gate = asyncio.Event()
         self.committed = asyncio.Event()
 
-    async def record(self, entries: Sequence[LedgerEntry]) -> int:
-        inserted = await super().record(entries)
+    async def record(self, entries: Sequence[LedgerEntry], capacity: Sequence[CapacityEntry] = ()) -> int:
+        inserted = await super().record(entries, capacity)
         self.committed.set()
         await self.gate.wait()
         return inserted

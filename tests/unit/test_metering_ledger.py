@@ -35,11 +35,14 @@ from services.metering.ledger import (
     postgres_schema,
     sqlite_schema,
 )
+from proto import CapacityEvent
+from services.metering.fleet import capacity_entries
 from services.metering.pgserver import PostgresServer, postgres_bin_dir
 from services.metering.prices import ModelPrice, PriceTable
 
 PRICES = PriceTable(models={"small": ModelPrice.of(input="0.1", cached_input="0.05", output="0.4"),
                             "big": ModelPrice.of(input=3, cached_input=1, output=15)})
+FLEET_PRICES = PriceTable(models=PRICES.models, accelerators={"H100-80GB": 3_000_000_000})  # 3.00 an hour
 DAY = 86400.0
 T0 = 1_750_032_000.0  # 2025-06-16 00:00:00 UTC: a day boundary
 
@@ -196,7 +199,7 @@ async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRe
 
     await ledger.open()
     try:
-        assert await schema_version(ledger) == str(SCHEMA_VERSION) == "3"
+        assert await schema_version(ledger) == str(SCHEMA_VERSION) == "4"
         assert await stored_entries(ledger) == [old]  # user '', metadata {} and base_model ''
         adapter = make("adapter", prompt=1, completion=1, base_model="base-m")
         assert await ledger.record([adapter]) == 1
@@ -217,8 +220,12 @@ async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRe
         await ledger.close()
     await ledger.open()  # a second open finds nothing to do
     try:
-        assert await schema_version(ledger) == "3"
+        assert await schema_version(ledger) == "4"
         assert sorted(e.usage_id for e in await stored_entries(ledger)) == ["adapter", "new", "old"]
+        # version 4's table came with the upgrade: a capacity period is written and reported
+        assert await ledger.record([], capacity_entries(period("w1", T0, T0 + 60), FLEET_PRICES, recorded_at=T0)) == 1
+        (row,) = await ledger.fleet(group_by=[])
+        assert (row.replica_s, row.accelerator_s, row.requests) == (60.0, 60.0, 3)
     finally:
         await ledger.close()
 
@@ -389,3 +396,60 @@ async def test_postgres_unreachable_at_open_is_unavailable() -> None:
 
     with pytest.raises(LedgerUnavailable):
         await PostgresLedger(f"postgresql://x@127.0.0.1:{_free_port()}/none", timeout_s=1.0).open()
+
+
+# ---- capacity periods and the fleet report --------------------------------------------------
+def period(worker: str, start: float, end: float, *, model: str = "small", busy: float = 0.0,
+           accelerator: str = "H100-80GB", accelerators: int = 1, held: dict[str, float] | None = None) -> CapacityEvent:
+    return CapacityEvent(event_id=f"{worker}:{round(start * 1000)}", worker_id=worker, model=model, engine="sim",
+                         accelerator=accelerator, accelerators=accelerators, start=start, end=end, busy_s=busy,
+                         held_s=held if held is not None else {model: end - start})
+
+
+async def test_fleet_cost_beside_the_usage_it_served(ledger: Ledger) -> None:
+    rows = [
+        *capacity_entries(period("w1", T0, T0 + 3600, busy=1800), FLEET_PRICES, recorded_at=T0),
+        *capacity_entries(period("w2", T0, T0 + 3600, busy=900, accelerators=2), FLEET_PRICES, recorded_at=T0),
+        # an accelerator without a price: counted, not costed
+        *capacity_entries(period("w3", T0, T0 + 1800, model="big", accelerator="TPU-v9"), FLEET_PRICES, recorded_at=T0),
+    ]
+    usage = [make("u1", model="small", worker="w1", prompt=600_000, completion=400_000, at=T0 + 100),
+             make("u2", model="small", worker="w2", prompt=1_000_000, completion=0, at=T0 + 200),
+             make("u3", model="lora-a", base_model="small", worker="w2", prompt=0, completion=1_000_000, at=T0 + 300),
+             make("u4", model="big", worker="", prompt=5, completion=0, status="rejected", at=T0 + 400)]
+    assert await ledger.record(usage, rows) == 7
+    assert await ledger.record(usage[:1], rows[:1]) == 0  # redelivered: counted once
+
+    by_model = {row.model: row for row in await ledger.fleet(group_by=["model"])}
+    small = by_model["small"]
+    assert (small.replica_s, small.accelerator_s, small.busy_s) == (7200.0, 3 * 3600.0, 2700.0)
+    assert small.cost_nano == 9_000_000_000 and small.utilisation == 2700 / 7200
+    assert (small.requests, small.prompt_tokens, small.completion_tokens) == (3, 1_600_000, 1_400_000)  # the adapter's too
+    assert small.cost_per_million(3_000_000) == 3.0
+    big = by_model["big"]
+    assert (big.accelerator_s, big.cost_nano, big.unpriced_accelerator_s, big.requests) == (1800.0, 0, 1800.0, 1)
+
+    by_accelerator = {row.accelerator: row for row in await ledger.fleet(group_by=["accelerator"])}
+    assert by_accelerator["H100-80GB"].requests == 3 and by_accelerator["H100-80GB"].cost_nano == 9_000_000_000
+    assert by_accelerator["TPU-v9"].accelerator_s == 1800.0 and by_accelerator["TPU-v9"].requests == 0
+    assert by_accelerator[""].requests == 1  # served by no worker: on no accelerator
+
+    late = await ledger.fleet(model="small", group_by=["worker"], since=T0 + 3000, until=T0 + 3601)
+    assert [(r.worker_id, r.replica_s, r.requests) for r in late] == [("w1", 3600.0, 0), ("w2", 3600.0, 0)]
+    # a period counts at its end
+    assert await ledger.fleet(model="small", group_by=["model"], since=T0 + 3600.5) == []
+    hours = await ledger.fleet(group_by=["hour"], model="big")
+    assert [(r.bucket, r.accelerator_s) for r in hours] == [(T0, 1800.0)]
+
+
+async def test_a_hot_swap_hosts_time_is_split_among_its_models(ledger: Ledger) -> None:
+    # 60 s on one accelerator: model a held 40 % of the host's memory, b 25 % for half the
+    # period, and the rest was unallocated ("").
+    event = period("host-a", T0, T0 + 60, model="a", busy=30, held={"a": 24.0, "": 28.5})
+    other = period("host-b", T0, T0 + 60, model="b", held={"b": 7.5})
+    entries = capacity_entries(event, FLEET_PRICES, recorded_at=T0) + capacity_entries(other, FLEET_PRICES, recorded_at=T0)
+    await ledger.record([], entries)
+    rows = {row.model: row for row in await ledger.fleet(group_by=["model"])}
+    assert {m: r.accelerator_s for m, r in rows.items()} == {"": 28.5, "a": 24.0, "b": 7.5}
+    assert sum(r.accelerator_s for r in rows.values()) == 60.0
+    assert (rows["a"].replica_s, rows["a"].busy_s, rows[""].replica_s) == (60.0, 30.0, 0.0)

@@ -212,6 +212,18 @@ class Engine(ABC):
         return {}
 
     @property
+    def accelerator(self) -> tuple[str, int]:
+        """What this engine runs on, for what the fleet costs: the accelerator's name (the
+        price table's key) and how many this replica holds. Workers may override it
+        (``--accelerator``, ``--accelerators``)."""
+        return ("", 0)
+
+    def capacity_shares(self) -> dict[str, float]:
+        """Now: the share of this replica's accelerators each model holds (``CapacityEvent.held_s``);
+        "" is a hot-swap host's unallocated share."""
+        return {self.model: 1.0}
+
+    @property
     def sampling_defaults(self) -> SamplingDefaults | None:
         """The model's own sampling defaults (its generation config), which ``WorkerInfo``
         advertises and the gateway applies to fields a request omits; None: none."""

@@ -98,6 +98,10 @@ class EchoEngine(Engine):
         return "echo"
 
     @property
+    def accelerator(self) -> tuple[str, int]:
+        return ("none", 0)  # no model: nothing to pay for but the CPU it shares
+
+    @property
     def model(self) -> str:
         return self._model
 

@@ -227,6 +227,22 @@ class HostedEngine(Engine):
                 "footprint_gib": self.footprint_gib, "load_s": self.expected_load_s}
 
     @property
+    def accelerator(self) -> tuple[str, int]:
+        return self.inner.accelerator  # the host's: every model of a host runs on the same ones
+
+    def held_share(self) -> float:
+        """The share of the host's accelerators this model holds now: its memory's, unless cold."""
+        return 0.0 if self.residency == "cold" else min(1.0, self.footprint_gib / self.host.memory_gib)
+
+    def capacity_shares(self) -> dict[str, float]:
+        shares = {self.model: self.held_share()}
+        # The host's first model also reports the host's unallocated memory (""), so the
+        # host's accelerators are counted once, whole, among its models' reports.
+        if next(iter(self.host.entries.values()), None) is self:
+            shares[""] = max(0.0, 1.0 - sum(e.held_share() for e in self.host.entries.values()))
+        return shares
+
+    @property
     def busy(self) -> bool:
         return self.in_use > 0 or bool(self._waiting) or self.residency == "loading"
 

@@ -139,6 +139,11 @@ class SimEngine(Engine):
         return "sim"
 
     @property
+    def accelerator(self) -> tuple[str, int]:
+        # What the profile models: a sim replica stands for one such accelerator.
+        return (self.config.profile.accelerator or "sim", 1)
+
+    @property
     def model(self) -> str:
         return self._model
 

@@ -125,6 +125,7 @@ class SimProfile:
     reference_input_len: int = 0  # the workload the intended figures describe
     reference_output_len: int = 0
     comment: str = ""
+    accelerator: str = ""  # the hardware it models (e.g. "H100-80GB"): what its replicas are priced as
 
     @property
     def reference_context(self) -> int:
@@ -240,6 +241,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "<dict>") -> SimProfile
         reference_input_len=_whole(intended, "input_len", where, "intended.input_len", 0, default=0),
         reference_output_len=_whole(intended, "output_len", where, "intended.output_len", 0, default=0),
         comment=str(data.get("comment", "")),
+        accelerator=str(data.get("accelerator", "")),
     )
 
 

@@ -208,6 +208,21 @@ class VllmEngine(Engine):
         return "vllm"
 
     @property
+    def accelerator(self) -> tuple[str, int]:
+        # vLLM's CPU build: "cpu"; on a GPU the driver's name ("NVIDIA H100 80GB HBM3"),
+        # which a price table's "H100" matches.
+        args = self.engine_args
+        count = int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return (str(torch.cuda.get_device_name(0)), count)
+        except Exception:  # no torch, no driver: priced as a CPU replica
+            pass
+        return ("cpu", count)
+
+    @property
     def model(self) -> str:
         return self._model
 
