@@ -23,8 +23,8 @@ import pytest
 from nats.js import api
 
 from bus import Bus, BusSettings, provision
-from proto import ErrorCode, RemoteError, UsageEvent, usage_dedup_id
-from proto.metering import UsageQuery, UsageReport
+from proto import CapacityEvent, ErrorCode, RemoteError, UsageEvent, usage_dedup_id
+from proto.metering import FleetQuery, FleetReport, UsageQuery, UsageReport
 from services.metering.fleet import CapacityEntry
 from services.metering.ledger import COLUMNS, LedgerEntry, SqliteLedger, entry_from_row
 from services.metering.prices import ModelPrice, PriceTable
@@ -185,6 +185,32 @@ async def test_hostile_bytes_are_terminated_not_redelivered(provisioned: Bus, me
     assert (metering.decode_errors, metering.unsupported_version, metering.invalid_events) == (3, 1, 2)
     report = await query(bus, group_by=["org"])
     assert report_totals(report, ["org"]) == expected_totals(events, ["org"])
+
+
+async def test_capacity_events_share_the_stream_and_bad_ones_are_terminated(provisioned: Bus,
+                                                                            metering: MeteringService) -> None:
+    bus = provisioned
+    good = CapacityEvent(event_id="w1:1", worker_id="w1", model="small", accelerator="H100-80GB", accelerators=1,
+                         start=T0, end=T0 + 60, busy_s=12.0, held_s={"small": 60.0})
+    twice = CapacityEvent(event_id="w1:2", worker_id="w1", model="small", accelerator="H100-80GB", accelerators=1,
+                          start=T0 + 60, end=T0 + 120, held_s={"small": 60.0, "": 60.0})  # counts the GPU twice
+    subject = bus.subjects.capacity("w1")
+    for message in (good, twice):
+        await bus.js_publish_until_stored(subject, message, msg_id=message.event_id)
+    await bus.js.publish(subject, b"\xc1 not msgpack")
+    await bus.js_publish_until_stored(subject, good, msg_id="w1:1-again")  # a copy past dedup: counted once
+    await publish(bus, make_events(5, seed=4))
+    await eventually(lambda: metering.capacity_events == 2 and metering.invalid_events == 1
+                     and metering.decode_errors == 1 and metering.events_written == 6, what="events handled")
+    assert metering.duplicates == 1
+    report = await bus.request(bus.subjects.metering_fleet, FleetQuery(group_by=["model"]), FleetReport, timeout=5)
+    row = next(r for r in report.rows if r.model == "small")
+    assert (row.replica_s, row.busy_s, row.accelerator_s, row.cost_nano) == (60.0, 12.0, 60.0, 0)  # unpriced here
+    assert row.unpriced_accelerator_s == 60.0
+    with pytest.raises(RemoteError) as bad:
+        await bus.request(bus.subjects.metering_fleet, FleetQuery(group_by=["org"]),  # type: ignore[list-item]
+                          FleetReport, timeout=5)
+    assert bad.value.code == ErrorCode.DECODE and "group_by" in str(bad.value)  # the contract's Literal
 
 
 async def test_user_and_metadata_reach_the_ledger(provisioned: Bus, metering: MeteringService,
