@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from proto import UsageEvent
+from proto import CapacityEvent, UsageEvent
+from services.metering.fleet import capacity_entries
 from services.metering.ledger import (
     COLUMNS,
     SCHEMA_VERSION,
@@ -35,8 +36,6 @@ from services.metering.ledger import (
     postgres_schema,
     sqlite_schema,
 )
-from proto import CapacityEvent
-from services.metering.fleet import capacity_entries
 from services.metering.pgserver import PostgresServer, postgres_bin_dir
 from services.metering.prices import ModelPrice, PriceTable
 
