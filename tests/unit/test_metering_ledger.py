@@ -223,8 +223,8 @@ async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRe
         assert sorted(e.usage_id for e in await stored_entries(ledger)) == ["adapter", "new", "old"]
         # version 4's table came with the upgrade: a capacity period is written and reported
         assert await ledger.record([], capacity_entries(period("w1", T0, T0 + 60), FLEET_PRICES, recorded_at=T0)) == 1
-        (row,) = await ledger.fleet(group_by=[])
-        assert (row.replica_s, row.accelerator_s, row.requests) == (60.0, 60.0, 3)
+        (fleet_row,) = await ledger.fleet(group_by=[])
+        assert (fleet_row.replica_s, fleet_row.accelerator_s, fleet_row.requests) == (60.0, 60.0, 3)
     finally:
         await ledger.close()
 
