@@ -27,7 +27,7 @@ from ops.nats import accounts
 from ops.natsserver import nats_server_binary
 from ops.status import fetch_status
 from proto import WorkerInfo, encode
-from proto.metering import UsageQuery, UsageReport
+from proto.metering import FleetQuery, FleetReport, UsageQuery, UsageReport
 from proto.subjects import Subjects
 from services.admission.config import AdmissionConfig
 from services.admission.service import AdmissionService
@@ -184,7 +184,8 @@ async def mesh(auth_server: AuthNatsServer, tmp_path: Path) -> AsyncIterator[dic
     ops = await Bus.open(settings_for(auth_server, "ops"), "ops-test", initial_attempts=20)
     try:
         services["worker"] = WorkerService(SimEngine(model=MODEL, speed=50.0),
-                                           WorkerConfig(worker_id="w1", gauge_interval_s=0.1, drain_timeout_s=5),
+                                           WorkerConfig(worker_id="w1", gauge_interval_s=0.1, drain_timeout_s=5,
+                                                        capacity_interval_s=0.5),
                                            settings_for(auth_server, "worker"))
         services["router"] = RouterService(settings=settings_for(auth_server, "router"))
         services["admission"] = AdmissionService(AdmissionConfig(), settings_for(auth_server, "admission"))
@@ -256,6 +257,14 @@ async def test_every_service_does_its_job_with_its_own_user(auth_server: AuthNat
             return total.requests == 2 and total.completion_tokens == 24
 
         await eventually(metered, "the metered usage of both requests")
+
+        # The worker's capacity events reach the ledger under its user, and the fleet report answers.
+        async def costed() -> bool:
+            report = await ops.request(ops.subjects.metering_fleet, FleetQuery(group_by=["model"]), FleetReport,
+                                       timeout=5.0)
+            return any(row.model == MODEL and row.replica_s > 0 and row.requests == 2 for row in report.rows)
+
+        await eventually(costed, "the worker's time in the fleet report")
         async with http.get(f"http://127.0.0.1:{gateway.bound_port}/v1/usage") as r:
             assert r.status == 200, await r.text()
 
