@@ -162,8 +162,9 @@ class WorkerService(Service):
         await cancel_and_wait(getattr(self, "_loops", []))
         await self._publish_gauge()
         if self.capacity is not None:
-            # The last period, up to now; bounded: a stop must not wait out a NATS outage.
-            await self._publish_capacity(give_up_after_s=min(self.config.usage_retry_s, 10.0))
+            # The last period, up to now. Bounded: a stop must not wait out a NATS outage (an
+            # orchestrator's kill timeout may be 5 s); USAGE acks in milliseconds when it is up.
+            await self._publish_capacity(give_up_after_s=min(self.config.usage_retry_s, 3.0))
         if self.registration is not None:
             await self.registration.remove()
         await self.engine.shutdown()
