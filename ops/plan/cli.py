@@ -138,6 +138,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-mfu", type=fraction, default=0.5, help="achieved fraction of peak FLOP/s in prefill"
     )
+    p.add_argument(
+        "--gpu-price", type=non_negative_number, dest="gpu_price_per_hour", metavar="PER_HOUR",
+        help="what one GPU-hour costs (e.g. 2.99): the fleet's cost per hour and per million tokens at the "
+             "planned rate (with --models: the plan's and the static fleet's cost per hour)",
+    )
     many = p.add_argument_group("many models (--models)")
     many.add_argument(
         "--load-from",
@@ -197,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             bandwidth_efficiency=args.bandwidth_efficiency,
             prefill_mfu=args.prefill_mfu,
+            gpu_price_per_hour=args.gpu_price_per_hour,
         )
         plan = make_plan(inputs)
     except (KeyError, ValueError, OSError) as exc:
@@ -247,7 +253,7 @@ def run_many(args: argparse.Namespace, console: Console) -> int:
             static_load=args.static_load,
             kv_dtype=args.kv_dtype, weights_dtype=args.weights_dtype, reserve_bytes=args.reserve_bytes,
             max_num_seqs=args.max_num_seqs, bandwidth_efficiency=args.bandwidth_efficiency,
-            prefill_mfu=args.prefill_mfu,
+            prefill_mfu=args.prefill_mfu, gpu_price_per_hour=args.gpu_price_per_hour,
         )
         plan = plan_fleet(parse_entries(raw), policy)
     except OSError as exc:

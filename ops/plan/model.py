@@ -375,14 +375,41 @@ class PlanInputs:
     max_num_seqs: int | None = None
     bandwidth_efficiency: float = 0.8
     prefill_mfu: float = 0.5
+    gpu_price_per_hour: float | None = None  # what one GPU-hour costs; None: no cost figures
 
     def __post_init__(self) -> None:
+        if self.gpu_price_per_hour is not None and not (math.isfinite(self.gpu_price_per_hour)
+                                                        and self.gpu_price_per_hour >= 0):
+            raise ValueError("a GPU price must be a finite number ≥ 0")
         if not 0 < self.utilization < 1:
             raise ValueError("target utilisation must be in (0, 1)")
         if self.tensor_parallel < 1:
             raise ValueError("tensor parallelism must be ≥ 1")
         if self.rate is not None and self.rate <= 0:
             raise ValueError("rate must be positive")
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """What the plan's fleet costs at ``PlanInputs.gpu_price_per_hour``. Per million tokens
+    is at the planned rate: λ · (prompt + output) tokens a second, the fleet paid whether
+    busy or not (``meshserve usage --fleet`` measures the same figures on a running mesh)."""
+
+    replica_per_hour: float
+    fleet_per_hour: float | None  # None: no rate, no fleet
+    per_million_tokens: float | None
+    per_million_output_tokens: float | None
+
+
+def plan_cost(price: float, tensor_parallel: int, fleet_gpus: int | None, rate: float | None,
+              prompt_tokens: int, output_tokens: int) -> PlanCost:
+    replica = price * tensor_parallel
+    if fleet_gpus is None or rate is None:
+        return PlanCost(replica, None, None, None)
+    fleet = price * fleet_gpus
+    per_hour_tokens = rate * 3600
+    return PlanCost(replica, fleet, fleet / (per_hour_tokens * (prompt_tokens + output_tokens)) * 1e6,
+                    fleet / (per_hour_tokens * output_tokens) * 1e6)
 
 
 @dataclass(frozen=True)
@@ -412,6 +439,7 @@ class Plan:
     wait_mmc_s: float | None
     curve: list[CurvePoint] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cost: PlanCost | None = None  # with a GPU price
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -538,6 +566,8 @@ def make_plan(p: PlanInputs) -> Plan:
         wait_mmc_s=waitc,
         curve=curve,
         notes=notes,
+        cost=None if p.gpu_price_per_hour is None else plan_cost(
+            p.gpu_price_per_hour, tp, fleet_gpus, p.rate, p.prompt_tokens, p.output_tokens),
     )
 
 

@@ -81,6 +81,7 @@ class FleetPolicy:
     max_num_seqs: int | None = None
     bandwidth_efficiency: float = 0.8
     prefill_mfu: float = 0.5
+    gpu_price_per_hour: float | None = None  # what one GPU-hour costs; None: no cost figures
 
     @property
     def usable_hbm_bytes(self) -> int:
@@ -127,9 +128,16 @@ class FleetPlan:
     baseline_gpus: int
     notes: list[str] = field(default_factory=list)
 
+    def cost_per_hour(self, gpus: int) -> float | None:
+        """``gpus`` at the policy's GPU price; None without one."""
+        price = self.policy.gpu_price_per_hour
+        return None if price is None else gpus * price
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["policy"]["gpu"] = self.policy.gpu.name
+        out["plan_cost_per_hour"] = self.cost_per_hour(self.plan_gpus)
+        out["baseline_cost_per_hour"] = self.cost_per_hour(self.baseline_gpus)
         return out
 
 

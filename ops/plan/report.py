@@ -147,6 +147,16 @@ def sizing_table(plan: Plan) -> Table:
                 _seconds(plan.time_in_system + plan.wait_mm1_s),
                 "W + M/M/1 wait",
             )
+    c = plan.cost
+    if c is not None:
+        price = p.gpu_price_per_hour
+        t.add_row("cost per replica-hour", _num(c.replica_per_hour), f"{p.tensor_parallel} GPU × {_num(price)} an hour")
+        if c.fleet_per_hour is not None and plan.fleet_gpus is not None:
+            t.add_row("fleet cost per hour", f"[bold]{_num(c.fleet_per_hour)}[/bold]", f"{plan.fleet_gpus:,} GPUs")
+            t.add_row("cost per million tokens", _num(c.per_million_tokens, 4),
+                      f"at λ: {p.prompt_tokens + p.output_tokens:,} tokens a request, paid busy or idle")
+            t.add_row("cost per million output tokens", _num(c.per_million_output_tokens, 4),
+                      f"{p.output_tokens:,} output tokens a request")
     return t
 
 
@@ -261,6 +271,10 @@ def fleet_summary(plan: FleetPlan) -> Table:
     t.add_row("one static pool per model", str(plan.baseline_gpus), "each adapter as a merged model, each model ≥ 1 replica")
     saved = plan.baseline_gpus - plan.plan_gpus
     t.add_row("saved", str(saved), f"{saved / plan.baseline_gpus:.0%} of the static fleet" if plan.baseline_gpus else "")
+    if plan.policy.gpu_price_per_hour is not None:
+        for label, gpus in (("plan: cost per hour", plan.plan_gpus), ("static fleet: cost per hour", plan.baseline_gpus),
+                            ("saved per hour", saved)):
+            t.add_row(label, _num(plan.cost_per_hour(gpus)), f"{gpus} GPUs × {_num(plan.policy.gpu_price_per_hour)}")
     return t
 
 

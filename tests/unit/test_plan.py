@@ -352,3 +352,25 @@ def test_cli_fp8_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown model" in capsys.readouterr().err
     assert _run(["--model", "llama-3.1-70b", "--gpu", "A10G-24GB"]) == 1  # does not fit: says so, fails
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_a_gpu_price_gives_the_fleets_cost_per_hour_and_per_million_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    # The hand case: 15 replicas of one GPU for 40 requests a second of 1024 + 256 tokens
+    # (its default prompt and output lengths; --context sizes KV only).
+    assert _run([*HAND_CASE, "--gpu-price", "2.40", "--json"]) == 0
+    cost = json.loads(capsys.readouterr().out)["cost"]
+    assert cost["replica_per_hour"] == 2.40 and cost["fleet_per_hour"] == pytest.approx(36.0)
+    tokens_per_hour = 40 * 3600 * (1024 + 256)
+    assert cost["per_million_tokens"] == pytest.approx(36.0 / tokens_per_hour * 1e6)
+    assert cost["per_million_output_tokens"] == pytest.approx(36.0 / (40 * 3600 * 256) * 1e6)
+    assert _run([*HAND_CASE, "--gpu-price", "2.40"]) == 0
+    out = capsys.readouterr().out
+    assert "fleet cost per hour" in out and "36.00" in out and "cost per million tokens" in out
+    # without a rate there is no fleet: only a replica's hour
+    assert _run(["--model", "llama-3.1-8b", "--tp", "2", "--gpu-price", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost"] == {
+        "replica_per_hour": 6.0, "fleet_per_hour": None, "per_million_tokens": None, "per_million_output_tokens": None}
+    assert _run([*HAND_CASE, "--json"]) == 0  # no price, no cost figures
+    assert json.loads(capsys.readouterr().out)["cost"] is None
+    with pytest.raises(SystemExit):
+        _run([*HAND_CASE, "--gpu-price", "-1"])

@@ -137,6 +137,11 @@ def test_cli_prints_the_tree_for_the_readme_example_and_json_and_rejects_bad_fil
     assert out.returncode == 2 and "not YAML or JSON" in out.stderr
     out = plan("--models", str(tmp_path / "missing.yaml"))
     assert out.returncode == 2 and "cannot read" in out.stderr
+    priced = json.loads(plan("--models", "examples/models.yaml", "--json", "--gpu-price", "2.5").stdout)
+    assert priced["plan_cost_per_hour"] == priced["plan_gpus"] * 2.5
+    assert priced["baseline_cost_per_hour"] == priced["baseline_gpus"] * 2.5
+    out = plan("--models", "examples/models.yaml", "--gpu-price", "2.5")
+    assert "saved per hour" in out.stdout and "static fleet: cost per hour" in out.stdout
 
 
 def test_an_adapters_ttft_slo_pins_its_base() -> None:
