@@ -149,12 +149,14 @@ def _print_pool(console: Any, p: PoolStatus, now: float) -> None:
     if p.signals is not None:
         s = p.signals
         signals = Table(show_header=True, box=None, pad_edge=False)
-        for column in ("waiting tok", "running tok", "needed", "warm", "floor", "window max", "cooldown left",
-                       "idle", "prefill tok/s", "decode tok/s", "queue drains in"):
+        for column in ("waiting tok", "running tok", "needed", "for prefill", "warm", "floor", "window max",
+                       "cooldown left", "idle", "prompt tok/s in", "prefill tok/s", "decode tok/s", "queue drains in"):
             signals.add_column(column, justify="right")
         signals.add_row(
-            _num(s.waiting_tokens), _num(s.running_tokens), str(s.needed), str(s.warm_buffer), str(s.floor),
+            _num(s.waiting_tokens), _num(s.running_tokens), str(s.needed), str(s.needed_prefill),
+            str(s.warm_buffer), str(s.floor),
             str(s.window_max), f"{s.cooldown_remaining_s:,.0f} s", f"{s.idle_s:,.0f} s",
+            _num(s.prefill_demand_tokens_per_s),
             _num(s.prefill_tokens_per_s), _num(s.decode_tokens_per_s),
             f"{s.queue_drain_s:,.1f} s" if s.queue_drain_s is not None else "-",
         )

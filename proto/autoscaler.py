@@ -45,6 +45,8 @@ class PoolSignals(Struct, kw_only=True, omit_defaults=True):
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     queue_drain_s: float | None = None
+    prefill_demand_tokens_per_s: float | None = None  # prompt tokens arriving a second (smoothed)
+    needed_prefill: int = 0  # replicas prefill compute needs (the law takes the larger of this and needed)
 
 
 class DecisionRecord(Struct, kw_only=True, omit_defaults=True):

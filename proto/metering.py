@@ -142,8 +142,8 @@ class FleetQuery(Struct, kw_only=True, omit_defaults=True):
 class FleetRow(Struct, kw_only=True, omit_defaults=True):
     """One group's cost and what it served. ``model`` "" is a hot-swap host's unallocated
     memory: paid for, holding no model. Usage is matched to accelerators by the worker that
-    served it; usage served by no worker (refused, failed before placement) is in the rows
-    without an accelerator (``accelerator`` "")."""
+    served it; usage served by no worker (refused, failed before placement), or by one with
+    no capacity period in the range, is in the rows without an accelerator (``accelerator`` "")."""
 
     model: str | None = None
     accelerator: str | None = None

@@ -107,6 +107,7 @@ class WorkerGauge(Struct, kw_only=True, omit_defaults=True):
     kv_event_seq: int = -1  # last KV event batch sequence published (gap detection)
     kv_events_mode: str = "engine"  # "engine" or "predicted" when the engine emits none
     preemptions: int = 0
+    prefill_tokens_total: int = 0  # prompt tokens computed since start (cumulative; a restart resets it)
     # Ids of the requests the engine took in during the last few seconds: a router or
     # admission counting a placement optimistically drops it once a gauge names it (the
     # gauge's queue then holds it). None: a worker that does not report them (the

@@ -6,10 +6,21 @@ The async shell feeds it the latest gauge of each live worker of the pool, actua
 decision through a driver, and shows the decisions in ``meshserve status``.
 
 The law
-    target = clamp(ceil((waiting_tokens + running_tokens) / target_utilization
-                        / replica_token_capacity) + warm_buffer, floor, max)
+    target = clamp(max(needed, needed_prefill) + warm_buffer, floor, max)
+    needed = ceil((waiting_tokens + running_tokens) / target_utilization / replica_token_capacity)
+    needed_prefill = ceil((prefill_demand + waiting_tokens / max_queue_s)
+                          / target_utilization / replica_prefill_capacity)
 where floor = max(min_replicas, the time-of-day minimum). Queue load is a leading
 signal: tokens waiting now are work a replica must hold soon.
+
+Two resources bind a replica, and ``needed`` sees only one: memory (the tokens it holds
+in KV). Prefill is compute: a replica whose KV has room still falls behind when prompt
+tokens arrive faster than it computes them, and its queue (and TTFT) grows while its KV
+reads half empty. ``needed_prefill`` is the planner's ⌈λ / (ρ·μ)⌉ in prompt tokens: the
+demand is what the replicas computed since the last tick (the gauges'
+``prefill_tokens_total``, cumulative) plus the change of the queue, per second, smoothed
+over ``demand_time_constant_s``; a backlog adds what drains it within ``max_queue_s``;
+the capacity is the replicas' measured prefill tokens per busy second (their mean).
 
 Hysteresis
     Scale up at once, to the target. Scale down only to the highest target seen over the
@@ -113,6 +124,10 @@ class PoolPolicy:
     schedule: tuple[ScheduleWindow, ...] = ()
     timezone: str = "UTC"  # IANA name the schedule's hours are in
     prescale_lead_s: float = 0.0  # start scheduled minimums this early
+    # Prefill compute (needed_prefill): a queue that takes longer than this to drain at the
+    # pool's measured prefill capacity gets the replicas to drain it (0: the backlog term off).
+    max_queue_s: float = 2.0
+    demand_time_constant_s: float = 20.0  # EWMA time constant of the prefill demand
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -123,6 +138,8 @@ class PoolPolicy:
             raise ValueError("warm_buffer, cooldown and idle period must be ≥ 0")
         if self.initial_replica_token_capacity <= 0 or self.capacity_time_constant_s <= 0:
             raise ValueError("initial capacity and its time constant must be positive")
+        if self.max_queue_s < 0 or self.demand_time_constant_s <= 0:
+            raise ValueError("max_queue_s must be ≥ 0 and the demand's time constant positive")
         if any(w.min_replicas > self.max_replicas for w in self.schedule):
             raise ValueError("a scheduled minimum exceeds max_replicas")
         ZoneInfo(self.timezone)  # fail at configuration time, not at 08:00
@@ -256,6 +273,35 @@ class PoolState:
     drain_worker: str | None = None  # the scale-down this controller issued, until it ends
     drain_issued_at: float | None = None
     capacity: CapacityEstimate = field(default_factory=CapacityEstimate)
+    prefill: PrefillDemand = field(default_factory=lambda: PrefillDemand())
+
+
+@dataclass(frozen=True)
+class PrefillDemand:
+    """Prompt tokens a second arriving at the pool: what its replicas computed plus what its
+    queue grew by, between ticks, smoothed. Pure bookkeeping of the gauges' counters."""
+
+    counts: tuple[tuple[str, int], ...] = ()  # worker → its prefill_tokens_total at the last tick
+    at: float | None = None  # the last tick
+    queued: int = 0  # the pool's waiting tokens then
+    rate: float | None = None  # the smoothed demand, tokens/s
+    rate_at: float | None = None
+
+    def update(self, gauges: Sequence[WorkerGauge], queued: int, now: float, tau: float) -> PrefillDemand:
+        seen = dict(self.counts)
+        computed = 0
+        for g in gauges:
+            before = seen.get(g.worker_id)
+            if before is not None:
+                # A counter below its last value restarted (a reloaded engine): all of it is new.
+                computed += g.prefill_tokens_total - before if g.prefill_tokens_total >= before else g.prefill_tokens_total
+            # A worker first seen now only sets its baseline: its count may span hours.
+        counts = tuple((g.worker_id, g.prefill_tokens_total) for g in gauges)
+        rate, rate_at = self.rate, self.rate_at
+        if self.at is not None and now > self.at:
+            sample = max(0.0, (computed + queued - self.queued) / (now - self.at))
+            rate, rate_at = ewma(rate, rate_at, sample, now, tau), now
+        return PrefillDemand(counts=counts, at=now, queued=queued, rate=rate, rate_at=rate_at)
 
 
 @dataclass(frozen=True)
@@ -279,6 +325,8 @@ class Signals:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     queue_drain_s: float | None  # waiting tokens / measured prefill rate
+    prefill_demand_tokens_per_s: float | None = None  # prompt tokens arriving a second (smoothed)
+    needed_prefill: int = 0  # replicas the prefill demand and backlog need
 
 
 @dataclass(frozen=True)
@@ -341,6 +389,14 @@ def step(
     decode_rate = sum(g.decode_tokens_per_s for g in live)
 
     capacity_est = update_capacity(state.capacity, live, now, policy, obs.max_num_seqs)
+    prefill = state.prefill.update(gauges, waiting_tokens, now, policy.demand_time_constant_s)
+    measured = [g.prefill_tokens_per_s for g in live if g.prefill_tokens_per_s > 0]
+    needed_prefill = 0
+    if measured:
+        backlog = waiting_tokens / policy.max_queue_s if policy.max_queue_s > 0 else 0.0
+        work = (prefill.rate or 0.0) + backlog
+        per_replica = sum(measured) / len(measured)
+        needed_prefill = math.ceil(work / policy.target_utilization / per_replica - 1e-9) if work > 0 else 0
     held = max((float(g.running_tokens) for g in live), default=0.0)
     capacity, source = capacity_est.value(policy.initial_replica_token_capacity, floor=held)
 
@@ -353,11 +409,12 @@ def step(
     needed = math.ceil(load / policy.target_utilization / capacity) if load > 0 else 0
     if obs.pending_requests > 0:
         needed = max(needed, 1)
-    if floor == 0 and needed == 0:
+    binding = max(needed, needed_prefill)
+    if floor == 0 and binding == 0:
         # Idle zero-able pool: keep the last replica until the idle period is over.
         target = 0 if idle_s >= policy.idle_to_zero_s else min(1, current)
     else:
-        target = min(max(needed + policy.warm_buffer, floor), policy.max_replicas)
+        target = min(max(binding + policy.warm_buffer, floor), policy.max_replicas)
 
     cooldown = policy.scale_down_cooldown_s
     window = _push_window(state.window, now, target, cooldown)
@@ -394,6 +451,8 @@ def step(
         prefill_tokens_per_s=prefill_rate,
         decode_tokens_per_s=decode_rate,
         queue_drain_s=waiting_tokens / prefill_rate if prefill_rate > 0 and waiting_tokens > 0 else None,
+        prefill_demand_tokens_per_s=prefill.rate,
+        needed_prefill=needed_prefill,
     )
 
     def clamp(n: int) -> int:
@@ -458,6 +517,7 @@ def step(
         drain_worker=drain_worker,
         drain_issued_at=drain_issued_at,
         capacity=capacity_est,
+        prefill=prefill,
     )
     decision = ScaleDecision(
         pool=policy.pool,
@@ -480,10 +540,17 @@ def _up_reason(s: Signals, policy: PoolPolicy, target: int, scheduled: int, load
     parts = []
     if s.pending_requests > 0:
         parts.append(f"{s.pending_requests} request(s) waiting with no replica to take them")
-    if target == scheduled and scheduled > max(s.needed + policy.warm_buffer, policy.min_replicas):
+    binding = max(s.needed, s.needed_prefill)
+    if target == scheduled and scheduled > max(binding + policy.warm_buffer, policy.min_replicas):
         parts.append(f"time-of-day minimum {scheduled} ({policy.timezone})")
-    elif target == policy.min_replicas and s.needed + policy.warm_buffer < policy.min_replicas:
+    elif target == policy.min_replicas and binding + policy.warm_buffer < policy.min_replicas:
         parts.append(f"minimum {policy.min_replicas}")
+    elif s.needed_prefill > s.needed:
+        demand = s.prefill_demand_tokens_per_s or 0.0
+        parts.append(
+            f"needed {s.needed_prefill} for prefill + warm buffer {policy.warm_buffer}: {demand:,.0f} prompt tokens/s"
+            f" arriving + a backlog of {s.waiting_tokens:,} tokens to drain within {policy.max_queue_s:g} s, / "
+            f"{policy.target_utilization:.0%} / the replicas' prefill capacity (memory needs {s.needed}; {load_text})")
     else:
         parts.append(f"needed {s.needed} + warm buffer {policy.warm_buffer}; {load_text}")
         if s.queue_drain_s is not None:

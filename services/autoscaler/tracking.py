@@ -139,5 +139,6 @@ def to_signals(d: ScaleDecision) -> PoolSignals:
         scheduled_min=s.scheduled_min, max_replicas=s.max_replicas, window_max=s.window_max,
         cooldown_remaining_s=s.cooldown_remaining_s, idle_s=s.idle_s, starting=s.starting, draining=s.draining,
         prefill_tokens_per_s=s.prefill_tokens_per_s, decode_tokens_per_s=s.decode_tokens_per_s,
-        queue_drain_s=s.queue_drain_s,
+        queue_drain_s=s.queue_drain_s, prefill_demand_tokens_per_s=s.prefill_demand_tokens_per_s,
+        needed_prefill=s.needed_prefill,
     )

@@ -467,3 +467,67 @@ def test_draining_replicas_do_not_feed_the_estimate_or_the_load() -> None:
     )
     assert (d.signals.running_tokens, d.signals.waiting_tokens) == (1_000, 0)
     assert d.signals.capacity_source == "kv_extrapolated" and d.current == 1 and d.signals.draining == 1
+
+
+# ---- prefill compute: a replica with KV to spare that cannot keep up with its prompts ------
+BIG_KV = 400_000  # tokens: what a replica of an 8B model on an H100 holds
+# Its batch limit, known to the shell: a request waiting below it is no memory saturation.
+LIMITS = {"w1": 1024, "w2": 1024}
+
+
+def computing(wid: str, total: int, queued: int, *, held: int = 30_000, prefill: float = 14_000.0) -> WorkerGauge:
+    """A replica holding ``held`` tokens of ``BIG_KV`` (memory to spare) that has computed
+    ``total`` prompt tokens since it started, with ``queued`` waiting."""
+    return WorkerGauge(worker_id=wid, model="m", ts=0.0, running=3, waiting=1 if queued else 0, running_tokens=held,
+                       queued_prefill_tokens=queued, kv_usage=held / BIG_KV, prefill_tokens_per_s=prefill,
+                       decode_tokens_per_s=1000.0, prefill_tokens_total=total)
+
+
+def test_a_replica_falling_behind_on_prefill_gets_help_though_its_kv_has_room() -> None:
+    # 17k prompt tokens a second arrive at a replica that computes 14k: it computes at its
+    # limit and its queue grows by 3k a second. Memory alone (57,000 of 400,000 tokens) says 1.
+    controller = PoolController(policy(max_queue_s=0.0, initial_replica_token_capacity=float(BIG_KV)))
+    decision = None
+    for tick in range(10):
+        gauge = computing("w1", total=14_000 * tick, queued=3_000 * tick)
+        decision = controller.decide(PoolObservation(gauges=[gauge], max_num_seqs=LIMITS), float(tick))
+    assert decision is not None
+    s = decision.signals
+    assert s.needed == 1 and s.prefill_demand_tokens_per_s == pytest.approx(17_000)
+    assert s.needed_prefill == 2  # ⌈17,000 / 0.75 / 14,000⌉
+    assert decision.action == "scale_up" and decision.desired == 2
+    assert "for prefill" in decision.reason and "17,000 prompt tokens/s" in decision.reason
+
+
+def test_light_prefill_demand_changes_nothing() -> None:
+    controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
+    decision = None
+    for tick in range(10):
+        decision = controller.decide(PoolObservation(gauges=[computing("w1", total=2_000 * tick, queued=0)], max_num_seqs=LIMITS), float(tick))
+    assert decision is not None
+    assert decision.signals.needed_prefill == 1 and decision.action == "hold" and decision.desired == 1
+
+
+def test_a_backlog_gets_the_replicas_that_drain_it_within_max_queue() -> None:
+    # 63,000 tokens queued, nothing computed yet: drained within 2 s needs 31,500 tokens/s.
+    big = float(BIG_KV)
+    decision = PoolController(policy(initial_replica_token_capacity=big)).decide(
+        PoolObservation(gauges=[computing("w1", 0, queued=63_000)], max_num_seqs=LIMITS), 0.0)
+    assert decision.signals.needed == 1 and decision.signals.needed_prefill == 3  # ⌈31,500 / 0.75 / 14,000⌉
+    assert decision.desired == 3
+    off = PoolController(policy(max_queue_s=0.0, initial_replica_token_capacity=big)).decide(
+        PoolObservation(gauges=[computing("w1", 0, 63_000)], max_num_seqs=LIMITS), 0.0)
+    assert off.signals.needed_prefill == 0  # no demand measured yet, backlog term off
+
+
+def test_counters_that_restart_or_come_with_a_history_make_no_false_demand() -> None:
+    controller = PoolController(policy(max_queue_s=0.0, initial_replica_token_capacity=float(BIG_KV)))
+    controller.decide(PoolObservation(gauges=[computing("w1", 5_000_000, 0)]), 0.0)  # an autoscaler restart: baseline
+    first = controller.decide(PoolObservation(gauges=[computing("w1", 5_001_000, 0)]), 1.0)
+    assert first.signals.prefill_demand_tokens_per_s == pytest.approx(1_000)
+    # w1's engine reloaded (its counter restarts); w2 joins with a long history
+    later = controller.decide(PoolObservation(gauges=[computing("w1", 400, 0), computing("w2", 9_000_000, 0)]), 2.0)
+    assert later.signals.prefill_demand_tokens_per_s is not None
+    assert 0 < later.signals.prefill_demand_tokens_per_s < 1_000  # smoothed towards 400, no 9M spike
+    with pytest.raises(ValueError, match="max_queue_s"):
+        policy(max_queue_s=-1.0)

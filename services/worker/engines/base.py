@@ -136,6 +136,8 @@ class EngineStats:
     decode_tokens_per_s: float = 0.0
     step_time_s: float = 0.0
     preemptions: int = 0  # cumulative since start
+    # Prompt tokens computed since start (cache hits not): the autoscaler's prefill demand.
+    prefill_tokens_total: int = 0
     lora_adapters: list[str] = field(default_factory=list)
     lora_cached: list[str] = field(default_factory=list)  # adapters in host memory only: a fast load
     kv_events_mode: str = "engine"  # "predicted" when the engine emits no KV events itself

@@ -122,6 +122,7 @@ class SimCore:
         self._admit_counter = 0
         self._roots: dict[str, int] = {}
         self.preemptions = 0
+        self.prefill_tokens_total = 0
         costs = config.profile.costs
         # Until a step has been measured, advertise the profile's own speed, so a fresh
         # replica does not look infinitely slow to admission's TTFT prediction.
@@ -344,6 +345,7 @@ class SimCore:
                 out.prompt_logprobs = prompt_logprobs(self.config.seed, original, sp.prompt_logprobs)
             outputs.append(out)
 
+        self.prefill_tokens_total += prefill_tokens
         self._window.add(StepRecord(end, duration, prefill_tokens, sampled))
         self._window.prune(end)
         self._hit_window.prune(end)
@@ -391,6 +393,7 @@ class SimCore:
             decode_tokens_per_s=decode_rate,
             step_time_s=step_time,
             preemptions=self.preemptions,
+            prefill_tokens_total=self.prefill_tokens_total,
             lora_adapters=self.lora.resident(),
             lora_cached=self.lora.cached(),
             kv_events_mode="engine",

@@ -159,6 +159,7 @@ class VllmStatsTracker:
             decode_tokens_per_s=decode_rate,
             step_time_s=step_time,
             preemptions=self.preemptions,
+            prefill_tokens_total=self.prompt_tokens_total,
             lora_adapters=list(self.lora_adapters),
             kv_events_mode=self.kv_events_mode,
         )
