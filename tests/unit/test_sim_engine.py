@@ -233,7 +233,8 @@ async def test_stats_are_gauge_fields_in_wall_clock_units() -> None:
     assert names == {
         "waiting", "running", "queued_prefill_tokens", "running_tokens", "kv_blocks_total",
         "kv_blocks_used", "kv_usage", "prefix_hit_rate", "prefill_tokens_per_s",
-        "decode_tokens_per_s", "step_time_s", "preemptions", "lora_adapters", "lora_cached", "kv_events_mode",
+        "decode_tokens_per_s", "step_time_s", "preemptions", "prefill_tokens_total", "lora_adapters", "lora_cached",
+        "kv_events_mode",
         "residency", "load_remaining_s", "idle_s",
     }  # fmt: skip
     rates = {}
@@ -249,6 +250,8 @@ async def test_stats_are_gauge_fields_in_wall_clock_units() -> None:
     assert rates[100.0].decode_tokens_per_s == pytest.approx(2 * rates[50.0].decode_tokens_per_s)
     assert rates[100.0].prefill_tokens_per_s == pytest.approx(2 * rates[50.0].prefill_tokens_per_s)
     assert rates[100.0].step_time_s == pytest.approx(rates[50.0].step_time_s / 2)
+    # a count, not a rate: the 200 prompt tokens computed, at any speed
+    assert rates[50.0].prefill_tokens_total == rates[100.0].prefill_tokens_total == 200
 
 
 async def test_factory_and_properties() -> None:
