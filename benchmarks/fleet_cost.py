@@ -81,9 +81,9 @@ async def run_case(case: str, load: float, args: argparse.Namespace) -> dict[str
         )
         started = time.time()
         result = await run_bench(config)
-        ended = time.time()
+        ended = max(time.time(), started + 2 * args.capacity_interval)  # a window that holds a period
         # The periods that end inside the run; the last ones are reported one interval on.
-        await asyncio.sleep(args.capacity_interval + 1.0)
+        await asyncio.sleep(max(0.0, ended - time.time()) + args.capacity_interval + 1.0)
         window_since = started + args.capacity_interval  # a period ending here began at the run's start
         report = await bus.request(bus.subjects.metering_fleet,
                                    FleetQuery(model=MODEL, since=window_since, until=ended, group_by=[]),
@@ -123,7 +123,8 @@ def table(cases: list[dict[str, Any]], args: argparse.Namespace) -> str:
         plan_per_million = replicas * PRICE_PER_HOUR / (c["rate"] / speed * 3600 * (args.input_tokens + args.output_tokens)) * 1e6
         rows.append(
             f"| {c['case']} | {c['load']:.0%} | {c['rate'] / speed:.1f} | {len(ok) / max(1, len(run.requests)):.0%} | "
-            f"{q(0.5)} | {q(0.9)} | {mean_replicas:.2f} | {fleet.busy_s / fleet.replica_s:.0%} | "
+            f"{q(0.5)} | {q(0.9)} | {mean_replicas:.2f} | "
+            f"{fleet.busy_s / fleet.replica_s if fleet.replica_s else float('nan'):.0%} | "
             f"{mean_replicas * PRICE_PER_HOUR:.2f} | {per_million:.4f} | {per_output:.4f} | "
             f"{(spend - cost) / tokens * 1e6 if tokens else float('nan'):.4f} | {replicas} | {plan_per_million:.4f} |")
     return "\n".join(rows)

@@ -30,6 +30,11 @@ class StreamLimits:
     usage_max_age_s: float = 7 * 24 * 3600
     usage_max_bytes: int = 1 << 30
     usage_duplicate_window_s: float = 24 * 3600  # dedup by request id across a day of retries
+    # CAPACITY: workers' capacity events (a period a minute each), a work queue: what
+    # metering committed is gone, so only a metering outage's backlog takes room.
+    capacity_max_age_s: float = 7 * 24 * 3600
+    capacity_max_bytes: int = 256 << 20
+    capacity_duplicate_window_s: float = 2 * 3600
     workers_ttl_s: float = 10.0  # a worker heartbeats every ttl/4; an expired entry means gone
     keys_history: int = 5
 
@@ -61,6 +66,21 @@ def usage_stream_config(subjects: Subjects, limits: StreamLimits, replicas: int)
         duplicate_window=min(limits.usage_duplicate_window_s, limits.usage_max_age_s),  # the server requires window <= age
         # Refuse new events rather than silently dropping unbilled old ones.
         discard=api.DiscardPolicy.NEW,
+        num_replicas=replicas,
+    )
+
+
+def capacity_stream_config(subjects: Subjects, limits: StreamLimits, replicas: int) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=subjects.capacity_stream,
+        description="meshserve capacity events: each worker's accelerator time, a period at a time",
+        subjects=[subjects.capacity_all],
+        retention=api.RetentionPolicy.WORK_QUEUE,  # one consumer (metering's durable); acked means gone
+        storage=api.StorageType.FILE,
+        max_age=limits.capacity_max_age_s,
+        max_bytes=limits.capacity_max_bytes,
+        duplicate_window=min(limits.capacity_duplicate_window_s, limits.capacity_max_age_s),
+        discard=api.DiscardPolicy.NEW,  # as USAGE: refuse new periods rather than drop unrecorded ones
         num_replicas=replicas,
     )
 
@@ -104,6 +124,7 @@ async def provision(
     limits = limits or StreamLimits()
     await ensure_stream(js, tokens_stream_config(subjects, limits, replicas))
     await ensure_stream(js, usage_stream_config(subjects, limits, replicas))
+    await ensure_stream(js, capacity_stream_config(subjects, limits, replicas))
     await workers_bucket(js, subjects, replicas=replicas, limits=limits)
     await keys_bucket(js, subjects, replicas=replicas, limits=limits)
     await adapters_bucket(js, subjects, replicas=replicas, limits=limits)

@@ -358,10 +358,13 @@ class UsageEvent(Struct, kw_only=True, omit_defaults=True):
     metadata: dict[str, str] = {}
 
 
+MAX_ACCELERATORS = 1 << 16  # per worker: beyond any node, and keeps a period's cost far from int64
+
+
 class CapacityEvent(Struct, kw_only=True, omit_defaults=True):
-    """worker → USAGE (``mesh.usage.fleet.<worker>``): one period of a worker's time on its
+    """worker → CAPACITY (``mesh.capacity.<worker>``): one period of a worker's time on its
     accelerators, for what the fleet costs (metering's fleet report). A worker sends one
-    every ``--capacity-interval-s`` and a last, shorter one when it stops; USAGE dedups by
+    every ``--capacity-interval`` and a last, shorter one when it stops; CAPACITY dedups by
     ``event_id``. A worker that dies loses at most its current period.
 
     ``held_s`` splits the period among models, in seconds of the whole of the worker's

@@ -161,21 +161,15 @@ class Subjects:
 
     @property
     def usage_all(self) -> str:
-        """Everything USAGE captures: usage events and capacity events."""
         return f"{self.root}.usage.>"
 
-    @property
-    def usage_events(self) -> str:
-        """Usage events only (one token after ``usage``: the org)."""
-        return f"{self.root}.usage.*"
-
+    # capacity (JetStream CAPACITY): each worker's accelerator time, for the fleet's cost
     def capacity(self, worker_id: str) -> str:
-        """A worker's capacity events (``CapacityEvent``): two tokens, never an org's subject."""
-        return f"{self.root}.usage.fleet.{subject_token(worker_id)}"
+        return f"{self.root}.capacity.{subject_token(worker_id)}"
 
     @property
     def capacity_all(self) -> str:
-        return f"{self.root}.usage.fleet.*"
+        return f"{self.root}.capacity.*"
 
     # The NATS server's own client connect / disconnect advisories, imported from the
     # system account into the mesh's (ops/nats): a worker's connection closing is its
@@ -199,6 +193,10 @@ class Subjects:
     @property
     def usage_stream(self) -> str:
         return self._suffixed("USAGE")
+
+    @property
+    def capacity_stream(self) -> str:
+        return self._suffixed("CAPACITY")
 
     @property
     def workers_bucket(self) -> str:

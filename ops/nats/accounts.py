@@ -111,6 +111,7 @@ def provisioned_streams(subjects: Subjects) -> list[str]:
     return [
         subjects.tokens_stream,
         subjects.usage_stream,
+        subjects.capacity_stream,
         kv_stream(subjects.workers_bucket),
         kv_stream(subjects.keys_bucket),
         kv_stream(subjects.adapters_bucket),
@@ -276,6 +277,8 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
             [
                 *_read(s.usage_stream, "durable pull consumer on USAGE"),
                 Rule(f"$JS.ACK.{s.usage_stream}.>", "ack usage events after the ledger commit"),
+                *_read(s.capacity_stream, "durable pull consumer on CAPACITY"),
+                Rule(f"$JS.ACK.{s.capacity_stream}.>", "ack capacity events after the ledger commit"),
             ],
             [Rule(s.metering_usage, "usage and spend queries"),
              Rule(s.metering_fleet, "fleet cost queries (meshserve usage --fleet)")],
@@ -300,7 +303,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(gauges, "load gauges"),
                 Rule(kv_events, "KV cache events"),
                 Rule(usage, "one usage event per request into USAGE"),
-                Rule(s.capacity_all, "capacity events (accelerator and busy time) into USAGE"),
+                Rule(s.capacity_all, "capacity events (accelerator and busy time) into CAPACITY"),
                 *_kv_write(s.workers_bucket, "heartbeat in the worker registry"),
                 *_tokenizers_write(s),
             ],

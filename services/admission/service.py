@@ -253,9 +253,8 @@ class AdmissionService(Service):
         config = api.ConsumerConfig(
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.usage_seq + 1
         )
-        # Usage events only: the workers' capacity events share the stream (mesh.usage.fleet.*).
         self._usage_sub = await self.bus.js.subscribe(
-            s.usage_events, stream=s.usage_stream, cb=self._on_usage, ordered_consumer=True, config=config
+            s.usage_all, stream=s.usage_stream, cb=self._on_usage, ordered_consumer=True, config=config
         )
 
     async def step_down(self, reason: str) -> None:

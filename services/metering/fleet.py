@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any
 
-from proto.messages import CapacityEvent
+from proto.messages import MAX_ACCELERATORS, CapacityEvent
 from proto.metering import FleetRow
 
 from .ledger_rows import MAX_ID_CHARS, InvalidEvent, TotalsSql
 from .prices import PriceTable, hourly_cost_nano
 
 MAX_PERIOD_S = 7 * 86400.0  # a worker reports every minute or so; a week-long period is a broken clock
-MAX_ACCELERATORS = 1 << 16
+MAX_COST_NANO = 1 << 62  # a row's cost; past it the price or the event is absurd (and SQL's int64 near)
 _SLACK = 1.001  # shares integrated in floating point may pass the period by a hair
 
 
@@ -104,6 +104,10 @@ def capacity_entries(event: CapacityEvent, prices: PriceTable, *, recorded_at: f
     for model, held in sorted(held_s.items()):
         own = model == event.model
         accelerator_s = held * event.accelerators
+        cost = hourly_cost_nano(per_hour, accelerator_s) if per_hour else 0
+        if cost >= MAX_COST_NANO:
+            raise InvalidEvent(f"a cost of {cost} nano units for {accelerator_s:.0f} accelerator seconds: "
+                               "the price or the period is not real")
         entries.append(CapacityEntry(
             entry_id=_text(f"{event.event_id}/{model}", "capacity entry id"),
             event_id=_text(event.event_id, "event_id"),
@@ -120,7 +124,7 @@ def capacity_entries(event: CapacityEvent, prices: PriceTable, *, recorded_at: f
             accelerator_s=accelerator_s,
             price_per_hour_nano=per_hour or 0,
             priced=int(per_hour is not None),
-            cost_nano=hourly_cost_nano(per_hour, accelerator_s) if per_hour else 0,
+            cost_nano=cost,
             schema_v=event.v,
             recorded_at=recorded_at,
             stream_seq=stream_seq,

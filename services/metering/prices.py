@@ -28,8 +28,9 @@ The file (``--prices FILE``, JSON, or TOML when it ends in ``.toml``)::
     [accelerators."*"]           # any other accelerator (absent: unknown ones are unpriced)
     per_hour = 0.0
 
-An accelerator's name matches a key exactly (any case), else the longest key found inside
-it with case, spaces and punctuation ignored: "H100" prices vLLM's "NVIDIA H100 80GB HBM3".
+An accelerator's name matches a key exactly (any case), else the key whose words appear
+together in it, the longest such key winning (words: runs of letters and digits, any
+case): "H100" prices vLLM's "NVIDIA H100 80GB HBM3", and "L4" does not price an "L40S".
 
 Without a file every model costs zero (``DEFAULT_PRICES``): tokens are metered, spend is 0,
 and accelerator time is counted but unpriced.
@@ -41,6 +42,7 @@ ledger keeps the three prices each event was charged at.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -111,8 +113,14 @@ def hourly_cost_nano(per_hour_nano: int, accelerator_s: float) -> int:
     return int(Decimal(per_hour_nano) * Decimal(repr(max(accelerator_s, 0.0))) / 3600 + Decimal("0.5"))
 
 
-def _squeezed(name: str) -> str:
-    return "".join(c for c in name.lower() if c.isalnum())
+def _words(name: str) -> tuple[str, ...]:
+    return tuple(re.findall(r"[a-z0-9]+", name.lower()))
+
+
+def _within(key: tuple[str, ...], name: tuple[str, ...]) -> bool:
+    """``key``'s words appear in ``name``, together and in order."""
+    n = len(key)
+    return 0 < n <= len(name) and any(name[i:i + n] == key for i in range(len(name) - n + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +136,10 @@ class PriceTable:
         for key, price in self.accelerators.items():
             if key != WILDCARD and key.lower() == wanted:
                 return price
-        squeezed = _squeezed(accelerator)
-        inside = [key for key in self.accelerators if key != WILDCARD and _squeezed(key) and _squeezed(key) in squeezed]
+        words = _words(accelerator)
+        inside = [key for key in self.accelerators if key != WILDCARD and _within(_words(key), words)]
         if inside:
-            return self.accelerators[max(inside, key=lambda k: len(_squeezed(k)))]
+            return self.accelerators[max(inside, key=lambda k: (len(_words(k)), len(k)))]
         return self.accelerators.get(WILDCARD)
 
     def price_for(self, model: str, base_model: str = "") -> ModelPrice | None:

@@ -28,9 +28,10 @@ Drain (SIGTERM). Stop answering queries and fetching, finish the batch in progre
 (commit and acks), close the ledger. A batch that cannot be committed during the drain
 is handed back (``nak``) for another instance or the next start.
 
-Capacity. Workers' capacity events (``mesh.usage.fleet.<worker>``, ``proto.CapacityEvent``)
-come through the same stream and consumer, and are written with the usage events of their
-batch, priced at the price table's accelerator-hour prices (``.fleet``).
+Capacity. Workers' capacity events (``mesh.capacity.<worker>``, ``proto.CapacityEvent``)
+come through a stream of their own, CAPACITY (a work queue: what is acked is gone), with a
+durable consumer of the same name and the same loop, batches, acks and retries; they are
+priced at the price table's accelerator-hour prices (``.fleet``).
 
 Queries. ``mesh.metering.usage`` (``proto.metering.UsageQuery`` → ``UsageReport``):
 totals per org/key/model/tier/worker/status/hour/day over a time range.
@@ -126,8 +127,9 @@ class MeteringService(Service):
         self.ledger = ledger if ledger is not None else ledger_from_url(config.ledger_url)
         self.clock = clock
         self._ledger_open = False
+        self._ledger_opening = asyncio.Lock()
         self._stopping = asyncio.Event()
-        self._sub: JetStreamContext.PullSubscription | None = None
+        self._subs: dict[str, JetStreamContext.PullSubscription] = {}  # stream → its durable's subscription
         self._unpriced_models: set[str] = set()
         # figures for $SRV.STATS (and tests)
         self.ledger_ok = False
@@ -143,7 +145,9 @@ class MeteringService(Service):
         self.capacity_events = 0
         self._unpriced_accelerators: set[str] = set()
         self.batches = 0
-        self.lag = 0  # events in the stream not yet delivered to this consumer
+        self.lag = 0  # usage events in USAGE not yet delivered to this consumer
+        self.capacity_lag = 0  # the same of CAPACITY
+        self.capacity_rows_written = 0
         self.last_commit_at = 0.0
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
@@ -152,14 +156,16 @@ class MeteringService(Service):
     async def on_start(self) -> None:
         s = self.bus.subjects
         await self._open_ledger()  # failing here is fine: the consume loop retries
-        await self._ensure_consumer()
-        self._sub = await self.bus.js.pull_subscribe_bind(durable=self.config.durable, stream=s.usage_stream)
+        for stream in (s.usage_stream, s.capacity_stream):
+            await self._ensure_consumer(stream)
+            self._subs[stream] = await self.bus.js.pull_subscribe_bind(durable=self.config.durable, stream=stream)
         await self.add_endpoint("usage", s.metering_usage, UsageQuery, self.handle_usage)
         await self.add_endpoint("fleet", s.metering_fleet, FleetQuery, self.handle_fleet)
         # Ready means the server routes to our subscriptions (no "no responders").
         await self.bus.confirm_subscriptions()
         # Spawned: the drain waits for the batch in progress to commit and ack.
-        self.spawn(self._consume(), name="consume")
+        for stream in self._subs:
+            self.spawn(self._consume(stream), name=f"consume-{stream}")
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(metering_registry(self.stats), host=self.config.metrics_host,
                                                  port=self.config.metrics_port)
@@ -172,9 +178,9 @@ class MeteringService(Service):
     async def on_stop(self) -> None:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
-        if self._sub is not None:
+        for sub in self._subs.values():
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
         if self._ledger_open:
             self._ledger_open = False
             await self.ledger.close()
@@ -195,51 +201,63 @@ class MeteringService(Service):
             "capacity_events": self.capacity_events,
             "batches": self.batches,
             "lag": self.lag,
+            "capacity_lag": self.capacity_lag,
+            "capacity_rows_written": self.capacity_rows_written,
             "last_commit_at": self.last_commit_at,
         }
 
-    async def _ensure_consumer(self) -> None:
+    def _filter(self, stream: str) -> str:
         s = self.bus.subjects
+        return s.capacity_all if stream == s.capacity_stream else s.usage_all
+
+    async def _ensure_consumer(self, stream: str) -> None:
+        what = "capacity events" if stream == self.bus.subjects.capacity_stream else "usage events"
         config = api.ConsumerConfig(
             name=self.config.durable,
             durable_name=self.config.durable,
-            description="meshserve metering: usage events into the ledger",
+            description=f"meshserve metering: {what} into the ledger",
             deliver_policy=api.DeliverPolicy.ALL,
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=self.config.ack_wait_s,
             max_deliver=-1,  # usage is never given up on: only term() ends an event
             max_ack_pending=self.config.max_ack_pending,
-            filter_subject=s.usage_all,
+            filter_subject=self._filter(stream),
         )
         try:
             # Creates the durable, or updates the limits of an existing one.
-            await self.bus.js.add_consumer(s.usage_stream, config)
+            await self.bus.js.add_consumer(stream, config)
         except nats.js.errors.BadRequestError as exc:
             # A change the server cannot apply in place (e.g. another deliver policy):
             # keep consuming with the existing consumer rather than lose our position.
-            log.warning("metering consumer %s keeps its existing configuration: %s", self.config.durable, exc)
+            log.warning("metering consumer %s on %s keeps its existing configuration: %s", self.config.durable,
+                        stream, exc)
 
-    async def _restore_consumer(self) -> None:
-        """After a failed fetch: when the durable is gone with its stream (USAGE deleted and
+    async def _restore_consumer(self, stream: str) -> None:
+        """After a failed fetch: when the durable is gone with its stream (deleted and
         recreated, by an operator or a recovery), create it again on the new stream, or
-        billing would stop for good. USAGE itself missing: the next failed fetch tries again."""
-        s = self.bus.subjects
+        billing would stop for good. The stream itself missing: the next failed fetch tries again."""
         try:
-            await self.bus.js.consumer_info(s.usage_stream, self.config.durable)
+            await self.bus.js.consumer_info(stream, self.config.durable)
             return  # still there: the failure was something else (no leader, a disconnect)
         except nats.js.errors.NotFoundError:
             pass
         except (nats.errors.Error, OSError):
             return
         try:
-            await self._ensure_consumer()
+            await self._ensure_consumer(stream)
         except (nats.errors.Error, OSError) as exc:
-            log.debug("metering consumer %s not created again yet: %r", self.config.durable, exc)
+            log.debug("metering consumer %s on %s not created again yet: %r", self.config.durable, stream, exc)
             return
-        log.warning("metering consumer %s was gone (USAGE recreated?): created again, from the stream's start",
-                    self.config.durable)
+        log.warning("metering consumer %s was gone (%s recreated?): created again, from the stream's start",
+                    self.config.durable, stream)
 
     async def _open_ledger(self) -> bool:
+        async with self._ledger_opening:  # two consume loops (USAGE, CAPACITY) may both find it closed
+            if self._ledger_open:
+                return True
+            return await self._open_ledger_now()
+
+    async def _open_ledger_now(self) -> bool:
         try:
             await self.ledger.open()
         except LedgerError as exc:
@@ -257,8 +275,8 @@ class MeteringService(Service):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     # ---- consumption ------------------------------------------------------------------
-    async def _consume(self) -> None:
-        assert self._sub is not None
+    async def _consume(self, stream: str) -> None:
+        sub = self._subs[stream]
         backoff = self.config.backoff_initial_s
         while not self._stopping.is_set():
             if not self._ledger_open:
@@ -268,15 +286,15 @@ class MeteringService(Service):
                     continue
                 backoff = self.config.backoff_initial_s
             try:
-                msgs = await self._sub.fetch(self.config.batch_size, timeout=self.config.fetch_timeout_s)
+                msgs = await sub.fetch(self.config.batch_size, timeout=self.config.fetch_timeout_s)
             except TimeoutError:  # nats' fetch timeouts derive from it: nothing to read
-                self.lag = 0
+                self._set_lag(stream, 0)
                 continue
             except (nats.errors.Error, OSError) as exc:
                 if self._stopping.is_set():
                     break
-                log.warning("fetching usage events failed: %r; retrying in %.1fs", exc, backoff)
-                await self._restore_consumer()
+                log.warning("fetching from %s failed: %r; retrying in %.1fs", stream, exc, backoff)
+                await self._restore_consumer(stream)
                 await self._pause(backoff)
                 backoff = min(backoff * 2, self.config.backoff_max_s)
                 continue
@@ -287,8 +305,16 @@ class MeteringService(Service):
                 await self._process(msgs)
             except Exception:
                 # A bug must not end consumption; the unacked batch comes back after ack_wait.
-                log.exception("processing a batch of %d usage events failed", len(msgs))
+                log.exception("processing a batch of %d events from %s failed", len(msgs), stream)
                 await self._pause(self.config.backoff_max_s)
+            else:
+                self._set_lag(stream, msgs[-1].metadata.num_pending)
+
+    def _set_lag(self, stream: str, pending: int) -> None:
+        if stream == self.bus.subjects.capacity_stream:
+            self.capacity_lag = pending
+        else:
+            self.lag = pending
 
     def _capacity_rows(self, msg: Msg, now: float, seq: int) -> list[CapacityEntry]:
         event = decode(msg.data, CapacityEvent)
@@ -303,7 +329,7 @@ class MeteringService(Service):
     async def _process(self, msgs: Sequence[Msg]) -> None:
         now = self.clock()
         batch: list[Written] = []
-        capacity_prefix = self.bus.subjects.capacity_all.removesuffix("*")  # "mesh.usage.fleet."
+        capacity_prefix = self.bus.subjects.capacity_all.removesuffix("*")  # "mesh.capacity."
         for msg in msgs:
             meta = msg.metadata
             seq = meta.sequence.stream
@@ -317,21 +343,21 @@ class MeteringService(Service):
                 entry = entry_from_event(event, self.config.prices, recorded_at=now, stream_seq=seq)
             except UnsupportedVersion as exc:
                 self.unsupported_version += 1
-                log.error("usage event at %s seq %d has an unsupported schema, terminated (replay it after "
-                          "upgrading metering): %s", self.bus.subjects.usage_stream, seq, exc)
+                log.error("event on %s (stream seq %d) has an unsupported schema, terminated (replay it after "
+                          "upgrading metering): %s", msg.subject, seq, exc)
                 await self._settle(msg, "term")
                 continue
             except DecodeError as exc:
                 self.decode_errors += 1
                 if _worth_logging(self.decode_errors):
-                    log.warning("undecodable usage event on %s (seq %d), terminated (%d so far): %s",
+                    log.warning("undecodable event on %s (seq %d), terminated (%d so far): %s",
                                 msg.subject, seq, self.decode_errors, exc)
                 await self._settle(msg, "term")
                 continue
             except InvalidEvent as exc:
                 self.invalid_events += 1
                 if _worth_logging(self.invalid_events):
-                    log.warning("invalid usage event on %s (seq %d), terminated (%d so far): %s",
+                    log.warning("invalid event on %s (seq %d), terminated (%d so far): %s",
                                 msg.subject, seq, self.invalid_events, exc)
                 await self._settle(msg, "term")
                 continue
@@ -343,7 +369,6 @@ class MeteringService(Service):
             if meta.num_delivered > 1:
                 self.redelivered += 1
             batch.append(Written(msg, usage=[entry]))
-        self.lag = msgs[-1].metadata.num_pending
         await self._write(batch)
 
     async def _write(self, batch: list[Written]) -> None:
@@ -393,9 +418,13 @@ class MeteringService(Service):
             log.info("ledger %s writable again", self.ledger.url)
         self.ledger_ok = True
         self.batches += 1
-        self.events_written += inserted
-        self.duplicates += len(entries) + len(capacity) - inserted
-        self.capacity_events += sum(1 for item in batch if item.capacity)
+        # A batch comes from one stream: usage rows, or capacity rows.
+        if capacity:
+            self.capacity_rows_written += inserted
+            self.capacity_events += len(batch)
+        else:
+            self.events_written += inserted
+            self.duplicates += len(entries) - inserted
         self.last_commit_at = self.clock()
         for msg in msgs:
             await self._settle(msg, "ack")

@@ -50,10 +50,14 @@ class CapacityMeter:
         if shares is not None:
             self._shares = {model: min(1.0, max(0.0, share)) for model, share in shares.items()}
 
-    def close(self, now: float) -> CapacityEvent:
-        """The period from its start to ``now``; the next one starts at ``now``."""
+    def close(self, now: float) -> CapacityEvent | None:
+        """The period from its start to ``now`` (or to the latest time observed, if the clock
+        stepped back); the next one starts where it ends. None when no time has passed: an
+        empty period would repeat the next one's id."""
         self._advance(now)
-        end = max(now, self.start)
+        end = self._last  # ≥ now, ≥ start: held and busy time were counted up to it
+        if end <= self.start:
+            return None
         event = CapacityEvent(
             event_id=f"{self.worker_id}:{round(self.start * 1000)}",
             worker_id=self.worker_id,

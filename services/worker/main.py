@@ -20,6 +20,7 @@ from typing import Any
 from bus import RunOptions, run_service, run_services
 from bus.config import refuse
 from bus.runner import listen_problem
+from proto.messages import MAX_ACCELERATORS
 from services.common.cli_types import (
     count,
     fraction,
@@ -35,6 +36,14 @@ from services.common.parsers import REASONING_PARSERS, TOOL_PARSERS
 from .engines.hosted import LOAD_PRESETS
 
 GIB = 1 << 30
+
+
+def _accelerators(text: str) -> int:
+    """``--accelerators``: a count metering can record (0 to ``MAX_ACCELERATORS``)."""
+    n = count(text)
+    if n > MAX_ACCELERATORS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_ACCELERATORS:,} accelerators a worker, not {n:,}")
+    return n
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--accelerator", default="",
                        help="what this worker runs on, as the price table names it (e.g. H100-80GB); default: the sim"
                             " profile's, vLLM's device name (cpu on its CPU build), none for echo")
-    fleet.add_argument("--accelerators", type=count, default=None,
+    fleet.add_argument("--accelerators", type=_accelerators, default=None,
                        help="how many it holds; default: 1 for the sim, tensor x pipeline parallel for vLLM, 0 for echo")
     fleet.add_argument("--capacity-interval", type=positive_seconds, default=60.0,
                        help="seconds between the worker's capacity reports (accelerator and busy time); a crash loses"

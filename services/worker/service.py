@@ -100,9 +100,17 @@ class WorkerService(Service):
         self._metrics_server: MetricsServer | None = None
         self.capacity: CapacityMeter | None = None  # from start: the accelerator time it reports
         self.capacity_events = 0
+        self._capacity_publishes: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
+        # The accelerator is paid for from here: the engine's start (minutes of loading on a
+        # GPU) is part of the worker's time.
+        accelerator, accelerators = accelerator_of(self.engine, self.config)
+        self.capacity = CapacityMeter(worker_id=self.worker_id, model=self.engine.model, accelerator=accelerator,
+                                      accelerators=accelerators, start=time.time(), engine=self.engine.engine_name,
+                                      host_id=str(self.engine.hosting.get("host_id", "")))
+        self.capacity.observe(time.time(), shares=self.engine.capacity_shares())
         await self.engine.start()
         s = self.bus.subjects
         self.registration = Registration(self.bus.js, s, replicas=self.settings.js_replicas, state=lambda: self.state)
@@ -126,11 +134,6 @@ class WorkerService(Service):
             self._metrics_server = MetricsServer(self.metrics.registry, host=self.config.metrics_host, port=self.config.metrics_port,
                                                  before_scrape=lambda: self.metrics.observe_stats(self.engine.stats()))
             await self._metrics_server.start()
-        accelerator, accelerators = accelerator_of(self.engine, self.config)
-        self.capacity = CapacityMeter(worker_id=self.worker_id, model=self.engine.model, accelerator=accelerator,
-                                      accelerators=accelerators, start=time.time(), engine=self.engine.engine_name,
-                                      host_id=str(self.engine.hosting.get("host_id", "")))
-        self.capacity.observe(time.time(), shares=self.engine.capacity_shares())
         self.state = "ready"
         await self._heartbeat()
         # Background loops are not in-flight work: they run until on_stop.
@@ -160,14 +163,18 @@ class WorkerService(Service):
         self.state = "stopped"
         await self.stop_endpoints()
         await cancel_and_wait(getattr(self, "_loops", []))
+        # Periods still being published: a stop does not wait out a NATS outage for them.
+        await cancel_and_wait(list(self._capacity_publishes))
         await self._publish_gauge()
-        if self.capacity is not None:
-            # The last period, up to now. Bounded: a stop must not wait out a NATS outage (an
-            # orchestrator's kill timeout may be 5 s); USAGE acks in milliseconds when it is up.
-            await self._publish_capacity(give_up_after_s=min(self.config.usage_retry_s, 3.0))
         if self.registration is not None:
             await self.registration.remove()
-        await self.engine.shutdown()
+        try:
+            await self.engine.shutdown()
+        finally:
+            if self.capacity is not None:
+                # The last period, up to the engine's release of its accelerators. Bounded
+                # (about 2 s): an orchestrator's kill timeout may be 5 s.
+                await self._publish_capacity(give_up_after_s=1.0, attempt_timeout_s=1.0)
         if self._metrics_server is not None:
             await self._metrics_server.stop()
 
@@ -550,18 +557,25 @@ class WorkerService(Service):
         return max(self.config.coalesce_interval_s, len(self._requests) / self.config.max_messages_per_s)
 
     # ---- telemetry loops --------------------------------------------------------------
-    async def _publish_capacity(self, *, give_up_after_s: float) -> None:
+    async def _publish_capacity(self, *, give_up_after_s: float, attempt_timeout_s: float = 5.0) -> None:
         assert self.capacity is not None
         event = self.capacity.close(time.time())
+        if event is None:
+            return  # no time passed (a clock stepped back): nothing to report
         self.capacity_events += 1
         await self.bus.js_publish_until_stored(self.bus.subjects.capacity(self.worker_id), event,
-                                               msg_id=event.event_id, give_up_after_s=give_up_after_s)
+                                               msg_id=event.event_id, give_up_after_s=give_up_after_s,
+                                               timeout=attempt_timeout_s)
 
     async def _capacity_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.capacity_interval_s)
-            # Spawned: publishing waits for USAGE to store it, and the next period must not wait.
-            self.spawn(self._publish_capacity(give_up_after_s=self.config.usage_retry_s), name="capacity")
+            # In the background: storing may wait for CAPACITY (a leader election), and the next
+            # period must not. Not in-flight work: a drain does not wait for it (on_stop cancels).
+            task = asyncio.create_task(self._publish_capacity(give_up_after_s=self.config.usage_retry_s),
+                                       name="capacity")
+            self._capacity_publishes.add(task)
+            task.add_done_callback(self._capacity_publishes.discard)
 
     def gauge(self) -> WorkerGauge:
         return WorkerGauge(

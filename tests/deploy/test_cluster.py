@@ -72,7 +72,7 @@ async def test_every_stream_bucket_and_consumer_is_r3(nats_cluster: list[NatsSer
     bus = await Bus.open(settings, "r3-check", initial_attempts=20)
     try:
         s = bus.subjects
-        names = [s.tokens_stream, s.usage_stream, *(kv_stream(b) for b in (s.workers_bucket, s.keys_bucket, s.requests_bucket)),
+        names = [s.tokens_stream, s.usage_stream, s.capacity_stream, *(kv_stream(b) for b in (s.workers_bucket, s.keys_bucket, s.requests_bucket)),
                  *(kv_stream(b) for b in admission_buckets(s))]
         for name in names:
             info = await bus.js.stream_info(name)

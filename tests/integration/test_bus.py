@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
+from nats.js import api
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -128,7 +129,9 @@ async def test_provisioning_is_idempotent(bus: Bus) -> None:
     await provision(bus.js, s)
     await provision(bus.js, s)
     names = {info.config.name for info in await bus.js.streams_info()}
-    assert {"TOKENS", "USAGE", "KV_mesh_workers", "KV_mesh_keys"} <= names
+    assert {"TOKENS", "USAGE", "CAPACITY", "KV_mesh_workers", "KV_mesh_keys"} <= names
+    capacity = await bus.js.stream_info("CAPACITY")
+    assert capacity.config.retention == api.RetentionPolicy.WORK_QUEUE and capacity.config.subjects == ["mesh.capacity.*"]
     usage = await bus.js.stream_info("USAGE")
     assert usage.config.duplicate_window == StreamLimits().usage_duplicate_window_s
     # changed limits are applied to the existing stream, data kept

@@ -2,7 +2,7 @@
 of its accelerators, accelerator prices, and capacity events into priced ledger rows.
 The ledger's queries run against SQLite and PostgreSQL in test_metering_ledger.py; the
 whole path (workers → USAGE → metering → ``meshserve usage --fleet``) in
-tests/integration/test_fleet_cost.py."""
+tests/integration/test_fleet_cost_mesh.py."""
 
 from __future__ import annotations
 
@@ -32,17 +32,26 @@ def test_busy_time_is_exact_to_the_request_and_periods_follow_each_other() -> No
     meter.observe(T0 + 12, busy=True)  # a second request: still busy, nothing counted twice
     meter.observe(T0 + 25, busy=False)
     first = meter.close(T0 + 60)
+    assert first is not None
     assert (first.event_id, first.start, first.end, first.busy_s) == (f"w1:{round(T0 * 1000)}", T0, T0 + 60, 15.0)
     assert (first.accelerator, first.accelerators, first.held_s) == ("H100-80GB", 2, {"m": 60.0})
     meter.observe(T0 + 70, busy=True)
     second = meter.close(T0 + 90)  # busy across the boundary: the next period goes on counting
+    assert second is not None
     assert (second.start, second.busy_s, second.held_s) == (T0 + 60, 20.0, {"m": 30.0})
     assert second.event_id != first.event_id
     third = meter.close(T0 + 100)
-    assert third.busy_s == 10.0
+    assert third is not None and third.busy_s == 10.0
     # a clock stepping back adds nothing and takes nothing away
     meter.observe(T0 + 95, busy=False)
-    assert meter.close(T0 + 110).busy_s == 0.0
+    last = meter.close(T0 + 110)
+    assert last is not None and last.busy_s == 0.0
+    assert meter.close(T0 + 110) is None  # no time passed: no empty period, whose id the next would repeat
+    stepped_back = meter.close(T0 + 108)
+    assert stepped_back is None and meter.start == T0 + 110
+    following = meter.close(T0 + 120)
+    assert following is not None and (following.start, following.end, following.held_s) == (T0 + 110, T0 + 120,
+                                                                                              {"m": 10.0})
 
 
 def test_shares_change_as_models_load_and_go() -> None:
@@ -50,7 +59,7 @@ def test_shares_change_as_models_load_and_go() -> None:
     meter.observe(T0, shares={"a": 0.0, "": 1.0})  # cold: the host's memory unallocated
     meter.observe(T0 + 20, shares={"a": 0.25, "": 0.75})  # loaded
     event = meter.close(T0 + 60)
-    assert event.held_s == {"a": 10.0, "": 50.0}
+    assert event is not None and event.held_s == {"a": 10.0, "": 50.0}
     assert sum(event.held_s.values()) == 60.0  # the accelerator, counted once
 
 
@@ -105,6 +114,10 @@ def test_an_accelerator_is_priced_by_its_name_or_the_longest_key_inside_it() -> 
     assert table.accelerator_price("NVIDIA H100 80GB HBM3") == 2_990_000_000  # the longer key wins
     assert table.accelerator_price("NVIDIA A100-SXM4-80GB") == 1_200_000_000
     assert table.accelerator_price("L40S") is None  # no price, and no "*"
+    assert table.accelerator_price("NVIDIA A1000") is None  # whole words only: no A100 inside an A1000
+    small = parse_prices('[accelerators."L4"]\nper_hour = 0.8\n[accelerators."A10"]\nper_hour = 1.0', toml=True)
+    assert small.accelerator_price("NVIDIA L4") == 800_000_000
+    assert small.accelerator_price("NVIDIA L40S") is None and small.accelerator_price("NVIDIA A100-SXM4-80GB") is None
     with_default = PriceTable(accelerators={"*": 500_000_000})
     assert with_default.accelerator_price("L40S") == 500_000_000
 

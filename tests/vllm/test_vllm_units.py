@@ -243,6 +243,14 @@ def test_stats_tracker_gauges() -> None:
     assert s.decode_tokens_per_s == pytest.approx(40.0) and s.step_time_s == pytest.approx(0.05)
     t.on_scheduler(running=0, waiting=0, kv_usage=0.0, prefix_reset=True)
     assert t.snapshot(10.0).prefix_hit_rate == 0.0
+    assert t.snapshot(10.0).prefill_tokens_total == 318  # every computed prompt token, timed steps or not
+
+
+def test_a_vllm_worker_names_its_accelerator_without_touching_cuda() -> None:
+    from services.worker.engines.vllm import VllmEngine
+
+    engine = VllmEngine(model="m", model_dir="/models/m", tensor_parallel_size=2)
+    assert engine.accelerator == ("cpu", 2)  # vLLM's CPU build: its platform says so (NVML on GPUs)
 
 
 def test_a_steps_stats_are_read_by_attribute_and_missing_fields_read_as_zero() -> None:

@@ -209,18 +209,19 @@ class VllmEngine(Engine):
 
     @property
     def accelerator(self) -> tuple[str, int]:
-        # vLLM's CPU build: "cpu"; on a GPU the driver's name ("NVIDIA H100 80GB HBM3"),
-        # which a price table's "H100" matches.
+        # vLLM's own name for the device ("NVIDIA H100 80GB HBM3", which a price table's
+        # "H100" matches; "cpu" on its CPU build), asked of its platform, which reads NVML
+        # on GPUs: initialising CUDA here would break vLLM's forked processes.
         args = self.engine_args
         count = int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
         try:
-            import torch
+            from vllm.platforms import current_platform
 
-            if torch.cuda.is_available():
-                return (str(torch.cuda.get_device_name(0)), count)
-        except Exception:  # no torch, no driver: priced as a CPU replica
-            pass
-        return ("cpu", count)
+            if current_platform.is_cpu():
+                return ("cpu", count)
+            return (str(current_platform.get_device_name(0)), count)
+        except Exception:  # no vLLM, no driver: named by what it is
+            return ("cpu", count)
 
     @property
     def model(self) -> str:
