@@ -488,5 +488,7 @@ async def test_metrics_show_the_ledger_and_what_could_not_be_billed(provisioned:
         assert values["meshserve:metering_ledger_up"] == 1
         assert values["meshserve:metering_last_commit_timestamp_seconds"] > 0
         assert values["meshserve:metering_lag_events"] >= 0
+        assert values["meshserve:metering_capacity_lag_events"] == 0
+        assert values["meshserve:metering_capacity_events_total"] == 0
     finally:
         await svc.drain_and_close()
