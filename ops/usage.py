@@ -190,7 +190,7 @@ def render_fleet(report: FleetReport) -> Any:
     unpriced = total.unpriced_accelerator_s
     caption = (f"{unpriced / 3600:,.2f} accelerator-hours had no price: add their accelerators to the price table "
                "(`[accelerators.\"NAME\"] per_hour = ...`)" if unpriced > 0 else None)
-    table = Table(title=f"fleet {since} → {until} (UTC)", caption=caption, show_footer=len(report.rows) > 1)
+    table = Table(title=f"fleet cost {since} → {until} (UTC)", caption=caption, show_footer=len(report.rows) > 1)
     for i, name in enumerate(report.group_by):
         table.add_column(headers.get(name, name), footer="total" if i == 0 else "")
     cur = report.currency
