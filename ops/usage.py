@@ -21,6 +21,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -226,55 +227,36 @@ async def fetch_fleet_report(query: FleetQuery, timeout: float) -> FleetReport:
 
 
 def run_usage(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from ops.console import EXIT_USAGE, CliError, print_table
-    from proto.errors import MeshError
-
     from .serve import apply_common_arguments
 
     apply_common_arguments(args)
     if args.fleet:
-        return _run_fleet(args)
-    try:
-        query = build_query(args, time.time())
-    except ValueError as exc:
-        raise CliError(str(exc), EXIT_USAGE) from exc
-    try:
-        report = asyncio.run(fetch_report(query, args.timeout))
-    except MeshError as exc:
-        raise CliError(f"{exc.message} (is `meshserve serve metering` running?)") from exc
-    if args.json:
-        json.dump(usage_report_json(report), sys.stdout, indent=2)
-        print()
-        return 0
-    print_table(Console(), render(report))
-    if report.truncated:
-        Console(stderr=True).print(
-            f"[yellow]more groups matched than --limit {query.limit}; showing the first {len(report.rows)}[/yellow]",
-            soft_wrap=True)
-    return 0
+        return _run_report(args, build_fleet_query, fetch_fleet_report, fleet_report_json, render_fleet)
+    return _run_report(args, build_query, fetch_report, usage_report_json, render)
 
 
-def _run_fleet(args: argparse.Namespace) -> int:
+def _run_report(args: argparse.Namespace, build: Callable[[argparse.Namespace, float], Any],
+                fetch: Callable[[Any, float], Coroutine[Any, Any, Any]], as_json: Callable[[Any], dict[str, Any]],
+                draw: Callable[[Any], Any]) -> int:
+    """Ask metering for one report (usage, or the fleet's cost) and print it as a table or JSON."""
     from rich.console import Console
 
     from ops.console import EXIT_USAGE, CliError, print_table
     from proto.errors import MeshError
 
     try:
-        query = build_fleet_query(args, time.time())
+        query = build(args, time.time())
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from exc
     try:
-        report = asyncio.run(fetch_fleet_report(query, args.timeout))
+        report: Any = asyncio.run(fetch(query, args.timeout))
     except MeshError as exc:
         raise CliError(f"{exc.message} (is `meshserve serve metering` running?)") from exc
     if args.json:
-        json.dump(fleet_report_json(report), sys.stdout, indent=2)
+        json.dump(as_json(report), sys.stdout, indent=2)
         print()
         return 0
-    print_table(Console(), render_fleet(report))
+    print_table(Console(), draw(report))
     if report.truncated:
         Console(stderr=True).print(
             f"[yellow]more groups matched than --limit {query.limit}; showing the first {len(report.rows)}[/yellow]",

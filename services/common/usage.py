@@ -118,8 +118,12 @@ def usage_report_json(report: UsageReport) -> dict[str, Any]:
             last_at=row.last_at,
         )
         rows.append(item)
+    return _report_json("usage.report", report, rows)
+
+
+def _report_json(kind: str, report: UsageReport | FleetReport, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "object": "usage.report",
+        "object": kind,
         "currency": report.currency,
         "since": report.since,
         "until": report.until,
@@ -156,13 +160,4 @@ def fleet_report_json(report: FleetReport) -> dict[str, Any]:
             margin=round((row.spend_nano - row.cost_nano) / NANO, 9),
         )
         rows.append(item)
-    return {
-        "object": "fleet.report",
-        "currency": report.currency,
-        "since": report.since,
-        "until": report.until,
-        "group_by": list(report.group_by),
-        "truncated": report.truncated,
-        "generated_at": report.generated_at,
-        "data": rows,
-    }
+    return _report_json("fleet.report", report, rows)

@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -444,41 +444,28 @@ class MeteringService(Service):
             log.debug("%s of a usage event failed: %r", how, exc)
 
     # ---- queries ----------------------------------------------------------------------
-    async def handle_fleet(self, query: FleetQuery, msg: Msg) -> None:
-        try:
-            check_fleet_query(query)
-        except ValueError as exc:
-            raise MeshError(str(exc), code=ErrorCode.BAD_REQUEST) from exc
-        if not self._ledger_open:
-            raise MeshError(f"usage ledger {self.ledger.url} is unavailable", code=ErrorCode.INTERNAL)
-        try:
-            rows = await self.ledger.fleet(model=query.model, since=query.since, until=query.until,
-                                           group_by=query.group_by)
-        except LedgerError as exc:
-            raise MeshError(f"usage ledger unavailable: {exc}", code=ErrorCode.INTERNAL) from exc
-        await self.bus.respond(msg, FleetReport(
-            rows=rows[: query.limit], group_by=list(query.group_by), since=query.since, until=query.until,
-            currency=self.config.prices.currency, truncated=len(rows) > query.limit, generated_at=self.clock()))
-
     async def handle_usage(self, query: UsageQuery, msg: Msg) -> None:
+        await self._answer(msg, UsageReport, query, lambda: check_query(query), lambda: self.ledger.totals(
+            org=query.org, key_id=query.key_id, model=query.model, since=query.since, until=query.until,
+            group_by=query.group_by))
+
+    async def handle_fleet(self, query: FleetQuery, msg: Msg) -> None:
+        await self._answer(msg, FleetReport, query, lambda: check_fleet_query(query), lambda: self.ledger.fleet(
+            model=query.model, since=query.since, until=query.until, group_by=query.group_by))
+
+    async def _answer(self, msg: Msg, report: type[UsageReport] | type[FleetReport], query: UsageQuery | FleetQuery,
+                      check: Callable[[], None], rows: Callable[[], Awaitable[Sequence[Any]]]) -> None:
+        """A query's checks, the ledger's rows, and the report of at most ``query.limit`` of them."""
         try:
-            check_query(query)
+            check()
         except ValueError as exc:
             raise MeshError(str(exc), code=ErrorCode.BAD_REQUEST) from exc
         if not self._ledger_open:
             raise MeshError(f"usage ledger {self.ledger.url} is unavailable", code=ErrorCode.INTERNAL)
         try:
-            rows = await self.ledger.totals(org=query.org, key_id=query.key_id, model=query.model, since=query.since,
-                                            until=query.until, group_by=query.group_by)
+            found = list(await rows())
         except LedgerError as exc:
             raise MeshError(f"usage ledger unavailable: {exc}", code=ErrorCode.INTERNAL) from exc
-        report = UsageReport(
-            rows=rows[: query.limit],
-            group_by=list(query.group_by),
-            since=query.since,
-            until=query.until,
-            currency=self.config.prices.currency,
-            truncated=len(rows) > query.limit,
-            generated_at=self.clock(),
-        )
-        await self.bus.respond(msg, report)
+        await self.bus.respond(msg, report(
+            rows=found[: query.limit], group_by=list(query.group_by), since=query.since, until=query.until,
+            currency=self.config.prices.currency, truncated=len(found) > query.limit, generated_at=self.clock()))
