@@ -30,8 +30,8 @@ class StreamLimits:
     usage_max_age_s: float = 7 * 24 * 3600
     usage_max_bytes: int = 1 << 30
     usage_duplicate_window_s: float = 24 * 3600  # dedup by request id across a day of retries
-    # CAPACITY: workers' capacity events (a period a minute each), a work queue: what
-    # metering committed is gone, so only a metering outage's backlog takes room.
+    # CAPACITY: workers' capacity events, a period a minute each (~250 B): 256 MiB is a
+    # week of 100 workers; beyond, the oldest (long since recorded) go first.
     capacity_max_age_s: float = 7 * 24 * 3600
     capacity_max_bytes: int = 256 << 20
     capacity_duplicate_window_s: float = 2 * 3600
@@ -75,12 +75,17 @@ def capacity_stream_config(subjects: Subjects, limits: StreamLimits, replicas: i
         name=subjects.capacity_stream,
         description="meshserve capacity events: each worker's accelerator time, a period at a time",
         subjects=[subjects.capacity_all],
-        retention=api.RetentionPolicy.WORK_QUEUE,  # one consumer (metering's durable); acked means gone
+        # Limits, not a work queue: events metering could not record stay to be replayed (a
+        # work queue deletes what is terminated), and others may read it (nats stream view).
+        retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE,
         max_age=limits.capacity_max_age_s,
         max_bytes=limits.capacity_max_bytes,
         duplicate_window=min(limits.capacity_duplicate_window_s, limits.capacity_max_age_s),
-        discard=api.DiscardPolicy.NEW,  # as USAGE: refuse new periods rather than drop unrecorded ones
+        # Full, it drops its oldest events (recorded within seconds while metering runs), never
+        # the workers' new ones: a period is cost data, not a bill, and the stream fills
+        # with the fleet's size, not with an outage.
+        discard=api.DiscardPolicy.OLD,
         num_replicas=replicas,
     )
 
@@ -93,6 +98,12 @@ async def ensure_stream(js: JetStreamContext, config: api.StreamConfig) -> api.S
         log.info("creating stream %s", config.name)
         return await js.add_stream(config)
     current = info.config
+    if config.retention is not None and current.retention != config.retention:
+        # The server refuses to change a stream's retention: updating would fail every start.
+        log.error("stream %s has retention %s where meshserve wants %s: its limits are left as they are; "
+                  "delete it (nats stream rm %s) for meshserve to make it again", config.name, current.retention,
+                  config.retention, config.name)
+        return info
     wanted = (config.subjects, config.max_age, config.max_bytes, config.duplicate_window, config.num_replicas)
     have = (current.subjects, current.max_age, current.max_bytes, current.duplicate_window, current.num_replicas)
     if wanted != have:

@@ -8,8 +8,7 @@ decision through a driver, and shows the decisions in ``meshserve status``.
 The law
     target = clamp(max(needed, needed_prefill) + warm_buffer, floor, max)
     needed = ceil((waiting_tokens + running_tokens) / target_utilization / replica_token_capacity)
-    needed_prefill = ceil((prefill_demand + waiting_tokens / max_queue_s)
-                          / target_utilization / replica_prefill_capacity)
+    needed_prefill = ceil(prefill_demand / target_utilization / replica_prefill_capacity)
 where floor = max(min_replicas, the time-of-day minimum). Queue load is a leading
 signal: tokens waiting now are work a replica must hold soon.
 
@@ -19,8 +18,12 @@ tokens arrive faster than it computes them, and its queue (and TTFT) grows while
 reads half empty. ``needed_prefill`` is the planner's ⌈λ / (ρ·μ)⌉ in prompt tokens: the
 demand is what the replicas computed since the last tick (the gauges'
 ``prefill_tokens_total``, cumulative) plus the change of the queue, per second, smoothed
-over ``demand_time_constant_s``; a backlog adds what drains it within ``max_queue_s``;
-the capacity is the replicas' measured prefill tokens per busy second (their mean).
+over ``demand_time_constant_s`` (from zero: one tick's burst moves it by a twentieth); the
+capacity is the replicas' measured prefill tokens per busy second (their mean). A queue
+that does not drain shows as demand above what the replicas compute. A backlog alone is
+not counted: a request already queued on a replica stays there, so replicas added for it
+serve only later ones (one 128k-token prompt would otherwise call several). An idle pool
+needs none for prefill (the smoothed demand's tail must not hold it from zero).
 
 Hysteresis
     Scale up at once, to the target. Scale down only to the highest target seen over the
@@ -124,10 +127,7 @@ class PoolPolicy:
     schedule: tuple[ScheduleWindow, ...] = ()
     timezone: str = "UTC"  # IANA name the schedule's hours are in
     prescale_lead_s: float = 0.0  # start scheduled minimums this early
-    # Prefill compute (needed_prefill): a queue that takes longer than this to drain at the
-    # pool's measured prefill capacity gets the replicas to drain it (0: the backlog term off).
-    max_queue_s: float = 2.0
-    demand_time_constant_s: float = 20.0  # EWMA time constant of the prefill demand
+    demand_time_constant_s: float = 20.0  # EWMA time constant of the prefill demand (needed_prefill)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -138,8 +138,8 @@ class PoolPolicy:
             raise ValueError("warm_buffer, cooldown and idle period must be ≥ 0")
         if self.initial_replica_token_capacity <= 0 or self.capacity_time_constant_s <= 0:
             raise ValueError("initial capacity and its time constant must be positive")
-        if self.max_queue_s < 0 or self.demand_time_constant_s <= 0:
-            raise ValueError("max_queue_s must be ≥ 0 and the demand's time constant positive")
+        if self.demand_time_constant_s <= 0:
+            raise ValueError("the prefill demand's time constant must be positive")
         if any(w.min_replicas > self.max_replicas for w in self.schedule):
             raise ValueError("a scheduled minimum exceeds max_replicas")
         ZoneInfo(self.timezone)  # fail at configuration time, not at 08:00
@@ -299,9 +299,17 @@ class PrefillDemand:
         counts = tuple((g.worker_id, g.prefill_tokens_total) for g in gauges)
         rate, rate_at = self.rate, self.rate_at
         if self.at is not None and now > self.at:
-            sample = max(0.0, (computed + queued - self.queued) / (now - self.at))
-            rate, rate_at = ewma(rate, rate_at, sample, now, tau), now
+            # Not clipped per tick: a queue's fall (a cached prompt leaving it whole, a step's
+            # chunk counted before its step ends) cancels its earlier rise on average. From 0:
+            # a first tick's burst is one sample among many, not the rate.
+            sample = (computed + queued - self.queued) / (now - self.at)
+            rate = ewma(0.0 if rate is None else rate, self.at if rate_at is None else rate_at, sample, now, tau)
+            rate_at = now
         return PrefillDemand(counts=counts, at=now, queued=queued, rate=rate, rate_at=rate_at)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return max(0.0, self.rate or 0.0)
 
 
 @dataclass(frozen=True)
@@ -326,7 +334,8 @@ class Signals:
     decode_tokens_per_s: float
     queue_drain_s: float | None  # waiting tokens / measured prefill rate
     prefill_demand_tokens_per_s: float | None = None  # prompt tokens arriving a second (smoothed)
-    needed_prefill: int = 0  # replicas the prefill demand and backlog need
+    needed_prefill: int = 0  # replicas the prefill demand needs
+    replica_prefill_capacity: float = 0.0  # the live replicas' mean measured prefill tokens per busy second
 
 
 @dataclass(frozen=True)
@@ -389,14 +398,14 @@ def step(
     decode_rate = sum(g.decode_tokens_per_s for g in live)
 
     capacity_est = update_capacity(state.capacity, live, now, policy, obs.max_num_seqs)
-    prefill = state.prefill.update(gauges, waiting_tokens, now, policy.demand_time_constant_s)
+    # Every replica's queue and count, draining ones too: the two must cover the same ones.
+    queued_all = sum(g.queued_prefill_tokens for g in gauges) + obs.pending_tokens
+    prefill = state.prefill.update(gauges, queued_all, now, policy.demand_time_constant_s)
     measured = [g.prefill_tokens_per_s for g in live if g.prefill_tokens_per_s > 0]
     needed_prefill = 0
-    if measured:
-        backlog = waiting_tokens / policy.max_queue_s if policy.max_queue_s > 0 else 0.0
-        work = (prefill.rate or 0.0) + backlog
-        per_replica = sum(measured) / len(measured)
-        needed_prefill = math.ceil(work / policy.target_utilization / per_replica - 1e-9) if work > 0 else 0
+    per_replica = sum(measured) / len(measured) if measured else 0.0
+    if measured and busy and prefill.tokens_per_s > 0:
+        needed_prefill = math.ceil(prefill.tokens_per_s / policy.target_utilization / per_replica - 1e-9)
     held = max((float(g.running_tokens) for g in live), default=0.0)
     capacity, source = capacity_est.value(policy.initial_replica_token_capacity, floor=held)
 
@@ -451,8 +460,9 @@ def step(
         prefill_tokens_per_s=prefill_rate,
         decode_tokens_per_s=decode_rate,
         queue_drain_s=waiting_tokens / prefill_rate if prefill_rate > 0 and waiting_tokens > 0 else None,
-        prefill_demand_tokens_per_s=prefill.rate,
+        prefill_demand_tokens_per_s=None if prefill.rate is None else prefill.tokens_per_s,
         needed_prefill=needed_prefill,
+        replica_prefill_capacity=per_replica,
     )
 
     def clamp(n: int) -> int:
@@ -549,8 +559,8 @@ def _up_reason(s: Signals, policy: PoolPolicy, target: int, scheduled: int, load
         demand = s.prefill_demand_tokens_per_s or 0.0
         parts.append(
             f"needed {s.needed_prefill} for prefill + warm buffer {policy.warm_buffer}: {demand:,.0f} prompt tokens/s"
-            f" arriving + a backlog of {s.waiting_tokens:,} tokens to drain within {policy.max_queue_s:g} s, / "
-            f"{policy.target_utilization:.0%} / the replicas' prefill capacity (memory needs {s.needed}; {load_text})")
+            f" arriving / {policy.target_utilization:.0%} / {s.replica_prefill_capacity:,.0f} per replica"
+            f" (memory needs {s.needed}; {load_text})")
     else:
         parts.append(f"needed {s.needed} + warm buffer {policy.warm_buffer}; {load_text}")
         if s.queue_drain_s is not None:

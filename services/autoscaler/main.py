@@ -51,9 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--target-utilization", type=fraction, default=0.75)
     policy.add_argument("--warm-buffer", type=count, default=0, help="spare ready replicas (cold starts take minutes)")
     policy.add_argument("--cooldown", type=non_negative_seconds, default=300.0, help="seconds a lower target must hold before a scale-down")
-    policy.add_argument("--max-queue", type=non_negative_seconds, default=2.0,
-                        help="seconds the pool's prefill backlog may take to drain at its measured prefill capacity;"
-                             " beyond, replicas are added to drain it (0: only the prefill demand counts)")
     policy.add_argument("--idle-to-zero", type=non_negative_seconds, default=900.0, help="idle seconds before a zero-able pool goes to zero")
     policy.add_argument("--initial-capacity", type=positive_number, default=65_536.0,
                         help="tokens a replica holds at saturation, until gauges measure it")
@@ -134,7 +131,6 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     base = dict(
         min_replicas=args.min_replicas, max_replicas=args.max_replicas, target_utilization=args.target_utilization,
         warm_buffer=args.warm_buffer, scale_down_cooldown_s=args.cooldown, idle_to_zero_s=args.idle_to_zero,
-        max_queue_s=args.max_queue,
         initial_replica_token_capacity=args.initial_capacity,
     )
     policy_fields = {f.name for f in fields(PoolPolicy)}

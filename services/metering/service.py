@@ -29,9 +29,9 @@ Drain (SIGTERM). Stop answering queries and fetching, finish the batch in progre
 is handed back (``nak``) for another instance or the next start.
 
 Capacity. Workers' capacity events (``mesh.capacity.<worker>``, ``proto.CapacityEvent``)
-come through a stream of their own, CAPACITY (a work queue: what is acked is gone), with a
-durable consumer of the same name and the same loop, batches, acks and retries; they are
-priced at the price table's accelerator-hour prices (``.fleet``).
+come through a stream of their own, CAPACITY (its own limits: a week, 256 MiB, oldest
+dropped first), with a durable consumer of the same name and the same loop, batches, acks
+and retries; they are priced at the price table's accelerator-hour prices (``.fleet``).
 
 Queries. ``mesh.metering.usage`` (``proto.metering.UsageQuery`` → ``UsageReport``):
 totals per org/key/model/tier/worker/status/hour/day over a time range.

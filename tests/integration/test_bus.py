@@ -131,7 +131,15 @@ async def test_provisioning_is_idempotent(bus: Bus) -> None:
     names = {info.config.name for info in await bus.js.streams_info()}
     assert {"TOKENS", "USAGE", "CAPACITY", "KV_mesh_workers", "KV_mesh_keys"} <= names
     capacity = await bus.js.stream_info("CAPACITY")
-    assert capacity.config.retention == api.RetentionPolicy.WORK_QUEUE and capacity.config.subjects == ["mesh.capacity.*"]
+    assert capacity.config.retention == api.RetentionPolicy.LIMITS and capacity.config.subjects == ["mesh.capacity.*"]
+    assert capacity.config.discard == api.DiscardPolicy.OLD
+    # a stream made with another retention is left as it is (the server refuses to change it), not a failed start
+    await bus.js.delete_stream("CAPACITY")
+    await bus.js.add_stream(api.StreamConfig(name="CAPACITY", subjects=["mesh.capacity.*"],
+                                             retention=api.RetentionPolicy.WORK_QUEUE, max_age=60.0))
+    await provision(bus.js, s)
+    kept = await bus.js.stream_info("CAPACITY")
+    assert kept.config.retention == api.RetentionPolicy.WORK_QUEUE and kept.config.max_age == 60.0
     usage = await bus.js.stream_info("USAGE")
     assert usage.config.duplicate_window == StreamLimits().usage_duplicate_window_s
     # changed limits are applied to the existing stream, data kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from zoneinfo import ZoneInfo
@@ -483,51 +484,61 @@ def computing(wid: str, total: int, queued: int, *, held: int = 30_000, prefill:
                        decode_tokens_per_s=1000.0, prefill_tokens_total=total)
 
 
+def smoothed(rate: float, samples: int, tau: float = 20.0) -> float:
+    """A constant rate's EWMA after ``samples`` one-second ticks, from zero."""
+    return rate * (1 - math.exp(-samples / tau))
+
+
 def test_a_replica_falling_behind_on_prefill_gets_help_though_its_kv_has_room() -> None:
     # 17k prompt tokens a second arrive at a replica that computes 14k: it computes at its
     # limit and its queue grows by 3k a second. Memory alone (57,000 of 400,000 tokens) says 1.
-    controller = PoolController(policy(max_queue_s=0.0, initial_replica_token_capacity=float(BIG_KV)))
-    decision = None
-    for tick in range(10):
-        gauge = computing("w1", total=14_000 * tick, queued=3_000 * tick)
-        decision = controller.decide(PoolObservation(gauges=[gauge], max_num_seqs=LIMITS), float(tick))
-    assert decision is not None
-    s = decision.signals
-    assert s.needed == 1 and s.prefill_demand_tokens_per_s == pytest.approx(17_000)
-    assert s.needed_prefill == 2  # ⌈17,000 / 0.75 / 14,000⌉
-    assert decision.action == "scale_up" and decision.desired == 2
-    assert "for prefill" in decision.reason and "17,000 prompt tokens/s" in decision.reason
-
-
-def test_light_prefill_demand_changes_nothing() -> None:
     controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
+    decisions = [controller.decide(PoolObservation(gauges=[computing("w1", total=14_000 * t, queued=3_000 * t)],
+                                                   max_num_seqs=LIMITS), float(t)) for t in range(60)]
+    # The demand is smoothed from zero (τ 20 s): one replica until it passes 75 % of 14k.
+    first_up = next(d for d in decisions if d.action == "scale_up")
+    assert first_up.at == 20.0 and first_up.signals.prefill_demand_tokens_per_s == pytest.approx(smoothed(17_000, 20))
+    s = decisions[-1].signals
+    assert s.needed == 1 and s.prefill_demand_tokens_per_s == pytest.approx(smoothed(17_000, 59))
+    assert s.needed_prefill == 2 and decisions[-1].desired == 2  # ⌈16,200 / 0.75 / 14,000⌉
+    assert "for prefill" in first_up.reason and "14,000 per replica" in first_up.reason
+
+
+def test_one_long_prompt_calls_no_replica_it_could_not_use() -> None:
+    # A 128k-token prompt (RAG, a long document) queues on the one replica, which prefills it
+    # at 14k a second; replicas added now could serve only later requests.
+    controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
+    queue = [0, 128_000] + [max(0, 128_000 - 14_000 * t) for t in range(1, 11)]
+    decisions = [controller.decide(PoolObservation(gauges=[computing("w1", 128_000 - q if t > 1 else 0, q)],
+                                                   max_num_seqs=LIMITS), float(t)) for t, q in enumerate(queue)]
+    assert all(d.signals.needed_prefill <= 1 and d.desired == 1 for d in decisions)
+
+
+def test_light_prefill_demand_changes_nothing_and_an_idle_pool_needs_none() -> None:
+    controller = PoolController(policy(min_replicas=0, idle_to_zero_s=30.0, initial_replica_token_capacity=float(BIG_KV)))
     decision = None
     for tick in range(10):
-        decision = controller.decide(PoolObservation(gauges=[computing("w1", total=2_000 * tick, queued=0)], max_num_seqs=LIMITS), float(tick))
+        decision = controller.decide(PoolObservation(gauges=[computing("w1", total=2_000 * tick, queued=0)],
+                                                     max_num_seqs=LIMITS), float(tick))
     assert decision is not None
     assert decision.signals.needed_prefill == 1 and decision.action == "hold" and decision.desired == 1
-
-
-def test_a_backlog_gets_the_replicas_that_drain_it_within_max_queue() -> None:
-    # 63,000 tokens queued, nothing computed yet: drained within 2 s needs 31,500 tokens/s.
-    big = float(BIG_KV)
-    decision = PoolController(policy(initial_replica_token_capacity=big)).decide(
-        PoolObservation(gauges=[computing("w1", 0, queued=63_000)], max_num_seqs=LIMITS), 0.0)
-    assert decision.signals.needed == 1 and decision.signals.needed_prefill == 3  # ⌈31,500 / 0.75 / 14,000⌉
-    assert decision.desired == 3
-    off = PoolController(policy(max_queue_s=0.0, initial_replica_token_capacity=big)).decide(
-        PoolObservation(gauges=[computing("w1", 0, 63_000)], max_num_seqs=LIMITS), 0.0)
-    assert off.signals.needed_prefill == 0  # no demand measured yet, backlog term off
+    # Idle (nothing running or waiting): the demand's smoothed tail holds nothing up.
+    idle = WorkerGauge(worker_id="w1", model="m", ts=0.0, prefill_tokens_per_s=14_000.0, prefill_tokens_total=18_000)
+    later = [controller.decide(PoolObservation(gauges=[idle], max_num_seqs=LIMITS), float(t)) for t in range(10, 45)]
+    down = next(d for d in later if d.action == "scale_down")  # 30 s after the last busy tick (9)
+    assert down.at == 39.0 and "scaling to zero" in down.reason
+    assert down.signals.prefill_demand_tokens_per_s is not None and down.signals.prefill_demand_tokens_per_s > 0
+    assert down.signals.needed_prefill == 0
 
 
 def test_counters_that_restart_or_come_with_a_history_make_no_false_demand() -> None:
-    controller = PoolController(policy(max_queue_s=0.0, initial_replica_token_capacity=float(BIG_KV)))
+    controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
     controller.decide(PoolObservation(gauges=[computing("w1", 5_000_000, 0)]), 0.0)  # an autoscaler restart: baseline
     first = controller.decide(PoolObservation(gauges=[computing("w1", 5_001_000, 0)]), 1.0)
-    assert first.signals.prefill_demand_tokens_per_s == pytest.approx(1_000)
-    # w1's engine reloaded (its counter restarts); w2 joins with a long history
+    assert first.signals.prefill_demand_tokens_per_s == pytest.approx(smoothed(1_000, 1))
+    # w1's engine reloaded (its counter restarts at 400: all of it new); w2 joins with a long history
     later = controller.decide(PoolObservation(gauges=[computing("w1", 400, 0), computing("w2", 9_000_000, 0)]), 2.0)
-    assert later.signals.prefill_demand_tokens_per_s is not None
-    assert 0 < later.signals.prefill_demand_tokens_per_s < 1_000  # smoothed towards 400, no 9M spike
-    with pytest.raises(ValueError, match="max_queue_s"):
-        policy(max_queue_s=-1.0)
+    expected = smoothed(1_000, 1) + (400 - smoothed(1_000, 1)) * (1 - math.exp(-1 / 20))
+    assert later.signals.prefill_demand_tokens_per_s == pytest.approx(expected)
+    with pytest.raises(ValueError, match="time constant"):
+        policy(demand_time_constant_s=0.0)

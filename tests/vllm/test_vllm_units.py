@@ -297,6 +297,14 @@ def test_stats_tracker_prefill_rate_is_a_capacity() -> None:
         t.on_scheduler(running=0, waiting=0, kv_usage=0.0)
         t.on_iteration(30.0 + i, prompt_tokens=20, generation_tokens=1, elapsed_s=0.007)
     assert t.snapshot(40.0).prefill_tokens_per_s == pytest.approx(2000 / 0.2)
+    # The budget is known only once vLLM has started (the engine sets it then): from that
+    # moment on, short-prompt steps no longer count as the capacity either.
+    late = VllmStatsTracker(kv_blocks_total=100, rate_window_s=5.0)
+    late.max_num_batched_tokens = 2048
+    for i in range(5):
+        late.on_scheduler(running=1, waiting=0, kv_usage=0.01)
+        late.on_iteration(float(i), prompt_tokens=500, generation_tokens=1, elapsed_s=0.01)
+    assert late.snapshot(4.5).prefill_tokens_per_s == 0.0
 
 
 def test_worker_cli_passes_vllm_engine_arguments(tmp_path: Any) -> None:

@@ -48,7 +48,6 @@ class VllmStatsTracker:
                  kv_events_mode: str = "engine", lora_adapters: list[str] | None = None,
                  max_num_batched_tokens: int = 0) -> None:
         self.kv_blocks_total = kv_blocks_total
-        self.max_num_batched_tokens = max_num_batched_tokens  # 0: unknown, any prefill step counts
         self.hit_window_requests = hit_window_requests
         self.kv_events_mode = kv_events_mode
         self.lora_adapters = list(lora_adapters or [])
@@ -66,11 +65,23 @@ class VllmStatsTracker:
         self._hit_hits = 0
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
-        self._window = StepWindow(rate_window_s, max(max_num_batched_tokens / 2, 1))
+        self._window = StepWindow(rate_window_s, 1)
+        self.max_num_batched_tokens = max_num_batched_tokens  # 0: unknown, any prefill step counts
         self._work_left = False  # the last step left requests running or waiting
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self._max_num_batched_tokens
+
+    @max_num_batched_tokens.setter
+    def max_num_batched_tokens(self, value: int) -> None:
+        # Known only once the engine has started (vLLM picks it): the prefill capacity counts
+        # only the steps whose prefill fills half of it from then on.
+        self._max_num_batched_tokens = value
+        self._window.full_prefill = max(value / 2, 1)
 
     # ---- requests (from the engine shell) -------------------------------------------
     def add(self, request_id: str, prompt_tokens: int) -> None:
