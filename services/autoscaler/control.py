@@ -278,25 +278,44 @@ class PoolState:
 
 @dataclass(frozen=True)
 class PrefillDemand:
-    """Prompt tokens a second arriving at the pool: what its replicas computed plus what its
-    queue grew by, between ticks, smoothed. Pure bookkeeping of the gauges' counters."""
+    """Prompt tokens a second arriving at the pool (what its replicas computed plus what its
+    queue grew by, between ticks, smoothed), and what a replica computes a second while it
+    has a queue: its prefill capacity with its decodes interleaved, the μ of ⌈λ / (ρ·μ)⌉
+    (a gauge's rate per busy second of prefill steps leaves the decode-only steps out, and
+    sized a pool a third short). Pure bookkeeping of the gauges' counters."""
 
-    counts: tuple[tuple[str, int], ...] = ()  # worker → its prefill_tokens_total at the last tick
+    # worker → its prefill_tokens_total and whether it had a queue, at the last tick
+    counts: tuple[tuple[str, int, bool], ...] = ()
     at: float | None = None  # the last tick
     queued: int = 0  # the pool's waiting tokens then
     rate: float | None = None  # the smoothed demand, tokens/s
     rate_at: float | None = None
+    saturated: float | None = None  # the smoothed prefill tokens/s of a replica with a queue
+    saturated_at: float | None = None
 
     def update(self, gauges: Sequence[WorkerGauge], queued: int, now: float, tau: float) -> PrefillDemand:
-        seen = dict(self.counts)
+        seen = {worker: (total, had_queue) for worker, total, had_queue in self.counts}
+        dt = now - self.at if self.at is not None else 0.0
         computed = 0
+        full: list[float] = []
         for g in gauges:
             before = seen.get(g.worker_id)
-            if before is not None:
-                # A counter below its last value restarted (a reloaded engine): all of it is new.
-                computed += g.prefill_tokens_total - before if g.prefill_tokens_total >= before else g.prefill_tokens_total
-            # A worker first seen now only sets its baseline: its count may span hours.
-        counts = tuple((g.worker_id, g.prefill_tokens_total) for g in gauges)
+            if before is None:
+                continue  # a worker first seen now only sets its baseline: its count may span hours
+            if g.prefill_tokens_total >= before[0]:
+                delta = g.prefill_tokens_total - before[0]
+                # Queued all through the tick and computing (not waiting for a model's load):
+                # what it computed is what it can.
+                if before[1] and g.queued_prefill_tokens > 0 and delta > 0 and dt > 0:
+                    full.append(delta / dt)
+            else:
+                delta = g.prefill_tokens_total  # the counter restarted (a reloaded engine): all of it is new
+            computed += delta
+        counts = tuple((g.worker_id, g.prefill_tokens_total, g.queued_prefill_tokens > 0) for g in gauges)
+        saturated, saturated_at = self.saturated, self.saturated_at
+        if full:
+            saturated = ewma(saturated, saturated_at, sum(full) / len(full), now, tau)
+            saturated_at = now
         rate, rate_at = self.rate, self.rate_at
         if self.at is not None and now > self.at:
             # Not clipped per tick: a queue's fall (a cached prompt leaving it whole, a step's
@@ -305,7 +324,8 @@ class PrefillDemand:
             sample = (computed + queued - self.queued) / (now - self.at)
             rate = ewma(0.0 if rate is None else rate, self.at if rate_at is None else rate_at, sample, now, tau)
             rate_at = now
-        return PrefillDemand(counts=counts, at=now, queued=queued, rate=rate, rate_at=rate_at)
+        return PrefillDemand(counts=counts, at=now, queued=queued, rate=rate, rate_at=rate_at, saturated=saturated,
+                             saturated_at=saturated_at)
 
     @property
     def tokens_per_s(self) -> float:
@@ -403,8 +423,10 @@ def step(
     prefill = state.prefill.update(gauges, queued_all, now, policy.demand_time_constant_s)
     measured = [g.prefill_tokens_per_s for g in live if g.prefill_tokens_per_s > 0]
     needed_prefill = 0
-    per_replica = sum(measured) / len(measured) if measured else 0.0
-    if measured and busy and prefill.tokens_per_s > 0:
+    # What a replica computes with a queue, once seen; until then its rate per busy second
+    # of prefill steps (an upper bound: the term then sizes low, never below memory's).
+    per_replica = prefill.saturated or (sum(measured) / len(measured) if measured else 0.0)
+    if per_replica > 0 and busy and prefill.tokens_per_s > 0:
         needed_prefill = math.ceil(prefill.tokens_per_s / policy.target_utilization / per_replica - 1e-9)
     held = max((float(g.running_tokens) for g in live), default=0.0)
     capacity, source = capacity_est.value(policy.initial_replica_token_capacity, floor=held)
