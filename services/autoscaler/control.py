@@ -16,10 +16,10 @@ Two resources bind a replica, and ``needed`` sees only one: memory (the tokens i
 in KV). Prefill is compute: a replica whose KV has room still falls behind when prompt
 tokens arrive faster than it computes them, and its queue (and TTFT) grows while its KV
 reads half empty. ``needed_prefill`` is the planner's ⌈λ / (ρ·μ)⌉ in prompt tokens: the
-demand is what the replicas computed since the last tick (the gauges'
-``prefill_tokens_total``, cumulative) plus the change of the queue, per second, smoothed
-over ``demand_time_constant_s`` (from zero: one tick's burst moves it by a twentieth); the
-capacity is the replicas' measured prefill tokens per busy second (their mean). A queue
+demand is what the replicas computed (the gauges' ``prefill_tokens_total``, cumulative)
+plus the change of the queue, over the last ``demand_window_s`` (20 s: a steady rate is
+read whole one window after it starts; one 128k-token prompt is 6.4k tokens/s); the
+capacity is what a replica computes while it has a queue (``PrefillDemand``). A queue
 that does not drain shows as demand above what the replicas compute. A backlog alone is
 not counted: a request already queued on a replica stays there, so replicas added for it
 serve only later ones (one 128k-token prompt would otherwise call several). An idle pool
@@ -127,7 +127,7 @@ class PoolPolicy:
     schedule: tuple[ScheduleWindow, ...] = ()
     timezone: str = "UTC"  # IANA name the schedule's hours are in
     prescale_lead_s: float = 0.0  # start scheduled minimums this early
-    demand_time_constant_s: float = 20.0  # EWMA time constant of the prefill demand (needed_prefill)
+    demand_window_s: float = 20.0  # the prefill demand is what arrived over this long (needed_prefill)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -138,8 +138,8 @@ class PoolPolicy:
             raise ValueError("warm_buffer, cooldown and idle period must be ≥ 0")
         if self.initial_replica_token_capacity <= 0 or self.capacity_time_constant_s <= 0:
             raise ValueError("initial capacity and its time constant must be positive")
-        if self.demand_time_constant_s <= 0:
-            raise ValueError("the prefill demand's time constant must be positive")
+        if self.demand_window_s <= 0:
+            raise ValueError("the prefill demand's window must be positive")
         if any(w.min_replicas > self.max_replicas for w in self.schedule):
             raise ValueError("a scheduled minimum exceeds max_replicas")
         ZoneInfo(self.timezone)  # fail at configuration time, not at 08:00
@@ -288,12 +288,12 @@ class PrefillDemand:
     counts: tuple[tuple[str, int, bool], ...] = ()
     at: float | None = None  # the last tick
     queued: int = 0  # the pool's waiting tokens then
-    rate: float | None = None  # the smoothed demand, tokens/s
-    rate_at: float | None = None
+    arrived: tuple[tuple[float, int], ...] = ()  # (tick, prompt tokens arrived since the one before), the window's
+    rate: float | None = None  # tokens arrived over the window / the window: a steady rate in one window
     saturated: float | None = None  # the smoothed prefill tokens/s of a replica with a queue
     saturated_at: float | None = None
 
-    def update(self, gauges: Sequence[WorkerGauge], queued: int, now: float, tau: float) -> PrefillDemand:
+    def update(self, gauges: Sequence[WorkerGauge], queued: int, now: float, window_s: float) -> PrefillDemand:
         seen = {worker: (total, had_queue) for worker, total, had_queue in self.counts}
         dt = now - self.at if self.at is not None else 0.0
         computed = 0
@@ -314,17 +314,17 @@ class PrefillDemand:
         counts = tuple((g.worker_id, g.prefill_tokens_total, g.queued_prefill_tokens > 0) for g in gauges)
         saturated, saturated_at = self.saturated, self.saturated_at
         if full:
-            saturated = ewma(saturated, saturated_at, sum(full) / len(full), now, tau)
+            saturated = ewma(saturated, saturated_at, sum(full) / len(full), now, window_s)
             saturated_at = now
-        rate, rate_at = self.rate, self.rate_at
+        arrived, rate = self.arrived, self.rate
         if self.at is not None and now > self.at:
             # Not clipped per tick: a queue's fall (a cached prompt leaving it whole, a step's
-            # chunk counted before its step ends) cancels its earlier rise on average. From 0:
-            # a first tick's burst is one sample among many, not the rate.
-            sample = (computed + queued - self.queued) / (now - self.at)
-            rate = ewma(0.0 if rate is None else rate, self.at if rate_at is None else rate_at, sample, now, tau)
-            rate_at = now
-        return PrefillDemand(counts=counts, at=now, queued=queued, rate=rate, rate_at=rate_at, saturated=saturated,
+            # chunk counted before its step ends) cancels its earlier rise within the window.
+            # Over the whole window, never the time seen so far: one 128k-token prompt in the
+            # first second is 6.4k tokens/s over 20 s, not 128k.
+            arrived = (*(a for a in arrived if a[0] > now - window_s), (now, computed + queued - self.queued))
+            rate = sum(tokens for _, tokens in arrived) / window_s
+        return PrefillDemand(counts=counts, at=now, queued=queued, arrived=arrived, rate=rate, saturated=saturated,
                              saturated_at=saturated_at)
 
     @property
@@ -420,7 +420,7 @@ def step(
     capacity_est = update_capacity(state.capacity, live, now, policy, obs.max_num_seqs)
     # Every replica's queue and count, draining ones too: the two must cover the same ones.
     queued_all = sum(g.queued_prefill_tokens for g in gauges) + obs.pending_tokens
-    prefill = state.prefill.update(gauges, queued_all, now, policy.demand_time_constant_s)
+    prefill = state.prefill.update(gauges, queued_all, now, policy.demand_window_s)
     measured = [g.prefill_tokens_per_s for g in live if g.prefill_tokens_per_s > 0]
     needed_prefill = 0
     # What a replica computes with a queue, once seen; until then its rate per busy second

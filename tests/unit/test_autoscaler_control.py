@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from zoneinfo import ZoneInfo
@@ -484,9 +483,10 @@ def computing(wid: str, total: int, queued: int, *, held: int = 30_000, prefill:
                        decode_tokens_per_s=1000.0, prefill_tokens_total=total)
 
 
-def smoothed(rate: float, samples: int, tau: float = 20.0) -> float:
-    """A constant rate's EWMA after ``samples`` one-second ticks, from zero."""
-    return rate * (1 - math.exp(-samples / tau))
+def windowed(rate: float, samples: int, window: int = 20) -> float:
+    """A constant rate as the demand reads it after ``samples`` one-second ticks: what
+    arrived over the last window (ticks since the first), over the whole window."""
+    return rate * min(samples, window) / window
 
 
 def test_a_replica_falling_behind_on_prefill_gets_help_though_its_kv_has_room() -> None:
@@ -495,12 +495,12 @@ def test_a_replica_falling_behind_on_prefill_gets_help_though_its_kv_has_room() 
     controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
     decisions = [controller.decide(PoolObservation(gauges=[computing("w1", total=14_000 * t, queued=3_000 * t)],
                                                    max_num_seqs=LIMITS), float(t)) for t in range(60)]
-    # The demand is smoothed from zero (τ 20 s): one replica until it passes 75 % of 14k.
+    # The demand is what arrived over 20 s: one replica until it passes 75 % of 14k.
     first_up = next(d for d in decisions if d.action == "scale_up")
-    assert first_up.at == 20.0 and first_up.signals.prefill_demand_tokens_per_s == pytest.approx(smoothed(17_000, 20))
+    assert first_up.at == 13.0 and first_up.signals.prefill_demand_tokens_per_s == pytest.approx(windowed(17_000, 13))
     s = decisions[-1].signals
-    assert s.needed == 1 and s.prefill_demand_tokens_per_s == pytest.approx(smoothed(17_000, 59))
-    assert s.needed_prefill == 2 and decisions[-1].desired == 2  # ⌈16,200 / 0.75 / 14,000⌉
+    assert s.needed == 1 and s.prefill_demand_tokens_per_s == pytest.approx(17_000)  # whole after one window
+    assert s.needed_prefill == 2 and decisions[-1].desired == 2  # ⌈17,000 / 0.75 / 14,000⌉
     assert "for prefill" in first_up.reason and "14,000 per replica" in first_up.reason
 
 
@@ -515,18 +515,18 @@ def test_one_long_prompt_calls_no_replica_it_could_not_use() -> None:
 
 
 def test_light_prefill_demand_changes_nothing_and_an_idle_pool_needs_none() -> None:
-    controller = PoolController(policy(min_replicas=0, idle_to_zero_s=30.0, initial_replica_token_capacity=float(BIG_KV)))
+    controller = PoolController(policy(min_replicas=0, idle_to_zero_s=10.0, initial_replica_token_capacity=float(BIG_KV)))
     decision = None
     for tick in range(10):
         decision = controller.decide(PoolObservation(gauges=[computing("w1", total=2_000 * tick, queued=0)],
                                                      max_num_seqs=LIMITS), float(tick))
     assert decision is not None
     assert decision.signals.needed_prefill == 1 and decision.action == "hold" and decision.desired == 1
-    # Idle (nothing running or waiting): the demand's smoothed tail holds nothing up.
+    # Idle (nothing running or waiting): what arrived within the window holds nothing up.
     idle = WorkerGauge(worker_id="w1", model="m", ts=0.0, prefill_tokens_per_s=14_000.0, prefill_tokens_total=18_000)
-    later = [controller.decide(PoolObservation(gauges=[idle], max_num_seqs=LIMITS), float(t)) for t in range(10, 45)]
-    down = next(d for d in later if d.action == "scale_down")  # 30 s after the last busy tick (9)
-    assert down.at == 39.0 and "scaling to zero" in down.reason
+    later = [controller.decide(PoolObservation(gauges=[idle], max_num_seqs=LIMITS), float(t)) for t in range(10, 30)]
+    down = next(d for d in later if d.action == "scale_down")  # 10 s after the last busy tick (9)
+    assert down.at == 19.0 and "scaling to zero" in down.reason
     assert down.signals.prefill_demand_tokens_per_s is not None and down.signals.prefill_demand_tokens_per_s > 0
     assert down.signals.needed_prefill == 0
 
@@ -535,13 +535,12 @@ def test_counters_that_restart_or_come_with_a_history_make_no_false_demand() -> 
     controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
     controller.decide(PoolObservation(gauges=[computing("w1", 5_000_000, 0)]), 0.0)  # an autoscaler restart: baseline
     first = controller.decide(PoolObservation(gauges=[computing("w1", 5_001_000, 0)]), 1.0)
-    assert first.signals.prefill_demand_tokens_per_s == pytest.approx(smoothed(1_000, 1))
+    assert first.signals.prefill_demand_tokens_per_s == pytest.approx(1_000 / 20)
     # w1's engine reloaded (its counter restarts at 400: all of it new); w2 joins with a long history
     later = controller.decide(PoolObservation(gauges=[computing("w1", 400, 0), computing("w2", 9_000_000, 0)]), 2.0)
-    expected = smoothed(1_000, 1) + (400 - smoothed(1_000, 1)) * (1 - math.exp(-1 / 20))
-    assert later.signals.prefill_demand_tokens_per_s == pytest.approx(expected)
-    with pytest.raises(ValueError, match="time constant"):
-        policy(demand_time_constant_s=0.0)
+    assert later.signals.prefill_demand_tokens_per_s == pytest.approx((1_000 + 400) / 20)
+    with pytest.raises(ValueError, match="window"):
+        policy(demand_window_s=0.0)
 
 
 def test_the_capacity_is_what_a_replica_computes_with_a_queue_its_decodes_included() -> None:
