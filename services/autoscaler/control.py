@@ -292,8 +292,21 @@ class PrefillDemand:
     rate: float | None = None  # tokens arrived over the window / the window: a steady rate in one window
     saturated: float | None = None  # the smoothed prefill tokens/s of a replica with a queue
     saturated_at: float | None = None
+    # Whether the pool had a queue, each tick since its size last changed (within the window).
+    size: int = -1
+    since: float | None = None
+    queue_ticks: tuple[tuple[float, bool], ...] = ()
 
-    def update(self, gauges: Sequence[WorkerGauge], queued: int, now: float, window_s: float) -> PrefillDemand:
+    def backed_up(self, now: float, window_s: float, share: float = 0.9) -> bool:
+        """A queue at (nearly) every tick for a whole window at this size: arrivals outrun
+        the replicas, whatever the demand and capacity figures say (a replica's decodes take
+        the compute its prefill rate does not show)."""
+        if self.since is None or now - self.since < window_s or len(self.queue_ticks) < 2:
+            return False
+        return sum(1 for _, queued in self.queue_ticks if queued) >= share * len(self.queue_ticks)
+
+    def update(self, gauges: Sequence[WorkerGauge], queued: int, now: float, window_s: float, *, size: int = 0,
+               computing_queue: bool = False) -> PrefillDemand:
         seen = {worker: (total, had_queue) for worker, total, had_queue in self.counts}
         dt = now - self.at if self.at is not None else 0.0
         computed = 0
@@ -324,8 +337,10 @@ class PrefillDemand:
             # first second is 6.4k tokens/s over 20 s, not 128k.
             arrived = (*(a for a in arrived if a[0] > now - window_s), (now, computed + queued - self.queued))
             rate = sum(tokens for _, tokens in arrived) / window_s
+        since, ticks = (self.since, self.queue_ticks) if size == self.size else (now, ())
+        ticks = (*(t for t in ticks if t[0] > now - window_s), (now, computing_queue))
         return PrefillDemand(counts=counts, at=now, queued=queued, arrived=arrived, rate=rate, saturated=saturated,
-                             saturated_at=saturated_at)
+                             saturated_at=saturated_at, size=size, since=since, queue_ticks=ticks)
 
     @property
     def tokens_per_s(self) -> float:
@@ -355,7 +370,8 @@ class Signals:
     queue_drain_s: float | None  # waiting tokens / measured prefill rate
     prefill_demand_tokens_per_s: float | None = None  # prompt tokens arriving a second (smoothed)
     needed_prefill: int = 0  # replicas the prefill demand needs
-    replica_prefill_capacity: float = 0.0  # the live replicas' mean measured prefill tokens per busy second
+    replica_prefill_capacity: float = 0.0  # what a replica computes with a queue (else its busy-second rate)
+    backed_up: bool = False  # a queue at nearly every tick for a whole window at this size
 
 
 @dataclass(frozen=True)
@@ -420,7 +436,12 @@ def step(
     capacity_est = update_capacity(state.capacity, live, now, policy, obs.max_num_seqs)
     # Every replica's queue and count, draining ones too: the two must cover the same ones.
     queued_all = sum(g.queued_prefill_tokens for g in gauges) + obs.pending_tokens
-    prefill = state.prefill.update(gauges, queued_all, now, policy.demand_window_s)
+    # A queue the replicas could be working on: not one waiting for a model's load.
+    computing_queue = obs.pending_tokens > 0 or any(
+        g.queued_prefill_tokens > 0 and g.residency not in ("cold", "loading") for g in live)
+    prefill = state.prefill.update(gauges, queued_all, now, policy.demand_window_s, size=current,
+                                   computing_queue=computing_queue)
+    backed_up = prefill.backed_up(now, policy.demand_window_s)
     measured = [g.prefill_tokens_per_s for g in live if g.prefill_tokens_per_s > 0]
     needed_prefill = 0
     # What a replica computes with a queue, once seen; until then its rate per busy second
@@ -428,6 +449,8 @@ def step(
     per_replica = prefill.saturated or (sum(measured) / len(measured) if measured else 0.0)
     if per_replica > 0 and busy and prefill.tokens_per_s > 0:
         needed_prefill = math.ceil(prefill.tokens_per_s / policy.target_utilization / per_replica - 1e-9)
+    if backed_up and busy:
+        needed_prefill = max(needed_prefill, current + 1)  # one more, then a window to see it work
     held = max((float(g.running_tokens) for g in live), default=0.0)
     capacity, source = capacity_est.value(policy.initial_replica_token_capacity, floor=held)
 
@@ -485,6 +508,7 @@ def step(
         prefill_demand_tokens_per_s=None if prefill.rate is None else prefill.tokens_per_s,
         needed_prefill=needed_prefill,
         replica_prefill_capacity=per_replica,
+        backed_up=backed_up,
     )
 
     def clamp(n: int) -> int:
@@ -505,7 +529,7 @@ def step(
         action, count, desired = "scale_up", up_to - current, up_to
         cold_start = current == 0
         if target >= up_to:
-            why = _up_reason(signals, policy, target, scheduled, load_text)
+            why = _up_reason(signals, policy, target, scheduled, load_text, current)
         else:
             why = (f"replacing a lost replica: the highest target of the last {cooldown:,.0f} s is {window_max} "
                    f"(now {target}; a lower target must hold a whole cooldown)")
@@ -568,7 +592,7 @@ def step(
     return decision, new_state
 
 
-def _up_reason(s: Signals, policy: PoolPolicy, target: int, scheduled: int, load_text: str) -> str:
+def _up_reason(s: Signals, policy: PoolPolicy, target: int, scheduled: int, load_text: str, current: int) -> str:
     parts = []
     if s.pending_requests > 0:
         parts.append(f"{s.pending_requests} request(s) waiting with no replica to take them")
@@ -577,6 +601,9 @@ def _up_reason(s: Signals, policy: PoolPolicy, target: int, scheduled: int, load
         parts.append(f"time-of-day minimum {scheduled} ({policy.timezone})")
     elif target == policy.min_replicas and binding + policy.warm_buffer < policy.min_replicas:
         parts.append(f"minimum {policy.min_replicas}")
+    elif s.needed_prefill > s.needed and s.backed_up and s.needed_prefill == current + 1:
+        parts.append(f"needed {s.needed_prefill} for prefill: a queue for the last {policy.demand_window_s:g} s at "
+                     f"{current} replica(s), arrivals outrun them (memory needs {s.needed}; {load_text})")
     elif s.needed_prefill > s.needed:
         demand = s.prefill_demand_tokens_per_s or 0.0
         parts.append(

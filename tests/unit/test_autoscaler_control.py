@@ -559,3 +559,21 @@ def test_the_capacity_is_what_a_replica_computes_with_a_queue_its_decodes_includ
         decision = loading.decide(PoolObservation(gauges=[computing("w1", total=0, queued=20_000)],
                                                   max_num_seqs=LIMITS), float(t))
     assert decision.signals.replica_prefill_capacity == 14_000.0  # the gauge's own figure still
+
+
+def test_a_queue_that_never_empties_adds_a_replica_whatever_the_figures_say() -> None:
+    # Prefill steps of 10k tokens every other second, decodes between: the figures read
+    # 5k tokens/s arriving against 10k a replica computes (one replica), but a queue has
+    # sat there at every tick: arrivals outrun it.
+    controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
+    decisions = [controller.decide(PoolObservation(gauges=[computing("w1", total=10_000 * ((t + 1) // 2), queued=5_000)],
+                                                   max_num_seqs=LIMITS), float(t)) for t in range(25)]
+    assert all(d.desired == 1 for d in decisions[:20])
+    up = next(d for d in decisions if d.action == "scale_up")
+    assert up.at == 20.0 and up.desired == 2 and up.signals.backed_up
+    assert up.signals.prefill_demand_tokens_per_s == pytest.approx(5_000, rel=0.05)
+    assert "a queue for the last 20 s at 1 replica(s)" in up.reason
+    # a second replica starting: the pool's size changed, so a new window must show the queue again
+    starting = controller.decide(PoolObservation(gauges=[computing("w1", total=130_000, queued=5_000)], starting=1,
+                                                 max_num_seqs=LIMITS), 25.0)
+    assert not starting.signals.backed_up and starting.action == "hold"
