@@ -77,6 +77,7 @@ from proto.workers import WorkerGauge
 from services.common.smoothing import ewma
 
 Action = Literal["scale_up", "scale_down", "hold"]
+CEILING_RELAX_S = 900.0  # a learnt prefill capacity ceiling relaxes by e this often (PrefillDemand)
 CapacitySource = Literal["initial", "saturated", "kv_extrapolated", "observed_floor"]
 
 
@@ -292,6 +293,12 @@ class PrefillDemand:
     rate: float | None = None  # tokens arrived over the window / the window: a steady rate in one window
     saturated: float | None = None  # the smoothed prefill tokens/s of a replica with a queue
     saturated_at: float | None = None
+    # What a pool that kept a queue taught: a replica computes at most ``ceiling`` tokens/s
+    # (the arrivals over the replicas that could not keep up). It relaxes by e every
+    # ``CEILING_RELAX_S``: a workload may change, but it must not be unlearnt before the
+    # scale-down cooldown, or the pool would shrink into the same queue again.
+    ceiling: float | None = None
+    ceiling_at: float | None = None
     # Whether the pool had a queue, each tick since its size last changed (within the window).
     size: int = -1
     since: float | None = None
@@ -339,12 +346,26 @@ class PrefillDemand:
             rate = sum(tokens for _, tokens in arrived) / window_s
         since, ticks = (self.since, self.queue_ticks) if size == self.size else (now, ())
         ticks = (*(t for t in ticks if t[0] > now - window_s), (now, computing_queue))
-        return PrefillDemand(counts=counts, at=now, queued=queued, arrived=arrived, rate=rate, saturated=saturated,
-                             saturated_at=saturated_at, size=size, since=since, queue_ticks=ticks)
+        return replace(self, counts=counts, at=now, queued=queued, arrived=arrived, rate=rate, saturated=saturated,
+                       saturated_at=saturated_at, size=size, since=since, queue_ticks=ticks)
 
     @property
     def tokens_per_s(self) -> float:
         return max(0.0, self.rate or 0.0)
+
+    def ceiling_now(self, now: float) -> float | None:
+        if self.ceiling is None or self.ceiling_at is None:
+            return None
+        return self.ceiling * math.exp(max(0.0, now - self.ceiling_at) / CEILING_RELAX_S)
+
+    def learn_ceiling(self, now: float, replicas: int) -> PrefillDemand:
+        """The pool kept a queue at ``replicas``: none of them computes more than the
+        arrivals' share."""
+        if replicas <= 0 or self.tokens_per_s <= 0:
+            return self
+        bound = self.tokens_per_s / replicas
+        current = self.ceiling_now(now)
+        return replace(self, ceiling=bound if current is None else min(current, bound), ceiling_at=now)
 
 
 @dataclass(frozen=True)
@@ -442,11 +463,16 @@ def step(
     prefill = state.prefill.update(gauges, queued_all, now, policy.demand_window_s, size=current,
                                    computing_queue=computing_queue)
     backed_up = prefill.backed_up(now, policy.demand_window_s)
+    if backed_up and busy:
+        prefill = prefill.learn_ceiling(now, ready)
     measured = [g.prefill_tokens_per_s for g in live if g.prefill_tokens_per_s > 0]
     needed_prefill = 0
     # What a replica computes with a queue, once seen; until then its rate per busy second
     # of prefill steps (an upper bound: the term then sizes low, never below memory's).
     per_replica = prefill.saturated or (sum(measured) / len(measured) if measured else 0.0)
+    ceiling = prefill.ceiling_now(now)
+    if ceiling is not None and per_replica > 0:
+        per_replica = min(per_replica, ceiling)
     if per_replica > 0 and busy and prefill.tokens_per_s > 0:
         needed_prefill = math.ceil(prefill.tokens_per_s / policy.target_utilization / per_replica - 1e-9)
     if backed_up and busy:

@@ -577,3 +577,19 @@ def test_a_queue_that_never_empties_adds_a_replica_whatever_the_figures_say() ->
     starting = controller.decide(PoolObservation(gauges=[computing("w1", total=130_000, queued=5_000)], starting=1,
                                                  max_num_seqs=LIMITS), 25.0)
     assert not starting.signals.backed_up and starting.action == "hold"
+
+
+def test_what_a_queue_taught_keeps_the_pool_from_shrinking_back_into_it() -> None:
+    # As above, then two replicas share the 5k tokens/s and no queue is left. The figures
+    # alone (10k a replica) would say one again after the cooldown; the queue showed one
+    # replica computes at most 5k with its decodes, so two stay.
+    controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV), scale_down_cooldown_s=10.0))
+    for t in range(21):
+        controller.decide(PoolObservation(gauges=[computing("w1", total=10_000 * ((t + 1) // 2), queued=5_000)],
+                                          max_num_seqs=LIMITS), float(t))
+    later = [controller.decide(PoolObservation(gauges=[computing(w, total=100_000 + 2_500 * (t - 20), queued=0)
+                                                       for w in ("w1", "w2")], max_num_seqs=LIMITS), float(t))
+             for t in range(21, 80)]
+    assert all(d.desired == 2 and d.action != "scale_down" for d in later)
+    assert later[-1].signals.replica_prefill_capacity == pytest.approx(5_000, rel=0.1)
+    assert later[-1].signals.needed_prefill == 2
