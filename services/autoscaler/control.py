@@ -23,7 +23,9 @@ capacity is what a replica computes while it has a queue (``PrefillDemand``). A 
 that does not drain shows as demand above what the replicas compute. A backlog alone is
 not counted: a request already queued on a replica stays there, so replicas added for it
 serve only later ones (one 128k-token prompt would otherwise call several). An idle pool
-needs none for prefill (the smoothed demand's tail must not hold it from zero).
+needs none for prefill (the window's tail must not hold it from zero). A queue at nearly
+every tick for a whole window at one size adds one replica whatever the figures say, and
+teaches ``PrefillDemand.ceiling``: the figures miss what decodes take between prefills.
 
 Hysteresis
     Scale up at once, to the target. Scale down only to the highest target seen over the
@@ -457,9 +459,11 @@ def step(
     capacity_est = update_capacity(state.capacity, live, now, policy, obs.max_num_seqs)
     # Every replica's queue and count, draining ones too: the two must cover the same ones.
     queued_all = sum(g.queued_prefill_tokens for g in gauges) + obs.pending_tokens
-    # A queue the replicas could be working on: not one waiting for a model's load.
-    computing_queue = obs.pending_tokens > 0 or any(
-        g.queued_prefill_tokens > 0 and g.residency not in ("cold", "loading") for g in live)
+    # The pool keeps a queue when at least half its replicas do (any one of several has a
+    # short one often at 80 % load); one waiting for a model's load is no compute's queue.
+    computing = [g for g in live if g.residency not in ("cold", "loading")]
+    queued_replicas = sum(1 for g in computing if g.queued_prefill_tokens > 0)
+    computing_queue = obs.pending_tokens > 0 or (queued_replicas > 0 and 2 * queued_replicas >= len(computing))
     prefill = state.prefill.update(gauges, queued_all, now, policy.demand_window_s, size=current,
                                    computing_queue=computing_queue)
     backed_up = prefill.backed_up(now, policy.demand_window_s)
