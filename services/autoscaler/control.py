@@ -19,7 +19,7 @@ reads half empty. ``needed_prefill`` is the planner's ⌈λ / (ρ·μ)⌉ in pro
 demand is what the replicas computed (the gauges' ``prefill_tokens_total``, cumulative)
 plus the change of the queue, over the last ``demand_window_s`` (20 s: a steady rate is
 read whole one window after it starts; one 128k-token prompt is 6.4k tokens/s); the
-capacity is what a replica computes while it has a queue (``PrefillDemand``). A queue
+capacity is the replicas' prefill tokens per busy second (their mean: an upper bound). A queue
 that does not drain shows as demand above what the replicas compute. A backlog alone is
 not counted: a request already queued on a replica stays there, so replicas added for it
 serve only later ones (one 128k-token prompt would otherwise call several). An idle pool
@@ -282,19 +282,15 @@ class PoolState:
 @dataclass(frozen=True)
 class PrefillDemand:
     """Prompt tokens a second arriving at the pool (what its replicas computed plus what its
-    queue grew by, between ticks, smoothed), and what a replica computes a second while it
-    has a queue: its prefill capacity with its decodes interleaved, the μ of ⌈λ / (ρ·μ)⌉
-    (a gauge's rate per busy second of prefill steps leaves the decode-only steps out, and
-    sized a pool a third short). Pure bookkeeping of the gauges' counters."""
+    queue grew by, over a window), whether the pool kept a queue through a window, and the
+    ceiling on a replica's prefill capacity that such a queue taught. Pure bookkeeping of
+    the gauges' counters."""
 
-    # worker → its prefill_tokens_total and whether it had a queue, at the last tick
-    counts: tuple[tuple[str, int, bool], ...] = ()
+    counts: tuple[tuple[str, int], ...] = ()  # worker → its prefill_tokens_total at the last tick
     at: float | None = None  # the last tick
     queued: int = 0  # the pool's waiting tokens then
     arrived: tuple[tuple[float, int], ...] = ()  # (tick, prompt tokens arrived since the one before), the window's
     rate: float | None = None  # tokens arrived over the window / the window: a steady rate in one window
-    saturated: float | None = None  # the smoothed prefill tokens/s of a replica with a queue
-    saturated_at: float | None = None
     # What a pool that kept a queue taught: a replica computes at most ``ceiling`` tokens/s
     # (the arrivals over the replicas that could not keep up). It relaxes by e every
     # ``CEILING_RELAX_S``: a workload may change, but it must not be unlearnt before the
@@ -316,28 +312,15 @@ class PrefillDemand:
 
     def update(self, gauges: Sequence[WorkerGauge], queued: int, now: float, window_s: float, *, size: int = 0,
                computing_queue: bool = False) -> PrefillDemand:
-        seen = {worker: (total, had_queue) for worker, total, had_queue in self.counts}
-        dt = now - self.at if self.at is not None else 0.0
+        seen = dict(self.counts)
         computed = 0
-        full: list[float] = []
         for g in gauges:
             before = seen.get(g.worker_id)
             if before is None:
                 continue  # a worker first seen now only sets its baseline: its count may span hours
-            if g.prefill_tokens_total >= before[0]:
-                delta = g.prefill_tokens_total - before[0]
-                # Queued all through the tick and computing (not waiting for a model's load):
-                # what it computed is what it can.
-                if before[1] and g.queued_prefill_tokens > 0 and delta > 0 and dt > 0:
-                    full.append(delta / dt)
-            else:
-                delta = g.prefill_tokens_total  # the counter restarted (a reloaded engine): all of it is new
-            computed += delta
-        counts = tuple((g.worker_id, g.prefill_tokens_total, g.queued_prefill_tokens > 0) for g in gauges)
-        saturated, saturated_at = self.saturated, self.saturated_at
-        if full:
-            saturated = ewma(saturated, saturated_at, sum(full) / len(full), now, window_s)
-            saturated_at = now
+            # A counter below its last value restarted (a reloaded engine): all of it is new.
+            computed += g.prefill_tokens_total - before if g.prefill_tokens_total >= before else g.prefill_tokens_total
+        counts = tuple((g.worker_id, g.prefill_tokens_total) for g in gauges)
         arrived, rate = self.arrived, self.rate
         if self.at is not None and now > self.at:
             # Not clipped per tick: a queue's fall (a cached prompt leaving it whole, a step's
@@ -348,8 +331,8 @@ class PrefillDemand:
             rate = sum(tokens for _, tokens in arrived) / window_s
         since, ticks = (self.since, self.queue_ticks) if size == self.size else (now, ())
         ticks = (*(t for t in ticks if t[0] > now - window_s), (now, computing_queue))
-        return replace(self, counts=counts, at=now, queued=queued, arrived=arrived, rate=rate, saturated=saturated,
-                       saturated_at=saturated_at, size=size, since=since, queue_ticks=ticks)
+        return replace(self, counts=counts, at=now, queued=queued, arrived=arrived, rate=rate, size=size, since=since,
+                       queue_ticks=ticks)
 
     @property
     def tokens_per_s(self) -> float:
@@ -471,9 +454,12 @@ def step(
         prefill = prefill.learn_ceiling(now, ready)
     measured = [g.prefill_tokens_per_s for g in live if g.prefill_tokens_per_s > 0]
     needed_prefill = 0
-    # What a replica computes with a queue, once seen; until then its rate per busy second
-    # of prefill steps (an upper bound: the term then sizes low, never below memory's).
-    per_replica = prefill.saturated or (sum(measured) / len(measured) if measured else 0.0)
+    # The replicas' prefill tokens per busy second of prefill steps: an upper bound (it leaves
+    # out the decode steps between them), so the term sizes low, never below memory's, until
+    # a queue teaches a ceiling. (Per tick what a queued replica computed was tried: a sim or
+    # vLLM counts a step's prompt tokens at one end of it, and ticks inside long steps read
+    # from nothing to several times the rate, which called a second replica at 10 % load.)
+    per_replica = sum(measured) / len(measured) if measured else 0.0
     ceiling = prefill.ceiling_now(now)
     if ceiling is not None and per_replica > 0:
         per_replica = min(per_replica, ceiling)

@@ -543,24 +543,6 @@ def test_counters_that_restart_or_come_with_a_history_make_no_false_demand() -> 
         policy(demand_window_s=0.0)
 
 
-def test_the_capacity_is_what_a_replica_computes_with_a_queue_its_decodes_included() -> None:
-    # Its prefill steps run at 14k tokens per busy second, but between them it decodes: with
-    # a queue it computes 9k a second. 9.5k arrive (its queue grows 500 a second). At 14k the
-    # pool looks 68 % busy on one replica; at what it really computes it needs two.
-    controller = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
-    decisions = [controller.decide(PoolObservation(gauges=[computing("w1", total=9_000 * t, queued=500 * (t + 1))],
-                                                   max_num_seqs=LIMITS), float(t)) for t in range(80)]
-    s = decisions[-1].signals
-    assert s.replica_prefill_capacity == pytest.approx(9_000) and s.needed_prefill == 2
-    assert decisions[-1].desired == 2
-    # a replica waiting for its model's load (queued, computing nothing) is no sample of it
-    loading = PoolController(policy(initial_replica_token_capacity=float(BIG_KV)))
-    for t in range(5):
-        decision = loading.decide(PoolObservation(gauges=[computing("w1", total=0, queued=20_000)],
-                                                  max_num_seqs=LIMITS), float(t))
-    assert decision.signals.replica_prefill_capacity == 14_000.0  # the gauge's own figure still
-
-
 def test_a_queue_that_never_empties_adds_a_replica_whatever_the_figures_say() -> None:
     # Prefill steps of 10k tokens every other second, decodes between: the figures read
     # 5k tokens/s arriving against 10k a replica computes (one replica), but a queue has
