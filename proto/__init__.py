@@ -87,6 +87,7 @@ WIRE_TYPES: tuple[type[Struct], ...] = (
     RouteRequest,
     Placement,
     UsageEvent,
+    CapacityEvent,
     ControlCommand,
     ControlReply,
     CancelRequest,
