@@ -47,6 +47,9 @@ class MeshConfig:
     root: str = "mesh"
     model: str = "sim-llama-8b"
     workers: int = 2
+    # Sim workers that only prefill long prompts for the others (DESIGN.md, Prefill and
+    # decode apart), a fixed set beside ``workers``.
+    prefill_workers: int = 0
     speed: float = 1.0
     profile: str | None = None
     worker_args: list[str] = field(default_factory=list)
@@ -150,10 +153,10 @@ class Mesh:
             stop_leftovers(stale)
             self.leftovers_stopped = len(stale)
 
-    def worker_process(self, index: int) -> ServiceProcess:
+    def worker_process(self, index: int, *, prefill: bool = False) -> ServiceProcess:
         c = self.config
         hosted = "--host-models" in c.worker_args
-        worker_id = f"host-w{index}" if hosted else f"{Path(c.model).name or 'model'}-w{index}"
+        worker_id = f"host-w{index}" if hosted else f"{Path(c.model).name or 'model'}-{'p' if prefill else 'w'}{index}"
         if c.engine == "vllm":
             argv = ["--engine", "vllm", "--model", c.model, "--worker-id", worker_id,
                     *(["--model-dir", c.model_dir] if c.model_dir else []), *c.worker_args]
@@ -163,6 +166,9 @@ class Mesh:
             argv = ["--model", c.model, "--speed", str(c.speed), "--worker-id", worker_id, *c.worker_args]
             if c.profile:
                 argv += ["--profile", c.profile]
+        if prefill:
+            argv += ["--role", "prefill"]
+            return ServiceProcess("worker", f"prefill-{index}", argv, self.log_dir / f"prefill-{index}.log")
         return ServiceProcess("worker", f"worker-{index}", argv, self.log_dir / f"worker-{index}.log")
 
     def plan(self) -> list[ServiceProcess]:
@@ -170,6 +176,7 @@ class Mesh:
         for name in self.config.services:
             if name == "worker":
                 plan += [self.worker_process(i) for i in range(1, self.config.workers + 1)]
+                plan += [self.worker_process(i, prefill=True) for i in range(1, self.config.prefill_workers + 1)]
             elif name == "gateway":
                 argv = ["--port", str(self.config.http_port), "--gateway-id", "gw-1", *self.config.gateway_args]
                 if self.config.dev_key:  # the chat page offers it, to loopback clients only

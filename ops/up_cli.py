@@ -121,6 +121,9 @@ def add_parser(subparsers: Any) -> None:
                         help="sim: the model name (default sim-llama-8b); vllm: the model directory (or hub id)")
     parser.add_argument("--workers", type=count, default=None,
                         help="workers to start (default: 2 sim, 1 vllm); 0 starts none and waits for yours")
+    parser.add_argument("--prefill-workers", type=count, default=0,
+                        help="sim workers that only compute long prompts for the others (prefill/decode split;"
+                             " DESIGN.md, Prefill and decode apart); the workers are then a fixed set")
     parser.add_argument("--speed", type=positive_number, default=None, help="sim speed factor (default 1.0: real time)")
     parser.add_argument("--profile", default=None, help="sim step-time profile (default llama-3.1-8b-h100)")
     parser.add_argument("--host-models", default=None, metavar="NAME[=GIB],...",
@@ -157,16 +160,19 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
     config = MeshConfig(
         state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
         model=model, workers=workers, speed=args.speed or 1.0, profile=args.profile, nats_url=args.nats_url,
-        engine=args.engine, worker_args=list(args.worker_arg),
+        engine=args.engine, worker_args=list(args.worker_arg), prefill_workers=args.prefill_workers,
     )
+    if args.prefill_workers and (args.engine != "sim" or hosted):
+        raise StartupError("--prefill-workers starts sim prefill workers: the engine must be sim, without --host-models")
     if vllm:
         config.worker_args = ["--kv-events", "auto", *config.worker_args]
     if hosted:
         config.worker_args = ["--host-models", hosted, *config.worker_args]
     # The autoscaler owns a sim pool: it starts --workers replicas and scales with the queue. A vLLM
     # engine takes a minute and most of a laptop's memory to start, so those workers are a fixed set.
-    autoscaled = not (args.no_autoscaler or vllm or workers == 0 or hosted)
-    services = [s for s in config.services if s != "worker" or (not autoscaled and workers > 0)]
+    # A split pool is a fixed set: the autoscaler's law sizes one kind of replica.
+    autoscaled = not (args.no_autoscaler or vllm or workers == 0 or hosted or args.prefill_workers)
+    services = [s for s in config.services if s != "worker" or (not autoscaled and workers + args.prefill_workers > 0)]
     if autoscaled:
         services.append("autoscaler")
     config.services = tuple(services)

@@ -39,6 +39,8 @@ from .messages import (
     GenerateRequest,
     Placement,
     PoolDemand,
+    PrefillRequest,
+    PrefillResult,
     RequestProbe,
     RequestProbeReply,
     RouteRequest,
@@ -52,6 +54,7 @@ from .messages import (
     Usage,
     UsageEvent,
     placement_expired,
+    prefill_id,
     segment_usage,
     usage_dedup_id,
     usage_model,
@@ -59,6 +62,7 @@ from .messages import (
 from .records import RECORD_TYPES, AdapterRecord, ApiKeyRecord, OutputOptions, RequestRecord
 from .subjects import Subjects, subject_token, unescape_token
 from .workers import (
+    WORKER_ROLES,
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -68,6 +72,7 @@ from .workers import (
     KvSnapshotRequest,
     WorkerGauge,
     WorkerInfo,
+    WorkerRole,
 )
 
 # Every top-level message type sent over NATS: the property tests' list.
@@ -94,6 +99,8 @@ WIRE_TYPES: tuple[type[Struct], ...] = (
     RequestProbe,
     RequestProbeReply,
     ChunkResend,
+    PrefillRequest,
+    PrefillResult,
 )
 # Every versioned top-level type: what travels over NATS and what is stored in KV buckets.
 MESSAGE_TYPES = (*WIRE_TYPES, *RECORD_TYPES)
@@ -107,6 +114,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "SCHEMA_VERSION",
     "SUPERSEDED",
+    "WORKER_ROLES",
     "AdapterRecord",
     "AdmissionDecision",
     "AdmissionRequest",
@@ -134,6 +142,8 @@ __all__ = [
     "PayloadTooLarge",
     "Placement",
     "PoolDemand",
+    "PrefillRequest",
+    "PrefillResult",
     "RemoteError",
     "RequestProbe",
     "RequestProbeReply",
@@ -153,6 +163,7 @@ __all__ = [
     "UsageEvent",
     "WorkerGauge",
     "WorkerInfo",
+    "WorkerRole",
     "__version__",
     "block_hashes",
     "cache_scope",
@@ -161,6 +172,7 @@ __all__ = [
     "extend_block_hashes",
     "pack_tokens",
     "placement_expired",
+    "prefill_id",
     "prefix_salt",
     "root_hash",
     "segment_usage",

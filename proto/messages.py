@@ -138,6 +138,52 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     # The client may resume it on another gateway (``X-Meshserve-Resumable``): a worker keeps
     # generating if its gateway dies; any other request stops then (services/worker/orphans.py).
     resumable: bool = False
+    # Prefill/decode split: the prefill worker the router chose to compute this prompt's KV
+    # ("": prefill here). The decode worker asks it (``PrefillRequest``), loads the KV it
+    # answers with and decodes; it prefills itself when that fails, so the request never
+    # depends on the prefill worker.
+    prefill_worker: str = ""
+
+
+def prefill_id(request_id: str) -> str:
+    """The id a request's prefill runs under on a prefill worker (``PrefillRequest.request_id``):
+    its gauges name it, and a router counts the prefill there under it until they do."""
+    return f"{request_id}:prefill"
+
+
+class PrefillRequest(Struct, kw_only=True, omit_defaults=True):
+    """decode worker → prefill worker (``mesh.worker.<wid>.prefill``): compute the KV of
+    ``prompt`` and hold it for the decode worker to load; answered with ``PrefillResult``
+    once the prefill is done."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    model: str
+    prompt: bytes  # packed uint32 token ids
+    decode_worker: str
+    org: str = ""
+    cache_salt: str = ""  # GenerateRequest's: the KV is the scope's (proto.hashing.cache_scope)
+    lora: str | None = None
+    lora_path: str = ""
+    lora_size_bytes: int = 0
+    priority: int = 0
+    # Past this (epoch seconds) the decode worker has stopped waiting: not started, or aborted.
+    deadline: float = 0.0
+
+
+class PrefillResult(Struct, kw_only=True, omit_defaults=True):
+    """prefill worker → decode worker: the prompt's KV is ready to load."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    worker_id: str
+    # The engine's own description of where the KV is (vLLM: its KV connector's
+    # ``kv_transfer_params``; the sim: the tokens and bytes to move), JSON-encoded.
+    kv_transfer: bytes = b""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the prefill worker's prefix cache
+    queue_s: float = 0.0  # waited there before its prefill began
+    prefill_s: float = 0.0  # and the prefill itself
 
 
 def placement_expired(request: GenerateRequest, now: float) -> bool:

@@ -119,6 +119,10 @@ class Subjects:
     def worker_kv_snapshot(self, worker_id: str) -> str:
         return f"{self.root}.worker.{subject_token(worker_id)}.kv_snapshot"
 
+    def worker_prefill(self, worker_id: str) -> str:
+        """A decode worker → a prefill worker: compute this prompt's KV for me (P/D split)."""
+        return f"{self.root}.worker.{subject_token(worker_id)}.prefill"
+
     # placements of requests admission forwarded to the router (core NATS, one gateway's)
     def placement(self, gateway_id: str, request_id: str) -> str:
         return f"{self.root}.placed.{subject_token(gateway_id)}.{subject_token(request_id)}"

@@ -5,6 +5,8 @@ prefixes by. Versioned like every message (``proto.messages``)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from msgspec import Struct
 
 from .messages import SCHEMA_VERSION, WorkerState
@@ -25,6 +27,10 @@ class SamplingDefaults(Struct, kw_only=True, omit_defaults=True):
     # vLLM's ``override_max_tokens``: with ``--generation-config DIR`` the file's
     # ``max_new_tokens`` also caps every request's max_tokens (silently, as vLLM does).
     max_tokens_override: int | None = None
+
+
+WorkerRole = Literal["both", "prefill"]
+WORKER_ROLES: tuple[WorkerRole, ...] = ("both", "prefill")
 
 
 class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
@@ -53,6 +59,10 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     # "" host_id: a dedicated worker, always resident.
     accelerator: str = ""  # what it runs on (CapacityEvent.accelerator) and how many
     accelerators: int = 0
+    # Prefill/decode split (DESIGN.md, Prefill and decode apart): "prefill" computes prompts
+    # for the pool's other workers and takes no request of its own; "both" takes requests,
+    # and has a long prompt prefilled on a prefill worker when the pool has one.
+    role: WorkerRole = "both"
     host_id: str = ""
     host_memory_gib: float = 0.0
     footprint_gib: float = 0.0

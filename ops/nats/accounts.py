@@ -191,6 +191,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
     resend = wildcard(s.worker_resend, 1)
     control = wildcard(s.worker_control, 1)
     kv_snapshot = wildcard(s.worker_kv_snapshot, 1)
+    prefill = wildcard(s.worker_prefill, 1)
     tokens = wildcard(s.tokens, 2)
     placements = wildcard(s.placement, 2)
     gauges = wildcard(s.gauges, 2)
@@ -304,6 +305,8 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(kv_events, "KV cache events"),
                 Rule(usage, "one usage event per request into USAGE"),
                 Rule(s.capacity_all, "capacity events (accelerator and busy time) into CAPACITY"),
+                Rule(prefill, "a long prompt's prefill on a prefill worker (P/D split)"),
+                Rule(cancel, "cancel a prefill it stopped waiting for"),
                 *_kv_write(s.workers_bucket, "heartbeat in the worker registry"),
                 *_tokenizers_write(s),
             ],
@@ -316,6 +319,7 @@ def service_permissions(subjects: Subjects) -> dict[str, UserPermissions]:
                 Rule(resend, "chunk resend endpoint"),
                 Rule(control, "drain and control endpoint"),
                 Rule(kv_snapshot, "KV snapshot endpoint"),
+                Rule(prefill, "prefill endpoint (a prefill worker's)"),
             ],
             {},
         ),

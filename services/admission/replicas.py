@@ -78,8 +78,8 @@ class ReplicaBook(FleetView):
         members: list[FleetWorker] = []
         for w in pool:
             info = w.info
-            if info is None or info.state not in ("ready", "draining"):
-                continue
+            if info is None or info.state not in ("ready", "draining") or info.role == "prefill":
+                continue  # a prefill worker takes no request: the TTFT is a serving replica's
             if w.gauge is not None and w.gauge_received_at < stale:
                 continue
             members.append(w)

@@ -208,8 +208,9 @@ class Pool:
         # Changes with anything a placement's eligibility or load average reads (a member's
         # info, gauge, a stale member heard from again): the placeable set is kept between.
         self.epoch = 0
-        # (epoch, computed at, valid until, the placeable members, their mask): see FleetView.placeable_in
-        self._placeable: tuple[int, float, float, list[FleetWorker], int] | None = None
+        # (epoch, computed at, valid until, the placeable members, their mask, the placeable
+        # prefill workers): see FleetView.placeable_in
+        self._placeable: tuple[int, float, float, list[FleetWorker], int, list[FleetWorker]] | None = None
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -318,18 +319,30 @@ class FleetView:
         return w.ready and self.is_live(w, now)
 
     def placeable_in(self, pool: Pool, now: float, exclude: Collection[str] = ()) -> list[FleetWorker]:
-        """``placeable`` workers of ``pool`` not in ``exclude``, in pool order.
+        """``placeable`` workers of ``pool`` not in ``exclude``, in pool order; prefill
+        workers (``WorkerInfo.role``) are not among them: they take no request of their own.
 
         Read on every placement, so the set is kept between changes: it is recomputed when
         the pool's epoch moved (a member's info or gauge changed, a stale member was heard
         from again), when its earliest member goes stale, or when ``now`` is before the
         time it was computed at. The list returned is shared: callers must not change it.
         """
+        placeable = self._placeable_sets(pool, now)[3]
+        if exclude:
+            return [w for w in placeable if w.worker_id not in exclude]
+        return placeable
+
+    def prefill_placeable_in(self, pool: Pool, now: float) -> list[FleetWorker]:
+        """The prefill workers of ``pool`` that could take a prompt now (``placeable``)."""
+        return self._placeable_sets(pool, now)[5]
+
+    def _placeable_sets(self, pool: Pool, now: float) -> tuple[int, float, float, list[FleetWorker], int, list[FleetWorker]]:
         cached = pool._placeable
         if cached is None or cached[0] != pool.epoch or not cached[1] <= now <= cached[2]:
             stale_after = self.config.stale_after_s
             horizon = now - stale_after
             out: list[FleetWorker] = []
+            prefill: list[FleetWorker] = []
             oldest = math.inf
             mask = 0
             for w in pool.workers.values():
@@ -339,14 +352,14 @@ class FleetView:
                 g = w.gauge
                 if g is not None and g.draining:
                     continue
+                oldest = min(oldest, w.last_seen)
+                if info.role == "prefill":
+                    prefill.append(w)
+                    continue
                 out.append(w)
                 mask |= w.bit
-                oldest = min(oldest, w.last_seen)
-            cached = pool._placeable = (pool.epoch, now, oldest + stale_after, out, mask)
-        placeable = cached[3]
-        if exclude:
-            return [w for w in placeable if w.worker_id not in exclude]
-        return placeable
+            cached = pool._placeable = (pool.epoch, now, oldest + stale_after, out, mask, prefill)
+        return cached
 
     def _heard_from(self, pool: Pool, w: FleetWorker, now: float) -> None:
         """``w`` spoke at ``now``: a member that had gone stale is placeable again."""

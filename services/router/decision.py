@@ -37,6 +37,9 @@ class RouteQuery:
     # walk uses these for workers of that block size instead of hashing the prompt.
     block_hashes: Sequence[int] = ()
     block_size: int = 0
+    # A prefill worker may compute its prompt (one choice, a first segment, no prompt
+    # logprobs: what a decode worker can continue from the prompt's KV alone).
+    disaggregable: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -60,7 +63,10 @@ class RouteQuery:
         # hashes sent with it are of the prompt alone, so they are not used then.
         prompt = req.prompt + req.prior_output if req.prior_output else req.prompt
         hashed = bool(block_hashes) and block_size > 0 and not req.prior_output
+        s = req.sampling
         return cls(
+            disaggregable=not req.prior_output and not req.prior_outputs and s.n <= 1 and s.max_tokens > 0
+            and s.prompt_logprobs is None,
             block_hashes=block_hashes if hashed else (),
             block_size=block_size if hashed else 0,
             request_id=req.request_id,
@@ -112,6 +118,10 @@ class RouteDecision:
     # on a hot-swap host: the models its load must not evict (GenerateRequest.pinned_models)
     pinned_models: tuple[str, ...] = ()
     load_tokens: float = 0.0  # what the model's load on the chosen worker cost (0: resident)
+    # Prefill/decode split: the prefill worker that computes the prompt ("": the chosen
+    # worker does), and how much of the prompt it holds.
+    prefill_worker: str = ""
+    prefill_cached_tokens: int = 0
 
     @property
     def spilled(self) -> bool:
@@ -119,7 +129,15 @@ class RouteDecision:
 
     @property
     def prefill_tokens(self) -> int:
+        """Prompt tokens the chosen worker computes (with a prefill worker: the last one)."""
+        if self.prefill_worker:
+            return 1
         return max(self.prompt_tokens - self.cached_tokens, 0)
+
+    @property
+    def remote_prefill_tokens(self) -> int:
+        """Prompt tokens the prefill worker computes (0 without one)."""
+        return max(self.prompt_tokens - self.prefill_cached_tokens, 0) if self.prefill_worker else 0
 
     def to_placement(self) -> Placement:
         return Placement(

@@ -59,6 +59,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
+from proto import prefill_id
 from services.common.fleet import FleetView, FleetWorker, Pool
 from services.common.residency import swap_costs
 
@@ -186,6 +187,14 @@ class PolicyConfig:
     # default (BENCHMARKS.md, multi-turn): 0.5 with tie_tokens_uncached 0 cut TPOT 3-4 %
     # but raised multi-turn's TTFT p99 and distinct prompts' p90 (more queued prefill ahead).
     prefill_harm_weight: float = 0.0
+    # Prefill/decode split (pools with prefill workers, WorkerInfo.role): a prompt with at
+    # least this many tokens the chosen worker does not hold is computed on a prefill
+    # worker (the one with the least prefill ahead, its cached prefix counted), unless
+    # every prefill worker has more than ``remote_prefill_max_queue_tokens`` queued: then
+    # the chosen worker computes it (NVIDIA Dynamo's conditional disaggregation). A short
+    # prompt's prefill slows the decodes beside it less than a transfer and a hop cost it.
+    remote_prefill_min_tokens: int = 512
+    remote_prefill_max_queue_tokens: int = 32_768
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -206,6 +215,8 @@ class PolicyConfig:
             raise ValueError("tie_tokens and tie_tokens_uncached must be ≥ 0 (0: the strict minimum)")
         if self.spill_wait_tokens < 0:
             raise ValueError("spill_wait_tokens must be ≥ 0 (0: spills decided by cost alone)")
+        if self.remote_prefill_min_tokens < 1 or self.remote_prefill_max_queue_tokens < 0:
+            raise ValueError("remote_prefill_min_tokens must be ≥ 1 and remote_prefill_max_queue_tokens ≥ 0")
 
 
 @dataclass(slots=True)
@@ -286,6 +297,10 @@ class Router:
             decision.expected_tokens,
             now,
         )
+        if decision.prefill_worker:
+            # Its prefill, counted there under the id the prefill runs by (its gauges name it).
+            self.view.record_placement(decision.prefill_worker, prefill_id(decision.request_id),
+                                       decision.remote_prefill_tokens, decision.prompt_tokens, now)
 
     def pinned(self, now: float) -> list[str]:
         """The hosted models a hot-swap host must not evict (``RouterConfig.pin_top``)."""
@@ -293,6 +308,7 @@ class Router:
 
     def release(self, request_id: str) -> bool:
         """The placed worker refused or died before taking the request."""
+        self.view.release_placement(prefill_id(request_id))
         return self.view.release_placement(request_id)
 
     def decide(self, query: RouteQuery, now: float, exclude: Collection[str] = ()) -> RouteDecision | NoCapacity:
@@ -362,7 +378,28 @@ class Router:
             chosen = self.view.worker(decision.worker_id)
             host = chosen.info.host_id if chosen is not None and chosen.info is not None else ""
             decision = replace(decision, pinned_models=pins.get(host, ()), load_tokens=ctx.load_penalty_of(decision.worker_id))
+        if q.disaggregable and not pool.hosted and not q.lora:
+            decision = self._split(decision, pool, ctx, now, exclude)
         return decision
+
+    def _split(self, decision: RouteDecision, pool: Pool, ctx: DecisionContext, now: float,
+               exclude: Collection[str]) -> RouteDecision:
+        """``decision`` with a prefill worker to compute its prompt, where the pool has one
+        and the prompt is worth it (``PolicyConfig.remote_prefill_min_tokens``)."""
+        cfg = ctx.cfg
+        if decision.prefill_tokens < cfg.remote_prefill_min_tokens:
+            return decision
+        prefill = self.view.prefill_placeable_in(pool, now)
+        if exclude:
+            prefill = [w for w in prefill if w.worker_id not in exclude]
+        prefill = [w for w in prefill if w.queued_prefill_tokens <= cfg.remote_prefill_max_queue_tokens]
+        if not prefill:
+            return decision
+        ctx.ensure(prefill)
+        # The least prefill ahead of this prompt's end, its cached prefix counted; near ties
+        # take turns, as for requests. β·running counts the KV a prefill worker still holds.
+        _, best = self._pick_rotating([(ctx.prefix_cost(w), w) for w in prefill], ctx, cfg.tie_tokens)
+        return replace(decision, prefill_worker=best.worker_id, prefill_cached_tokens=ctx.cached(best))
 
     # ---- policies ----
     def _round_robin(self, model: str, eligible: list[FleetWorker], ctx: DecisionContext) -> RouteDecision:

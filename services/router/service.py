@@ -114,6 +114,10 @@ class RouterMetrics:
             "meshserve:router_rebalanced_total", "Placements sent to an underused worker over the cost's choice", ["model"],
             registry=r,
         )
+        self.remote_prefills = Counter(
+            "meshserve:router_remote_prefills_total", "Placements whose prompt a prefill worker computes, by that worker",
+            ["model", "worker"], registry=r,
+        )
         # issue 17: what sends a prompt away from its cache, and what the cost saw
         self.spills = Counter(
             "meshserve:router_spills_total", "Placements on a worker holding less of the prompt than the best holder",
@@ -176,6 +180,7 @@ class RouterService(Service):
         self.retried = 0
         self.hints: dict[str, int] = {}  # admission hint outcome → placements
         self.rebalanced = 0
+        self.remote_prefills = 0
         self.spills = 0
         self.spill_tokens = 0
         self.spills_held = 0
@@ -229,6 +234,7 @@ class RouterService(Service):
             "retries": self.retried,
             "admission_hints": dict(self.hints),
             "rebalanced": self.rebalanced,
+            "remote_prefills": self.remote_prefills,
             "spills": self.spills,
             "spill_tokens": self.spill_tokens,
             "spills_held": self.spills_held,
@@ -373,8 +379,9 @@ class RouterService(Service):
             # itself, so forwarding it now could run it twice.
             raise MeshError(f"request {request.request_id} is past its placement deadline", code=ErrorCode.TIMEOUT)
         forward = request
-        if decision.model != request.model or decision.pinned_models:
-            forward = msgspec.structs.replace(request, model=decision.model, pinned_models=list(decision.pinned_models))
+        if decision.model != request.model or decision.pinned_models or decision.prefill_worker:
+            forward = msgspec.structs.replace(request, model=decision.model, pinned_models=list(decision.pinned_models),
+                                              prefill_worker=decision.prefill_worker)
         s = self.bus.subjects
         try:
             await self.bus.request(s.worker_generate(decision.worker_id), forward, ControlReply,
@@ -401,6 +408,9 @@ class RouterService(Service):
         if d.hint:
             self.hints[d.hint] = self.hints.get(d.hint, 0) + 1
             self.metrics.admission_hints.labels(outcome=d.hint).inc()
+        if d.prefill_worker:
+            self.remote_prefills += 1
+            self.metrics.remote_prefills.labels(model=d.model, worker=d.prefill_worker).inc()
         if d.rebalanced:
             self.rebalanced += 1
             self.metrics.rebalanced.labels(model=d.model).inc()

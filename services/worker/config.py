@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from proto import WorkerRole
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -39,6 +41,11 @@ class WorkerConfig:
     # A capacity event (its accelerator time, busy time) every this many seconds, and a
     # last one at stop: a crash loses at most one period of the fleet report.
     capacity_interval_s: float = 60.0
+    # Prefill/decode split (proto.WorkerInfo.role): "prefill" computes prompts for the
+    # pool's other workers; "both" takes requests. How long a decode worker waits for a
+    # prefill worker's answer (its queue included) before computing the prompt itself.
+    role: WorkerRole = "both"
+    remote_prefill_timeout_s: float = 30.0
 
 
 def default_worker_id(model: str) -> str:

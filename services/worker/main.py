@@ -20,6 +20,7 @@ from typing import Any
 from bus import RunOptions, run_service, run_services
 from bus.config import refuse
 from bus.runner import listen_problem
+from proto import WORKER_ROLES
 from proto.messages import MAX_ACCELERATORS
 from services.common.cli_types import (
     count,
@@ -132,6 +133,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics with vLLM's names on this port (0: any free port)")
     stream.add_argument("--metrics-host", default="127.0.0.1")
     stream.add_argument("--drain-timeout", type=positive_seconds, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
+    split = parser.add_argument_group("prefill/decode split (DESIGN.md, Prefill and decode apart)")
+    split.add_argument("--role", choices=WORKER_ROLES, default="both",
+                       help="prefill: compute long prompts for the pool's other workers and take no request of its"
+                            " own; both: take requests (the default)")
+    split.add_argument("--remote-prefill-timeout", type=positive_seconds, default=30.0,
+                       help="seconds a worker waits for a prefill worker's answer before computing the prompt itself")
+    split.add_argument("--kv-transfer-gb-per-s", type=positive_number, default=None,
+                       help="sim: the link KV moves over from a prefill worker (default 50, RDMA at 400 Gb/s)")
     fleet = parser.add_argument_group("fleet cost (metering's `meshserve usage --fleet`)")
     fleet.add_argument("--accelerator", default="",
                        help="what this worker runs on, as the price table names it (e.g. H100-80GB); default: the sim"
@@ -146,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # The options only some engines read (the rest apply to every engine). Given to another
 # engine they would change nothing: the worker refuses them (``engine_option_problem``).
 _ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "profile": ("sim",), "speed": ("sim",), "num_kv_blocks": ("sim",),
+    "profile": ("sim",), "speed": ("sim",), "num_kv_blocks": ("sim",), "kv_transfer_gb_per_s": ("sim",),
     "seed": ("sim", "vllm"), "max_num_batched_tokens": ("sim", "vllm"), "lora_adapters": ("sim", "vllm"),
     "max_loras": ("sim", "vllm"), "max_cpu_loras": ("sim", "vllm"), "max_lora_rank": ("sim", "vllm"),
     "echo_tokens_per_s": ("echo",), "echo_interval_ms": ("echo",),
@@ -185,7 +194,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "echo":
         return echo_engine_options(args)
     names = ("profile", "speed", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
-             "max_loras", "max_cpu_loras", "max_lora_rank")
+             "max_loras", "max_cpu_loras", "max_lora_rank", "kv_transfer_gb_per_s")
     options: dict[str, Any] = {"model": args.model}
     options.update({name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
     if args.lora_adapters:
@@ -309,7 +318,13 @@ def run(args: argparse.Namespace) -> int:
         accelerator=args.accelerator.strip(),
         accelerators=args.accelerators,
         capacity_interval_s=args.capacity_interval,
+        role=args.role,
+        remote_prefill_timeout_s=args.remote_prefill_timeout,
     )
+    if args.role == "prefill" and (args.engine != "sim" or args.host_models):
+        raise SystemExit(f"meshserve serve worker: --role prefill needs an engine that prefills for other workers"
+                         f" (sim){' and a dedicated worker, not --host-models' if args.host_models else ''},"
+                         f" not --engine {args.engine}")
     if args.metrics_port is not None and (problem := listen_problem(args.metrics_host, args.metrics_port)):
         refuse("worker", *problem)
     options = RunOptions.from_args(args)

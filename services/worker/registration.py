@@ -40,6 +40,7 @@ def worker_info(engine: Engine, config: WorkerConfig, worker_id: str, model_dir:
     return WorkerInfo(
         accelerator=accelerator,
         accelerators=accelerators,
+        role=config.role,
         worker_id=worker_id,
         model=engine.model,
         engine=engine.engine_name,

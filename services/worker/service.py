@@ -46,6 +46,8 @@ from proto import (
     KvSnapshotRequest,
     MeshError,
     PayloadTooLarge,
+    PrefillRequest,
+    PrefillResult,
     RequestProbe,
     RequestProbeReply,
     Timings,
@@ -64,7 +66,8 @@ from .capacity import CapacityMeter
 from .chunks import ChunkPublisher, too_large, too_large_text
 from .coalesce import Coalescer
 from .config import WorkerConfig, default_worker_id
-from .engines.base import Engine, EngineRequest
+from .disagg import CANCELLED, RemotePrefill, disaggregable, encode_transfer
+from .engines.base import Engine, EngineOutput, EngineRequest, PrefillRefused
 from .metrics import WorkerMetrics
 from .orphans import OrphanWatch
 from .outcome import combine_outcomes, request_outcome
@@ -101,6 +104,10 @@ class WorkerService(Service):
         self.capacity: CapacityMeter | None = None  # from start: the accelerator time it reports
         self.capacity_events = 0
         self._capacity_publishes: set[asyncio.Task[None]] = set()
+        self.disagg: RemotePrefill | None = None  # made on start, with the bus
+        self.prefills_served = 0  # a prefill worker's prefills for decode workers
+        if config.role == "prefill" and not engine.disaggregation:
+            raise ValueError(f"the {engine.engine_name} engine cannot prefill for other workers (role prefill)")
 
     # ---- lifecycle --------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -120,7 +127,10 @@ class WorkerService(Service):
         tokenizer_dir = tokenizers.directory_of(model_dir, self.engine.tokenizer_spec)
         tokenizer_digest = await tokenizers.publish(self.bus.js, s, tokenizer_dir, replicas=self.settings.js_replicas) if tokenizer_dir else ""
         self.registration.info = worker_info(self.engine, self.config, self.worker_id, model_dir, tokenizer_digest)
+        self.disagg = RemotePrefill(self.bus, self.worker_id, self.config.remote_prefill_timeout_s)
         await self.add_endpoint("generate", s.worker_generate(self.worker_id), GenerateRequest, self.handle_generate)
+        if self.config.role == "prefill":
+            await self.add_endpoint("prefill", s.worker_prefill(self.worker_id), PrefillRequest, self.handle_prefill)
         await self.add_endpoint("cancel", s.worker_cancel(self.worker_id), CancelRequest, self.handle_cancel, concurrent=False)
         await self.add_endpoint("probe", s.worker_probe(self.worker_id), RequestProbe, self.handle_probe, concurrent=False)
         await self.add_endpoint("resend", s.worker_resend(self.worker_id), ChunkResend, self.handle_resend)
@@ -187,6 +197,9 @@ class WorkerService(Service):
             "tokens_published": self.tokens_published,
             "chunks_resent": self.chunks_resent,
             "capacity_events": self.capacity_events,
+            "role": self.config.role,
+            "prefills_served": self.prefills_served,
+            **(self.disagg.stats() if self.disagg is not None else {}),
         }
 
     # ---- endpoints --------------------------------------------------------------------
@@ -238,12 +251,7 @@ class WorkerService(Service):
             return
         # Held before the reply (and in the same step as the deadline check): a gateway that
         # stopped waiting for its router probes the workers, and finds every request one took.
-        task = asyncio.current_task()
-        assert task is not None
-        self._requests[request.request_id] = task
-        if len(self._requests) == 1 and self.capacity is not None:
-            self.capacity.observe(time.time(), busy=True)
-        self._state_changed.set()
+        self._track(request.request_id)
         self.book.hold(request.request_id, request.migrations, request.attempt)
         self.orphans.track(request.request_id, request.gateway_id, request.resumable)
         try:
@@ -258,15 +266,66 @@ class WorkerService(Service):
             ) as span:
                 await self._stream(request, prompt, span)
         finally:
-            self._requests.pop(request.request_id, None)
-            if not self._requests and self.capacity is not None:
-                self.capacity.observe(time.time(), busy=False)
+            self._untrack(request.request_id)
             self.book.release(request.request_id)
             self.orphans.release(request.request_id)
             if self.superseded(request):
                 self._sent.drop(request.request_id)  # never to be sent again
             self._sent.ended(request.request_id, self._requests)
             self._state_changed.set()
+
+    def _track(self, request_id: str) -> None:
+        """``request_id`` runs here from now on (the current task): busy time, gauges, cancels."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._requests[request_id] = task
+        if len(self._requests) == 1 and self.capacity is not None:
+            self.capacity.observe(time.time(), busy=True)
+        self._state_changed.set()
+
+    def _untrack(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        if not self._requests and self.capacity is not None:
+            self.capacity.observe(time.time(), busy=False)
+
+    async def handle_prefill(self, ask: PrefillRequest, msg: Msg) -> None:
+        """A decode worker's prompt (role prefill): computed, its KV described in the answer.
+        Nothing streams and nothing is billed here: the request is the decode worker's."""
+        if self.state != "ready":
+            raise MeshError(f"worker {self.worker_id} is {self.state}", code=ErrorCode.DRAINING)
+        if ask.model != self.engine.model:
+            raise MeshError(f"worker {self.worker_id} serves {self.engine.model!r}, not {ask.model!r}",
+                            code=ErrorCode.UNKNOWN_MODEL)
+        if 0 < ask.deadline <= time.time():
+            raise MeshError(f"prefill of {ask.request_id} is past its deadline", code=ErrorCode.TIMEOUT)
+        if ask.request_id in self._requests:
+            raise MeshError(f"request {ask.request_id} is already running here", code=ErrorCode.BAD_REQUEST)
+        prompt = unpack_tokens(ask.prompt)
+        self._track(ask.request_id)
+        # Gauges name it: a router's optimistic count of this prefill settles as for a request.
+        self.book.engine_took(ask.request_id)
+        try:
+            with tracer.start_as_current_span(
+                "worker.prefill", context=self.bus.remote_context(msg), kind=trace.SpanKind.SERVER,
+                attributes={"meshserve.worker_id": self.worker_id, "meshserve.request_id": ask.request_id,
+                            "meshserve.decode_worker": ask.decode_worker, "gen_ai.request.model": ask.model},
+            ):
+                handoff = await self.engine.prefill(EngineRequest(
+                    request_id=ask.request_id, prompt_token_ids=prompt, priority=ask.priority,
+                    arrival_time=time.time(), lora=ask.lora, lora_size_bytes=ask.lora_size_bytes,
+                    lora_path=ask.lora_path, cache_salt=cache_scope(ask.org, ask.cache_salt)))
+        except PrefillRefused as exc:
+            raise MeshError(f"prefill of {ask.request_id} on {self.worker_id}: {exc}", code=ErrorCode.BAD_REQUEST) from exc
+        finally:
+            self._untrack(ask.request_id)
+            self._state_changed.set()
+        self.prefills_served += 1
+        t = handoff.timings
+        await self.bus.respond(msg, PrefillResult(
+            request_id=ask.request_id, worker_id=self.worker_id, kv_transfer=encode_transfer(handoff.transfer),
+            prompt_tokens=handoff.prompt_tokens, cached_tokens=handoff.cached_tokens,
+            queue_s=max(t.scheduled - t.arrival, 0.0) if t.scheduled else 0.0,
+            prefill_s=max(t.first_token - t.scheduled, 0.0) if t.first_token and t.scheduled else 0.0))
 
     async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
         if self.superseded(request):
@@ -364,6 +423,13 @@ class WorkerService(Service):
         prompt_logprobs = None
         token_ids: list[int] = []
         unsent = 0  # tokens taken for a chunk the bus could not carry: not billed
+        if disaggregable(request) and single and self.disagg is not None and self.engine.disaggregation:
+            transfer = await self.disagg.fetch(request, choice.engine_id)
+            if transfer is CANCELLED:
+                choice.last = EngineOutput(request_id=choice.engine_id, finish_reason="abort", prompt_tokens=len(choice.prompt),
+                                           timings=Timings(arrival=engine_request.arrival_time, finished=time.time()))
+                return
+            engine_request.kv_transfer = transfer if isinstance(transfer, dict) else None
         # The engine counts the request from the first iteration's start (before it first
         # suspends), so no gauge can name it without counting its tokens.
         self.book.engine_took(request.request_id)
@@ -465,6 +531,8 @@ class WorkerService(Service):
     async def _abort(self, request_id: str) -> None:
         """Stop every engine request of ``request_id`` (its n choices)."""
         for engine_id in self.book.engine_ids.get(request_id, [request_id]):
+            if self.disagg is not None:
+                self.disagg.cancel(engine_id)  # still waiting for a prefill worker
             await self.engine.abort(engine_id)
 
     def superseded(self, request: GenerateRequest) -> bool:

@@ -63,6 +63,25 @@ class EngineRequest:
     output_offset: int = 0
     # Hot-swap hosts: models that must not be evicted to load this one (the router's pin list).
     pinned_models: list[str] = field(default_factory=list)
+    # Prefill/decode split: the prompt's KV, computed by a prefill worker (its
+    # ``KvHandoff.transfer``). The engine loads it instead of computing the prompt, and
+    # computes whatever it could not load; the output is the same either way.
+    kv_transfer: dict[str, Any] | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class KvHandoff:
+    """A prompt prefilled for another worker (``Engine.prefill``): what its decode
+    worker's engine needs to load the KV (``EngineRequest.kv_transfer``)."""
+
+    transfer: dict[str, Any]
+    prompt_tokens: int
+    cached_tokens: int  # of the prompt, from this engine's prefix cache
+    timings: Timings = field(default_factory=Timings)  # arrival, scheduled and first_token (the prefill's end)
+
+
+class PrefillRefused(Exception):
+    """``Engine.prefill`` could not compute the prompt (the decode worker prefills it itself)."""
 
 
 def prompt_error(req: EngineRequest, max_model_len: int, detail: str = "") -> str | None:
@@ -264,6 +283,17 @@ class Engine(ABC):
         collected) the request is aborted and its KV blocks are freed at once, so wrap
         the iteration in ``contextlib.aclosing`` when breaking out early.
         """
+
+    @property
+    def disaggregation(self) -> bool:
+        """Whether it can prefill for another engine and load a prompt's KV from one
+        (``prefill``, ``EngineRequest.kv_transfer``): a prefill/decode split's engine."""
+        return False
+
+    async def prefill(self, req: EngineRequest) -> KvHandoff:
+        """Compute ``req``'s prompt and keep its KV for a decode worker to load; raises
+        ``PrefillRefused`` when it cannot (then the decode worker prefills itself)."""
+        raise PrefillRefused(f"the {self.engine_name} engine does not prefill for other workers")
 
     async def warm(self) -> bool:
         """Start loading the model ahead of a request, where the engine loads on demand

@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 
+import msgspec
+
 from proto.messages import Timings
 from proto.workers import AllCleared, BlockStored, KvEvent
 
-from .base import Engine, EngineOutput, EngineRequest, EngineStats
+from .base import Engine, EngineOutput, EngineRequest, EngineStats, KvHandoff, PrefillRefused
 from .sim_core import SimCore, StepResult
 from .sim_lora import LoraConfig
-from .sim_profile import DEFAULT_PROFILE, SimConfig, SimProfile
+from .sim_profile import DEFAULT_KV_TRANSFER_GB_PER_S, DEFAULT_PROFILE, SimConfig, SimProfile
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,8 @@ class SimEngine(Engine):
       ``lora_adapters``. ``lora_disk_gb_per_s``: the storage bandwidth a load reads at.
     - ``rate_window_s``: simulated seconds the rates in ``stats()`` average over.
     - ``max_lag_s``: wall seconds the step loop may run behind before re-anchoring.
+    - ``kv_transfer_gb_per_s``: the link a prefill/decode split moves KV over (a decode
+      replica's load of a prefill replica's KV takes its bytes over this, plus 1 ms).
     - ``kv_event_buffer``: batches buffered for a slow or absent ``kv_events`` consumer;
       on overflow the buffer is replaced by one resync batch (``AllCleared`` then one
       ``BlockStored`` of the whole snapshot, parent unknown).
@@ -94,6 +99,7 @@ class SimEngine(Engine):
         rate_window_s: float = 5.0,
         max_lag_s: float = 0.05,
         kv_event_buffer: int = 10_000,
+        kv_transfer_gb_per_s: float = DEFAULT_KV_TRANSFER_GB_PER_S,
     ) -> None:
         if not (0 < speed < math.inf):  # nan fails this too
             raise ValueError("speed must be positive")
@@ -114,6 +120,7 @@ class SimEngine(Engine):
             rate_window_s=rate_window_s,
             lora=LoraConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
                             disk_bytes_per_s=lora_disk_gb_per_s * 1e9),
+            kv_transfer_gb_per_s=kv_transfer_gb_per_s,
         )
         self.core = SimCore(self.config)
         self.speed = speed
@@ -243,6 +250,29 @@ class SimEngine(Engine):
                 del self._queues[rid]
                 self._arrivals.pop(rid, None)
                 self.core.abort(rid, self.sim_now())
+
+    @property
+    def disaggregation(self) -> bool:
+        return True
+
+    async def prefill(self, req: EngineRequest) -> KvHandoff:
+        """The prompt computed as any request's (one token sampled, as vLLM's prefill
+        instance does, then dropped); its blocks stay in this replica's prefix cache. What
+        a decode replica loads is described, not moved: tokens, block size, cache hits."""
+        sampling = msgspec.structs.replace(req.sampling, max_tokens=1, min_tokens=0, n=1, logprobs=None,
+                                           prompt_logprobs=None, structured=None, stop=[], stop_token_ids=[], logit_bias={})
+        last: EngineOutput | None = None
+        async with contextlib.aclosing(self.generate(dataclasses.replace(req, sampling=sampling, output_offset=0,
+                                                                         kv_transfer=None))) as stream:
+            async for out in stream:
+                last = out
+        if last is None or last.finish_reason not in ("stop", "length"):
+            raise PrefillRefused(last.error or f"prefill ended {last.finish_reason}" if last else "prefill produced nothing")
+        transfer = {"engine": "sim", "tokens": last.prompt_tokens, "cached_tokens": last.cached_tokens,
+                    "block_size": self.block_size}
+        t = last.timings
+        return KvHandoff(transfer=transfer, prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
+                         timings=Timings(arrival=t.arrival, scheduled=t.scheduled, first_token=t.first_token))
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)

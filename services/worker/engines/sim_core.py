@@ -189,6 +189,8 @@ class SimCore:
                 )
         self._order += 1
         seq = SimSequence(req, now, self._order, stream)
+        if req.kv_transfer is not None and not req.output_offset:
+            seq.remote_tokens, seq.remote_cached = remote_kv(req.kv_transfer, n, self._bs)
         self._extend_hashes(seq)
         self._seqs[seq.request_id] = seq
         self._push_waiting(seq)
@@ -238,6 +240,10 @@ class SimCore:
                 break
             if seq.status != "running":  # preempted earlier in this loop
                 continue
+            if seq.kv_ready_at:
+                if seq.kv_ready_at > now:
+                    continue  # its KV is still on the way from the prefill replica
+                seq.kv_ready_at = 0.0
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             while not self._allocate(seq, num_new):
                 victim = self._pick_victim()
@@ -273,8 +279,12 @@ class SimCore:
                 continue
             hit = self._lookup_prefix(seq)
             num_hit = len(hit) * self._bs
-            num_new = min(seq.num_tokens - num_hit, budget)
-            need = math.ceil((num_hit + num_new) / self._bs) - len(hit)
+            # A prefill replica's KV: whole blocks past the local hit, loaded (vLLM's
+            # connector: blocks held while it arrives), the rest (at least the last
+            # token, for its logits) computed here once it has.
+            loaded = max(seq.remote_tokens - num_hit, 0)
+            num_new = 0 if loaded else min(seq.num_tokens - num_hit, budget)
+            need = math.ceil((num_hit + loaded + num_new) / self._bs) - len(hit)
             # Hit blocks sitting in the free queue stop being free once touched.
             evictable_hits = sum(1 for b in hit if b.ref_cnt == 0)
             if need > pool.num_free - evictable_hits:
@@ -286,22 +296,33 @@ class SimCore:
                 active.add(seq.lora)
             pool.touch(hit)
             seq.blocks = hit + pool.get_new_blocks(need)
-            seq.num_computed = num_hit
+            seq.num_computed = num_hit + loaded
             seq.num_cached_blocks = len(hit)
             if seq.cached_tokens is None:  # first scheduling: what the usage event reports
-                seq.cached_tokens = num_hit
+                # Loaded KV reports the prefill replica's cache hits (as vLLM's remote prefill).
+                seq.cached_tokens = max(num_hit, seq.remote_cached) if seq.remote_tokens else num_hit
                 seq.scheduled_at = now
                 self._record_hits(now, seq.num_tokens, num_hit)
             seq.status = "running"
             self._admit_counter += 1
             seq.admit_seq = self._admit_counter
             self._running.append(seq)
+            seq.remote_tokens = 0  # loaded once: after a preemption it is computed here
+            if loaded:
+                seq.kv_ready_at = now + cfg.kv_transfer_s(loaded)
+                continue
             sched[seq] = num_new
             budget -= num_new
 
         for seq in skipped:
             self._push_waiting(seq)
 
+        if not sched and any(s.kv_ready_at for s in self._running):
+            # Nothing to compute until a transfer lands: the replica idles till then.
+            until = min(s.kv_ready_at for s in self._running if s.kv_ready_at)
+            return StepResult(start=now, duration=max(until - now, 0.0), outputs=[], kv_events=pool.take_events(),
+                              prefill_tokens=0, decode_seqs=0, kv_tokens=0, num_scheduled=0, sampled_tokens=0,
+                              preempted=preempted)
         if not sched:
             # Cannot happen: one sequence always fits the pool (max_model_len ≤ capacity),
             # so an empty batch means a bookkeeping bug; fail loudly rather than spin.
@@ -373,7 +394,7 @@ class SimCore:
         queries, hits = self._hit_window.queries, self._hit_window.query_hits
         if not queries:  # nothing admitted lately: the lifetime figure
             queries, hits = self._queries_total, self._hits_total
-        queued = sum(s.num_tokens for _, _, _, s in self._waiting if s.status == "waiting")
+        queued = sum(s.num_tokens - s.remote_tokens for _, _, _, s in self._waiting if s.status == "waiting")
         queued += sum(s.num_tokens - s.num_computed for s in self._running if not s.is_decoding)
         if win.steps and win.steps[-1].end > now:
             # The step under way: its prefill is computed here at its start, but a request
@@ -494,6 +515,7 @@ class SimCore:
         seq.blocks = []
         seq.num_computed = 0
         seq.num_cached_blocks = 0
+        seq.kv_ready_at = 0.0
         seq.num_preemptions += 1
         self.preemptions += 1
         self._push_waiting(seq)
@@ -542,3 +564,16 @@ class SimCore:
             # A list whenever asked for (empty on an abort), so "present" means "asked".
             logprobs=[] if seq.sampling.logprobs is not None else None,
         )
+
+
+def remote_kv(transfer: dict[str, object], prompt_tokens: int, block_size: int) -> tuple[int, int]:
+    """What a sim prefill replica's KV (``EngineRequest.kv_transfer``, from ``SimEngine.prefill``)
+    gives a replica of ``block_size``: the prompt tokens it may load (whole blocks, never the
+    last token, whose logits the decode replica computes) and the prefill replica's cache
+    hits among them. Anything else (another engine's, another block size) gives nothing."""
+    tokens, cached = transfer.get("tokens"), transfer.get("cached_tokens", 0)
+    if (transfer.get("engine") != "sim" or transfer.get("block_size") != block_size
+            or not isinstance(tokens, int) or not isinstance(cached, int) or tokens <= 0):
+        return 0, 0
+    loadable = min(tokens, prompt_tokens - 1) // block_size * block_size
+    return loadable, min(max(cached, 0), loadable)

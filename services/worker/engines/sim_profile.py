@@ -41,6 +41,9 @@ from .sim_lora import LoraConfig
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
+# A decode replica's KV link to prefill replicas: RDMA at 400 Gb/s per GPU (one ConnectX-7
+# per H100, as NVIDIA Dynamo's and llm-d's reference P/D deployments run), at ~50 GB/s.
+DEFAULT_KV_TRANSFER_GB_PER_S = 50.0
 
 
 # The sim keeps a Python object per KV block: 4M of them take ~0.8 GB (10^10 ran the host out of memory).
@@ -280,6 +283,17 @@ class SimConfig:
     lora_adapters: tuple[str, ...] = ()
     rate_window_s: float = 5.0  # simulated seconds of steps the rates in stats cover
     lora: LoraConfig = field(default_factory=LoraConfig)  # runtime adapters (sim_lora)
+    # Prefill/decode split: the KV of a token in bytes (what a transfer moves) and the link
+    # a decode replica loads a prefill replica's KV over, with its per-transfer latency.
+    kv_bytes_per_token: int = 0
+    kv_transfer_bytes_per_s: float = DEFAULT_KV_TRANSFER_GB_PER_S * 1e9
+    kv_transfer_latency_s: float = 0.001
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        """Simulated seconds a decode replica spends loading ``tokens`` tokens of KV."""
+        if tokens <= 0:
+            return 0.0
+        return self.kv_transfer_latency_s + tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
 
     @classmethod
     def build(
@@ -300,6 +314,7 @@ class SimConfig:
         lora_adapters: Iterable[str] = (),
         rate_window_s: float = 5.0,
         lora: LoraConfig | None = None,
+        kv_transfer_gb_per_s: float = DEFAULT_KV_TRANSFER_GB_PER_S,
     ) -> SimConfig:
         """Profile defaults, overridden by whatever is given.
 
@@ -339,6 +354,8 @@ class SimConfig:
                 f"max_model_len {max_model_len} exceeds the KV cache ({num_kv_blocks} blocks of {bs} "
                 f"= {capacity} tokens)"
             )
+        if not 0 < kv_transfer_gb_per_s < math.inf:
+            raise ValueError(f"kv_transfer_gb_per_s must be positive, not {kv_transfer_gb_per_s}")
         seqs = max_num_seqs or prof.max_num_seqs
         batched = max_num_batched_tokens or prof.max_num_batched_tokens
         if seqs <= 0 or batched <= 0 or max_model_len <= 0:
@@ -355,4 +372,6 @@ class SimConfig:
             lora_adapters=tuple(lora_adapters),
             rate_window_s=rate_window_s,
             lora=lora or LoraConfig(),
+            kv_bytes_per_token=prof.memory.kv_bytes_per_token if kv_bytes_per_token is None else kv_bytes_per_token,
+            kv_transfer_bytes_per_s=kv_transfer_gb_per_s * 1e9,
         )

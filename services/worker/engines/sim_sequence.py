@@ -144,6 +144,7 @@ class SimSequence:
         "cached_tokens",
         "decoder",
         "first_token_at",
+        "kv_ready_at",
         "lora",
         "max_stop_len",
         "num_cached_blocks",
@@ -154,6 +155,8 @@ class SimSequence:
         "output_ids",
         "output_offset",
         "priority",
+        "remote_cached",
+        "remote_tokens",
         "request_id",
         "salt",
         "sampling",
@@ -192,6 +195,11 @@ class SimSequence:
         self.scheduled_at = 0.0
         self.first_token_at = 0.0
         self.num_preemptions = 0
+        # Prefill/decode split: prompt tokens whose KV a prefill replica computed (loaded,
+        # not computed, at admission), and how many of them it found in its own cache.
+        self.remote_tokens = 0
+        self.remote_cached = 0
+        self.kv_ready_at = 0.0  # while loading: when the KV has arrived
         self.stream = stream
         self.text = ""  # generated text (this engine's part), stop strings cut off
         self.text_sent = 0

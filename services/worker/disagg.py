@@ -1,0 +1,122 @@
+"""Prefill and decode apart (DESIGN.md, Prefill and decode apart): the decode worker's side.
+
+A request the router placed with a ``prefill_worker`` is still this worker's: it holds it,
+answers probes and cancels for it, streams every token and bills it. Before its engine
+starts the request, it asks the prefill worker to compute the prompt
+(``PrefillRequest`` → ``PrefillResult``) and hands the engine the KV's description
+(``EngineRequest.kv_transfer``); the engine loads it instead of computing the prompt. When
+the prefill worker refuses, fails, is gone or does not answer in time, the engine computes
+the prompt itself: a prefill worker can slow a request down, never lose it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from bus import Bus
+from proto import (
+    CancelRequest,
+    GenerateRequest,
+    MeshError,
+    PrefillRequest,
+    PrefillResult,
+    RequestTimeout,
+    prefill_id,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Cancelled:
+    """``RemotePrefill.fetch``'s answer when the request was cancelled while it waited."""
+
+
+CANCELLED = Cancelled()
+
+
+def disaggregable(request: GenerateRequest) -> bool:
+    """Whether a prefill worker may compute ``request``'s prompt: a first segment of one
+    choice whose answer needs nothing but the prompt's KV. The router decides only for
+    these; a worker checks again (a router of another version)."""
+    s = request.sampling
+    return (bool(request.prefill_worker) and not request.prior_output and not request.prior_outputs
+            and s.n <= 1 and s.max_tokens > 0 and s.prompt_logprobs is None)
+
+
+class RemotePrefill:
+    """The decode worker's prefills on prefill workers, with their counters."""
+
+    def __init__(self, bus: Bus, worker_id: str, timeout_s: float) -> None:
+        self.bus = bus
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self._cancels: dict[str, asyncio.Event] = {}
+        self.remote_prefills = 0  # loaded from a prefill worker
+        self.fallbacks = 0  # computed here after the prefill worker failed
+        self.cancelled = 0
+
+    def cancel(self, engine_id: str) -> None:
+        """Stop waiting for ``engine_id``'s prefill (its client cancelled, a drain handed it over)."""
+        event = self._cancels.get(engine_id)
+        if event is not None:
+            event.set()
+
+    async def fetch(self, request: GenerateRequest, engine_id: str) -> dict[str, Any] | Cancelled | None:
+        """The KV's description from ``request.prefill_worker`` (None: compute the prompt here;
+        ``CANCELLED``: the request was cancelled meanwhile, and so was the prefill)."""
+        source = request.prefill_worker
+        ask = PrefillRequest(
+            request_id=prefill_id(engine_id), model=request.model, prompt=request.prompt, decode_worker=self.worker_id,
+            org=request.org, cache_salt=request.cache_salt, lora=request.lora, lora_path=request.lora_path,
+            lora_size_bytes=request.lora_size_bytes, priority=request.priority,
+            deadline=time.time() + self.timeout_s,
+        )
+        cancelled = self._cancels[engine_id] = asyncio.Event()
+        answer = asyncio.ensure_future(self.bus.request(self.bus.subjects.worker_prefill(source), ask, PrefillResult,
+                                                        timeout=self.timeout_s))
+        stop = asyncio.ensure_future(cancelled.wait())
+        try:
+            await asyncio.wait({answer, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            del self._cancels[engine_id]
+        if not answer.done():
+            answer.cancel()
+            self.cancelled += 1
+            await self._cancel_on(source, ask.request_id)
+            return CANCELLED
+        try:
+            result = answer.result()
+            transfer = json.loads(result.kv_transfer)
+            if not isinstance(transfer, dict):
+                raise ValueError("kv_transfer is not an object")
+        except (MeshError, ValueError) as exc:
+            # RequestTimeout, NoResponders and RemoteError are MeshErrors: each ends the same way.
+            self.fallbacks += 1
+            log.warning("prefill of %s on %s failed (%s): prefilling here", engine_id, source, exc)
+            if isinstance(exc, RequestTimeout):
+                await self._cancel_on(source, ask.request_id)  # it may still be computing: for nobody
+            return None
+        self.remote_prefills += 1
+        return transfer
+
+    async def _cancel_on(self, source: str, prefill: str) -> None:
+        try:
+            await self.bus.publish(self.bus.subjects.worker_cancel(source),
+                                   CancelRequest(request_id=prefill, reason="decode worker stopped waiting"))
+        except Exception as exc:  # best effort: its prefill ends anyway, into its cache
+            log.debug("could not cancel %s on %s: %s", prefill, source, exc)
+
+    def stats(self) -> dict[str, int]:
+        return {"remote_prefills": self.remote_prefills, "remote_prefill_fallbacks": self.fallbacks,
+                "remote_prefills_cancelled": self.cancelled}
+
+
+def encode_transfer(transfer: dict[str, Any]) -> bytes:
+    """``PrefillResult.kv_transfer``: an engine's KV description as JSON (vLLM's connectors
+    put plain JSON values in their ``kv_transfer_params``)."""
+    return json.dumps(transfer, separators=(",", ":")).encode()
