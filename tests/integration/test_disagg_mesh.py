@@ -60,7 +60,7 @@ async def _run(mesh: Mesh) -> None:
         workers = await stats(bus, "worker")
         assert _sum(workers, "prefills_served") == 1
         assert _sum(workers, "remote_prefills") == 1
-        served_by = [s for s in workers if s.get("remote_prefills")][0]["worker_id"]
+        served_by = next(s for s in workers if s.get("remote_prefills"))["worker_id"]
         assert roles[served_by] == "both"  # decoded where the router placed it, not on the prefill worker
 
         # A short prompt is computed where it is placed.
