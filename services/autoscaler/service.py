@@ -248,12 +248,13 @@ class AutoscalerService(Service):
             self.report_pending(demand.pool, demand.requests, demand.tokens, f"admission:{demand.source}")
 
     def pool_gauges(self, pool: str, now: float) -> list[WorkerGauge]:
-        """The latest fresh gauge of every registered worker of ``pool`` (draining too)."""
+        """The latest fresh gauge of every registered worker of ``pool`` (draining too)
+        that takes requests: prefill workers (P/D split) are a set the law does not size."""
         members = self.view.pool(pool)
         out = []
         for w in members if members is not None else ():
             gauge, info = w.gauge, w.info
-            if gauge is None or info is None or w.worker_id in self.retired:
+            if gauge is None or info is None or w.worker_id in self.retired or info.role == "prefill":
                 continue
             if now - w.gauge_received_at > self.config.gauge_stale_s:
                 continue

@@ -308,6 +308,8 @@ class UpstreamClient:
         """No router: round robin over ready workers, skipping one that refuses."""
         request = route.request
         candidates = [w for w in self.registry.ready_workers(request.model) if w.worker_id not in route.exclude_workers]
+        # A prefill worker (P/D split) serves a request only when nothing else can.
+        candidates = [w for w in candidates if w.role != "prefill"] or candidates
         if not candidates:
             raise no_capacity(f"no ready worker serves model {request.model!r}")
         start = next(self._round_robin)

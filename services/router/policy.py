@@ -193,8 +193,12 @@ class PolicyConfig:
     # every prefill worker has more than ``remote_prefill_max_queue_tokens`` queued: then
     # the chosen worker computes it (NVIDIA Dynamo's conditional disaggregation). A short
     # prompt's prefill slows the decodes beside it less than a transfer and a hop cost it.
+    # The queue bound is what a prompt may wait behind there: one batch budget of the H100
+    # profile (~0.6 s). At 32,768 a pool with too few prefill workers queued its prompts
+    # for seconds (benchmarks/disagg.py, split:1 at 70 %: TTFT p50 / p90 1,185 / 2,593 ms
+    # against 359 / 988).
     remote_prefill_min_tokens: int = 512
-    remote_prefill_max_queue_tokens: int = 32_768
+    remote_prefill_max_queue_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

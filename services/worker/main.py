@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            " generation_config.json, vllm none, DIR that directory's file, whose max_new_tokens"
                            " then caps every request, as vLLM's (echo: DIR only)")
     vllm.add_argument("--cpu-kvcache-space", type=positive_int, default=None, help="GiB of KV cache on vLLM's CPU build")
+    vllm.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                      help="vLLM's KV connector for a prefill/decode split, e.g."
+                           " '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}' (every worker of the pool)")
     vllm.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                       help="any other AsyncEngineArgs field (VALUE parsed as JSON when it parses); repeatable")
     vllm.add_argument("--engine-config", default=None, metavar="FILE",
@@ -163,7 +166,7 @@ _ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     **{name: ("vllm",) for name in (
         "model_dir", "served_model_name", "gpu_memory_utilization", "kv_cache_dtype", "tensor_parallel_size",
         "enable_prefix_caching", "enforce_eager", "dtype", "scheduling_policy", "enable_lora", "kv_events",
-        "cpu_kvcache_space", "engine_arg", "engine_config")},
+        "cpu_kvcache_space", "engine_arg", "engine_config", "kv_transfer_config")},
 }
 
 
@@ -224,6 +227,7 @@ _VLLM_OPTIONS = (
     "model_dir", "served_model_name", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "kv_cache_dtype", "tensor_parallel_size", "enable_prefix_caching", "block_size", "enforce_eager", "dtype", "seed",
     "scheduling_policy", "enable_lora", "max_loras", "max_lora_rank", "kv_events", "generation_config",
+    "kv_transfer_config",
 )
 
 
@@ -297,6 +301,10 @@ def run(args: argparse.Namespace) -> int:
                          f" got {args.gauge_interval} and {args.gauge_min_interval}")
     if option_problem := engine_option_problem(args):
         raise SystemExit(option_problem)
+    if args.role == "prefill" and (args.engine == "echo" or args.host_models
+                                   or (args.engine == "vllm" and not args.kv_transfer_config)):
+        raise SystemExit("meshserve serve worker: --role prefill needs a dedicated worker (not --host-models) whose engine"
+                         " prefills for other workers: sim, or vllm with --kv-transfer-config")
     if args.engine == "vllm" and not vllm_importable():
         # Before connecting: it failed only after start-up, with a ModuleNotFoundError traceback.
         raise SystemExit(vllm_missing("serve worker"))
@@ -321,10 +329,6 @@ def run(args: argparse.Namespace) -> int:
         role=args.role,
         remote_prefill_timeout_s=args.remote_prefill_timeout,
     )
-    if args.role == "prefill" and (args.engine != "sim" or args.host_models):
-        raise SystemExit(f"meshserve serve worker: --role prefill needs an engine that prefills for other workers"
-                         f" (sim){' and a dedicated worker, not --host-models' if args.host_models else ''},"
-                         f" not --engine {args.engine}")
     if args.metrics_port is not None and (problem := listen_problem(args.metrics_host, args.metrics_port)):
         refuse("worker", *problem)
     options = RunOptions.from_args(args)

@@ -335,6 +335,38 @@ def test_worker_cli_passes_vllm_engine_arguments(tmp_path: Any) -> None:
     assert sim == {"model": "m", "speed": 20.0, "lora_adapters": ["sql", "chat"]}
 
 
+def test_kv_transfer_settings_and_params_are_vllms() -> None:
+    from services.worker.engines.base import EngineRequest
+    from services.worker.engines.vllm_args import REMOTE_DECODE, kv_transfer_params, parse_kv_transfer_config
+    from services.worker.main import add_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+    args = parser.parse_args(["--engine", "vllm", "--model", "m", "--kv-transfer-config", spec])
+    assert engine_options(args)["kv_transfer_config"] == spec
+    assert parse_kv_transfer_config(spec) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert parse_kv_transfer_config(None) is None and parse_kv_transfer_config("") is None
+    for bad in ("{not json", '{"kv_role": "kv_both"}', "[1]"):
+        with pytest.raises(ValueError):
+            parse_kv_transfer_config(bad)
+    # What vLLM's disaggregated proxy sends: a prefill keeps its KV, a decode loads the answer.
+    plain = EngineRequest(request_id="r", prompt_token_ids=[1, 2, 3])
+    assert kv_transfer_params(plain) is None
+    assert kv_transfer_params(EngineRequest(request_id="r", prompt_token_ids=[1], hold_kv=True)) == REMOTE_DECODE
+    answer = {"remote_engine_id": "e1", "remote_block_ids": [4, 5], "remote_host": "10.0.0.2", "remote_port": 5600,
+              "do_remote_prefill": True, "do_remote_decode": False}
+    assert kv_transfer_params(EngineRequest(request_id="r", prompt_token_ids=[1], kv_transfer=answer)) == answer
+    # an answer naming nothing (a connector that finds the KV by the prompt): nothing to pass
+    assert kv_transfer_params(EngineRequest(request_id="r", prompt_token_ids=[1], kv_transfer={})) is None
+    # the sim is the only engine a prefill worker runs without a connector
+    from services.worker.main import run
+
+    for argv in (["--engine", "vllm", "--model", "m", "--role", "prefill"], ["--engine", "echo", "--role", "prefill"]):
+        with pytest.raises(SystemExit, match="--role prefill"):
+            run(parser.parse_args(argv))
+
+
 def test_engine_arguments_keep_vllm_names() -> None:
     from services.worker.engines.vllm_args import engine_arguments, parse_lora_adapters, resolve_model
 

@@ -23,6 +23,7 @@ rest of the mesh can compare them with the latencies it observes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from abc import ABC, abstractmethod
@@ -67,6 +68,9 @@ class EngineRequest:
     # ``KvHandoff.transfer``). The engine loads it instead of computing the prompt, and
     # computes whatever it could not load; the output is the same either way.
     kv_transfer: dict[str, Any] | None = None
+    # The other side: keep the KV for another engine to load; the final output's
+    # ``kv_transfer`` says where it is (``Engine.prefill``).
+    hold_kv: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,6 +134,9 @@ class EngineOutput:
     # When ``sampling.prompt_logprobs`` is set, on the request's first output: one entry
     # per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # On the final output of a ``hold_kv`` request: where its KV is (vLLM: its KV
+    # connector's ``kv_transfer_params``), for ``EngineRequest.kv_transfer`` elsewhere.
+    kv_transfer: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -292,8 +299,26 @@ class Engine(ABC):
 
     async def prefill(self, req: EngineRequest) -> KvHandoff:
         """Compute ``req``'s prompt and keep its KV for a decode worker to load; raises
-        ``PrefillRefused`` when it cannot (then the decode worker prefills itself)."""
-        raise PrefillRefused(f"the {self.engine_name} engine does not prefill for other workers")
+        ``PrefillRefused`` when it cannot (then the decode worker prefills itself).
+
+        The prompt runs as a request of one token (vLLM's prefill instance samples one
+        too, then drops it), sampled plainly: what the answer must look like is the
+        decode worker's to enforce."""
+        if not self.disaggregation:
+            raise PrefillRefused(f"the {self.engine_name} engine does not prefill for other workers")
+        one = SamplingParams(max_tokens=1, seed=req.sampling.seed)
+        last: EngineOutput | None = None
+        async with contextlib.aclosing(self.generate(dataclasses.replace(
+                req, sampling=one, output_offset=0, kv_transfer=None, hold_kv=True))) as stream:
+            async for out in stream:
+                last = out
+        if last is None:
+            raise PrefillRefused("the prefill produced nothing")
+        if last.finish_reason not in ("stop", "length") or last.kv_transfer is None:
+            raise PrefillRefused(last.error or f"the prefill ended {last.finish_reason}")
+        t = last.timings
+        return KvHandoff(transfer=last.kv_transfer, prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
+                         timings=Timings(arrival=t.arrival, scheduled=t.scheduled, first_token=t.first_token))
 
     async def warm(self) -> bool:
         """Start loading the model ahead of a request, where the engine loads on demand

@@ -24,19 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 
-import msgspec
-
 from proto.messages import Timings
 from proto.workers import AllCleared, BlockStored, KvEvent
 
-from .base import Engine, EngineOutput, EngineRequest, EngineStats, KvHandoff, PrefillRefused
+from .base import Engine, EngineOutput, EngineRequest, EngineStats
 from .sim_core import SimCore, StepResult
 from .sim_lora import LoraConfig
 from .sim_profile import DEFAULT_KV_TRANSFER_GB_PER_S, DEFAULT_PROFILE, SimConfig, SimProfile
@@ -240,6 +237,11 @@ class SimEngine(Engine):
         try:
             while True:
                 out = await queue.get()
+                if out.finish_reason in ("stop", "length") and req.hold_kv:
+                    # What a decode replica loads is described, not moved (sim_core.remote_kv):
+                    # the blocks stay in this replica's prefix cache.
+                    out.kv_transfer = {"engine": "sim", "tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
+                                       "block_size": self.block_size}
                 yield out
                 if out.finish_reason is not None:
                     return
@@ -254,25 +256,6 @@ class SimEngine(Engine):
     @property
     def disaggregation(self) -> bool:
         return True
-
-    async def prefill(self, req: EngineRequest) -> KvHandoff:
-        """The prompt computed as any request's (one token sampled, as vLLM's prefill
-        instance does, then dropped); its blocks stay in this replica's prefix cache. What
-        a decode replica loads is described, not moved: tokens, block size, cache hits."""
-        sampling = msgspec.structs.replace(req.sampling, max_tokens=1, min_tokens=0, n=1, logprobs=None,
-                                           prompt_logprobs=None, structured=None, stop=[], stop_token_ids=[], logit_bias={})
-        last: EngineOutput | None = None
-        async with contextlib.aclosing(self.generate(dataclasses.replace(req, sampling=sampling, output_offset=0,
-                                                                         kv_transfer=None))) as stream:
-            async for out in stream:
-                last = out
-        if last is None or last.finish_reason not in ("stop", "length"):
-            raise PrefillRefused(last.error or f"prefill ended {last.finish_reason}" if last else "prefill produced nothing")
-        transfer = {"engine": "sim", "tokens": last.prompt_tokens, "cached_tokens": last.cached_tokens,
-                    "block_size": self.block_size}
-        t = last.timings
-        return KvHandoff(transfer=transfer, prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
-                         timings=Timings(arrival=t.arrival, scheduled=t.scheduled, first_token=t.first_token))
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)

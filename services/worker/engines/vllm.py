@@ -52,7 +52,9 @@ from .vllm_args import (
     default_cpu_kvcache_gib,
     engine_arguments,
     is_validation_error,
+    kv_transfer_params,
     local_model_dir,
+    parse_kv_transfer_config,
     parse_lora_adapters,
     resolve_model,
     runtime_adapter_problem,
@@ -103,6 +105,10 @@ class VllmEngine(Engine):
     - ``kv_events``: ``auto`` (vLLM's publisher when it has one, else predicted),
       ``engine`` (required) or ``predicted``.
     - ``cpu_kvcache_space_gib``: the CPU build's KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
+    - ``kv_transfer_config``: vLLM's ``--kv-transfer-config`` (a mapping or its JSON): the KV
+      connector a prefill/decode split moves prompts' KV with (e.g. ``NixlConnector``,
+      ``kv_role`` ``kv_both``). With one, the engine prefills for other workers and loads
+      their prefills (vLLM's ``kv_transfer_params``, as its disaggregated-serving proxy sends them).
     - ``rate_window_s``, ``kv_event_buffer``: as for the sim engine.
     """
 
@@ -131,6 +137,7 @@ class VllmEngine(Engine):
         kv_events: str = "auto",
         generation_config: str = "auto",
         cpu_kvcache_space_gib: float | None = None,
+        kv_transfer_config: Mapping[str, Any] | str | None = None,
         engine_args: Mapping[str, Any] | None = None,
         rate_window_s: float = 5.0,
         kv_event_buffer: int = 10_000,
@@ -182,6 +189,7 @@ class VllmEngine(Engine):
         self.kv_events_requested = kv_events
         self.kv_events_mode = "predicted" if kv_events == "predicted" else "engine"
         self.cpu_kvcache_space_gib = cpu_kvcache_space_gib
+        self.kv_transfer_config = parse_kv_transfer_config(kv_transfer_config)
         self.rate_window_s = rate_window_s
         self._kv_buffer = kv_event_buffer
         self._llm: Any = None
@@ -306,6 +314,13 @@ class VllmEngine(Engine):
 
                 kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                             endpoint=endpoint)
+        if self.kv_transfer_config is not None:
+            from vllm.config import KVTransferConfig
+
+            try:
+                kwargs["kv_transfer_config"] = KVTransferConfig(**self.kv_transfer_config)
+            except Exception as exc:  # pydantic's ValidationError: the operator's input
+                raise ValueError(f"bad kv_transfer_config: {exc}") from exc
         try:
             engine_args = AsyncEngineArgs(**kwargs)
         except TypeError as exc:
@@ -389,11 +404,17 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         structured = structured_kwargs(req.sampling.structured)
+        transfer = kv_transfer_params(req)
         return SamplingParams(
             **sampling_kwargs(req.sampling, req.output_offset),
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
         )
+
+    @property
+    def disaggregation(self) -> bool:
+        return self.kv_transfer_config is not None
 
     def _decode(self, token_id: int) -> str:
         """A token's text alone, where vLLM's logprobs carry none (detokenizing off)."""

@@ -15,6 +15,8 @@ from typing import Any
 
 from proto.messages import SamplingParams, StructuredOutput, TokenLogprob, TopLogprob
 
+from .base import EngineRequest
+
 # vLLM's OpenAI server reports -inf (a token masked by guided decoding or logit_bias) as
 # this, since JSON has no infinity; the same here, so every API path can serialise it.
 LOGPROB_FLOOR = -9999.0
@@ -261,3 +263,35 @@ def _decoded(lp: Any, token_id: int, decode: Callable[[int], str]) -> str:
 
 def _logprob(lp: Any) -> float:
     return max(float(lp.logprob), LOGPROB_FLOOR)
+
+
+# What vLLM's disaggregated-serving proxy sends a prefill instance (its toy proxy and
+# llm-d's sidecar alike): compute the prompt, keep the KV for a decode instance, say where.
+REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def parse_kv_transfer_config(spec: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
+    """vLLM's ``--kv-transfer-config`` as a mapping (given as one or as its JSON); None: none."""
+    if spec is None or spec == "":
+        return None
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"kv_transfer_config is not JSON: {exc}") from exc
+    if not isinstance(spec, Mapping) or not spec.get("kv_connector"):
+        raise ValueError("kv_transfer_config must be an object naming its kv_connector, e.g."
+                         ' {"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
+    return dict(spec)
+
+
+def kv_transfer_params(req: EngineRequest) -> dict[str, Any] | None:
+    """The request's ``kv_transfer_params`` for vLLM: a decode's, the prefill worker's answer
+    with ``do_remote_prefill`` (as vLLM's proxy passes it on; none when the answer names
+    nothing: such a connector finds the KV by the prompt); a prefill's, ``REMOTE_DECODE``."""
+    if req.kv_transfer:
+        return {**req.kv_transfer, "do_remote_prefill": True, "do_remote_decode": False}
+    if req.hold_kv:
+        return dict(REMOTE_DECODE)
+    return None

@@ -73,6 +73,11 @@ class OutputConverter:
             error="vLLM ended the request with an error" if finish == "error" else None,
         )
         self._pending_prompt = None
+        if finish is not None and req.hold_kv:
+            params = getattr(out, "kv_transfer_params", None)
+            # A connector that names nothing (one that finds the KV by the prompt, as vLLM's
+            # example connector does) still hands over: the decode side finds it the same way.
+            output.kv_transfer = dict(params) if isinstance(params, dict) else {}
         return len(new_ids), output
 
     def failed(self, error: str, rejected: bool, now: float) -> EngineOutput:
