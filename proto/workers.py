@@ -63,6 +63,9 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     # for the pool's other workers and takes no request of its own; "both" takes requests,
     # and has a long prompt prefilled on a prefill worker when the pool has one.
     role: WorkerRole = "both"
+    # Its engine prefills for other workers and loads their KV (the sim; vLLM with a KV
+    # connector): a request is split only between workers that both can.
+    disaggregation: bool = False
     host_id: str = ""
     host_memory_gib: float = 0.0
     footprint_gib: float = 0.0

@@ -399,7 +399,7 @@ class FleetView:
             # Same id, new process: its KV cache and in-flight work are gone.
             self._reset_worker(pool, w)
         pool.hosted += bool(info.host_id) - bool(w.info is not None and w.info.host_id)
-        if w.info is None or w.info.state != info.state:
+        if w.info is None or w.info.state != info.state or w.info.role != info.role:
             pool.epoch += 1
         w.info = info
         pool.kv.set_block_size(w.kv, info.block_size)

@@ -342,6 +342,9 @@ class Router:
             )
         cfg = self.config.for_model(model)
         eligible = self.view.placeable_in(pool, now, exclude)
+        if not eligible:
+            # Only prefill workers left (P/D split): each is a whole engine, better than none.
+            eligible = [w for w in self.view.prefill_placeable_in(pool, now) if w.worker_id not in exclude]
         load_costs: dict[str, float] = {}
         if q.lora:
             serving = [w for w in eligible if q.lora in w.lora_adapters or w.max_loras > 0]
@@ -393,10 +396,15 @@ class Router:
         cfg = ctx.cfg
         if decision.prefill_tokens < cfg.remote_prefill_min_tokens:
             return decision
-        prefill = self.view.prefill_placeable_in(pool, now)
-        if exclude:
-            prefill = [w for w in prefill if w.worker_id not in exclude]
-        prefill = [w for w in prefill if w.queued_prefill_tokens <= cfg.remote_prefill_max_queue_tokens]
+        chosen = self.view.worker(decision.worker_id)
+        info = chosen.info if chosen is not None else None
+        if info is None or not info.disaggregation or info.role == "prefill":
+            return decision  # it cannot load another worker's KV (vLLM without a KV connector)
+        # A KV it can load: the same engine, in blocks of its size.
+        prefill = [w for w in self.view.prefill_placeable_in(pool, now)
+                   if w.worker_id not in exclude and w.info is not None and w.info.disaggregation
+                   and w.info.engine == info.engine and w.info.block_size == info.block_size
+                   and w.queued_prefill_tokens <= cfg.remote_prefill_max_queue_tokens]
         if not prefill:
             return decision
         ctx.ensure(prefill)

@@ -15,13 +15,13 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from bus import Bus
 from proto import (
     CancelRequest,
     GenerateRequest,
-    MeshError,
     PrefillRequest,
     PrefillResult,
     RequestTimeout,
@@ -36,6 +36,16 @@ class Cancelled:
 
 
 CANCELLED = Cancelled()
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteKv:
+    """A prefill worker's answer: the KV's description for the engine, and the prompt tokens
+    it found in its own cache (what the request bills as cached, as vLLM's server reports a
+    remote prefill: the tokens nobody computed for it)."""
+
+    transfer: dict[str, Any]
+    cached_tokens: int
 
 
 def disaggregable(request: GenerateRequest) -> bool:
@@ -60,14 +70,26 @@ class RemotePrefill:
         self.cancelled = 0
 
     def cancel(self, engine_id: str) -> None:
-        """Stop waiting for ``engine_id``'s prefill (its client cancelled, a drain handed it over)."""
+        """Stop waiting for ``engine_id``'s prefill (its client cancelled, a drain handed it
+        over): its request must not start (``started`` says so)."""
         event = self._cancels.get(engine_id)
         if event is not None:
             event.set()
 
-    async def fetch(self, request: GenerateRequest, engine_id: str) -> dict[str, Any] | Cancelled | None:
+    def waiting(self, engine_id: str) -> bool:
+        """Whether ``engine_id`` waits for a prefill worker (work under way, not a hung engine)."""
+        return engine_id in self._cancels
+
+    def started(self, engine_id: str) -> bool:
+        """``engine_id`` goes to the engine now (with no await before it does): whether it
+        was cancelled first, since ``fetch`` began, and must end instead."""
+        event = self._cancels.pop(engine_id, None)
+        return event is not None and event.is_set()
+
+    async def fetch(self, request: GenerateRequest, engine_id: str) -> RemoteKv | Cancelled | None:
         """The KV's description from ``request.prefill_worker`` (None: compute the prompt here;
-        ``CANCELLED``: the request was cancelled meanwhile, and so was the prefill)."""
+        ``CANCELLED``: the request was cancelled meanwhile, and so was the prefill). Call
+        ``started`` after it, however it ends: a cancel may come until the engine has it."""
         source = request.prefill_worker
         ask = PrefillRequest(
             request_id=prefill_id(engine_id), model=request.model, prompt=request.prompt, decode_worker=self.worker_id,
@@ -75,7 +97,7 @@ class RemotePrefill:
             lora_size_bytes=request.lora_size_bytes, priority=request.priority,
             deadline=time.time() + self.timeout_s,
         )
-        cancelled = self._cancels[engine_id] = asyncio.Event()
+        cancelled = self._cancels.setdefault(engine_id, asyncio.Event())
         answer = asyncio.ensure_future(self.bus.request(self.bus.subjects.worker_prefill(source), ask, PrefillResult,
                                                         timeout=self.timeout_s))
         stop = asyncio.ensure_future(cancelled.wait())
@@ -83,26 +105,27 @@ class RemotePrefill:
             await asyncio.wait({answer, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
-            del self._cancels[engine_id]
-        if not answer.done():
-            answer.cancel()
+            if not answer.done():  # cancelled, or this task was (the worker stopping)
+                answer.cancel()
+                await asyncio.shield(self._cancel_on(source, ask.request_id))
+        if cancelled.is_set():  # whatever the answer: the client is gone
             self.cancelled += 1
-            await self._cancel_on(source, ask.request_id)
+            if not answer.cancelled():
+                answer.exception()  # retrieved: a failed prefill nobody waits for is no error
             return CANCELLED
         try:
             result = answer.result()
             transfer = json.loads(result.kv_transfer)
             if not isinstance(transfer, dict):
                 raise ValueError("kv_transfer is not an object")
-        except (MeshError, ValueError) as exc:
-            # RequestTimeout, NoResponders and RemoteError are MeshErrors: each ends the same way.
+        except Exception as exc:  # a refusal, a timeout, a bus failure, a bad answer: computed here
             self.fallbacks += 1
             log.warning("prefill of %s on %s failed (%s): prefilling here", engine_id, source, exc)
             if isinstance(exc, RequestTimeout):
                 await self._cancel_on(source, ask.request_id)  # it may still be computing: for nobody
             return None
         self.remote_prefills += 1
-        return transfer
+        return RemoteKv(transfer, min(max(result.cached_tokens, 0), max(result.prompt_tokens, 0)))
 
     async def _cancel_on(self, source: str, prefill: str) -> None:
         try:

@@ -138,8 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--drain-timeout", type=positive_seconds, default=60.0, help="seconds in-flight requests get to finish on SIGTERM")
     split = parser.add_argument_group("prefill/decode split (DESIGN.md, Prefill and decode apart)")
     split.add_argument("--role", choices=WORKER_ROLES, default="both",
-                       help="prefill: compute long prompts for the pool's other workers and take no request of its"
-                            " own; both: take requests (the default)")
+                       help="prefill: compute long prompts for the pool's other workers, and take requests only while"
+                            " no other worker serves the model; both: take requests (the default)")
     split.add_argument("--remote-prefill-timeout", type=positive_seconds, default=30.0,
                        help="seconds a worker waits for a prefill worker's answer before computing the prompt itself")
     split.add_argument("--kv-transfer-gb-per-s", type=positive_number, default=None,

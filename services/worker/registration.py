@@ -41,6 +41,7 @@ def worker_info(engine: Engine, config: WorkerConfig, worker_id: str, model_dir:
         accelerator=accelerator,
         accelerators=accelerators,
         role=config.role,
+        disaggregation=engine.disaggregation,
         worker_id=worker_id,
         model=engine.model,
         engine=engine.engine_name,

@@ -66,7 +66,7 @@ from .capacity import CapacityMeter
 from .chunks import ChunkPublisher, too_large, too_large_text
 from .coalesce import Coalescer
 from .config import WorkerConfig, default_worker_id
-from .disagg import CANCELLED, RemotePrefill, disaggregable, encode_transfer
+from .disagg import CANCELLED, RemoteKv, RemotePrefill, disaggregable, encode_transfer
 from .engines.base import Engine, EngineOutput, EngineRequest, PrefillRefused
 from .metrics import WorkerMetrics
 from .orphans import OrphanWatch
@@ -318,6 +318,7 @@ class WorkerService(Service):
             raise MeshError(f"prefill of {ask.request_id} on {self.worker_id}: {exc}", code=ErrorCode.BAD_REQUEST) from exc
         finally:
             self._untrack(ask.request_id)
+            self.book.handed_over.discard(ask.request_id)  # a drain's timeout marks whatever runs
             self._state_changed.set()
         self.prefills_served += 1
         t = handoff.timings
@@ -423,13 +424,19 @@ class WorkerService(Service):
         prompt_logprobs = None
         token_ids: list[int] = []
         unsent = 0  # tokens taken for a chunk the bus could not carry: not billed
+        remote: RemoteKv | None = None
         if disaggregable(request) and single and self.disagg is not None and self.engine.disaggregation:
-            transfer = await self.disagg.fetch(request, choice.engine_id)
-            if transfer is CANCELLED:
+            try:
+                answer = await self.disagg.fetch(request, choice.engine_id)
+            finally:
+                cancelled = self.disagg.started(choice.engine_id)
+            if cancelled or answer is CANCELLED:  # never started: ends as a cancel before scheduling does
                 choice.last = EngineOutput(request_id=choice.engine_id, finish_reason="abort", prompt_tokens=len(choice.prompt),
                                            timings=Timings(arrival=engine_request.arrival_time, finished=time.time()))
                 return
-            engine_request.kv_transfer = transfer if isinstance(transfer, dict) else None
+            if isinstance(answer, RemoteKv):
+                remote = answer
+                engine_request.kv_transfer = answer.transfer
         # The engine counts the request from the first iteration's start (before it first
         # suspends), so no gauge can name it without counting its tokens.
         self.book.engine_took(request.request_id)
@@ -465,6 +472,9 @@ class WorkerService(Service):
             choice.streamed = coalescer.emitted - unsent - len(token_ids)
             return
         choice.streamed = coalescer.emitted - unsent  # the final chunk's tokens included
+        if remote is not None and choice.last is not None:
+            # The prefill worker's cache hits, whatever the engine counted as loaded.
+            choice.last.cached_tokens = remote.cached_tokens
         if echo_only and choice.last is not None:
             choice.streamed = choice.last.completion_tokens
         if single:
@@ -578,9 +588,11 @@ class WorkerService(Service):
 
     async def handle_probe(self, probe: RequestProbe, msg: Msg) -> None:
         state, since_output, engine_idle = self.book.progress(probe.request_id)
-        if state == "waiting" and self.engine.stats().residency in ("loading", "cold"):
-            # A hot-swap model being loaded (or waiting for room) is work under way, not a
-            # hung engine: a load can outlast the gateway's stall timeout.
+        if state == "waiting" and (self.engine.stats().residency in ("loading", "cold")
+                                   or (self.disagg is not None and self.disagg.waiting(probe.request_id))):
+            # A hot-swap model being loaded (or waiting for room), or a prompt on a prefill
+            # worker, is work under way, not a hung engine: either can outlast the gateway's
+            # stall timeout.
             engine_idle = 0.0
         held = self.book.held(probe.request_id)
         await self.bus.respond(msg, RequestProbeReply(

@@ -5,7 +5,8 @@ the stock ``openai`` client.
 A long prompt is computed on the prefill worker and decoded where the router placed it,
 with the same text a worker computing it itself gives (the same seeded request, served
 once each way); a short prompt stays where it is placed; a prefill worker that stops
-answering (SIGSTOP) costs its requests the wait, never the request.
+answering (SIGSTOP) costs its requests the wait, never the request; a client gone while
+its prompt waits there is billed, and its request never starts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 
 from bus import Bus
 from ops.up import Mesh
-from tests.conftest import running_mesh
+from tests.conftest import running_mesh, usage_events
 from tests.integration.test_router_mesh import stats
 
 MODEL = "sim-llama-8b"
@@ -38,6 +39,18 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
 
 def _sum(found: list[dict[str, Any]], key: str) -> int:
     return sum(int(s.get(key, 0)) for s in found)
+
+
+async def _cancelled(bus: Bus) -> bool:
+    return _sum(await stats(bus, "worker"), "remote_prefills_cancelled") == 1
+
+
+async def _until(check: Any, what: str, timeout: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
 
 
 def test_long_prompts_prefill_on_the_prefill_worker(mesh: Mesh) -> None:
@@ -86,6 +99,16 @@ async def _run(mesh: Mesh) -> None:
             assert late.usage is not None and late.usage.completion_tokens == 24
             workers = [s for s in await stats(bus, "worker") if s]  # the paused one does not answer
             assert _sum(workers, "remote_prefill_fallbacks") == 1, workers
+
+            # A client gone while its prompt waits there: the serving worker stops waiting,
+            # never starts it, and bills it (cancelled, no output).
+            long_d = "Chapter D: a prompt whose client leaves before it is computed. " * 32
+            stream = await client.completions.create(model=MODEL, prompt=long_d, max_tokens=24, stream=True)
+            await asyncio.sleep(1.0)
+            await stream.response.aclose()
+            await _until(lambda: _cancelled(bus), "the serving worker to stop waiting")
+            events = [e for e in await usage_events(bus) if e.prompt_tokens and e.status == "cancelled"]
+            assert len(events) == 1 and events[0].completion_tokens == 0, events
         finally:
             os.kill(prefill.proc.pid, signal.SIGCONT)
         # Back, the prefill worker computes a new long prompt again; the text of B is B's.

@@ -124,10 +124,14 @@ def test_disaggregable_requests() -> None:
 # ---- the router ----
 
 
-def _split_view(decode: int = 2, prefill: int = 2) -> FleetView:
-    v = make_view(decode)
+def _split_view(decode: int = 2, prefill: int = 2, *, block_size: int = 16) -> FleetView:
+    v = FleetView()
+    for i in range(decode):
+        v.update_worker(WorkerInfo(worker_id=f"llama-{i}", model="llama", engine="sim", state="ready",
+                                   disaggregation=True), 0.0)
     for i in range(prefill):
-        v.update_worker(WorkerInfo(worker_id=f"p-{i}", model="llama", engine="sim", state="ready", role="prefill"), 0.0)
+        v.update_worker(WorkerInfo(worker_id=f"p-{i}", model="llama", engine="sim", state="ready", role="prefill",
+                                   disaggregation=True, block_size=block_size), 0.0)
     return v
 
 
@@ -180,8 +184,20 @@ def test_prefill_workers_take_no_request_of_their_own() -> None:
     r = router(v, policy="round_robin")
     for i in range(6):
         assert decided(r.place(q(f"r{i}", list(range(64))), 0.0)).worker_id == "llama-0"
+    # ... unless nothing else serves the model: each is a whole engine, better than none
     only_prefill = _split_view(decode=0, prefill=1)
-    assert not hasattr(router(only_prefill).place(q("x"), 0.0), "worker_id")  # NoCapacity
+    lone = decided(router(only_prefill).place(q("x", LONG, disaggregable=True), 0.0))
+    assert lone.worker_id == "p-0" and lone.prefill_worker == ""
+
+
+def test_a_split_needs_workers_that_can_load_each_others_kv() -> None:
+    # a serving worker without the ability (vLLM without a KV connector)
+    v = make_view(2)
+    v.update_worker(WorkerInfo(worker_id="p-0", model="llama", engine="sim", state="ready", role="prefill",
+                               disaggregation=True), 0.0)
+    assert decided(router(v).place(q("r", LONG, disaggregable=True), 0.0)).prefill_worker == ""
+    # a prefill worker of another block size: its blocks are not the serving worker's
+    assert decided(router(_split_view(block_size=32)).place(q("r", LONG, disaggregable=True), 0.0)).prefill_worker == ""
 
 
 def test_remote_prefill_settings_are_checked() -> None:

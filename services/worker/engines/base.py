@@ -306,7 +306,8 @@ class Engine(ABC):
         decode worker's to enforce."""
         if not self.disaggregation:
             raise PrefillRefused(f"the {self.engine_name} engine does not prefill for other workers")
-        one = SamplingParams(max_tokens=1, seed=req.sampling.seed)
+        # ignore_eos: a length finish, on which vLLM's connectors keep the KV for the decode side
+        one = SamplingParams(max_tokens=1, ignore_eos=True, seed=req.sampling.seed)
         last: EngineOutput | None = None
         async with contextlib.aclosing(self.generate(dataclasses.replace(
                 req, sampling=one, output_offset=0, kv_transfer=None, hold_kv=True))) as stream:

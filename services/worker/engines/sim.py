@@ -265,6 +265,7 @@ class SimEngine(Engine):
         out = self.core.abort(request_id, self.sim_now())
         if out is not None:
             queue.put_nowait(self._to_wall(out, arrival))
+        self._wake.set()  # a step loop idling for a transfer this request held
 
     # ----------------------------------------------------------- observability
 
@@ -314,6 +315,18 @@ class SimEngine(Engine):
                 self._fail_all(f"sim engine step failed: {exc!r}")
                 continue
             if result is None:
+                continue
+            if not result.num_scheduled:
+                # Waiting for a transfer (P/D split) with nothing to compute: idle till it
+                # lands, or till a new request or an abort, which the next step sees.
+                self._push_kv(result.kv_events)
+                self._wake.clear()
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({woken}, timeout=max(0.0, self._t0_mono + result.end / self.speed - time.monotonic()))
+                finally:
+                    woken.cancel()
+                self._prev_end = None  # idle: the next step starts when it is taken
                 continue
             self.steps += 1
             self._push_kv(result.kv_events)

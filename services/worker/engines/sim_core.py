@@ -299,8 +299,9 @@ class SimCore:
             seq.num_computed = num_hit + loaded
             seq.num_cached_blocks = len(hit)
             if seq.cached_tokens is None:  # first scheduling: what the usage event reports
-                # Loaded KV reports the prefill replica's cache hits (as vLLM's remote prefill).
-                seq.cached_tokens = max(num_hit, seq.remote_cached) if seq.remote_tokens else num_hit
+                # Loaded KV reports the prefill replica's cache hits (as vLLM's remote prefill):
+                # it computed the rest of the prompt, whatever this replica held.
+                seq.cached_tokens = seq.remote_cached if seq.remote_tokens else num_hit
                 seq.scheduled_at = now
                 self._record_hits(now, seq.num_tokens, num_hit)
             seq.status = "running"
