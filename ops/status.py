@@ -226,6 +226,8 @@ async def workers_from_registry(bus: Bus, model: str = "", listen_s: float = 1.0
         heard = gauges.get(info.worker_id)
         g = heard[1] if heard else None
         state = g.residency if g is not None and info.state == "ready" and g.residency not in ("", "resident") else info.state
+        if info.role == "prefill":
+            state = f"{state} (prefill)"  # computes prompts for the others (P/D split)
         views.append(WorkerView(
             worker_id=info.worker_id, state=state, running=g.running if g else 0, waiting=g.waiting if g else 0,
             running_tokens=g.running_tokens if g else 0, queued_prefill_tokens=g.queued_prefill_tokens if g else 0,

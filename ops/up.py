@@ -451,8 +451,9 @@ class Mesh:
                              str(p.log_file)))
                 continue
             one = entries[0] if entries else None
+            role = ", prefill only" if one is not None and one.role == "prefill" else ""
             rows.append((f"{p.label} {one.worker_id}" if one else p.label,
-                         f"pid {pid or '-'}" + (f" ({one.engine}, {one.model})" if one else ""), str(p.log_file)))
+                         f"pid {pid or '-'}" + (f" ({one.engine}, {one.model}{role})" if one else ""), str(p.log_file)))
         started_here = {p.proc.pid for p in self.processes if p.proc}
         for w in self.workers:
             if w.pid not in started_here:  # the autoscaler's workers, or ones started by hand
