@@ -529,18 +529,7 @@ class Check:
 
 async def stats(bus: Bus, service: str) -> list[dict[str, Any]]:
     """``$SRV.STATS`` of every instance ({} for one without endpoints: an admission standby)."""
-    inbox = bus.nc.new_inbox()
-    found: list[dict[str, Any]] = []
-
-    async def collect(msg: Msg) -> None:
-        data = json.loads(msg.data)
-        found.append(data["endpoints"][0]["data"] if data.get("endpoints") else {})
-
-    sub = await bus.nc.subscribe(inbox, cb=collect)
-    await bus.nc.publish(f"$SRV.STATS.meshserve-{service}", b"", reply=inbox)
-    await asyncio.sleep(0.5)
-    await sub.unsubscribe()
-    return found
+    return await bus.every_service_stats(service)
 
 
 async def check_recovery(ctx: Ctx, bus: Bus, chaos: Chaos, workers: int) -> Check:

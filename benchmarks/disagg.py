@@ -39,23 +39,6 @@ def per_worker_capacity(args: argparse.Namespace) -> float:
     return load_profile(DEFAULT_PROFILE).costs.requests_per_s(args.input_tokens, args.output_tokens) * args.speed
 
 
-async def _worker_stats(bus: Bus) -> list[dict[str, Any]]:
-    import json
-
-    inbox = bus.nc.new_inbox()
-    found: list[dict[str, Any]] = []
-
-    async def collect(msg: Any) -> None:
-        data = json.loads(msg.data)
-        found.append(data["endpoints"][0]["data"] if data.get("endpoints") else {})
-
-    sub = await bus.nc.subscribe(inbox, cb=collect)
-    await bus.nc.publish("$SRV.STATS.meshserve-worker", b"", reply=inbox)
-    await asyncio.sleep(0.5)
-    await sub.unsubscribe()
-    return found
-
-
 async def run_case(case: str, load: float, args: argparse.Namespace) -> dict[str, Any]:
     prefill = int(case.split(":", 1)[1]) if case.startswith("split:") else 0
     if not 0 <= prefill < args.gpus:
@@ -83,7 +66,7 @@ async def run_case(case: str, load: float, args: argparse.Namespace) -> dict[str
             request_timeout=600.0, label=case,
         )
         result = await run_bench(config)
-        workers = await _worker_stats(bus)
+        workers = await bus.every_service_stats("worker")
     finally:
         await bus.close()
         mesh.stop(timeout=60)

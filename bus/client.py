@@ -436,6 +436,24 @@ class Bus:
         """The caller's trace context carried by ``msg`` (parent for the handler's span)."""
         return extract_context(msg.headers)
 
+    async def every_service_stats(self, service: str, wait: float = 0.5) -> list[dict[str, Any]]:
+        """The figures every instance of ``service`` that answers within ``wait`` seconds
+        reports through ``$SRV.STATS`` ({} from one with no endpoint: an admission standby)."""
+        inbox = self.nc.new_inbox()
+        found: list[dict[str, Any]] = []
+
+        async def collect(msg: Msg) -> None:
+            data = msgspec.json.decode(msg.data)
+            found.append((data.get("endpoints") or [{}])[0].get("data") or {})
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(f"$SRV.STATS.meshserve-{service}", b"", reply=inbox)
+            await asyncio.sleep(wait)
+        finally:
+            await sub.unsubscribe()
+        return found
+
     async def service_stats(self, service: str, timeout: float = 3.0) -> dict[str, Any]:
         """The figures one instance of ``service`` reports through NATS micro
         ``$SRV.STATS`` (the first to answer; {} from one with no endpoint, such as an

@@ -15,18 +15,25 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
 from bus import Bus
 from proto import (
     CancelRequest,
+    ErrorCode,
     GenerateRequest,
+    MeshError,
     PrefillRequest,
     PrefillResult,
     RequestTimeout,
+    cache_scope,
     prefill_id,
+    unpack_tokens,
 )
+
+from .engines.base import EngineRequest, KvHandoff
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +146,36 @@ class RemotePrefill:
                 "remote_prefills_cancelled": self.cancelled}
 
 
-def encode_transfer(transfer: dict[str, Any]) -> bytes:
-    """``PrefillResult.kv_transfer``: an engine's KV description as JSON (vLLM's connectors
-    put plain JSON values in their ``kv_transfer_params``)."""
-    return json.dumps(transfer, separators=(",", ":")).encode()
+# ---- the prefill worker's side (WorkerService.handle_prefill): pure -----------------------
+
+
+def prefill_problem(ask: PrefillRequest, worker_id: str, state: str, model: str, now: float,
+                    running: Container[str]) -> MeshError | None:
+    """Why this worker does not take ``ask`` now (None: it does)."""
+    if state != "ready":
+        return MeshError(f"worker {worker_id} is {state}", code=ErrorCode.DRAINING)
+    if ask.model != model:
+        return MeshError(f"worker {worker_id} serves {model!r}, not {ask.model!r}", code=ErrorCode.UNKNOWN_MODEL)
+    if 0 < ask.deadline <= now:
+        return MeshError(f"prefill of {ask.request_id} is past its deadline", code=ErrorCode.TIMEOUT)
+    if ask.request_id in running:
+        return MeshError(f"request {ask.request_id} is already running here", code=ErrorCode.BAD_REQUEST)
+    return None
+
+
+def prefill_engine_request(ask: PrefillRequest, now: float) -> EngineRequest:
+    return EngineRequest(request_id=ask.request_id, prompt_token_ids=unpack_tokens(ask.prompt), priority=ask.priority,
+                         arrival_time=now, lora=ask.lora, lora_size_bytes=ask.lora_size_bytes, lora_path=ask.lora_path,
+                         cache_salt=cache_scope(ask.org, ask.cache_salt))
+
+
+def prefill_result(ask: PrefillRequest, handoff: KvHandoff, worker_id: str) -> PrefillResult:
+    """The answer: the KV's description as JSON (vLLM's connectors put plain JSON values in
+    their ``kv_transfer_params``), and where the time went."""
+    t = handoff.timings
+    return PrefillResult(
+        request_id=ask.request_id, worker_id=worker_id,
+        kv_transfer=json.dumps(handoff.transfer, separators=(",", ":")).encode(),
+        prompt_tokens=handoff.prompt_tokens, cached_tokens=handoff.cached_tokens,
+        queue_s=max(t.scheduled - t.arrival, 0.0) if t.scheduled else 0.0,
+        prefill_s=max(t.first_token - t.scheduled, 0.0) if t.first_token and t.scheduled else 0.0)

@@ -47,7 +47,6 @@ from proto import (
     MeshError,
     PayloadTooLarge,
     PrefillRequest,
-    PrefillResult,
     RequestProbe,
     RequestProbeReply,
     Timings,
@@ -66,7 +65,15 @@ from .capacity import CapacityMeter
 from .chunks import ChunkPublisher, too_large, too_large_text
 from .coalesce import Coalescer
 from .config import WorkerConfig, default_worker_id
-from .disagg import CANCELLED, RemoteKv, RemotePrefill, disaggregable, encode_transfer
+from .disagg import (
+    CANCELLED,
+    RemoteKv,
+    RemotePrefill,
+    disaggregable,
+    prefill_engine_request,
+    prefill_problem,
+    prefill_result,
+)
 from .engines.base import Engine, EngineOutput, EngineRequest, PrefillRefused
 from .metrics import WorkerMetrics
 from .orphans import OrphanWatch
@@ -291,16 +298,8 @@ class WorkerService(Service):
     async def handle_prefill(self, ask: PrefillRequest, msg: Msg) -> None:
         """A decode worker's prompt (role prefill): computed, its KV described in the answer.
         Nothing streams and nothing is billed here: the request is the decode worker's."""
-        if self.state != "ready":
-            raise MeshError(f"worker {self.worker_id} is {self.state}", code=ErrorCode.DRAINING)
-        if ask.model != self.engine.model:
-            raise MeshError(f"worker {self.worker_id} serves {self.engine.model!r}, not {ask.model!r}",
-                            code=ErrorCode.UNKNOWN_MODEL)
-        if 0 < ask.deadline <= time.time():
-            raise MeshError(f"prefill of {ask.request_id} is past its deadline", code=ErrorCode.TIMEOUT)
-        if ask.request_id in self._requests:
-            raise MeshError(f"request {ask.request_id} is already running here", code=ErrorCode.BAD_REQUEST)
-        prompt = unpack_tokens(ask.prompt)
+        if problem := prefill_problem(ask, self.worker_id, self.state, self.engine.model, time.time(), self._requests):
+            raise problem
         self._track(ask.request_id)
         # Gauges name it: a router's optimistic count of this prefill settles as for a request.
         self.book.engine_took(ask.request_id)
@@ -310,10 +309,7 @@ class WorkerService(Service):
                 attributes={"meshserve.worker_id": self.worker_id, "meshserve.request_id": ask.request_id,
                             "meshserve.decode_worker": ask.decode_worker, "gen_ai.request.model": ask.model},
             ):
-                handoff = await self.engine.prefill(EngineRequest(
-                    request_id=ask.request_id, prompt_token_ids=prompt, priority=ask.priority,
-                    arrival_time=time.time(), lora=ask.lora, lora_size_bytes=ask.lora_size_bytes,
-                    lora_path=ask.lora_path, cache_salt=cache_scope(ask.org, ask.cache_salt)))
+                handoff = await self.engine.prefill(prefill_engine_request(ask, time.time()))
         except PrefillRefused as exc:
             raise MeshError(f"prefill of {ask.request_id} on {self.worker_id}: {exc}", code=ErrorCode.BAD_REQUEST) from exc
         finally:
@@ -321,12 +317,7 @@ class WorkerService(Service):
             self.book.handed_over.discard(ask.request_id)  # a drain's timeout marks whatever runs
             self._state_changed.set()
         self.prefills_served += 1
-        t = handoff.timings
-        await self.bus.respond(msg, PrefillResult(
-            request_id=ask.request_id, worker_id=self.worker_id, kv_transfer=encode_transfer(handoff.transfer),
-            prompt_tokens=handoff.prompt_tokens, cached_tokens=handoff.cached_tokens,
-            queue_s=max(t.scheduled - t.arrival, 0.0) if t.scheduled else 0.0,
-            prefill_s=max(t.first_token - t.scheduled, 0.0) if t.first_token and t.scheduled else 0.0))
+        await self.bus.respond(msg, prefill_result(ask, handoff, self.worker_id))
 
     async def _stream(self, request: GenerateRequest, prompt: list[int], span: trace.Span) -> None:
         if self.superseded(request):

@@ -24,7 +24,7 @@ import pytest
 from bus import Bus
 from ops.up import Mesh
 from tests.conftest import running_mesh, usage_events
-from tests.integration.test_router_mesh import stats
+from tests.integration.test_router_mesh import stats, until
 
 MODEL = "sim-llama-8b"
 
@@ -43,14 +43,6 @@ def _sum(found: list[dict[str, Any]], key: str) -> int:
 
 async def _cancelled(bus: Bus) -> bool:
     return _sum(await stats(bus, "worker"), "remote_prefills_cancelled") == 1
-
-
-async def _until(check: Any, what: str, timeout: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
 
 
 def test_long_prompts_prefill_on_the_prefill_worker(mesh: Mesh) -> None:
@@ -106,7 +98,7 @@ async def _run(mesh: Mesh) -> None:
             stream = await client.completions.create(model=MODEL, prompt=long_d, max_tokens=24, stream=True)
             await asyncio.sleep(1.0)
             await stream.response.aclose()
-            await _until(lambda: _cancelled(bus), "the serving worker to stop waiting")
+            await until(lambda: _cancelled(bus))  # the serving worker stopped waiting
             events = [e for e in await usage_events(bus) if e.prompt_tokens and e.status == "cancelled"]
             assert len(events) == 1 and events[0].completion_tokens == 0, events
         finally:

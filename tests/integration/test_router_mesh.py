@@ -5,7 +5,6 @@ admission process takes over when the leader is killed with SIGKILL."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,18 +31,7 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
 async def stats(bus: Bus, service: str) -> list[dict[str, Any]]:
     """``$SRV.STATS`` of every instance of a service ({} for one with no endpoint: an
     admission standby serves none, so it reports no figures)."""
-    inbox = bus.nc.new_inbox()
-    found: list[dict[str, Any]] = []
-
-    async def collect(msg: Any) -> None:
-        data = json.loads(msg.data)
-        found.append(data["endpoints"][0]["data"] if data.get("endpoints") else {})
-
-    sub = await bus.nc.subscribe(inbox, cb=collect)
-    await bus.nc.publish(f"$SRV.STATS.meshserve-{service}", b"", reply=inbox)
-    await asyncio.sleep(0.3)
-    await sub.unsubscribe()
-    return found
+    return await bus.every_service_stats(service, wait=0.3)
 
 
 async def until(check: Any, timeout: float = 20.0) -> Any:
