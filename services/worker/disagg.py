@@ -107,6 +107,8 @@ class RemotePrefill:
         cancelled = self._cancels.setdefault(engine_id, asyncio.Event())
         answer = asyncio.ensure_future(self.bus.request(self.bus.subjects.worker_prefill(source), ask, PrefillResult,
                                                         timeout=self.timeout_s))
+        # Read whatever it ends with, also when nobody waits for it any more (a cancel).
+        answer.add_done_callback(lambda done: done.cancelled() or done.exception())
         stop = asyncio.ensure_future(cancelled.wait())
         try:
             await asyncio.wait({answer, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -117,8 +119,6 @@ class RemotePrefill:
                 await asyncio.shield(self._cancel_on(source, ask.request_id))
         if cancelled.is_set():  # whatever the answer: the client is gone
             self.cancelled += 1
-            if not answer.cancelled():
-                answer.exception()  # retrieved: a failed prefill nobody waits for is no error
             return CANCELLED
         try:
             result = answer.result()
@@ -128,8 +128,8 @@ class RemotePrefill:
         except Exception as exc:  # a refusal, a timeout, a bus failure, a bad answer: computed here
             self.fallbacks += 1
             log.warning("prefill of %s on %s failed (%s): prefilling here", engine_id, source, exc)
-            if isinstance(exc, RequestTimeout):
-                await self._cancel_on(source, ask.request_id)  # it may still be computing: for nobody
+            if isinstance(exc, RequestTimeout):  # it may still be computing: for nobody
+                await asyncio.shield(self._cancel_on(source, ask.request_id))
             return None
         self.remote_prefills += 1
         return RemoteKv(transfer, min(max(result.cached_tokens, 0), max(result.prompt_tokens, 0)))

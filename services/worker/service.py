@@ -458,14 +458,14 @@ class WorkerService(Service):
             log.exception("engine failed on %s", choice.engine_id)
             choice.error_text = f"engine failure: {exc!r}"
         token_ids, text, logprobs = coalescer.take(time.monotonic())
+        if remote is not None and choice.last is not None:
+            # The prefill worker's cache hits, whatever the engine counted as loaded.
+            choice.last.cached_tokens = remote.cached_tokens
         if request.request_id in self.book.handed_over and not choice.ended_alone:
             # Handed over: what the client has is what was sent; the rest is the next replica's.
             choice.streamed = coalescer.emitted - unsent - len(token_ids)
             return
         choice.streamed = coalescer.emitted - unsent  # the final chunk's tokens included
-        if remote is not None and choice.last is not None:
-            # The prefill worker's cache hits, whatever the engine counted as loaded.
-            choice.last.cached_tokens = remote.cached_tokens
         if echo_only and choice.last is not None:
             choice.streamed = choice.last.completion_tokens
         if single:
