@@ -24,16 +24,16 @@ from bus.keys import AdapterStore, KeyStore
 from ops.console import EXIT_USAGE, CliError, mesh_bus, plain, print_table
 from proto import ApiKeyRecord, DecodeError, decode
 from services.admission.buckets import Limits, limits_problem
-from services.common.cli_types import MAX_COUNT, add_mesh_arguments
+from services.common.cli_types import MAX_COUNT, add_mesh_arguments, region_names
 from services.gateway.apikeys import generate_key, is_valid_key_id, parse_key, redact_key
 
 
 async def create_key(
     bus: Bus, *, org: str, tier: str = "standard", name: str = "", rpm: int | None = None, tpm: int | None = None,
-    max_concurrent: int | None = None, models: list[str] | None = None,
+    max_concurrent: int | None = None, models: list[str] | None = None, regions: list[str] | None = None,
 ) -> tuple[str, ApiKeyRecord]:
     key, record = generate_key(org=org, tier=tier, name=name, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent,
-                               models=models or [], created_at=time.time())
+                               models=models or [], regions=regions or [], created_at=time.time())
     await (await KeyStore(bus).open()).put(record)
     return key, record
 
@@ -154,6 +154,9 @@ def add_parser(subparsers: Any) -> None:
     create.add_argument("--model", action="append", default=[],
                         help="restrict to this model (repeatable); it must be served by a registered worker "
                              "unless --allow-unknown-model")
+    create.add_argument("--regions", type=region_names, default=[], metavar="REGION[,REGION…]",
+                        help="data residency: its requests run only on workers in these regions, refused (503) "
+                             "while none there can take them (default: any region)")
     create.add_argument("--allow-unknown-model", action="store_true",
                         help="accept --model names no worker serves now (workers yet to start, gateway aliases)")
     listing = actions.add_parser("list", help="list keys (ids only, never secrets)",
@@ -189,7 +192,8 @@ async def _run(args: argparse.Namespace, key_id: str) -> int:
             if args.model and not args.allow_unknown_model:
                 check_models(args.model, await served_models(bus))
             key, record = await create_key(bus, org=args.org, tier=args.tier, name=args.name, rpm=args.rpm,
-                                           tpm=args.tpm, max_concurrent=args.max_concurrent, models=args.model)
+                                           tpm=args.tpm, max_concurrent=args.max_concurrent, models=args.model,
+                                           regions=args.regions)
             print(key, flush=True)  # first: the record is stored, and the secret is shown only now
             Console(stderr=True).print(f"key id [bold]{record.key_id}[/bold] for org {escape(record.org)}"
                                        f" (tier {escape(record.tier)})")
@@ -220,7 +224,7 @@ def keys_table(records: Sequence[ApiKeyRecord], unreadable: Sequence[str] = ()) 
     from rich.table import Table
 
     problems = [record_problem(r) for r in records]
-    table = Table("key id", "org", "tier", "name", "rpm", "tpm", "concurrent", "models", "revoked")
+    table = Table("key id", "org", "tier", "name", "rpm", "tpm", "concurrent", "models", "regions", "revoked")
     columns = len(table.columns)
     if any(problems) or unreadable:
         table.add_column("problem", style="red")
@@ -230,7 +234,8 @@ def keys_table(records: Sequence[ApiKeyRecord], unreadable: Sequence[str] = ()) 
 
     for r, problem in zip(records, problems, strict=True):
         row = [plain(r.key_id), plain(r.org), plain(r.tier), plain(r.name), limit(r.rpm), limit(r.tpm),
-               limit(r.max_concurrent), plain(",".join(r.models) or "all"), "yes" if r.revoked else ""]
+               limit(r.max_concurrent), plain(",".join(r.models) or "all"), plain(",".join(r.regions) or "any"),
+               "yes" if r.revoked else ""]
         table.add_row(*row, *([plain(problem)] if len(table.columns) > columns else []))
     for key_id in unreadable:
         table.add_row(plain(key_id), *([""] * (columns - 1)), "unreadable record: recreate the key")

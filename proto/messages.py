@@ -143,6 +143,12 @@ class GenerateRequest(Struct, kw_only=True, omit_defaults=True):
     # answers with and decodes; it prefills itself when that fails, so the request never
     # depends on the prefill worker.
     prefill_worker: str = ""
+    # Regions (DESIGN.md, Regions): the region the request entered by (its gateway's; ""
+    # outside a multi-region mesh), where it is placed while that region has room, and
+    # the regions its key allows it to run in (``ApiKeyRecord.regions``; empty: any), which
+    # no placement, spill or migration leaves.
+    region: str = ""
+    regions: list[str] = []
 
 
 def prefill_id(request_id: str) -> str:
@@ -284,6 +290,9 @@ class AdmissionRequest(Struct, kw_only=True, omit_defaults=True):
     block_hashes: list[int] = []
     block_size: int = 0
     lora: str | None = None
+    # GenerateRequest's: the gateway's region and the key's allowed ones (DESIGN.md, Regions).
+    region: str = ""
+    regions: list[str] = []
     # Admit and place in one trip: when admitted, admission forwards ``route`` (with its
     # replica, slack, reservation and these block hashes filled in) to the router, whose
     # Placement goes to ``placement_reply`` (the gateway's), so the request reaches its
@@ -402,6 +411,7 @@ class UsageEvent(Struct, kw_only=True, omit_defaults=True):
     error: str = ""
     user: str = ""
     metadata: dict[str, str] = {}
+    region: str = ""  # where it ran: its worker's ``WorkerInfo.region``
 
 
 MAX_ACCELERATORS = 1 << 16  # per worker: beyond any node, and keeps a period's cost far from int64

@@ -25,6 +25,8 @@ class ApiKeyRecord(Struct, kw_only=True, omit_defaults=True):
     tpm: int | None = None
     max_concurrent: int | None = None  # requests in flight at once (admission counts them)
     models: list[str] = []  # empty: all models
+    # Data residency: the regions its requests may run in (empty: any; DESIGN.md, Regions).
+    regions: list[str] = []
     created_at: float = 0.0
     revoked: bool = False
 

@@ -66,6 +66,9 @@ class WorkerInfo(Struct, kw_only=True, omit_defaults=True):
     # Its engine prefills for other workers and loads their KV (the sim; vLLM with a KV
     # connector): a request is split only between workers that both can.
     disaggregation: bool = False
+    # The region it runs in (DESIGN.md, Regions; "": a single-region mesh): requests are
+    # placed in their own region while it has room, never outside a key's regions.
+    region: str = ""
     host_id: str = ""
     host_memory_gib: float = 0.0
     footprint_gib: float = 0.0

@@ -16,11 +16,12 @@ in ``.toml``) sets tiers, burst and the reservation TTL; see
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from bus import RunOptions, run_service
 from bus.config import default_of, file_problem, given, refuse
 from bus.runner import listen_problem
-from services.common.cli_types import port_number, positive_seconds
+from services.common.cli_types import add_region_rtt_argument, port_number, positive_seconds
 
 from .buckets import LimiterConfig
 from .config import AdmissionConfig, load_config
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl", type=positive_seconds, default=None,
                         help="seconds a dead leader's lease outlives it before a standby takes over "
                              f"(default {default_of(AdmissionConfig, 'lease_ttl_s'):g}); renewed every third of it")
+    add_region_rtt_argument(parser)
     parser.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
     parser.add_argument("--metrics-host", default=None,
                         help=f"address of /metrics (default {default_of(AdmissionConfig, 'metrics_host')})")
@@ -53,9 +55,12 @@ def build_config(args: argparse.Namespace) -> AdmissionConfig:
     if "lease_ttl_s" in overrides:
         overrides["lease_renew_s"] = overrides["lease_ttl_s"] / 3
     try:
-        return load_config(args.config, **overrides)
+        config = load_config(args.config, **overrides)
     except (OSError, ValueError) as exc:  # bad input: one line, exit 2
         refuse("admission", file_problem("--config", args.config, exc) if args.config else f"config: {exc}")
+    if args.region_rtt_ms is not None:
+        config = replace(config, book=replace(config.book, regions=args.region_rtt_ms))
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

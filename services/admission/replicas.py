@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, fields
 from proto.messages import AdmissionRequest
 from services.common.fleet import FleetConfig, FleetView, FleetWorker
 from services.common.kvindex import KvIndexConfig
+from services.common.regions import RegionLatency
 from services.common.residency import load_left, residency
 
 from .slo import ReplicaLoad
@@ -50,6 +51,9 @@ class BookConfig:
     # Optimistic additions older than this are dropped even without a gauge.
     pending_max_age_s: float = 10.0
     kv: KvIndexConfig = field(default_factory=KvIndexConfig)
+    # Round trips between regions (``--region-rtt-ms``): added to a replica's prediction
+    # outside the request's region.
+    regions: RegionLatency = field(default_factory=RegionLatency)
 
     def fleet_config(self) -> FleetConfig:
         kv = {f.name: getattr(self.kv, f.name) for f in fields(KvIndexConfig)}
@@ -82,6 +86,8 @@ class ReplicaBook(FleetView):
                 continue  # a prefill worker takes no request: the TTFT is a serving replica's
             if w.gauge is not None and w.gauge_received_at < stale:
                 continue
+            if req.regions and info.region not in req.regions:
+                continue  # data residency: never outside the key's regions
             members.append(w)
         if req.lora:
             # Prefer the replicas with the adapter loaded; if none has it the pool loads
@@ -104,6 +110,7 @@ class ReplicaBook(FleetView):
                     cached_tokens=min(cached.get(w.worker_id, 0), req.prompt_tokens),
                     draining=w.draining,
                     load_s=_load_s(w),
+                    network_s=self.book_config.regions.rtt(req.region, w.info.region if w.info is not None else ""),
                 )
             )
         return out

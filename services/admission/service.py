@@ -464,6 +464,8 @@ class AdmissionService(Service):
             self.metrics.decisions.labels(tier=tier, outcome="invalid_limits").inc()
             raise MeshError(f"key {req.org}/{req.key_id} has an invalid limit: {exc}; recreate the key",
                             code=ErrorCode.FORBIDDEN) from exc
+        if not decision.admitted and decision.reason == "no_capacity" and req.regions:
+            decision.message = f"{decision.message} in region {', '.join(req.regions)} (the key's regions)"
         if decision.admitted:
             self.admitted += 1
             self.metrics.decisions.labels(tier=tier, outcome="admitted").inc()

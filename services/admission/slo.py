@@ -212,6 +212,9 @@ class ReplicaLoad:
     # Seconds before the model is ready here (a hot-swap host's load, or what is left of
     # one): waited before the queue, never forgiven as a long prompt's own time is.
     load_s: float = 0.0
+    # The round trip to its region from the request's (DESIGN.md, Regions): the request's
+    # trip there and its first chunk's back, added to the TTFT; 0 in the request's region.
+    network_s: float = 0.0
 
     @classmethod
     def from_gauge(cls, g: WorkerGauge, cached_tokens: int = 0) -> ReplicaLoad:
@@ -449,7 +452,7 @@ class SloAdmitter:
         t = self.tier(tier)
         drain = self._drain(t, pool_rate if pool_rate is not None else rate, now)
         uncached = max(prompt_tokens - replica.cached_tokens, 0)
-        raw = replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step + replica.load_s
+        raw = replica.queued_prefill_tokens * self._share(t, now) / (rate * drain) + uncached / rate + step + replica.load_s + replica.network_s
         return (raw + self.overhead()) * self._expected_factor(t)
 
     def _rate_step(self, r: ReplicaLoad) -> tuple[float, float]:
@@ -506,7 +509,7 @@ class SloAdmitter:
             room = math.inf  # tokens of extra prefill work every check still passes with
             for x, k, share, margin, drain, factor, prior in guards:
                 queue = r.queued_prefill_tokens * share / (rate * drain)
-                raw = queue + uncached / rate + step + r.load_s
+                raw = queue + uncached / rate + step + r.load_s + r.network_s
                 # the tail bound: what the limit is held against
                 pred = (raw + queue * (prior - 1) + overhead) * factor
                 if k == 0:
@@ -530,7 +533,9 @@ class SloAdmitter:
             if best_any is None or own_pred < best_any[0]:
                 best_any = (own_pred, r)
             if excess <= 0:
-                if best_ok is None or own_pred < best_ok[0]:
+                # The request's own region while a replica there meets the SLO (its
+                # neighbours take its overflow, not its traffic), else the nearest.
+                if best_ok is None or (r.network_s, own_pred) < (best_ok[1].network_s, best_ok[0]):
                     best_ok = (own_pred, r, room, raw_pred, own_bound)
             elif excess < least_excess:
                 least_excess, binding = excess, why

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from urllib.parse import SplitResult, urlsplit
+
+from .regions import RegionLatency, parse_regions, region_problem
 
 
 def port_number(text: str) -> int:
@@ -158,3 +161,55 @@ def add_mesh_arguments(parser: argparse.ArgumentParser, *subcommands: argparse.A
     for target, default in ((parser, None), *((sub, argparse.SUPPRESS) for sub in subcommands)):
         add_nats_url_argument(target, default=default)
         target.add_argument("--root", type=subject_root, default=default, help="subject root (env MESHSERVE_ROOT)")
+
+
+def region_name(text: str) -> str:
+    """An argparse ``type`` for a region (``--region``; DESIGN.md, Regions)."""
+    problem = region_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def region_names(text: str) -> list[str]:
+    """An argparse ``type`` for a comma-separated list of regions (``keys create --regions``)."""
+    try:
+        return parse_regions(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def region_rtt(text: str) -> RegionLatency:
+    """An argparse ``type`` for ``--region-rtt-ms``: ``MS`` or ``MS,A:B=MS,…``."""
+    try:
+        return RegionLatency.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_region_argument(parser: argparse.ArgumentParser) -> None:
+    """``--region`` (env MESHSERVE_REGION): where a worker or gateway runs."""
+    parser.add_argument("--region", type=region_name, default=None,
+                        help="the region this process runs in (env MESHSERVE_REGION; default: none, "
+                             "a single-region mesh; DESIGN.md, Regions)")
+
+
+def add_region_rtt_argument(parser: argparse.ArgumentParser) -> None:
+    """``--region-rtt-ms``, for the services that weigh a region's distance (router, admission)."""
+    parser.add_argument("--region-rtt-ms", type=region_rtt, default=None, metavar="MS[,A:B=MS…]",
+                        help="round trips between regions, a default and per pair, weighed against a "
+                             "farther region's shorter wait (default 50 ms between any two; DESIGN.md, Regions)")
+
+
+def region_of_args(args: argparse.Namespace) -> str:
+    """``--region``, else ``MESHSERVE_REGION``, else "" (a checked name either way)."""
+    given = getattr(args, "region", None)
+    if given:
+        return str(given)
+    env = os.environ.get("MESHSERVE_REGION", "").strip()
+    if env:
+        try:
+            return region_name(env)
+        except argparse.ArgumentTypeError as exc:
+            raise SystemExit(f"MESHSERVE_REGION: {exc}") from None
+    return ""

@@ -42,6 +42,7 @@ def generate_key(
     tpm: int | None = None,
     max_concurrent: int | None = None,
     models: Iterable[str] = (),
+    regions: Iterable[str] = (),
     created_at: float = 0.0,
     token_hex: Callable[[int], str] = secrets.token_hex,
     token_urlsafe: Callable[[int], str] = secrets.token_urlsafe,
@@ -65,6 +66,7 @@ def generate_key(
         tpm=tpm,
         max_concurrent=max_concurrent,
         models=list(models),
+        regions=list(regions),
         created_at=created_at,
     )
     return key, record

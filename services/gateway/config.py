@@ -22,6 +22,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080  # 0 picks a free one
     gateway_id: str = ""  # empty: gateway-host-random
+    region: str = ""  # where it runs: its requests' GenerateRequest.region (DESIGN.md, Regions)
     tls_cert: str | None = None
     tls_key: str | None = None
     trusted_proxies: tuple[str, ...] = ()  # CIDRs whose X-Forwarded-For is believed

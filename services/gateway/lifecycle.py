@@ -181,6 +181,8 @@ class ActiveRequest:
             arrival_time=time.time(), reserved_tokens=request.reserved_tokens,
         )
         generate.resumable = resumable  # its worker keeps it if this gateway dies
+        # Placed in this gateway's region while it has room, never outside the key's regions.
+        generate.region, generate.regions = g.config.region, key.regions
         try:
             with tracer.start_as_current_span("gateway.admission") as admission_span:
                 # A resumable request's record must exist before any worker has it: it is
@@ -189,7 +191,7 @@ class ActiveRequest:
                     request_id=request_id, org=key.org, key_id=key.key_id, tier=key.tier, model=request.model,
                     prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, rpm_limit=key.rpm,
                     tpm_limit=key.tpm, concurrency_limit=key.max_concurrent, block_hashes=hashes, block_size=block_size,
-                    lora=request.lora,
+                    lora=request.lora, region=generate.region, regions=generate.regions,
                 ), route=None if resumable else RouteRequest(request=generate, block_size=block_size)))
                 try:
                     decision = await asyncio.shield(admit)

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 from bus import RunOptions, run_service
 from bus.config import default_of, file_problem, given, refuse
 from bus.runner import listen_problem
-from services.common.cli_types import count, non_negative_seconds, port_number, positive_int, positive_seconds
+from services.common.cli_types import (
+    add_region_argument,
+    count,
+    non_negative_seconds,
+    port_number,
+    positive_int,
+    positive_seconds,
+    region_of_args,
+)
 
 from .config import GatewayConfig, load_config, load_oidc_config
 from .upstream import UpstreamConfig
@@ -56,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help=f"address to listen on (0.0.0.0 in containers) {_default('host')}")
     parser.add_argument("--port", type=port_number, default=None, help=f"HTTP port (0 picks a free one) {_default('port')}")
     parser.add_argument("--gateway-id", default=None, help="stable id (default: gateway-host-random)")
+    add_region_argument(parser)
     parser.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--trusted-proxy", type=cidr, action="append", default=None, metavar="CIDR",
@@ -107,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> GatewayConfig:
     overrides = given(args, _OPTIONS)
+    if region := region_of_args(args):
+        overrides["region"] = region
     if args.trusted_proxy:
         overrides["trusted_proxies"] = tuple(args.trusted_proxy)
     dev_key_file = args.dev_key_file or os.environ.get(DEV_KEY_FILE_ENV)

@@ -310,8 +310,12 @@ class UpstreamClient:
         candidates = [w for w in self.registry.ready_workers(request.model) if w.worker_id not in route.exclude_workers]
         # A prefill worker (P/D split) serves a request only when nothing else can.
         candidates = [w for w in candidates if w.role != "prefill"] or candidates
+        if request.regions:  # data residency: never outside the key's regions
+            candidates = [w for w in candidates if w.region in request.regions]
+        candidates = [w for w in candidates if w.region == request.region] or candidates  # its own region first
         if not candidates:
-            raise no_capacity(f"no ready worker serves model {request.model!r}")
+            where = f" in region {', '.join(request.regions)}" if request.regions else ""
+            raise no_capacity(f"no ready worker serves model {request.model!r}{where}")
         start = next(self._round_robin)
         last: MeshError | None = None
         for i in range(min(2, len(candidates))):

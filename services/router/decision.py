@@ -40,6 +40,9 @@ class RouteQuery:
     # A prefill worker may compute its prompt (one choice, a first segment, no prompt
     # logprobs: what a decode worker can continue from the prompt's KV alone).
     disaggregable: bool = False
+    # GenerateRequest.region / .regions: where it entered, where it may run (DESIGN.md, Regions).
+    region: str = ""
+    regions: Sequence[str] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -79,6 +82,8 @@ class RouteQuery:
             session_key=req.session_key,
             prefer_worker=prefer_worker,
             prefer_slack_tokens=prefer_slack_tokens,
+            region=req.region,
+            regions=tuple(req.regions),
         )
 
 
@@ -122,6 +127,8 @@ class RouteDecision:
     # worker does), and how much of the prompt it holds.
     prefill_worker: str = ""
     prefill_cached_tokens: int = 0
+    # Regions: the chosen worker's region (set when the request names its own).
+    region: str = ""
 
     @property
     def spilled(self) -> bool:

@@ -19,7 +19,7 @@ import argparse
 from bus import RunOptions, run_service
 from bus.config import default_of, file_problem, given, refuse
 from bus.runner import listen_problem
-from services.common.cli_types import port_number, positive_seconds
+from services.common.cli_types import add_region_rtt_argument, port_number, positive_seconds
 
 from .config import RouterServiceConfig, load_config
 from .policy import POLICIES, PolicyConfig
@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-timeout", type=positive_seconds, default=None,
                         help="seconds a worker gets to accept a request before the next one is tried "
                              f"(default {default_of(RouterServiceConfig, 'forward_timeout_s'):g})")
+    add_region_rtt_argument(parser)
     parser.add_argument("--seed", type=int, default=None, help="seed of tie-breaking and candidate sampling")
     parser.add_argument("--metrics-port", type=port_number, default=None, help="serve Prometheus /metrics here (0: any free port)")
     parser.add_argument("--metrics-host", default=None,
@@ -46,9 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> RouterServiceConfig:
     try:
-        return load_config(args.config, policy=args.policy, **given(args, _OPTIONS))
+        config = load_config(args.config, policy=args.policy, **given(args, _OPTIONS))
     except (OSError, ValueError) as exc:  # bad input: one line, exit 2
         refuse("router", file_problem("--config", args.config, exc) if args.config else f"config: {exc}")
+    if args.region_rtt_ms is not None:
+        config.router.regions = args.region_rtt_ms
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,6 +61,7 @@ from typing import Literal, TypeVar
 
 from proto import prefill_id
 from services.common.fleet import FleetView, FleetWorker, Pool
+from services.common.regions import RegionLatency, allowed, by_distance, region_of
 from services.common.residency import swap_costs
 
 from .adapters import adapter_home, lora_load_tokens
@@ -199,6 +200,14 @@ class PolicyConfig:
     # against 359 / 988).
     remote_prefill_min_tokens: int = 512
     remote_prefill_max_queue_tokens: int = 8192
+    # Regions (DESIGN.md, Regions): a request is placed in its own region unless a farther
+    # one saves it more prefill wait than the round trip costs (in the prefill tokens the
+    # near worker computes meanwhile) plus this many tokens: a region's spare capacity
+    # takes a neighbour's overflow, never its ordinary traffic (an idle remote worker
+    # beside a moderately busy local one stays idle). The rate a round trip is counted at
+    # where a worker has not measured its own yet.
+    region_spill_tokens: int = 2048
+    region_prefill_tokens_per_s: float = 10_000.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -221,6 +230,8 @@ class PolicyConfig:
             raise ValueError("spill_wait_tokens must be ≥ 0 (0: spills decided by cost alone)")
         if self.remote_prefill_min_tokens < 1 or self.remote_prefill_max_queue_tokens < 0:
             raise ValueError("remote_prefill_min_tokens must be ≥ 1 and remote_prefill_max_queue_tokens ≥ 0")
+        if self.region_spill_tokens < 0 or self.region_prefill_tokens_per_s <= 0:
+            raise ValueError("region_spill_tokens must be ≥ 0 and region_prefill_tokens_per_s > 0")
 
 
 @dataclass(slots=True)
@@ -237,6 +248,8 @@ class RouterConfig:
     # busiest 4 met the SLO for 66 % of requests at 60 % load, 6 or 8 for 74 %.
     pin_top: int = -1
     demand_window_s: float = 60.0  # the request rates the busiest are ranked by
+    # Round trips between regions (``--region-rtt-ms``; DESIGN.md, Regions).
+    regions: RegionLatency = field(default_factory=RegionLatency)
 
     def for_model(self, model: str) -> PolicyConfig:
         return self.models.get(model, self.default)
@@ -345,6 +358,7 @@ class Router:
         if not eligible:
             # Only prefill workers left (P/D split): each is a whole engine, better than none.
             eligible = [w for w in self.view.prefill_placeable_in(pool, now) if w.worker_id not in exclude]
+        eligible = allowed(eligible, q.regions)  # data residency: never outside the key's regions
         load_costs: dict[str, float] = {}
         if q.lora:
             serving = [w for w in eligible if q.lora in w.lora_adapters or w.max_loras > 0]
@@ -361,6 +375,7 @@ class Router:
                 "no_eligible_worker",
                 f"{len(pool)} worker(s) for {model!r}, none ready, live, not draining"
                 + (f" with adapter {q.lora!r}" if q.lora else "")
+                + (f" in region {', '.join(q.regions)}" if q.regions else "")
                 + (f", {len(exclude)} excluded" if exclude else ""),
             )
         pins: dict[str, tuple[str, ...]] = {}
@@ -372,15 +387,7 @@ class Router:
             for wid, tokens in swap.costs.items():
                 load_costs[wid] = load_costs.get(wid, 0.0) + tokens
         ctx = DecisionContext(q, cfg, pool, load_costs)
-        match cfg.policy:
-            case "round_robin":
-                decision = self._round_robin(model, eligible, ctx)
-            case "least_load":
-                decision = self._least_load(model, eligible, ctx)
-            case "prefix":
-                decision = self._prefix(model, eligible, ctx)
-            case "session":
-                decision = self._session(model, eligible, ctx)
+        decision = self._by_region(model, eligible, ctx)
         if pins or load_costs:
             chosen = self.view.worker(decision.worker_id)
             host = chosen.info.host_id if chosen is not None and chosen.info is not None else ""
@@ -404,6 +411,7 @@ class Router:
         prefill = [w for w in self.view.prefill_placeable_in(pool, now)
                    if w.worker_id not in exclude and w.info is not None and w.info.disaggregation
                    and w.info.engine == info.engine and w.info.block_size == info.block_size
+                   and w.info.region == info.region  # a KV crosses a region's links, not an ocean
                    and w.queued_prefill_tokens <= cfg.remote_prefill_max_queue_tokens]
         if not prefill:
             return decision
@@ -412,6 +420,52 @@ class Router:
         # take turns, as for requests. β·running counts the KV a prefill worker still holds.
         _, best = self._pick_rotating([(ctx.prefix_cost(w), w) for w in prefill], ctx, cfg.tie_tokens)
         return replace(decision, prefill_worker=best.worker_id, prefill_cached_tokens=ctx.cached(best))
+
+    def _by_region(self, model: str, eligible: list[FleetWorker], ctx: DecisionContext) -> RouteDecision:
+        """The policy's choice in the request's region (the nearest with workers when it
+        has none), unless a farther one saves more wait than its round trip costs
+        (``PolicyConfig.region_spill_tokens``; DESIGN.md, Regions)."""
+        groups = by_distance(ctx.q.region, eligible, self.config.regions)
+        best = self._policy(model, groups[0].workers, ctx)
+        if not ctx.q.region:
+            return best
+        cfg, chosen_rtt, hint_region = ctx.cfg, groups[0].rtt_s, ""
+        if ctx.q.prefer_worker and cfg.admission_hints:
+            hinted = self.view.worker(ctx.q.prefer_worker)
+            hint_region = region_of(hinted) if hinted is not None else ""
+        for group in groups[1:]:
+            worker = self.view.worker(best.worker_id)
+            assert worker is not None
+            wait = ctx.prefill_cost(worker)
+            # Its round trip, in the prefill tokens the chosen worker computes meanwhile.
+            rate = worker.gauge.prefill_tokens_per_s if worker.gauge is not None else 0.0
+            trip = (group.rtt_s - chosen_rtt) * (rate or cfg.region_prefill_tokens_per_s)
+            # Admission's replica is in this region: its prediction found no better one
+            # nearer, so the round trip alone is weighed.
+            margin = 0 if group.region == hint_region else cfg.region_spill_tokens
+            if wait <= trip + margin:
+                break  # nothing farther can save more than its trip costs
+            other = self._policy(model, group.workers, ctx)
+            there = self.view.worker(other.worker_id)
+            assert there is not None
+            if wait - ctx.prefill_cost(there) > trip + margin:
+                best, chosen_rtt = other, group.rtt_s
+        chosen = self.view.worker(best.worker_id)
+        region = region_of(chosen) if chosen is not None else ""
+        if region != ctx.q.region:
+            best = replace(best, note=_join(best.note, f"outside {ctx.q.region}"))
+        return replace(best, region=region)
+
+    def _policy(self, model: str, eligible: list[FleetWorker], ctx: DecisionContext) -> RouteDecision:
+        match ctx.cfg.policy:
+            case "round_robin":
+                return self._round_robin(model, eligible, ctx)
+            case "least_load":
+                return self._least_load(model, eligible, ctx)
+            case "prefix":
+                return self._prefix(model, eligible, ctx)
+            case "session":
+                return self._session(model, eligible, ctx)
 
     # ---- policies ----
     def _round_robin(self, model: str, eligible: list[FleetWorker], ctx: DecisionContext) -> RouteDecision:

@@ -118,6 +118,11 @@ class RouterMetrics:
             "meshserve:router_remote_prefills_total", "Placements whose prompt a prefill worker computes, by that worker",
             ["model", "worker"], registry=r,
         )
+        self.regional = Counter(
+            "meshserve:router_region_placements_total",
+            "Placements of requests that name their region, by that region and the chosen worker's",
+            ["origin", "region"], registry=r,
+        )
         # issue 17: what sends a prompt away from its cache, and what the cost saw
         self.spills = Counter(
             "meshserve:router_spills_total", "Placements on a worker holding less of the prompt than the best holder",
@@ -181,6 +186,7 @@ class RouterService(Service):
         self.hints: dict[str, int] = {}  # admission hint outcome → placements
         self.rebalanced = 0
         self.remote_prefills = 0
+        self.outside_region = 0  # placed outside the region the request entered by
         self.spills = 0
         self.spill_tokens = 0
         self.spills_held = 0
@@ -235,6 +241,7 @@ class RouterService(Service):
             "admission_hints": dict(self.hints),
             "rebalanced": self.rebalanced,
             "remote_prefills": self.remote_prefills,
+            "outside_region": self.outside_region,
             "spills": self.spills,
             "spill_tokens": self.spill_tokens,
             "spills_held": self.spills_held,
@@ -369,7 +376,7 @@ class RouterService(Service):
                 log.info("worker %s refused %s (%s); retrying elsewhere", decision.worker_id, request.request_id, exc.code.value)
                 exclude.append(decision.worker_id)
                 continue
-            self._count(decision)
+            self._count(decision, request.region)
             return decision
 
     async def _forward(self, decision: RouteDecision, request: GenerateRequest) -> None:
@@ -397,7 +404,7 @@ class RouterService(Service):
                     attempt=request.attempt))
             raise
 
-    def _count(self, d: RouteDecision) -> None:
+    def _count(self, d: RouteDecision, origin: str = "") -> None:
         self.placed += 1
         self.placed_by_worker[d.worker_id] = self.placed_by_worker.get(d.worker_id, 0) + 1
         self.prompt_tokens += d.prompt_tokens
@@ -411,6 +418,10 @@ class RouterService(Service):
         if d.prefill_worker:
             self.remote_prefills += 1
             self.metrics.remote_prefills.labels(model=d.model, worker=d.prefill_worker).inc()
+        if d.region:
+            self.metrics.regional.labels(origin=origin, region=d.region).inc()
+            if d.region != origin:
+                self.outside_region += 1
         if d.rebalanced:
             self.rebalanced += 1
             self.metrics.rebalanced.labels(model=d.model).inc()

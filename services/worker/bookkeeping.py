@@ -210,7 +210,7 @@ class RequestBook:
 
 
 def usage_event(request: GenerateRequest, usage: Usage, status: UsageStatus, timings: Timings | None, error: str,
-                *, worker_id: str, now: float) -> UsageEvent:
+                *, worker_id: str, region: str, now: float) -> UsageEvent:
     """What one segment of ``request`` bills (``usage``: ``Outcome.billed``); ``now``: the
     wall clock, the finish time of a request without engine timings."""
     return UsageEvent(
@@ -232,6 +232,7 @@ def usage_event(request: GenerateRequest, usage: Usage, status: UsageStatus, tim
         error=error,
         user=request.user,
         metadata=request.metadata,
+        region=region,
     )
 
 

@@ -46,6 +46,7 @@ class WorkerConfig:
     # prefill worker's answer (its queue included) before computing the prompt itself.
     role: WorkerRole = "both"
     remote_prefill_timeout_s: float = 30.0
+    region: str = ""  # where it runs (WorkerInfo.region; DESIGN.md, Regions)
 
 
 def default_worker_id(model: str) -> str:

@@ -23,6 +23,7 @@ from bus.runner import listen_problem
 from proto import WORKER_ROLES
 from proto.messages import MAX_ACCELERATORS
 from services.common.cli_types import (
+    add_region_argument,
     count,
     fraction,
     non_negative_number,
@@ -31,6 +32,7 @@ from services.common.cli_types import (
     positive_int,
     positive_number,
     positive_seconds,
+    region_of_args,
 )
 from services.common.parsers import REASONING_PARSERS, TOOL_PARSERS
 
@@ -52,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="echo: no model, each prompt streamed back at a fixed rate (measures the serving path)")
     parser.add_argument("--model", default="sim-llama-8b", help="model name requests are routed by (vllm: model directory)")
     parser.add_argument("--worker-id", default="", help="stable id (default: model-host-pid)")
+    add_region_argument(parser)
     sim = parser.add_argument_group("sim engine")
     sim.add_argument("--profile", default=None, help="step-time profile name or JSON path (default: llama-3.1-8b-h100)")
     sim.add_argument("--speed", type=positive_number, default=None, help="simulation speed factor; 1.0 = real time")
@@ -328,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         capacity_interval_s=args.capacity_interval,
         role=args.role,
         remote_prefill_timeout_s=args.remote_prefill_timeout,
+        region=region_of_args(args),
     )
     if args.metrics_port is not None and (problem := listen_problem(args.metrics_host, args.metrics_port)):
         refuse("worker", *problem)

@@ -42,6 +42,7 @@ def worker_info(engine: Engine, config: WorkerConfig, worker_id: str, model_dir:
         accelerators=accelerators,
         role=config.role,
         disaggregation=engine.disaggregation,
+        region=config.region,
         worker_id=worker_id,
         model=engine.model,
         engine=engine.engine_name,

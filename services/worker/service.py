@@ -346,14 +346,14 @@ class WorkerService(Service):
             # it sent (the same usage id as the gateway's bill of a lost segment: one counts).
             event = usage_event(request, outcome.billed, "migrated", timings,
                                 f"worker {self.worker_id} drained (drain timeout): continued on another replica",
-                                worker_id=self.worker_id, now=time.time())
+                                worker_id=self.worker_id, region=self.config.region, now=time.time())
             self.metrics.observe_request("abort", usage.prompt_tokens, usage.cached_tokens,
                                          sum(c.streamed for c in choices), timings)
             if not self.superseded(request):
                 self._publish_usage(request, event)
             return
         event = usage_event(request, outcome.billed, outcome.status, timings, outcome.error_text,
-                            worker_id=self.worker_id, now=time.time())
+                            worker_id=self.worker_id, region=self.config.region, now=time.time())
         if request.sampling.n <= 1:
             # One choice: its last tokens ride on the request's final chunk.
             token_ids, text, logprobs = choices[0].tail
@@ -517,7 +517,7 @@ class WorkerService(Service):
         """A request refused for what it is: an error chunk and a usage record, never silence."""
         if not request.token_subject:
             return
-        event = usage_event(request, Usage(), "failed", None, error.message, worker_id=self.worker_id, now=time.time())
+        event = usage_event(request, Usage(), "failed", None, error.message, worker_id=self.worker_id, region=self.config.region, now=time.time())
         chunk = TokenChunk(
             request_id=request.request_id, seq=request.first_seq, finish_reason="error",
             error=ErrorInfo(code=error.code.value, message=error.message), usage=Usage(), worker_id=self.worker_id,

@@ -149,10 +149,11 @@ def test_usage_event_names_the_segment_and_falls_back_without_timings() -> None:
                               reserved_tokens=99, user="u", metadata={"a": "b"})
     usage = Usage(prompt_tokens=0, completion_tokens=4)
     timed = usage_event(request, usage, "finished", Timings(arrival=1.0, first_token=2.0, finished=3.0), "",
-                        worker_id="w", now=50.0)
+                        worker_id="w", region="eu", now=50.0)
     assert (timed.arrival_time, timed.first_token_time, timed.finish_time) == (1.0, 2.0, 3.0)
+    assert timed.region == "eu"  # where it ran, for metering by region
     assert (timed.org, timed.key_id, timed.tier, timed.worker_id, timed.migrations, timed.reserved_tokens) == (
         "o", "k", "pro", "w", 2, 99)
     assert (timed.completion_tokens, timed.status, timed.user, timed.metadata) == (4, "finished", "u", {"a": "b"})
-    refused = usage_event(request, Usage(), "failed", None, "bad", worker_id="w", now=50.0)
+    refused = usage_event(request, Usage(), "failed", None, "bad", worker_id="w", region="", now=50.0)
     assert (refused.arrival_time, refused.first_token_time, refused.finish_time, refused.error) == (0.0, 0.0, 50.0, "bad")
