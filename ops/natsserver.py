@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,6 +118,11 @@ class NatsServer:
     cluster_name: str | None = None
     cluster_port: int = 0
     routes: list[str] = field(default_factory=list)
+    # A NATS supercluster (DESIGN.md, Regions): this server's cluster joins the others
+    # over NATS gateways; ``gateways`` maps every cluster's name (its own included) to
+    # its gateway URL, and ``gateway_port`` is where this one listens.
+    gateway_port: int = 0
+    gateways: dict[str, str] = field(default_factory=dict)
     log_file: Path | None = None
     root: str = "mesh"  # the subject root the connection advisories are imported under
     env: dict[str, str] | None = None  # the process's environment (None: ours)
@@ -152,6 +158,16 @@ class NatsServer:
                 f'  name: "{self.cluster_name}"',
                 f'  listen: "{self.host}:{self.cluster_port}"',
                 "  routes: [" + ", ".join(f'"{r}"' for r in self.routes) + "]",
+                "}",
+            ]
+        if self.gateways:
+            assert self.cluster_name, "a gateway joins a named cluster"
+            lines += [
+                "gateway {",
+                f'  name: "{self.cluster_name}"',
+                f'  listen: "{self.host}:{self.gateway_port}"',
+                "  gateways: ["
+                + ", ".join(f'{{name: "{name}", url: "{url}"}}' for name, url in self.gateways.items()) + "]",
                 "}",
             ]
         return "\n".join(lines) + "\n" + self.accounts_text()
@@ -250,6 +266,29 @@ def cluster(base_dir: Path, size: int = 3, name: str = "meshserve", root: str = 
             root=root,
         )
         for i in range(size)
+    ]
+
+
+def supercluster(base_dir: Path, regions: Sequence[str], root: str = "mesh") -> list[NatsServer]:
+    """A JetStream node per region, each its own cluster, joined by NATS gateways (not yet
+    started): NATS's own multi-region shape, one server standing in for each region's cluster."""
+    gateway_ports = {region: free_port() for region in regions}
+    gateways = {region: f"nats://127.0.0.1:{port}" for region, port in gateway_ports.items()}
+    cluster_ports = {region: free_port() for region in regions}
+    return [
+        NatsServer(
+            store_dir=Path(base_dir) / region,
+            server_name=f"nats-{region}",
+            cluster_name=region,
+            cluster_port=cluster_ports[region],
+            # JetStream in a supercluster wants routes configured; a cluster of one routes
+            # to itself (the server recognises and skips it).
+            routes=[f"nats-route://127.0.0.1:{cluster_ports[region]}"],
+            gateway_port=gateway_ports[region],
+            gateways=gateways,
+            root=root,
+        )
+        for region in regions
     ]
 
 

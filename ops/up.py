@@ -63,6 +63,10 @@ class MeshConfig:
     nats_url: str | None = None
     engine: str = "sim"  # the workers' engine; vllm: ``model_dir`` holds the weights
     model_dir: str | None = None
+    # The region every process of this mesh runs in (DESIGN.md, Regions; "": none). Worker
+    # and gateway ids carry it, so meshes of several regions on one supercluster never
+    # share an id.
+    region: str = ""
 
 
 class StartupError(RuntimeError):
@@ -129,6 +133,7 @@ class Mesh:
             "MESHSERVE_ROOT": self.config.root,
             "PYTHONUNBUFFERED": "1",
             UP_MARK: self._mark,
+            **({"MESHSERVE_REGION": self.config.region} if self.config.region else {}),
             **self.config.extra_env,
         }
         return env
@@ -156,7 +161,9 @@ class Mesh:
     def worker_process(self, index: int, *, prefill: bool = False) -> ServiceProcess:
         c = self.config
         hosted = "--host-models" in c.worker_args
-        worker_id = f"host-w{index}" if hosted else f"{Path(c.model).name or 'model'}-{'p' if prefill else 'w'}{index}"
+        where = f"{c.region}-" if c.region else ""
+        worker_id = (f"host-{where}w{index}" if hosted
+                     else f"{Path(c.model).name or 'model'}-{where}{'p' if prefill else 'w'}{index}")
         if c.engine == "vllm":
             argv = ["--engine", "vllm", "--model", c.model, "--worker-id", worker_id,
                     *(["--model-dir", c.model_dir] if c.model_dir else []), *c.worker_args]
@@ -178,7 +185,8 @@ class Mesh:
                 plan += [self.worker_process(i) for i in range(1, self.config.workers + 1)]
                 plan += [self.worker_process(i, prefill=True) for i in range(1, self.config.prefill_workers + 1)]
             elif name == "gateway":
-                argv = ["--port", str(self.config.http_port), "--gateway-id", "gw-1", *self.config.gateway_args]
+                gateway_id = f"gw-{self.config.region}-1" if self.config.region else "gw-1"
+                argv = ["--port", str(self.config.http_port), "--gateway-id", gateway_id, *self.config.gateway_args]
                 if self.config.dev_key:  # the chat page offers it, to loopback clients only
                     argv += ["--dev-key-file", str(self.state_dir / "dev-key")]
                 if "admission" not in self.config.services:
