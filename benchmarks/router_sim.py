@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from proto.messages import SamplingParams
 from proto.workers import KvEventBatch, WorkerGauge, WorkerInfo
 from services.common.fleet import FleetView
+from services.common.regions import RegionLatency
 from services.router.policy import PolicyConfig, RouteDecision, RouteQuery, Router, RouterConfig
 from services.worker.engines.base import EngineRequest
 from services.worker.engines.sim_core import SimCore, StepResult
@@ -72,6 +73,23 @@ class Fleet:
 
 
 @dataclass(frozen=True, slots=True)
+class Regional:
+    """Regions (DESIGN.md, Regions; ``benchmarks/regions.py``): worker ``i`` runs in
+    ``worker_regions[i]``; arrivals enter by each region in proportion to ``origins``' weights;
+    a request placed in another region reaches its worker half a round trip later and its
+    first token reaches the client half a round trip after it is computed. ``mode``:
+    ``regions``, the router's rule (home while it has room, the nearest neighbour's spare
+    capacity for its overflow); ``isolated``, every region a mesh of its own (a request
+    never leaves its region: ``regions`` limited to it); ``blind``, one mesh that ignores
+    where anything is (no region on the request, the trip still paid)."""
+
+    worker_regions: tuple[str, ...]
+    origins: tuple[tuple[str, float], ...]
+    latency: RegionLatency = field(default_factory=RegionLatency)
+    mode: str = "regions"
+
+
+@dataclass(frozen=True, slots=True)
 class Phase:
     """Poisson arrivals at ``load`` × the workload's capacity for ``seconds``."""
 
@@ -100,10 +118,12 @@ class Req:
     first_token: float = 0.0
     finished: float = 0.0
     output_tokens: int = 0
+    network_s: float = 0.0  # the round trip to another region's worker (Regional)
+    origin: str = ""  # the region it entered by (Regional)
 
     @property
     def ttft(self) -> float:
-        return self.first_token - self.arrival
+        return self.first_token + self.network_s / 2 - self.arrival
 
     @property
     def tpot(self) -> float:
@@ -199,7 +219,8 @@ class _Worker:
         self.kv_seq = 0
 
 
-_Payload = int | tuple[_Worker, StepResult] | None  # an arrival's index, a step's end, a gauge tick
+# an arrival's index, a step's end, a gauge tick, a request reaching another region's worker
+_Payload = int | tuple[_Worker, StepResult] | EngineRequest | None
 
 
 def simulate(
@@ -208,6 +229,7 @@ def simulate(
     phases: Sequence[Phase] = steady(0.8),
     workload: Workload = Workload(),
     fleet: Fleet = Fleet(),
+    regional: Regional | None = None,
 ) -> SimResult:
     """One run: arrivals from ``seed`` (the same for every policy), placed by ``policy``."""
     # separate streams, so that a longer run has the same first arrivals and prompts
@@ -215,14 +237,19 @@ def simulate(
     rng = random.Random(f"prompts-{seed}")
     prefixes = _prefixes(workload, seed)
     view = FleetView()
-    router = Router(view, RouterConfig(default=policy), random.Random(seed + 1_000_003))
+    latency = regional.latency if regional is not None else RegionLatency()
+    router = Router(view, RouterConfig(default=policy, regions=latency), random.Random(seed + 1_000_003))
+    where = random.Random(f"regions-{seed}")  # the arrivals' regions: their own stream
+    worker_region: dict[str, str] = {}
     lora = LoraConfig(max_loras=fleet.max_loras, max_cpu_loras=fleet.max_cpu_loras)
     sim_cfg = SimConfig.build(num_kv_blocks=fleet.kv_blocks, max_model_len=fleet.max_model_len, seed=seed, lora=lora)
     workers = {f"w{i}": _Worker(f"w{i}", SimCore(sim_cfg)) for i in range(fleet.workers)}
     # as a sim worker advertises its slots (SimEngine.lora_runtime)
     disk = 1 / (1 / lora.disk_bytes_per_s + 1 / lora.host_to_gpu_bytes_per_s) / 1e9
-    for w in workers.values():
+    for i, w in enumerate(workers.values()):
+        worker_region[w.wid] = regional.worker_regions[i] if regional is not None else ""
         view.update_worker(WorkerInfo(worker_id=w.wid, model=MODEL, engine="sim", state="ready",
+                                      region=worker_region[w.wid],
                                       max_loras=lora.max_loras, lora_load_gb_per_s=disk,
                                       lora_host_gb_per_s=lora.host_to_gpu_bytes_per_s / 1e9), 0.0)
     popularity = zipf_weights(workload.adapters, workload.adapter_zipf)
@@ -266,6 +293,13 @@ def simulate(
         if res is not None:
             push(res.end, 0, "step", (w, res))
 
+    def deliver(request: EngineRequest, now: float) -> None:
+        w = workers[reqs[request.request_id].worker]
+        out = w.core.add_request(request, now)
+        assert out is None, out
+        if not w.busy:
+            start_step(w, now)
+
     drain_until = horizon + 120.0  # let queued work finish, within reason
     while heap:
         now, _, _, kind, payload = heapq.heappop(heap)
@@ -279,19 +313,30 @@ def simulate(
             prompt = prefixes[group] + suffix
             adapter = f"a{rng.choices(range(workload.adapters), popularity)[0]}" if workload.adapters else None
             size = adapter_bytes if adapter else 0
+            origin = ""
+            if regional is not None:
+                names, weights = zip(*regional.origins, strict=True)
+                origin = where.choices(names, weights)[0]
+            region = origin if regional is not None and regional.mode != "blind" else ""
+            allowed = (origin,) if regional is not None and regional.mode == "isolated" else ()
             q = RouteQuery.of(f"r{i}", MODEL, prompt, max_tokens=workload.output_tokens, lora=adapter,
-                              lora_size_bytes=size)
+                              lora_size_bytes=size, region=region, regions=allowed)
             d = router.place(q, now)
             assert isinstance(d, RouteDecision), d
             decisions.append(d)
-            r = reqs[q.request_id] = Req(q.request_id, now, group, len(prompt), d.worker_id)
-            w = workers[d.worker_id]
+            trip = latency.rtt(origin, worker_region[d.worker_id])
+            r = reqs[q.request_id] = Req(q.request_id, now, group, len(prompt), d.worker_id, network_s=trip,
+                                         origin=origin)
             sampling = SamplingParams(max_tokens=workload.output_tokens, min_tokens=workload.output_tokens)
-            out = w.core.add_request(EngineRequest(request_id=r.rid, prompt_token_ids=prompt, sampling=sampling,
-                                                   arrival_time=now, lora=adapter, lora_size_bytes=size), now)
-            assert out is None, out
-            if not w.busy:
-                start_step(w, now)
+            engine_request = EngineRequest(request_id=r.rid, prompt_token_ids=prompt, sampling=sampling,
+                                           arrival_time=now, lora=adapter, lora_size_bytes=size)
+            if trip:
+                push(now + trip / 2, 2, "deliver", engine_request)  # half a round trip to its region
+            else:
+                deliver(engine_request, now)
+        elif kind == "deliver":
+            assert isinstance(payload, EngineRequest)
+            deliver(payload, now)
         elif kind == "step":
             assert isinstance(payload, tuple)
             w, res = payload

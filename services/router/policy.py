@@ -448,7 +448,11 @@ class Router:
             other = self._policy(model, group.workers, ctx)
             there = self.view.worker(other.worker_id)
             assert there is not None
-            if wait - ctx.prefill_cost(there) > trip + margin:
+            there_wait = ctx.prefill_cost(there)
+            # Only onto spare capacity (as a spill within a region): with both regions
+            # past their knee, moving requests between them only splits their caches.
+            spare = margin == 0 or there_wait <= max(cfg.region_spill_tokens, ctx.prompt_tokens - ctx.cached(there))
+            if spare and wait - there_wait > trip + margin:
                 best, chosen_rtt = other, group.rtt_s
         chosen = self.view.worker(best.worker_id)
         region = region_of(chosen) if chosen is not None else ""

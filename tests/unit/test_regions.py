@@ -112,6 +112,12 @@ def test_a_busy_neighbour_is_no_relief() -> None:
     set_load(v, "eu-0", queued=20_000)
     set_load(v, "us-0", queued=19_000)  # saves 1,000 tokens: less than the trip and the margin
     assert decided(regional_router(v).decide(rq(), 0.5)).worker_id == "eu-0"
+    # saves 8,000, but us has no spare capacity either: with both regions past their knee,
+    # moving requests between them only splits their caches (benchmarks/regions.py, 100 %:100 %)
+    set_load(v, "us-0", queued=12_000, ts=2.0)
+    assert decided(regional_router(v).decide(rq(), 0.5)).worker_id == "eu-0"
+    set_load(v, "us-0", queued=1_000, ts=3.0)
+    assert decided(regional_router(v).decide(rq(), 0.5)).worker_id == "us-0"
 
 
 def test_the_nearest_region_serves_a_request_whose_own_has_no_worker() -> None:
