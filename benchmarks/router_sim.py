@@ -246,8 +246,8 @@ def simulate(
     workers = {f"w{i}": _Worker(f"w{i}", SimCore(sim_cfg)) for i in range(fleet.workers)}
     # as a sim worker advertises its slots (SimEngine.lora_runtime)
     disk = 1 / (1 / lora.disk_bytes_per_s + 1 / lora.host_to_gpu_bytes_per_s) / 1e9
-    for i, w in enumerate(workers.values()):
-        worker_region[w.wid] = regional.worker_regions[i] if regional is not None else ""
+    for index, w in enumerate(workers.values()):
+        worker_region[w.wid] = regional.worker_regions[index] if regional is not None else ""
         view.update_worker(WorkerInfo(worker_id=w.wid, model=MODEL, engine="sim", state="ready",
                                       region=worker_region[w.wid],
                                       max_loras=lora.max_loras, lora_load_gb_per_s=disk,

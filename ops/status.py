@@ -185,11 +185,13 @@ def _print_workers(console: Any, views: list[WorkerView], title: str) -> None:
     from rich.table import Table
 
     workers = Table(title=title, title_justify="left")
-    for column in ("worker", "state", "running", "waiting", "running tok", "queued prefill", "KV", "gauge age", "ours"):
-        workers.add_column(column, justify="left" if column in ("worker", "state") else "right")
+    regional = any(w.region for w in views)  # a column only where the mesh spans regions
+    for column in ("worker", *(("region",) if regional else ()), "state", "running", "waiting", "running tok",
+                   "queued prefill", "KV", "gauge age", "ours"):
+        workers.add_column(column, justify="left" if column in ("worker", "region", "state") else "right")
     for w in views:
         workers.add_row(
-            plain(w.worker_id), plain(w.state), str(w.running), str(w.waiting), _num(w.running_tokens), _num(w.queued_prefill_tokens),
+            plain(w.worker_id), *((plain(w.region or "-"),) if regional else ()), plain(w.state), str(w.running), str(w.waiting), _num(w.running_tokens), _num(w.queued_prefill_tokens),
             f"{w.kv_usage:.0%}", f"{w.gauge_age_s:.1f} s" if w.gauge_age_s is not None else "-",
             "yes" if w.managed else "",
         )
@@ -229,7 +231,7 @@ async def workers_from_registry(bus: Bus, model: str = "", listen_s: float = 1.0
         if info.role == "prefill":
             state = f"{state} (prefill)"  # computes prompts for the others (P/D split)
         views.append(WorkerView(
-            worker_id=info.worker_id, state=state, running=g.running if g else 0, waiting=g.waiting if g else 0,
+            worker_id=info.worker_id, region=info.region, state=state, running=g.running if g else 0, waiting=g.waiting if g else 0,
             running_tokens=g.running_tokens if g else 0, queued_prefill_tokens=g.queued_prefill_tokens if g else 0,
             kv_usage=g.kv_usage if g else 0.0, gauge_age_s=(now - heard[0]) if heard else None,
         ))

@@ -23,6 +23,8 @@ from services.common.cli_types import (
     port_number,
     positive_number,
     positive_seconds,
+    region_name,
+    region_of_args,
     subject_root,
 )
 from services.worker.main import vllm_importable, vllm_missing
@@ -124,6 +126,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--prefill-workers", type=count, default=0,
                         help="sim workers that only compute long prompts for the others (prefill/decode split;"
                              " DESIGN.md, Prefill and decode apart); the workers are then a fixed set")
+    parser.add_argument("--region", type=region_name, default=None,
+                        help="the region every process of this mesh runs in (env MESHSERVE_REGION; DESIGN.md,"
+                             " Regions): with --nats-url to a NATS supercluster, one region of a larger mesh")
     parser.add_argument("--speed", type=positive_number, default=None, help="sim speed factor (default 1.0: real time)")
     parser.add_argument("--profile", default=None, help="sim step-time profile (default llama-3.1-8b-h100)")
     parser.add_argument("--host-models", default=None, metavar="NAME[=GIB],...",
@@ -161,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> MeshConfig:
         state_dir=Path(args.state_dir), nats_port=args.nats_port, http_port=args.http_port, root=args.root,
         model=model, workers=workers, speed=args.speed or 1.0, profile=args.profile, nats_url=args.nats_url,
         engine=args.engine, worker_args=list(args.worker_arg), prefill_workers=args.prefill_workers,
+        region=region_of_args(args),
     )
     if args.prefill_workers and (args.engine != "sim" or hosted):
         raise StartupError("--prefill-workers starts sim prefill workers: the engine must be sim, without --host-models")

@@ -75,6 +75,7 @@ class WorkerView(Struct, kw_only=True, omit_defaults=True):
     kv_usage: float = 0.0
     gauge_age_s: float | None = None  # None: no gauge yet
     managed: bool = False  # started by this autoscaler's driver
+    region: str = ""  # WorkerInfo.region (DESIGN.md, Regions)
 
 
 class DrainView(Struct, kw_only=True, omit_defaults=True):

@@ -469,6 +469,7 @@ class AutoscalerService(Service):
             g = w.gauge if w is not None else None
             views.append(WorkerView(
                 worker_id=worker_id,
+                region=info.region,
                 # a hot-swap entry that is ready but not resident says so: loading, cold, evicting
                 state="retired" if worker_id in self.retired else (
                     g.residency if g is not None and info.state == "ready" and g.residency not in ("", "resident")

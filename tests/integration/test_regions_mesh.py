@@ -83,8 +83,8 @@ async def _run(eu: Mesh, nodes: list[NatsServer]) -> None:
         router = (await stats(bus, "router"))[0]
         spilled = router["outside_region"]
         assert 1 <= spilled < 10, router
-        events = {e.request_id: e for e in await usage_events(bus)}
-        assert sum(e.region == "us" for e in events.values()) == spilled
+        by_id = {e.request_id: e for e in await usage_events(bus)}
+        assert sum(e.region == "us" for e in by_id.values()) == spilled
 
         # A key held to eu: the same burst never leaves eu.
         eu_key, _ = await create_key(bus, org="acme-eu", tier="batch", regions=["eu"])
