@@ -128,9 +128,9 @@ def render(report: UsageReport) -> Any:
     from ops.console import plain
 
     headers = {"org": "org", "key": "key", "model": "model", "tier": "tier", "worker": "worker", "status": "status",
-               "hour": "hour (UTC)", "day": "day (UTC)"}
+               "region": "region", "hour": "hour (UTC)", "day": "day (UTC)"}
     fields = {"org": "org", "key": "key_id", "model": "model", "tier": "tier", "worker": "worker_id",
-              "status": "status", "hour": "bucket", "day": "bucket"}
+              "status": "status", "region": "region", "hour": "bucket", "day": "bucket"}
     since = _when(report.since) if report.since is not None else "the first event"
     until = _when(report.until) if report.until is not None else "now"
     window = f"{since} → {until} (UTC)"

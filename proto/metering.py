@@ -24,7 +24,7 @@ from msgspec import Struct
 
 from .messages import SCHEMA_VERSION
 
-GroupBy = Literal["org", "key", "model", "tier", "worker", "status", "hour", "day"]
+GroupBy = Literal["org", "key", "model", "tier", "worker", "status", "region", "hour", "day"]
 GROUP_BY_VALUES: tuple[str, ...] = get_args(GroupBy)
 DEFAULT_GROUP_BY: tuple[str, ...] = ("org", "key", "model")
 MAX_ROWS = 10_000  # a report of 10k rows is ~1.5 MB of msgpack, well under max_payload
@@ -53,6 +53,7 @@ class UsageRow(Struct, kw_only=True, omit_defaults=True):
     tier: str | None = None
     worker_id: str | None = None
     status: str | None = None
+    region: str | None = None  # where it ran (UsageEvent.region)
     bucket: float | None = None  # start of the hour/day when grouped by time
     requests: int = 0  # each request once (a migrated one has a usage event per segment)
     prompt_tokens: int = 0  # all prompt tokens, cached ones included

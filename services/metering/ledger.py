@@ -22,7 +22,7 @@ Schema. ``ledger_meta`` holds the schema version. ``open()`` creates a new ledge
 ``end_user`` and ``metadata``, with defaults, so rows of version 1 read back as ``''`` and
 ``{}``; version 3 ``base_model``, an adapter's base, ``''`` before; version 4 the table
 ``capacity_periods``, the workers' accelerator time for the fleet report: see
-:mod:`.fleet`); it refuses a ledger of a newer version rather than write rows it cannot describe.
+:mod:`.fleet`; version 5 ``region``, where the request ran, ``''`` before); it refuses a ledger of a newer version rather than write rows it cannot describe.
 
 Capacity rows (``record``'s ``capacity``) are written in the same transaction as the
 usage rows of their batch, keyed by ``entry_id`` the same idempotent way.

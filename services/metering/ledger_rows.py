@@ -18,7 +18,7 @@ from proto.metering import UsageRow
 
 from .prices import PriceTable
 
-SCHEMA_VERSION = 4  # 2: end_user, metadata; 3: base_model; 4: the capacity_periods table (fleet cost)
+SCHEMA_VERSION = 5  # 2: end_user, metadata; 3: base_model; 4: the capacity_periods table (fleet cost); 5: region
 MAX_TOKENS = 1 << 32  # per event; beyond any context window, and keeps SUM() far from int64 overflow
 MAX_ID_CHARS = 1024
 MAX_ERROR_CHARS = 4096
@@ -66,6 +66,8 @@ class LedgerEntry:
     metadata: dict[str, str]  # the request's ``metadata``; column ``metadata``, JSON text
     # Schema 3.
     base_model: str  # an adapter's base model ("" for a base model's own requests)
+    # Schema 5.
+    region: str  # where it ran (UsageEvent.region; "" outside a multi-region mesh)
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LedgerEntry))
@@ -81,8 +83,8 @@ FLOAT_COLUMNS = frozenset(("arrival_time", "first_token_time", "finish_time", "t
 
 # The columns each schema version added. ALTER TABLE appends them, so they come last, in
 # this order, in LedgerEntry too: a migrated table and a new one agree.
-ADDED_COLUMNS: dict[int, tuple[str, ...]] = {2: ("end_user", "metadata"), 3: ("base_model",), 4: ()}
-COLUMN_DEFAULTS = {"end_user": "''", "metadata": "'{}'", "base_model": "''"}  # what the rows of an older version get
+ADDED_COLUMNS: dict[int, tuple[str, ...]] = {2: ("end_user", "metadata"), 3: ("base_model",), 4: (), 5: ("region",)}
+COLUMN_DEFAULTS = {"end_user": "''", "metadata": "'{}'", "base_model": "''", "region": "''"}  # what the rows of an older version get
 
 
 def columns_at(version: int) -> tuple[str, ...]:
@@ -170,15 +172,16 @@ def entry_from_event(event: UsageEvent, prices: PriceTable, *, recorded_at: floa
         user=_text(event.user, "user"),
         metadata=_metadata(event.metadata),
         base_model=_text(event.base_model, "base_model"),
+        region=_text(event.region, "region"),
     )
 
 
 # ---- totals: one SQL shape for both backends --------------------------------------------
 _DIMENSION_COLUMNS = {"org": "org", "key": "key_id", "model": "model", "tier": "tier", "worker": "worker_id",
-                      "status": "status"}
+                      "status": "status", "region": "region"}
 _BUCKET_SECONDS = {"hour": 3600, "day": 86400}
 _ROW_FIELD = {"org": "org", "key": "key_id", "model": "model", "tier": "tier", "worker": "worker_id",
-              "status": "status", "hour": "bucket", "day": "bucket"}
+              "status": "status", "region": "region", "hour": "bucket", "day": "bucket"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,12 +130,20 @@ async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 def make(request_id: str, *, org: str = "acme", key: str = "k1", model: str = "small", prompt: int = 100,
          cached: int = 0, completion: int = 10, status: str = "finished", at: float = T0 + 60, migrations: int = 0,
          tier: str = "standard", worker: str = "w1", user: str = "",
-         metadata: dict[str, str] | None = None, base_model: str = "") -> LedgerEntry:
+         metadata: dict[str, str] | None = None, base_model: str = "", region: str = "") -> LedgerEntry:
     event = UsageEvent(request_id=request_id, org=org, key_id=key, model=model, prompt_tokens=prompt,
                        cached_tokens=cached, completion_tokens=completion, status=status,  # type: ignore[arg-type]
                        arrival_time=at - 1, finish_time=at, migrations=migrations, tier=tier, worker_id=worker,
-                       user=user, metadata=metadata or {}, base_model=base_model)
+                       user=user, metadata=metadata or {}, base_model=base_model, region=region)
     return entry_from_event(event, PRICES, recorded_at=at + 1, stream_seq=1)
+
+
+async def test_totals_by_region(ledger: Ledger) -> None:
+    """Where requests ran (DESIGN.md, Regions): ``meshserve usage --group-by region``."""
+    await ledger.record([make("a", prompt=10, region="eu"), make("b", prompt=20, region="eu"),
+                         make("c", prompt=40, region="us"), make("d", prompt=80)])
+    rows = {r.region: (r.requests, r.prompt_tokens) for r in await ledger.totals(group_by=["region"])}
+    assert rows == {"eu": (2, 30), "us": (1, 40), "": (1, 80)}
 
 
 async def test_same_usage_id_twice_is_counted_once(ledger: Ledger) -> None:
@@ -198,8 +206,8 @@ async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRe
 
     await ledger.open()
     try:
-        assert await schema_version(ledger) == str(SCHEMA_VERSION) == "4"
-        assert await stored_entries(ledger) == [old]  # user '', metadata {} and base_model ''
+        assert await schema_version(ledger) == str(SCHEMA_VERSION) == "5"
+        assert await stored_entries(ledger) == [old]  # user '', metadata {}, base_model '' and region ''
         adapter = make("adapter", prompt=1, completion=1, base_model="base-m")
         assert await ledger.record([adapter]) == 1
         assert [e.base_model for e in await stored_entries(ledger) if e.usage_id == "adapter"] == ["base-m"]
@@ -219,7 +227,7 @@ async def test_a_version_1_ledger_is_upgraded_in_place(request: pytest.FixtureRe
         await ledger.close()
     await ledger.open()  # a second open finds nothing to do
     try:
-        assert await schema_version(ledger) == "4"
+        assert await schema_version(ledger) == "5"
         assert sorted(e.usage_id for e in await stored_entries(ledger)) == ["adapter", "new", "old"]
         # version 4's table came with the upgrade: a capacity period is written and reported
         assert await ledger.record([], capacity_entries(period("w1", T0, T0 + 60), FLEET_PRICES, recorded_at=T0)) == 1
