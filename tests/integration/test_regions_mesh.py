@@ -7,12 +7,15 @@ eu gateway.
 One request at a time stays in eu. A burst of long prompts more than the eu worker can
 start soon spills to us, and the usage events say where each ran. A key held to eu
 (``keys create --regions eu``) never leaves it, whatever the burst; one held to a region
-with no worker is refused with a 503 that names the region, and nothing is lost.
+with no worker is refused with a 503 that names the region, and nothing is lost. When eu's
+only worker dies, eu's requests are served in us, and the key held to eu is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from bus import Bus
 from ops.keys import create_key
 from ops.natsserver import NatsServer, supercluster
 from ops.up import Mesh
+from proto import UsageEvent
 from tests.conftest import running_mesh, usage_events
 from tests.integration.test_router_mesh import stats, until
 
@@ -75,16 +79,17 @@ async def _run(eu: Mesh, nodes: list[NatsServer]) -> None:
             await client.completions.create(model=MODEL, prompt=_prompt(i), max_tokens=4)
         router = (await stats(bus, "router"))[0]
         assert router["outside_region"] == 0, router
-        events = await usage_events(bus)
-        assert {e.region for e in events if e.prompt_tokens > 100} == {"eu"}, events
+        home = await until(lambda: _long_events(bus, "acme", 3))
+        assert {e.region for e in home} == {"eu"}, home
 
         # A burst of prompts the eu worker would queue for: some run in us.
         await _burst(client, 10, 10)
         router = (await stats(bus, "router"))[0]
         spilled = router["outside_region"]
         assert 1 <= spilled < 10, router
-        by_id = {e.request_id: e for e in await usage_events(bus)}
-        assert sum(e.region == "us" for e in by_id.values()) == spilled
+        # usage events are published as requests end, beside the answer: wait for all 13
+        events = await until(lambda: _long_events(bus, "acme", 13))
+        assert sum(e.region == "us" for e in events) == spilled
 
         # A key held to eu: the same burst never leaves eu.
         eu_key, _ = await create_key(bus, org="acme-eu", tier="batch", regions=["eu"])
@@ -94,8 +99,8 @@ async def _run(eu: Mesh, nodes: list[NatsServer]) -> None:
             await _burst(resident, 30, 10)
         finally:
             await resident.close()
-        acme = [e for e in await usage_events(bus) if e.org == "acme-eu" and e.prompt_tokens > 100]
-        assert len(acme) == 10 and {e.region for e in acme} == {"eu"}, acme
+        acme = await until(lambda: _long_events(bus, "acme-eu", 10))
+        assert {e.region for e in acme} == {"eu"}, acme
         assert (await stats(bus, "router"))[0]["outside_region"] == spilled
 
         # A key held to a region with no worker: a 503 that says so; nothing runs anywhere.
@@ -109,14 +114,38 @@ async def _run(eu: Mesh, nodes: list[NatsServer]) -> None:
             await nowhere.close()
         assert refused.value.status_code == 503 and "region ap" in str(refused.value.message), refused.value
         assert not [e for e in await usage_events(bus) if e.org == "acme-ap" and e.completion_tokens]
+
+        # eu's only worker dies: eu's requests are served in us, a key held to eu is refused.
+        worker = next(p for p in eu.processes if p.label == "worker-1")
+        assert worker.proc is not None
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        await until(lambda: _registered(bus, 2, exactly=True))
+        moved = await client.completions.create(model=MODEL, prompt=_prompt(50), max_tokens=4, user="after-eu")
+        assert moved.usage is not None and moved.usage.completion_tokens == 4
+        events = await until(lambda: _long_events(bus, "acme", 14))
+        assert [e.region for e in events if e.user == "after-eu"] == ["us"], events
+        resident = openai.AsyncOpenAI(base_url=eu.gateway_url + "/v1", api_key=eu_key, max_retries=0)
+        try:
+            with pytest.raises(openai.APIStatusError) as held:
+                await resident.completions.create(model=MODEL, prompt="hello", max_tokens=1)
+        finally:
+            await resident.close()
+        assert held.value.status_code == 503 and "region eu" in str(held.value.message), held.value
     finally:
         await client.close()
         await bus.close()
 
 
-async def _registered(bus: Bus, n: int) -> bool:
+async def _long_events(bus: Bus, org: str, n: int) -> list[UsageEvent]:
+    """The usage events of ``org``'s long prompts, once there are ``n`` ([] until then)."""
+    events = [e for e in await usage_events(bus) if e.org == org and e.prompt_tokens > 100]
+    assert len(events) <= n, events
+    return events if len(events) == n else []
+
+
+async def _registered(bus: Bus, n: int, exactly: bool = False) -> bool:
     workers = [s for s in await stats(bus, "worker") if s]
-    return len(workers) >= n
+    return len(workers) == n if exactly else len(workers) >= n
 
 
 async def _key_works(client: openai.AsyncOpenAI) -> bool:
