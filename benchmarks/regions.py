@@ -39,7 +39,8 @@ PER_REGION = 4
 CAPACITY_PER_REGION = Workload().capacity / 2  # the 8-replica knee, halved
 
 
-def run(mode: str, loads: tuple[float, float], seed: int, rtt_ms: float, duration: float) -> SimResult:
+def run(mode: str, loads: tuple[float, float], seed: int, rtt_ms: float, duration: float,
+        spill_tokens: int | None = None) -> SimResult:
     total = sum(loads) / 2  # of the whole fleet's capacity
     regional = Regional(
         worker_regions=tuple(r for r in REGIONS for _ in range(PER_REGION)),
@@ -47,7 +48,8 @@ def run(mode: str, loads: tuple[float, float], seed: int, rtt_ms: float, duratio
         latency=RegionLatency(rtt_ms / 1000),
         mode=mode,
     )
-    return simulate(PolicyConfig(policy="prefix"), seed, steady(total, duration), regional=regional)
+    policy = PolicyConfig(policy="prefix") if spill_tokens is None else PolicyConfig(region_spill_tokens=spill_tokens)
+    return simulate(policy, seed, steady(total, duration), regional=regional)
 
 
 def _ms(values: list[float]) -> str:
@@ -61,7 +63,13 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--rtt-ms", type=float, default=70.0, help="round trip between the regions")
     parser.add_argument("--duration", type=float, default=60.0, help="simulated seconds of arrivals")
+    parser.add_argument("--region-spill-tokens", type=int, default=None,
+                        help="the router's region_spill_tokens (default: PolicyConfig's)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)}")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes: some of {', '.join(MODES)}")
     try:
         scenarios = [(float(a), float(b)) for a, b in (part.split(":") for part in args.loads.split(","))]
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -74,12 +82,12 @@ def main() -> None:
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for loads in scenarios:
-        for mode in MODES:
+        for mode in modes:
             eu: list[Summary] = []
             whole: list[Summary] = []
             crossed: list[float] = []
             for seed in seeds:
-                res = run(mode, loads, seed, args.rtt_ms, args.duration)
+                res = run(mode, loads, seed, args.rtt_ms, args.duration, args.region_spill_tokens)
                 kept = [r for r in res.requests if r.arrival >= args.duration / 4]
                 eu.append(summarize([r for r in kept if r.origin == "eu"]))
                 whole.append(summarize(kept))

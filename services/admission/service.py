@@ -78,6 +78,7 @@ from proto import (
     decode,
 )
 from services.common.feed import FleetFeed
+from services.common.regions import allowed, region_of
 from services.common.residency import residency, swap_costs
 
 from .buckets import InvalidLimits, Limiter
@@ -476,7 +477,9 @@ class AdmissionService(Service):
                 self.book.note_admitted(req.request_id, verdict.worker_id, max(req.prompt_tokens - cached, 0), mono)
         else:
             reason = decision.reason or "unknown"
-            if reason in CAPACITY_REASONS:
+            # Demand the autoscaler answers with replicas; not a key's residency with no
+            # replica left in its regions (the autoscaler sizes pools, not regions).
+            if reason in CAPACITY_REASONS and not (req.regions and not replicas):
                 self.demand.record(req.model, req.prompt_tokens, mono)
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
             self.metrics.decisions.labels(tier=tier, outcome=reason).inc()
@@ -494,7 +497,9 @@ class AdmissionService(Service):
         pool = self.book.pool(req.model)
         if best is None or best.load_s <= 0 or pool is None:
             return
-        entries = list(pool)
+        entries = allowed(list(pool), req.regions)  # never a load where the key may not run
+        home = [w for w in entries if region_of(w) == req.region]
+        entries = home if req.region and home else entries  # its own region's hosts first
         if any(residency(w) == "loading" for w in entries) or any(
                 self._warming.get(w.worker_id, -math.inf) > mono for w in entries):
             return

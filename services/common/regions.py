@@ -14,7 +14,7 @@ and, where known, one per pair. Pure and synchronous.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,8 @@ def region_problem(region: str) -> str | None:
 def parse_regions(text: str) -> list[str]:
     """A comma-separated list of region names (e.g. ``keys create --regions eu-west,eu-central``)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:  # an empty shell variable would otherwise make a key allowed everywhere
+        raise ValueError("no region named: give one or more, e.g. eu-west,eu-central")
     for name in names:
         problem = region_problem(name)
         if problem:
@@ -91,10 +93,11 @@ def region_of(w: FleetWorker) -> str:
     return w.info.region if w.info is not None else ""
 
 
-def allowed(workers: Iterable[FleetWorker], regions: Sequence[str]) -> list[FleetWorker]:
-    """The ``workers`` a request limited to ``regions`` may run on (all, when none named)."""
+def allowed(workers: list[FleetWorker], regions: Sequence[str]) -> list[FleetWorker]:
+    """The ``workers`` a request limited to ``regions`` may run on (``workers`` itself,
+    when none named: the router's per-set caches know a set by its identity)."""
     if not regions:
-        return list(workers)
+        return workers
     return [w for w in workers if region_of(w) in regions]
 
 
@@ -105,14 +108,17 @@ class RegionGroup:
     workers: list[FleetWorker]
 
 
-def by_distance(origin: str, workers: Sequence[FleetWorker], latency: RegionLatency) -> list[RegionGroup]:
+def by_distance(origin: str, workers: list[FleetWorker], latency: RegionLatency) -> list[RegionGroup]:
     """``workers`` grouped by region, the request's own first, then the nearest; one
     group when the request names no region or every worker is in one."""
+    if not origin:  # a request with no region: the placement is the one before regions
+        return [RegionGroup(origin, 0.0, workers)]
     groups: dict[str, list[FleetWorker]] = {}
     for w in workers:
         groups.setdefault(region_of(w), []).append(w)
-    if not origin or len(groups) == 1:
-        return [RegionGroup(origin, 0.0, list(workers))]
+    if len(groups) == 1:
+        (region,) = groups
+        return [RegionGroup(region, latency.rtt(origin, region), workers)]
     out = [RegionGroup(region, latency.rtt(origin, region), members) for region, members in groups.items()]
     out.sort(key=lambda g: (g.rtt_s, g.region != origin, g.region))
     return out

@@ -114,6 +114,7 @@ class ActiveRequest:
         self.stream = stream
         self.worker_id = worker_id
         stream.worker_id = worker_id
+        self.worker_region = self._region_of(worker_id)  # known while it lives: a lost segment is billed there
         self.started = started
         self.span = span
         self.ttft_tier = ttft_tier  # set when admission predicted this request's TTFT: report it back
@@ -335,7 +336,8 @@ class ActiveRequest:
     def _segment(self) -> Segment:
         # Where the client is: chunks that arrived while the worker was being checked wait
         # unread in the stream, and are not in ``received_tokens``; the cut-off is before them.
-        return Segment(generate=self.generate, worker_id=self.worker_id, next_seq=self.read_seq,
+        return Segment(generate=self.generate, worker_id=self.worker_id, worker_region=self.worker_region,
+                       next_seq=self.read_seq,
                        received_tokens=self.received_tokens, segment_tokens=len(self.segment_tokens),
                        prompt_tokens=self.request.prompt_tokens, retired=self.stream.retired,
                        choice_tokens=self.choice_tokens, finished_choices=sorted(self.finished_choices))
@@ -357,8 +359,13 @@ class ActiveRequest:
             return self._error_chunk(ErrorCode.WORKER_LOST, f"{plan.why}; no replica could take the request over: {exc.message}")
         self.span.add_event("migrated", {"from": plan.retire, "to": worker_id, "at_token": len(self.received_tokens)})
         self.worker_id = self.stream.worker_id = worker_id
+        self.worker_region = self._region_of(worker_id)
         self.stream.last_chunk_at = time.monotonic()
         return None
+
+    def _region_of(self, worker_id: str) -> str:
+        info = self.gateway.registry.workers.get(worker_id)
+        return info.region if info is not None else ""
 
     @property
     def received_tokens(self) -> list[int]:
@@ -505,9 +512,11 @@ async def place_when_ready(g: GatewayService, route: RouteRequest, *,
 async def _replica_listed(g: GatewayService, route: RouteRequest, within_s: float) -> None:
     """Until the registry lists a ready worker that may take ``route`` (at most ``within_s``)."""
     deadline = time.monotonic() + within_s
+    regions = route.request.regions  # a worker outside the key's regions is no replica for it
     await asyncio.sleep(min(0.2, within_s))  # not a tight loop while the router lags the registry
     while time.monotonic() < deadline:
-        if any(w.worker_id not in route.exclude_workers for w in g.registry.ready_workers(route.request.model)):
+        if any(w.worker_id not in route.exclude_workers and (not regions or w.region in regions)
+               for w in g.registry.ready_workers(route.request.model)):
             return
         await asyncio.sleep(0.1)
 

@@ -77,6 +77,7 @@ class Segment:
     # choices that already finished (the next segment does not run them again).
     choice_tokens: Mapping[int, Sequence[int]] | None = None
     finished_choices: Sequence[int] = ()
+    worker_region: str = ""  # where the current worker runs (its lost segment is billed there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,7 @@ def lost_segment_usage(segment: Segment, now: float) -> UsageEvent:
         completion_tokens=billed.completion_tokens, status="migrated", arrival_time=generate.arrival_time,
         finish_time=now, reserved_tokens=generate.reserved_tokens if first else 0, migrations=generate.migrations,
         error="worker lost; request migrated", user=generate.user, metadata=generate.metadata,
+        region=segment.worker_region,
     )
 
 

@@ -108,7 +108,9 @@ class ResumedStream:
             return self._error(f"worker {record.worker_id} lost the request and it cannot be moved"
                                " (it was not sent with X-Meshserve-Resumable)")
         plan = plan_migration(
-            Segment(generate=segment, worker_id=record.worker_id, next_seq=self.stream.next_seq,
+            Segment(generate=segment, worker_id=record.worker_id,
+                    worker_region=getattr(g.registry.workers.get(record.worker_id), "region", ""),
+                    next_seq=self.stream.next_seq,
                     received_tokens=self.tokens, segment_tokens=self.worker_tokens.get(record.worker_id, 0),
                     prompt_tokens=len(unpack_tokens(segment.prompt)), retired=self.stream.retired,
                     choice_tokens=self.choice_tokens, finished_choices=sorted(self.finished_choices)),

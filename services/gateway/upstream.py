@@ -312,7 +312,8 @@ class UpstreamClient:
         candidates = [w for w in candidates if w.role != "prefill"] or candidates
         if request.regions:  # data residency: never outside the key's regions
             candidates = [w for w in candidates if w.region in request.regions]
-        candidates = [w for w in candidates if w.region == request.region] or candidates  # its own region first
+        if request.region:  # its own region first (a request with none: everybody's local)
+            candidates = [w for w in candidates if w.region == request.region] or candidates
         if not candidates:
             where = f" in region {', '.join(request.regions)}" if request.regions else ""
             raise no_capacity(f"no ready worker serves model {request.model!r}{where}")

@@ -429,31 +429,39 @@ class Router:
         best = self._policy(model, groups[0].workers, ctx)
         if not ctx.q.region:
             return best
-        cfg, chosen_rtt, hint_region = ctx.cfg, groups[0].rtt_s, ""
+        cfg, chosen_rtt, chosen_ctx = ctx.cfg, groups[0].rtt_s, ctx
+        hint_region: str | None = None
         if ctx.q.prefer_worker and cfg.admission_hints:
             hinted = self.view.worker(ctx.q.prefer_worker)
-            hint_region = region_of(hinted) if hinted is not None else ""
+            hint_region = region_of(hinted) if hinted is not None else None
         for group in groups[1:]:
             worker = self.view.worker(best.worker_id)
             assert worker is not None
-            wait = ctx.prefill_cost(worker)
+            wait = chosen_ctx.prefill_cost(worker)
             # Its round trip, in the prefill tokens the chosen worker computes meanwhile.
             rate = worker.gauge.prefill_tokens_per_s if worker.gauge is not None else 0.0
             trip = (group.rtt_s - chosen_rtt) * (rate or cfg.region_prefill_tokens_per_s)
             # Admission's replica is in this region: its prediction found no better one
             # nearer, so the round trip alone is weighed.
-            margin = 0 if group.region == hint_region else cfg.region_spill_tokens
+            hinted_here = group.region == hint_region
+            margin = 0 if hinted_here else cfg.region_spill_tokens
             if wait <= trip + margin:
-                break  # nothing farther can save more than its trip costs
-            other = self._policy(model, group.workers, ctx)
-            there = self.view.worker(other.worker_id)
-            assert there is not None
-            there_wait = ctx.prefill_cost(there)
+                continue  # this region cannot save more than its trip costs (a farther hinted one may)
+            # The spill's target: the least wait there (its cached prefix counted), near
+            # ties taking turns; judged, not placed, so no policy state moves for it.
+            there_ctx = DecisionContext(ctx.q, cfg, ctx.pool, ctx.load_costs)
+            there_ctx.ensure(group.workers)
+            cost, there = self._pick_rotating([(there_ctx.prefix_cost(w), w) for w in group.workers], there_ctx,
+                                              cfg.tie_tokens)
+            there_wait = there_ctx.prefill_cost(there)
             # Only onto spare capacity (as a spill within a region): with both regions
             # past their knee, moving requests between them only splits their caches.
-            spare = margin == 0 or there_wait <= max(cfg.region_spill_tokens, ctx.prompt_tokens - ctx.cached(there))
+            spare = hinted_here or there_wait <= max(cfg.region_spill_tokens,
+                                                     there_ctx.prompt_tokens - there_ctx.cached(there))
             if spare and wait - there_wait > trip + margin:
-                best, chosen_rtt = other, group.rtt_s
+                best = there_ctx.decision(model, cfg.policy, there_ctx.candidate(there, cost),
+                                          queued_tokens=there.queued_prefill_tokens, running_tokens=there.running_tokens)
+                chosen_rtt, chosen_ctx = group.rtt_s, there_ctx
         chosen = self.view.worker(best.worker_id)
         region = region_of(chosen) if chosen is not None else ""
         if region != ctx.q.region:

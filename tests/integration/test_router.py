@@ -92,14 +92,14 @@ RouterFactory = Callable[..., Awaitable[RouterService]]
 async def start_worker(bus_settings: BusSettings) -> AsyncIterator[WorkerFactory]:
     started: list[WorkerService] = []
 
-    async def start(worker_id: str, *, prepare: Callable[[WorkerService], None] | None = None,
+    async def start(worker_id: str, *, prepare: Callable[[WorkerService], None] | None = None, region: str = "",
                     **engine: object) -> WorkerService:
         """``prepare``: change the worker before it starts (its endpoints bind its handlers then)."""
         options: dict[str, object] = {"speed": 50.0, "max_model_len": 8192, "num_kv_blocks": 4096}
         options.update(engine)
         service = WorkerService(
             SimEngine(model=MODEL, **options),  # type: ignore[arg-type]
-            WorkerConfig(worker_id=worker_id, gauge_interval_s=0.05, drain_timeout_s=5),
+            WorkerConfig(worker_id=worker_id, gauge_interval_s=0.05, drain_timeout_s=5, region=region),
             bus_settings,
         )
         if prepare is not None:
@@ -342,12 +342,14 @@ Post = Callable[[dict[str, Any]], Coroutine[Any, Any, tuple[int, dict[str, Any]]
 
 
 @contextlib.asynccontextmanager
-async def http_gateway(bus: Bus, bus_settings: BusSettings, **upstream: Any) -> AsyncIterator[tuple[GatewayService, Post]]:
-    """A gateway (``upstream``: its ``UpstreamConfig``) and a completions POST with a new key."""
-    gateway = GatewayService(GatewayConfig(port=0, upstream=UpstreamConfig(**upstream)), bus_settings)
+async def http_gateway(bus: Bus, bus_settings: BusSettings, *, region: str = "", regions: list[str] | None = None,
+                       **upstream: Any) -> AsyncIterator[tuple[GatewayService, Post]]:
+    """A gateway (``upstream``: its ``UpstreamConfig``; ``region``: its own) and a completions
+    POST with a new key (``regions``: the key's)."""
+    gateway = GatewayService(GatewayConfig(port=0, region=region, upstream=UpstreamConfig(**upstream)), bus_settings)
     await gateway.start()
     try:
-        key, _ = await create_key(bus, org="acme")
+        key, _ = await create_key(bus, org="acme", regions=regions)
         headers = {"Authorization": f"Bearer {key}"}
         url = f"http://127.0.0.1:{gateway.bound_port}/v1/completions"
         async with aiohttp.ClientSession() as http:
@@ -466,6 +468,33 @@ async def test_direct_placement_moves_on_from_a_refusing_worker(
             assert status == 200, data
             assert data["usage"]["completion_tokens"] == 3
         assert refused and gateway.upstream.direct_placements == 4
+
+
+async def test_direct_placement_keeps_home_and_the_keys_regions(
+    bus: Bus, bus_settings: BusSettings, start_worker: WorkerFactory
+) -> None:
+    """No router (DESIGN.md, Regions): the gateway places in its own region while a worker
+    there is ready, and never outside the key's regions."""
+    runs: list[tuple[str, str]] = []
+    for wid, region in (("w-eu", "eu"), ("w-us", "us")):
+        count_runs(await start_worker(wid, region=region), runs)
+    async with http_gateway(bus, bus_settings, region="eu") as (gateway, post):
+        await eventually(lambda: len(gateway.registry.ready_workers(MODEL)) == 2, what="both workers in the registry")
+        for i in range(4):
+            status, data = await post({"model": MODEL, "prompt": f"home {i}", "max_tokens": 2, "ignore_eos": True})
+            assert status == 200, data
+    assert {wid for wid, _ in runs} == {"w-eu"}, runs
+    async with http_gateway(bus, bus_settings, region="eu", regions=["us"]) as (gateway, post):
+        await eventually(lambda: len(gateway.registry.ready_workers(MODEL)) == 2, what="both workers in the registry")
+        for i in range(2):
+            status, data = await post({"model": MODEL, "prompt": f"held {i}", "max_tokens": 2, "ignore_eos": True})
+            assert status == 200, data
+    assert [wid for wid, _ in runs[4:]] == ["w-us", "w-us"], runs
+    async with http_gateway(bus, bus_settings, region="eu", regions=["ap"]) as (gateway, post):
+        await eventually(lambda: len(gateway.registry.ready_workers(MODEL)) == 2, what="both workers in the registry")
+        status, data = await post({"model": MODEL, "prompt": "nowhere", "max_tokens": 2})
+        assert status == 503 and "region ap" in data["error"]["message"], data
+    assert len(runs) == 6
 
 
 async def test_a_superseded_copy_is_refused_or_stops_and_streams_and_bills_nothing(

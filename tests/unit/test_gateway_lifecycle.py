@@ -5,6 +5,7 @@ integration tests drive the same paths over a real mesh)."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,6 +41,7 @@ class _Gateway:
         self.metrics = GatewayMetrics()
         self.upstream = _Upstream()
         self.dispatcher = _Dispatcher()
+        self.registry = SimpleNamespace(workers={})  # no worker known: its region is ""
         self.kept: list[str] = []
 
     def keep_for_resume(self, record: RequestRecord) -> None:

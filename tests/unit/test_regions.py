@@ -1,7 +1,7 @@
 """Regions (DESIGN.md, Regions): a request stays in the region it entered by while that
 region has room, takes a farther one only when the wait it saves outweighs the round
-trip, and never leaves its key's regions — in the router, in admission's prediction and
-in the gateway's placement without a router."""
+trip, and never leaves its key's regions — in the router and in admission's prediction
+(the gateway's own placement, without a router: tests/integration/test_router.py)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,9 @@ def test_region_names_are_checked() -> None:
     assert region_name("eu-west-1") == "eu-west-1"
     assert parse_regions("eu, us,eu") == ["eu", "us"]
     assert region_names("eu") == ["eu"]
+    for empty in ("", " , "):  # an empty shell variable must not make a key allowed everywhere
+        with pytest.raises(argparse.ArgumentTypeError, match="no region named"):
+            region_names(empty)
     for bad in ("EU", "eu west", "-eu", "a" * 64, "eu.west"):
         with pytest.raises(argparse.ArgumentTypeError):
             region_name(bad)
@@ -168,6 +171,30 @@ def test_a_prefill_worker_is_chosen_in_the_decode_workers_region_only() -> None:
                                role="prefill", disaggregation=True), 0.0)
     d = decided(regional_router(v).decide(RouteQuery.of("r", MODEL, long_prompt, region="eu", disaggregable=True), 0.5))
     assert (d.worker_id, d.prefill_worker) == ("eu-0", "eu-p")
+
+
+def test_a_hinted_region_behind_a_nearer_one_is_still_weighed() -> None:
+    """Admission's replica is in the farthest region: a nearer one the margin rules out
+    does not end the search."""
+    v = regional_view(eu=1, us=1, ap=1)
+    set_load(v, "eu-0", queued=2_000)  # wait 2,064
+    set_load(v, "us-0", queued=1_500)  # 30 ms away: saves 500 tokens, less than its trip + margin
+    lat = RegionLatency.parse("30,eu:ap=60")  # ap: 600 tokens of trip at 10k tokens/s
+    hinted = decided(regional_router(v, lat).decide(rq(prefer_worker="ap-0", prefer_slack_tokens=10), 0.5))
+    assert hinted.worker_id == "ap-0" and hinted.region == "ap"
+
+
+def test_judging_a_farther_region_moves_no_policy_state() -> None:
+    """Round robin at home keeps its turns while a neighbour is judged and not taken."""
+    v = regional_view(eu=2, us=1)
+    for wid in ("eu-0", "eu-1"):
+        set_load(v, wid, queued=5_000)
+    set_load(v, "us-0", queued=4_000)  # no spare capacity: judged, never taken
+    r = regional_router(v, policy="round_robin")
+    picks = [decided(r.decide(rq(f"r{i}"), 0.5)).worker_id for i in range(4)]
+    assert picks == ["eu-0", "eu-1", "eu-0", "eu-1"]
+    set_load(v, "us-0", queued=0, ts=2.0)  # spare now: round robin's overflow spills there
+    assert decided(r.decide(rq("s"), 0.5)).worker_id == "us-0"
 
 
 # ---- admission ----
