@@ -345,7 +345,8 @@ def _print_banner(console: Any, mesh: Mesh) -> None:
     for row in mesh.summary():
         table.add_row(*row)
     print_table(console, table)  # whole paths when piped or narrow
-    console.print(f"NATS: {mesh.nats_url}   subject root: {config.root}   "
+    where = f"region: {config.region}   " if config.region else ""
+    console.print(f"NATS: {mesh.nats_url}   subject root: {config.root}   {where}"
                   f"(list the services: meshserve services --nats-url {mesh.nats_url})", markup=False)
     if not mesh.workers:
         console.print(f"no worker yet: start one in another terminal (they join as they become ready), e.g.\n"
