@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # The placement hot path compiled with mypyc (services/common/native.py), rebuilt when its
 # sources change; without a C compiler it says so and the mesh runs as plain Python.
 NATIVE_SOURCES := services/common/native.py services/common/kvindex.py services/common/fleet.py \
-	services/router/decision.py services/router/context.py services/router/policy.py
+	services/router/decision.py services/router/context.py services/router/policy_config.py \
+	services/router/policy.py
 NATIVE_STAMP := $(VENV)/.meshserve-native
 
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)

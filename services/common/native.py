@@ -32,6 +32,7 @@ MODULES = (
     "services.common.fleet",
     "services.router.decision",
     "services.router.context",
+    "services.router.policy_config",
     "services.router.policy",
 )
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from services.common.fleet import FleetWorker, Pool
 from .decision import Candidate, RouteDecision, RouteQuery
 
 if TYPE_CHECKING:
-    from .policy import PolicyConfig
+    from .policy_config import PolicyConfig
 
 
 class DecisionContext:
