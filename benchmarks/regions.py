@@ -15,9 +15,10 @@ replicas' knee, us at 30 %). A request placed in the other region pays the round
 - ``regions``: meshserve's rule: home while home has room, the neighbour's spare
   capacity for the overflow only.
 
-Per mode, the median over seeds of TTFT p50 / p90 / p99 of the requests entering by the
-busier region and of all requests, the prefix hit rate, the share of requests meeting the
-SLO (TTFT ≤ 2 s, TPOT ≤ 100 ms) and the share placed outside their region.
+Per mode, the median over seeds of TTFT p50 / p90 / p99 of the requests entering by eu
+(the busier region in the default scenarios) and of all requests, the prefix hit rate,
+the share of requests meeting the SLO (TTFT ≤ 2 s, TPOT ≤ 100 ms) and the share placed
+outside their region.
 
     .venv/bin/python benchmarks/regions.py --loads 0.6:0.6,0.9:0.5,1.2:0.3 --seeds 1,2
 """

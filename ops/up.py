@@ -63,9 +63,9 @@ class MeshConfig:
     nats_url: str | None = None
     engine: str = "sim"  # the workers' engine; vllm: ``model_dir`` holds the weights
     model_dir: str | None = None
-    # The region every process of this mesh runs in (DESIGN.md, Regions; "": none). Worker
-    # and gateway ids carry it, so meshes of several regions on one supercluster never
-    # share an id.
+    # The region every process of this mesh runs in (DESIGN.md, Regions; "": none). The ids
+    # of the workers it starts itself (not the autoscaler's, which are unique anyway) and of
+    # its gateway carry it, so meshes of several regions on one supercluster never share an id.
     region: str = ""
 
 

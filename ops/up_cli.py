@@ -128,7 +128,8 @@ def add_parser(subparsers: Any) -> None:
                              " DESIGN.md, Prefill and decode apart); the workers are then a fixed set")
     parser.add_argument("--region", type=region_name, default=None,
                         help="the region every process of this mesh runs in (env MESHSERVE_REGION; DESIGN.md,"
-                             " Regions): with --nats-url to a NATS supercluster, one region of a larger mesh")
+                             " Regions): labels a local mesh; a multi-region mesh runs its other regions'"
+                             " workers and gateways with `meshserve serve`, not a second `up`")
     parser.add_argument("--speed", type=positive_number, default=None, help="sim speed factor (default 1.0: real time)")
     parser.add_argument("--profile", default=None, help="sim step-time profile (default llama-3.1-8b-h100)")
     parser.add_argument("--host-models", default=None, metavar="NAME[=GIB],...",

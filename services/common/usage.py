@@ -103,7 +103,7 @@ def usage_report_json(report: UsageReport) -> dict[str, Any]:
     for row in report.rows:
         item: dict[str, Any] = {
             name: getattr(row, name)
-            for name in ("org", "key_id", "model", "tier", "worker_id", "status", "bucket")
+            for name in ("org", "key_id", "model", "tier", "worker_id", "status", "region", "bucket")
             if getattr(row, name) is not None
         }
         item.update(

@@ -40,9 +40,18 @@ class ResumedStream:
         self.stream.worker_id = record.worker_id
         self.tokens: list[int] = []  # every token delivered, all segments
         self.worker_tokens: dict[str, int] = {}  # of those, how many each worker streamed
+        # Each worker's region, noted while it is registered (a lost segment is billed there;
+        # by the time it is found lost, its worker has left the registry).
+        self.worker_regions: dict[str, str] = {}
+        self._note_region(record.worker_id)
         # n > 1: each choice's tokens and the choices that ended, for a migration
         self.choice_tokens: dict[int, list[int]] = {}
         self.finished_choices: set[int] = set()
+
+    def _note_region(self, worker_id: str) -> None:
+        info = self.gateway.registry.workers.get(worker_id)
+        if info is not None:
+            self.worker_regions[worker_id] = info.region
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         g = self.gateway
@@ -80,6 +89,8 @@ class ResumedStream:
         self.tokens.extend(chunk.token_ids)
         if chunk.worker_id:
             self.worker_tokens[chunk.worker_id] = self.worker_tokens.get(chunk.worker_id, 0) + len(chunk.token_ids)
+            if chunk.worker_id not in self.worker_regions:
+                self._note_region(chunk.worker_id)
         self.choice_tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
         if chunk.choice_finish_reason is not None:
             self.finished_choices.add(chunk.index)
@@ -109,7 +120,7 @@ class ResumedStream:
                                " (it was not sent with X-Meshserve-Resumable)")
         plan = plan_migration(
             Segment(generate=segment, worker_id=record.worker_id,
-                    worker_region=getattr(g.registry.workers.get(record.worker_id), "region", ""),
+                    worker_region=self.worker_regions.get(record.worker_id, ""),
                     next_seq=self.stream.next_seq,
                     received_tokens=self.tokens, segment_tokens=self.worker_tokens.get(record.worker_id, 0),
                     prompt_tokens=len(unpack_tokens(segment.prompt)), retired=self.stream.retired,

@@ -133,6 +133,8 @@ def test_usage_report_json_shape() -> None:
     assert row["model"] == "m" and "org" not in row
     assert row["spend"] == 1.234567891 and row["spend_nano"] == 1_234_567_891
     msgspec.json.encode(body)  # serialisable as is
+    by_region = usage_report_json(UsageReport(rows=[UsageRow(region="eu", requests=2)], group_by=["region"]))
+    assert by_region["data"][0]["region"] == "eu"  # every dimension grouped by names its group
 
 
 # ---- ledger entries -------------------------------------------------------------------
