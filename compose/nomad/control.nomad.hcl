@@ -36,6 +36,15 @@ variable "model" {
   description = "the pool the autoscaler scales (the workers' --model)"
 }
 
+# The region the gateways run in (DESIGN.md, Regions; "": a single-region mesh): their
+# requests are placed there while it has room. In a multi-region mesh every region's
+# gateways need their region's name, while admission, metering and the autoscaler run once
+# for the mesh (compose/README.md, Regions).
+variable "region" {
+  type    = string
+  default = ""
+}
+
 job "meshserve-control" {
   datacenters = var.datacenters
   type        = "service"
@@ -84,6 +93,7 @@ job "meshserve-control" {
       kill_timeout = "60s"
 
       env {
+        MESHSERVE_REGION            = var.region
         MESHSERVE_NATS_USER         = "gateway"
         MESHSERVE_JS_REPLICAS       = "3"
         MESHSERVE_LOG_FORMAT        = "json"

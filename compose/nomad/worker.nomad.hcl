@@ -37,6 +37,13 @@ variable "model" {
   default = "meta-llama/Llama-3.1-8B-Instruct"
 }
 
+# The region these workers run in (DESIGN.md, Regions; "": a single-region mesh). In a
+# multi-region mesh, run this job once per region with its name, e.g. -var region=eu-west.
+variable "region" {
+  type    = string
+  default = ""
+}
+
 job "meshserve-llama-3-1-8b-instruct" {
   datacenters = var.datacenters
   type        = "service"
@@ -123,6 +130,7 @@ job "meshserve-llama-3-1-8b-instruct" {
 
       env {
         MESHSERVE_NATS_USER         = "worker"
+        MESHSERVE_REGION            = var.region
         MESHSERVE_JS_REPLICAS       = "3"
         MESHSERVE_LOG_FORMAT        = "json"
         OTEL_SERVICE_NAME           = "meshserve-worker"
