@@ -31,9 +31,10 @@ from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 
 from proto.messages import Timings
-from proto.workers import AllCleared, BlockStored, KvEvent
+from proto.workers import AllCleared, KvEvent
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats
+from .kv_queue import KvEventQueue
 from .sim_core import SimCore, StepResult
 from .sim_lora import LoraConfig
 from .sim_profile import DEFAULT_KV_TRANSFER_GB_PER_S, DEFAULT_PROFILE, SimConfig, SimProfile
@@ -123,10 +124,9 @@ class SimEngine(Engine):
         self.speed = speed
         self._model = model or self.config.profile.model
         self._max_lag_sim = max_lag_s * speed
-        self._kv_buffer = kv_event_buffer
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
         self._arrivals: dict[str, float] = {}  # request id → epoch arrival (EngineRequest)
-        self._kv: asyncio.Queue[list[KvEvent] | None] = asyncio.Queue()
+        self._kv = KvEventQueue(kv_event_buffer, lambda: self.core.kv_snapshot(), lambda: self.block_size)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._t0_mono = time.monotonic()
@@ -213,7 +213,7 @@ class SimEngine(Engine):
                 await self._task
         for request_id in list(self._queues):
             await self.abort(request_id)
-        self._kv.put_nowait(None)
+        self._kv.close()
 
     # ---------------------------------------------------------------- requests
 
@@ -276,13 +276,8 @@ class SimEngine(Engine):
         s.step_time_s /= self.speed
         return s
 
-    async def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
-        while True:
-            batch = await self._kv.get()
-            if batch is None:
-                self._kv.put_nowait(None)  # later callers end too
-                return
-            yield batch
+    def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
+        return self._kv.batches()
 
     def kv_snapshot(self) -> list[int]:
         return self.core.kv_snapshot()
@@ -290,7 +285,7 @@ class SimEngine(Engine):
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block (only when idle, as vLLM); emits ``AllCleared``."""
         done = self.core.reset_prefix_cache()
-        self._push_kv(self.core.take_kv_events())
+        self._kv.push(self.core.take_kv_events())
         return done
 
     # --------------------------------------------------------------- internals
@@ -319,7 +314,7 @@ class SimEngine(Engine):
             if not result.num_scheduled:
                 # Waiting for a transfer (P/D split) with nothing to compute: idle till it
                 # lands, or till a new request or an abort, which the next step sees.
-                self._push_kv(result.kv_events)
+                self._kv.push(result.kv_events)
                 self._wake.clear()
                 woken = asyncio.ensure_future(self._wake.wait())
                 try:
@@ -329,7 +324,7 @@ class SimEngine(Engine):
                 self._prev_end = None  # idle: the next step starts when it is taken
                 continue
             self.steps += 1
-            self._push_kv(result.kv_events)
+            self._kv.push(result.kv_events)
             self._prev_end = result.end
             await asyncio.sleep(max(0.0, self._t0_mono + result.end / self.speed - time.monotonic()))
             self._deliver(result)
@@ -359,22 +354,6 @@ class SimEngine(Engine):
         )
         return out
 
-    def _push_kv(self, events: list[KvEvent]) -> None:
-        if not events:
-            return
-        if self._kv.qsize() >= self._kv_buffer:
-            # Nobody is draining: replace the backlog by one batch that rebuilds the
-            # current state, which keeps "apply every batch = snapshot" true.
-            while not self._kv.empty():
-                self._kv.get_nowait()
-            resync: list[KvEvent] = [AllCleared()]
-            snapshot = self.core.kv_snapshot()
-            if snapshot:
-                resync.append(BlockStored(block_hashes=snapshot, block_size=self.block_size))
-            self._kv.put_nowait(resync)
-            return
-        self._kv.put_nowait(events)
-
     def _fail_all(self, message: str) -> None:
         """End every request with an error and start over on a fresh core: after an
         exception the old core's bookkeeping cannot be trusted, and a clean restart
@@ -393,4 +372,4 @@ class SimEngine(Engine):
             )
         self.core = SimCore(self.config)
         self._prev_end = None
-        self._push_kv([AllCleared()])
+        self._kv.push([AllCleared()])

@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from proto.messages import Timings
-from proto.workers import AllCleared, BlockStored, KvEvent, SamplingDefaults
+from proto.workers import KvEvent, SamplingDefaults
 
 from .base import Engine, EngineOutput, EngineRequest, EngineStats
 from .generation_config import read_sampling_defaults
+from .kv_queue import KvEventQueue
 from .vllm_args import (
     default_cpu_kvcache_gib,
     engine_arguments,
@@ -63,6 +64,7 @@ from .vllm_args import (
     token_prompt,
 )
 from .vllm_kv import KvEventBridge, KvPredictor
+from .vllm_kv_socket import KvEventSocket
 from .vllm_output import OutputConverter
 from .vllm_plugin import DEFAULT_CPU_SPIN_SLEEP_S, SPIN_SLEEP_ENV
 from .vllm_stats import VllmStatsTracker, record_step, stat_logger_factory
@@ -191,17 +193,14 @@ class VllmEngine(Engine):
         self.cpu_kvcache_space_gib = cpu_kvcache_space_gib
         self.kv_transfer_config = parse_kv_transfer_config(kv_transfer_config)
         self.rate_window_s = rate_window_s
-        self._kv_buffer = kv_event_buffer
         self._llm: Any = None
         self._closed = False
         self._flights: dict[str, _Flight] = {}
-        self._kv: asyncio.Queue[list[KvEvent] | None] = asyncio.Queue()
+        self._kv = KvEventQueue(kv_event_buffer, self.kv_snapshot, lambda: self.block_size)
         self._bridge: KvEventBridge | None = None
         self._predictor: KvPredictor | None = None
-        self._zmq_socket: Any = None
-        self._zmq_task: asyncio.Task[None] | None = None
-        self._kv_seq = -1
-        self.kv_event_gaps = 0
+        self._kv_socket: KvEventSocket | None = None
+        self._kv_task: asyncio.Task[None] | None = None
         self._stats = VllmStatsTracker(kv_blocks_total=0, rate_window_s=rate_window_s,
                                        lora_adapters=list(self.lora_adapters))
         self._limits = {"block_size": block_size or 16, "kv_blocks_total": 0, "max_model_len": max_model_len or 0,
@@ -304,7 +303,8 @@ class VllmEngine(Engine):
             os.environ.setdefault(SPIN_SLEEP_ENV, str(DEFAULT_CPU_SPIN_SLEEP_S))
         kwargs = dict(self.engine_args)
         if self.kv_events_mode == "engine" and self.prefix_caching:
-            endpoint = self._open_kv_socket()
+            self._kv_socket = KvEventSocket.open()
+            endpoint = self._kv_socket.endpoint if self._kv_socket is not None else None
             if endpoint is None and self.kv_events_requested == "engine":
                 raise RuntimeError("kv_events='engine' but this vLLM cannot publish KV events (no KVEventsConfig/zmq)")
             if endpoint is None:
@@ -329,9 +329,9 @@ class VllmEngine(Engine):
         try:
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args, stat_loggers=[logger_factory])
         except BaseException:
-            if self._zmq_socket is not None:
-                self._zmq_socket.close(linger=0)
-                self._zmq_socket = None
+            if self._kv_socket is not None:
+                self._kv_socket.close()
+                self._kv_socket = None
             raise
         config = self._llm.vllm_config
         blocks = int(config.cache_config.num_gpu_blocks or 0)
@@ -353,30 +353,15 @@ class VllmEngine(Engine):
             log.info("%s: the model's generation config sets sampling defaults %s (--generation-config vllm to"
                      " ignore them)", self._model, self._sampling_defaults)
         self._stats.kv_events_mode = self.kv_events_mode
-        if self.kv_events_mode == "engine" and self._zmq_socket is not None:
+        if self.kv_events_mode == "engine" and self._kv_socket is not None:
             self._bridge = KvEventBridge(self.block_size)
-            self._zmq_task = asyncio.create_task(self._read_kv_events(), name="vllm-kv-events")
+            self._kv_task = asyncio.create_task(self._kv_socket.read(self._bridge, self._kv.push), name="vllm-kv-events")
         elif self.prefix_caching:
             self._predictor = KvPredictor(self.block_size, max(1, self.kv_blocks_total))
         self.start_seconds = time.monotonic() - t0
         log.info("vLLM engine for %s up in %.1fs: block size %d, %d KV blocks, max_model_len %d, KV events %s",
                  self._model, self.start_seconds, self.block_size, self.kv_blocks_total, self.max_model_len,
                  self.kv_events_mode)
-
-    def _open_kv_socket(self) -> str | None:
-        try:
-            import zmq
-            import zmq.asyncio
-            from vllm.config import KVEventsConfig  # noqa: F401  (present from vLLM 0.9 on)
-        except ImportError as exc:
-            log.warning("vLLM KV events unavailable (%s): predicting the cache from served requests", exc)
-            return None
-        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.setsockopt(zmq.RCVHWM, 0)  # never drop: a lost event costs a router resync
-        socket.bind("tcp://127.0.0.1:0")
-        self._zmq_socket = socket
-        return str(socket.getsockopt_string(zmq.LAST_ENDPOINT))
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -389,13 +374,13 @@ class VllmEngine(Engine):
             # Stops the engine core (and its workers): seconds, so off the event loop.
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self._llm.shutdown)
-        if self._zmq_task is not None:
-            self._zmq_task.cancel()
+        if self._kv_task is not None:
+            self._kv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._zmq_task
-        if self._zmq_socket is not None:
-            self._zmq_socket.close(linger=0)
-        self._kv.put_nowait(None)
+                await self._kv_task
+        if self._kv_socket is not None:
+            self._kv_socket.close()
+        self._kv.close()
 
     # ---------------------------------------------------------------- requests
 
@@ -495,7 +480,7 @@ class VllmEngine(Engine):
                 first = not converter.first_token
                 new_tokens, output = converter.convert(out, time.time(), flight.aborted)
                 if first and converter.first_token and self._predictor is not None:
-                    self._push_kv(self._predictor.observe(prompt_ids, req.lora, req.cache_salt))
+                    self._kv.push(self._predictor.observe(prompt_ids, req.lora, req.cache_salt))
                 self._stats.progress(rid, new_tokens)
                 if output is None:
                     continue
@@ -524,7 +509,7 @@ class VllmEngine(Engine):
                     await stream.aclose()
             if self._predictor is not None and converter.output_ids:
                 # The last sampled token was never fed back: its K/V are not in the cache.
-                self._push_kv(self._predictor.observe(prompt_ids + converter.output_ids[:-1], req.lora,
+                self._kv.push(self._predictor.observe(prompt_ids + converter.output_ids[:-1], req.lora,
                                                       req.cache_salt))
         if not finished:
             yield converter.failed(error or "vLLM ended the request without a finish", rejected, time.time())
@@ -542,7 +527,7 @@ class VllmEngine(Engine):
             return False
         done = bool(await self._llm.reset_prefix_cache())
         if done and self._predictor is not None:
-            self._push_kv(self._predictor.clear())
+            self._kv.push(self._predictor.clear())
         return done
 
     # ----------------------------------------------------------- observability
@@ -554,13 +539,8 @@ class VllmEngine(Engine):
     def tracker(self) -> VllmStatsTracker:
         return self._stats
 
-    async def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
-        while True:
-            batch = await self._kv.get()
-            if batch is None:
-                self._kv.put_nowait(None)  # later callers end too
-                return
-            yield batch
+    def kv_events(self) -> AsyncGenerator[list[KvEvent], None]:
+        return self._kv.batches()
 
     def kv_snapshot(self) -> list[int]:
         if self._bridge is not None:
@@ -568,56 +548,6 @@ class VllmEngine(Engine):
         if self._predictor is not None:
             return self._predictor.snapshot()
         return []
-
-    # --------------------------------------------------------------- internals
-
-    async def _read_kv_events(self) -> None:
-        import msgspec
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        assert self._zmq_socket is not None and self._bridge is not None
-        while True:
-            try:
-                frames = await self._zmq_socket.recv_multipart()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                if self._closed:
-                    return
-                log.exception("KV event socket failed")
-                await asyncio.sleep(0.1)
-                continue
-            if len(frames) < 3:
-                continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
-            if seq >= 0 and self._kv_seq >= 0 and seq != self._kv_seq + 1:
-                # Lost events: the bridge may miss blocks (their children then go unresolved
-                # and the router learns them from the next snapshot resync).
-                self.kv_event_gaps += 1
-                log.warning("vLLM KV events %d..%d lost", self._kv_seq + 1, seq - 1)
-            self._kv_seq = max(self._kv_seq, seq)
-            try:
-                batch = decoder.decode(frames[2])
-            except msgspec.DecodeError:
-                log.exception("undecodable vLLM KV event batch")
-                continue
-            self._push_kv(self._bridge.translate(batch.events))
-
-    def _push_kv(self, events: list[KvEvent]) -> None:
-        if not events:
-            return
-        if self._kv.qsize() >= self._kv_buffer:
-            # Nobody is draining: replace the backlog by one batch that rebuilds the state.
-            while not self._kv.empty():
-                self._kv.get_nowait()
-            resync: list[KvEvent] = [AllCleared()]
-            snapshot = self.kv_snapshot()
-            if snapshot:
-                resync.append(BlockStored(block_hashes=snapshot, block_size=self.block_size))
-            self._kv.put_nowait(resync)
-            return
-        self._kv.put_nowait(events)
 
     def describe(self) -> dict[str, Any]:
         """What runs, for logs and reports (JSON-safe)."""
